@@ -1,0 +1,161 @@
+// adam.cpp: the multi-tensor driver. One call updates a whole list of tensors: the elements of
+// all of them are laid end to end, cut into one contiguous range per thread (boundaries on
+// 16-element multiples), and each thread walks the tensors its range covers.
+#include "adam.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+#include "threadpool.h"
+
+namespace offload {
+
+namespace {
+
+constexpr int64_t kMinPerThread = 1 << 15;  // below this, extra threads cost more than they save
+constexpr int64_t kAlign = 16;              // one cache line of fp32
+constexpr int64_t kStatsBlock = 1 << 16;    // grad_sumsq reduction block (fixed: determinism)
+
+[[noreturn]] void fail(int64_t i, const std::string& what) {
+  throw std::invalid_argument("tensor " + std::to_string(i) + ": " + what);
+}
+
+bool overlaps(const void* a, int64_t abytes, const void* b, int64_t bbytes) {
+  if (a == nullptr || b == nullptr || abytes == 0 || bbytes == 0) return false;
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x < y + static_cast<uintptr_t>(bbytes) && y < x + static_cast<uintptr_t>(abytes);
+}
+
+int64_t elem_size(int64_t dtype) { return dtype == kF32 ? 4 : (dtype == kNone ? 0 : 2); }
+
+void check_finite(double x, const char* name) {
+  if (!std::isfinite(x)) throw std::invalid_argument(std::string("Invalid ") + name + ": " + std::to_string(x));
+}
+
+int threads_for(int64_t total, int nthreads) {
+  const int64_t by_size = std::max<int64_t>(1, total / kMinPerThread);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, by_size)));
+}
+
+}  // namespace
+
+void validate_adam(const AdamTask* tasks, int64_t ntasks, const AdamHyper& h) {
+  if (ntasks < 0) throw std::invalid_argument("negative tensor count");
+  if (ntasks > 0 && tasks == nullptr) throw std::invalid_argument("null task table");
+  check_finite(h.lr, "learning rate");
+  check_finite(h.eps, "epsilon value");
+  check_finite(h.weight_decay, "weight_decay value");
+  check_finite(h.grad_multiplier, "grad_multiplier");
+  if (h.lr < 0) throw std::invalid_argument("Invalid learning rate: " + std::to_string(h.lr));
+  if (h.eps < 0) throw std::invalid_argument("Invalid epsilon value: " + std::to_string(h.eps));
+  if (h.weight_decay < 0) throw std::invalid_argument("Invalid weight_decay value: " + std::to_string(h.weight_decay));
+  if (!(h.beta1 >= 0 && h.beta1 < 1)) throw std::invalid_argument("Invalid beta parameter at index 0: " + std::to_string(h.beta1));
+  if (!(h.beta2 >= 0 && h.beta2 < 1)) throw std::invalid_argument("Invalid beta parameter at index 1: " + std::to_string(h.beta2));
+  for (int64_t i = 0; i < ntasks; ++i) {
+    const AdamTask& t = tasks[i];
+    if (t.n < 0) fail(i, "negative length");
+    if (t.gdtype != kF32 && t.gdtype != kBF16 && t.gdtype != kF16) fail(i, "invalid gradient dtype code");
+    if (t.odtype != kNone && t.odtype != kF32 && t.odtype != kBF16 && t.odtype != kF16) fail(i, "invalid output dtype code");
+    if (t.n == 0) continue;
+    if (t.step < 1) fail(i, "step must be >= 1");
+    if (!t.p || !t.m || !t.v || !t.g) fail(i, "null param/exp_avg/exp_avg_sq/grad pointer");
+    if (h.amsgrad && !t.vmax) fail(i, "amsgrad needs a max_exp_avg_sq buffer");
+    if (t.odtype != kNone && !t.out) fail(i, "null output pointer");
+    if (t.n > (INT64_MAX / 8)) fail(i, "length too large");
+    const int64_t fb = t.n * 4;
+    const void* written[] = {t.p, t.m, t.v, h.amsgrad ? t.vmax : nullptr, t.out};
+    const int64_t wbytes[] = {fb, fb, fb, fb, t.n * elem_size(t.odtype)};
+    for (int a = 0; a < 5; ++a) {
+      for (int b = a + 1; b < 5; ++b)
+        if (overlaps(written[a], wbytes[a], written[b], wbytes[b])) fail(i, "output buffers overlap");
+      if (overlaps(written[a], wbytes[a], t.g, t.n * elem_size(t.gdtype)))
+        fail(i, "gradient overlaps a written buffer");
+    }
+  }
+}
+
+void adam_multi(const AdamTask* tasks, int64_t ntasks, const AdamHyper& h, int nthreads) {
+  validate_adam(tasks, ntasks, h);
+  std::vector<int64_t> start(ntasks + 1, 0);
+  for (int64_t i = 0; i < ntasks; ++i) start[i + 1] = start[i] + tasks[i].n;
+  const int64_t total = start[ntasks];
+  if (total == 0) return;
+  const int T = threads_for(total, nthreads);
+  const IsaKernels& k = active_kernels();
+
+  auto work = [&](int tid) {
+    int64_t b = (total * tid / T) / kAlign * kAlign;
+    int64_t e = tid + 1 == T ? total : (total * (tid + 1) / T) / kAlign * kAlign;
+    if (b >= e) return;
+    // first tensor whose range contains b
+    int64_t i = std::upper_bound(start.begin(), start.end(), b) - start.begin() - 1;
+    int64_t last_step = -1;
+    AdamScalars s{};
+    for (; i < ntasks && start[i] < e; ++i) {
+      const AdamTask& t = tasks[i];
+      if (t.n == 0) continue;
+      if (t.step != last_step) { s = make_scalars(h, t.step); last_step = t.step; }
+      const int64_t lo = std::max(b, start[i]) - start[i];
+      const int64_t hi = std::min(e, start[i + 1]) - start[i];
+      k.adam_range(t, s, lo, hi);
+    }
+  };
+  parallel_run(T, work);
+}
+
+void adam_multi_reference(const AdamTask* tasks, int64_t ntasks, const AdamHyper& h) {
+  validate_adam(tasks, ntasks, h);
+  for (int64_t i = 0; i < ntasks; ++i)
+    if (tasks[i].n > 0) adam_reference(tasks[i], h);
+}
+
+double grad_sumsq(const GradTask* tasks, int64_t ntasks, int nthreads) {
+  if (ntasks < 0) throw std::invalid_argument("negative tensor count");
+  if (ntasks > 0 && tasks == nullptr) throw std::invalid_argument("null task table");
+  struct Block { int64_t task, b, e; };
+  std::vector<Block> blocks;
+  int64_t total = 0;
+  for (int64_t i = 0; i < ntasks; ++i) {
+    const GradTask& t = tasks[i];
+    if (t.n < 0) fail(i, "negative length");
+    if (t.dtype != kF32 && t.dtype != kBF16 && t.dtype != kF16) fail(i, "invalid gradient dtype code");
+    if (t.n == 0) continue;
+    if (!t.g) fail(i, "null gradient pointer");
+    for (int64_t b = 0; b < t.n; b += kStatsBlock) blocks.push_back({i, b, std::min(t.n, b + kStatsBlock)});
+    total += t.n;
+  }
+  if (blocks.empty()) return 0.0;
+  std::vector<double> partial(blocks.size(), 0.0);
+  const IsaKernels& k = active_kernels();
+  const int T = threads_for(total, nthreads);
+  const int64_t nb = static_cast<int64_t>(blocks.size());
+  parallel_run(T, [&](int tid) {
+    const int64_t lo = nb * tid / T, hi = nb * (tid + 1) / T;
+    for (int64_t j = lo; j < hi; ++j) {
+      const GradTask& t = tasks[blocks[j].task];
+      partial[j] = k.sumsq(t.g, t.dtype, blocks[j].b, blocks[j].e);
+    }
+  });
+  double sum = 0.0;
+  for (double x : partial) sum += x;
+  return sum;
+}
+
+void bandwidth_probe(float* p, float* m, float* v, const float* g, int64_t n, int nthreads) {
+  if (n < 0) throw std::invalid_argument("negative length");
+  if (n > 0 && (!p || !m || !v || !g)) throw std::invalid_argument("null pointer");
+  if (n == 0) return;
+  const IsaKernels& k = active_kernels();
+  const int T = threads_for(n, nthreads);
+  parallel_run(T, [&](int tid) {
+    const int64_t b = (n * tid / T) / kAlign * kAlign;
+    const int64_t e = tid + 1 == T ? n : (n * (tid + 1) / T) / kAlign * kAlign;
+    if (b < e) k.probe(p, m, v, g, b, e);
+  });
+}
+
+}  // namespace offload

@@ -1,0 +1,32 @@
+// adam.h: multi-tensor entry points: validate a task table, partition it across the thread
+// pool, and run the active ISA's kernels (or the scalar reference).
+#pragma once
+#include "common.h"
+
+namespace offload {
+
+// Throws std::invalid_argument on any bad pointer/length/dtype/hyperparameter.
+void validate_adam(const AdamTask* tasks, int64_t ntasks, const AdamHyper& h);
+
+// Update every tensor of the table, using up to nthreads threads. Results are bitwise
+// identical for any nthreads (elementwise math; see kernels_impl.h).
+void adam_multi(const AdamTask* tasks, int64_t ntasks, const AdamHyper& h, int nthreads);
+
+// Same update through the plain scalar reference, single-threaded.
+void adam_multi_reference(const AdamTask* tasks, int64_t ntasks, const AdamHyper& h);
+
+struct GradTask {
+  const void* g;
+  int64_t n;
+  int64_t dtype;
+};
+constexpr int kGradCols = 3;
+
+// Sum of squares over all gradients, in double; deterministic for any thread count (fixed
+// blocks summed in a fixed order). Non-finite input yields inf or nan.
+double grad_sumsq(const GradTask* tasks, int64_t ntasks, int nthreads);
+
+// Bandwidth probe: reads g, p, m, v and writes p, m, v (n floats each).
+void bandwidth_probe(float* p, float* m, float* v, const float* g, int64_t n, int nthreads);
+
+}  // namespace offload

@@ -1,0 +1,111 @@
+// bindings.cpp: the Python module offload._C. Thin: converts the int64 task tables built by
+// offload/_kernels.py into native structs, checks their shape, releases the GIL around every
+// call that does real work, and maps std::invalid_argument to ValueError.
+#include <pybind11/pybind11.h>
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+
+#include "adam.h"
+#include "kernels.h"
+#include "threadpool.h"
+
+#ifndef OFFLOAD_VERSION
+#error "OFFLOAD_VERSION must be defined by the build (setup.py)"
+#endif
+#define OFFLOAD_STR2(x) #x
+#define OFFLOAD_STR(x) OFFLOAD_STR2(x)
+
+namespace py = pybind11;
+using namespace offload;
+
+namespace {
+
+// A C-contiguous int64 table of shape (rows, cols); returns its rows as T*.
+template <class T, int Cols>
+const T* table_rows(const py::array& a, int64_t* rows, const char* what) {
+  static_assert(sizeof(T) == Cols * sizeof(int64_t), "table row layout");
+  if (!py::isinstance<py::array_t<int64_t>>(a) || a.dtype().kind() != 'i' || a.itemsize() != 8)
+    throw std::invalid_argument(std::string(what) + " table must be an int64 array");
+  if (a.ndim() != 2 || a.shape(1) != Cols)
+    throw std::invalid_argument(std::string(what) + " table must have shape (n, " + std::to_string(Cols) + ")");
+  if (!(a.flags() & py::array::c_style))
+    throw std::invalid_argument(std::string(what) + " table must be C-contiguous");
+  *rows = a.shape(0);
+  return reinterpret_cast<const T*>(a.data());
+}
+
+AdamHyper hyper(double lr, double beta1, double beta2, double eps, double wd, bool decoupled,
+                bool amsgrad, bool maximize, double grad_multiplier) {
+  return AdamHyper{lr, beta1, beta2, eps, wd, grad_multiplier, decoupled, amsgrad, maximize};
+}
+
+int check_threads(int threads) {
+  if (threads < 0 || threads > 1024) throw std::invalid_argument("threads must be in [0, 1024] (0 = pool size)");
+  return threads == 0 ? pool_size() : threads;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "offload native core: vectorized CPU Adam, gradient statistics, thread pool";
+  m.attr("__version__") = OFFLOAD_STR(OFFLOAD_VERSION);
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("available_isas", &available_isas, "ISAs this CPU supports, best last.");
+  m.def("get_isa", [] { return std::string(active_kernels().name); }, "ISA of the kernels in use.");
+  m.def("set_isa", &set_isa, py::arg("name"),
+        "Force an ISA ('scalar', 'avx2', 'avx512' or 'auto'); ValueError if unsupported.");
+  m.def("affinity_cpu_count", &affinity_cpu_count, "CPUs in this process's affinity mask.");
+  m.def("get_num_threads", &pool_size, "Native thread pool size.");
+  m.def("set_num_threads", &set_pool_size, py::arg("n"), "Resize the native thread pool.");
+
+  m.def(
+      "adam_step",
+      [](const py::array& table, double lr, double beta1, double beta2, double eps, double wd,
+         bool decoupled, bool amsgrad, bool maximize, double grad_multiplier, int threads,
+         bool reference) {
+        int64_t rows = 0;
+        const AdamTask* t = table_rows<AdamTask, kTaskCols>(table, &rows, "adam task");
+        const AdamHyper h = hyper(lr, beta1, beta2, eps, wd, decoupled, amsgrad, maximize, grad_multiplier);
+        const int nt = check_threads(threads);
+        py::gil_scoped_release nogil;
+        if (reference) adam_multi_reference(t, rows, h);
+        else adam_multi(t, rows, h, nt);
+      },
+      py::arg("table"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+      py::arg("weight_decay"), py::arg("decoupled"), py::arg("amsgrad"), py::arg("maximize"),
+      py::arg("grad_multiplier"), py::arg("threads") = 0, py::arg("reference") = false,
+      "Adam/AdamW update of every tensor in an int64 table with rows "
+      "(p, m, v, vmax, g, out, n, step, gdtype, odtype). Internal: use offload._kernels.");
+
+  m.def(
+      "grad_sumsq",
+      [](const py::array& table, int threads) {
+        int64_t rows = 0;
+        const GradTask* t = table_rows<GradTask, kGradCols>(table, &rows, "gradient");
+        const int nt = check_threads(threads);
+        py::gil_scoped_release nogil;
+        return grad_sumsq(t, rows, nt);
+      },
+      py::arg("table"), py::arg("threads") = 0,
+      "Sum of squares (float64) over gradients in an int64 table with rows (g, n, dtype).");
+
+  m.def(
+      "bandwidth_probe",
+      [](int64_t p, int64_t mm, int64_t v, int64_t g, int64_t n, int threads) {
+        const int nt = check_threads(threads);
+        py::gil_scoped_release nogil;
+        bandwidth_probe(reinterpret_cast<float*>(p), reinterpret_cast<float*>(mm),
+                        reinterpret_cast<float*>(v), reinterpret_cast<const float*>(g), n, nt);
+      },
+      py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("n"), py::arg("threads") = 0,
+      "Memory-bandwidth probe with Adam's access pattern (reads 4, writes 3 fp32 streams).");
+}

@@ -1,0 +1,34 @@
+// kernels.h: the per-ISA kernel table and runtime CPU-feature dispatch.
+// Each kernels_<isa>.cpp fills one IsaKernels; select_isa() picks one at run time.
+#pragma once
+#include "common.h"
+#include <string>
+#include <vector>
+
+namespace offload {
+
+struct IsaKernels {
+  const char* name;
+  // Adam update of elements [begin, end) of one tensor.
+  void (*adam_range)(const AdamTask&, const AdamScalars&, int64_t begin, int64_t end);
+  // Sum of squares (double) of elements [begin, end) of a gradient of the given dtype.
+  double (*sumsq)(const void* g, int64_t dtype, int64_t begin, int64_t end);
+  // Bandwidth probe over [begin, end).
+  void (*probe)(float* p, float* m, float* v, const float* g, int64_t begin, int64_t end);
+};
+
+extern const IsaKernels kernels_scalar;
+extern const IsaKernels kernels_avx2;
+extern const IsaKernels kernels_avx512;
+
+// ISAs this CPU (and OS) supports, best last: always starts with "scalar".
+std::vector<std::string> available_isas();
+// The kernels in use. Defaults to the best available.
+const IsaKernels& active_kernels();
+// Force an ISA by name; throws std::invalid_argument if unknown or unsupported here.
+void set_isa(const std::string& name);
+
+// Plain scalar reference Adam (adam_reference.cpp): deliberately simple, used by tests.
+void adam_reference(const AdamTask& t, const AdamHyper& h);
+
+}  // namespace offload

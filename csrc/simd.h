@@ -1,0 +1,142 @@
+// simd.h: the tiny vector vocabulary the kernels are written in, one struct per instruction
+// set. Each struct offers the same static functions, so the Adam and grad-stats loops in
+// kernels_impl.h are written once and instantiated per ISA. Every operation is a single
+// IEEE-754 operation (no FMA contraction: the build passes -ffp-contract=off), so a lane of
+// any ISA computes bit-for-bit what the scalar code computes.
+#pragma once
+#include "common.h"
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace offload {
+// Anonymous namespace: every TU (compiled with different ISA flags) gets its own copy, so the
+// linker can never merge an AVX-512 instantiation into the portable path.
+namespace {
+
+// Portable path: one element at a time.
+struct ScalarISA {
+  using V = float;
+  static constexpr int W = 1;
+  static V set1(float x) { return x; }
+  static V load(const float* p) { return *p; }
+  static void store(float* p, V x) { *p = x; }
+  static V load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
+  static V load_f16(const uint16_t* p) { return f16_to_f32(*p); }
+  static void store_bf16(uint16_t* p, V x) { *p = f32_to_bf16(x); }
+  static void store_f16(uint16_t* p, V x) { *p = f32_to_f16(x); }
+  static V add(V a, V b) { return a + b; }
+  static V sub(V a, V b) { return a - b; }
+  static V mul(V a, V b) { return a * b; }
+  static V div(V a, V b) { return a / b; }
+  static V sqrt(V a) { return std::sqrt(a); }
+  // torch.maximum propagates NaN; so does this.
+  static V max(V a, V b) { return (a != a) ? a : ((b != b) ? b : (a > b ? a : b)); }
+  static V neg(V a) { return -a; }
+  // Sum of squares in double of W elements (used by grad_stats).
+  static double sq(V a) { const double d = a; return d * d; }
+};
+
+#if defined(__AVX2__)
+struct Avx2ISA {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static V load_bf16(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static V load_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store_bf16(uint16_t* p, V x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  static void store_f16(uint16_t* p, V x) {
+    __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    // canonical quiet NaN with the input's sign, as the scalar path
+    const __m256 nanmask = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    if (_mm256_movemask_ps(nanmask)) {
+      alignas(32) float xs[8]; alignas(16) uint16_t hs[8];
+      _mm256_store_ps(xs, x); _mm_store_si128(reinterpret_cast<__m128i*>(hs), h);
+      for (int i = 0; i < 8; ++i) if (std::isnan(xs[i])) hs[i] = f32_to_f16(xs[i]);
+      h = _mm_load_si128(reinterpret_cast<const __m128i*>(hs));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V sqrt(V a) { return _mm256_sqrt_ps(a); }
+  static V max(V a, V b) {
+    // NaN-propagating max: result NaN wherever a or b is NaN (torch.maximum semantics).
+    const V m = _mm256_max_ps(a, b);
+    const V an = _mm256_cmp_ps(a, a, _CMP_UNORD_Q);
+    const V bn = _mm256_cmp_ps(b, b, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(_mm256_blendv_ps(m, b, bn), a, an);
+  }
+  static V neg(V a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+};
+#endif
+
+#if defined(__AVX512F__)
+struct Avx512ISA {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static V load_bf16(const uint16_t* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static V load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store_bf16(uint16_t* p, V x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+  static void store_f16(uint16_t* p, V x) {
+    __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    if (nan) {
+      // canonical quiet NaN with the input's sign: 0x7E00 | sign
+      const __m256i sign = _mm512_cvtepi32_epi16(
+          _mm512_srli_epi32(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int(0x80000000u))), 16));
+      const __m256i qnan = _mm256_or_si256(sign, _mm256_set1_epi16(0x7E00));
+      h = _mm256_mask_mov_epi16(h, nan, qnan);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V sqrt(V a) { return _mm512_sqrt_ps(a); }
+  static V max(V a, V b) {
+    V m = _mm512_max_ps(a, b);
+    m = _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q), b);
+    return _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), a);
+  }
+  static V neg(V a) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(int(0x80000000u))));
+  }
+};
+#endif
+
+}  // namespace
+}  // namespace offload

@@ -1,0 +1,25 @@
+"""offload: optimizer-state offload for PyTorch with a vectorized native Adam kernel.
+
+Public API: ``Adam``, ``AdamW`` (drop-in ``torch.optim`` optimizers), ``build_info()``, and the
+validated kernel entry points in ``offload.kernels``.
+"""
+from __future__ import annotations
+
+from ._version import __version__
+from . import _C
+from . import _kernels as kernels
+from .optim import Adam, AdamW
+
+__all__ = ["Adam", "AdamW", "build_info", "kernels", "__version__"]
+
+
+def build_info() -> dict:
+    """Version of the package and of the compiled core, chosen/available ISAs, thread count."""
+    return {
+        "version": __version__,
+        "native_version": _C.__version__,
+        "isa": _C.get_isa(),
+        "available_isas": list(_C.available_isas()),
+        "threads": _C.get_num_threads(),
+        "affinity_cpus": _C.affinity_cpu_count(),
+    }

@@ -1,0 +1,143 @@
+"""_kernels.py: the only caller of the native module ``offload._C``.
+
+It validates tensors (device, dtype, layout, sizes) before any pointer crosses into C++, and
+builds the int64 task tables the native multi-tensor entry points take. Everything above this
+file deals in tensors; everything below it in pointers and lengths.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import _C
+
+__all__ = [
+    "DTYPE_CODES", "TASK_COLS", "adam_step", "grad_sumsq", "check_tensor",
+    "set_isa", "get_isa", "available_isas", "get_num_threads", "set_num_threads",
+]
+
+# dtype codes shared with csrc/common.h
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+OUT_NONE = 0
+TASK_COLS = 10  # p, m, v, vmax, g, out, n, step, gdtype, odtype
+COL_P, COL_M, COL_V, COL_VMAX, COL_G, COL_OUT, COL_N, COL_STEP, COL_GD, COL_OD = range(TASK_COLS)
+
+
+def check_tensor(t: torch.Tensor, name: str, *, dtypes=(torch.float32,), numel: Optional[int] = None,
+                 shape: Optional[torch.Size] = None) -> torch.Tensor:
+    """Raise a clear exception unless ``t`` is a dense, contiguous CPU tensor we may hand to C++."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided:
+        raise RuntimeError(f"{name} is {t.layout}: offload does not support sparse tensors")
+    if t.device.type != "cpu":
+        raise RuntimeError(f"{name} is on {t.device}; the native kernel works on CPU tensors")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of: {names}")
+    if not t.is_contiguous():
+        raise RuntimeError(f"{name} is not contiguous (strides {tuple(t.stride())}); "
+                           "offload never updates a temporary copy: make it contiguous first")
+    if shape is not None and t.shape != shape:
+        raise RuntimeError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if numel is not None and t.numel() != numel:
+        raise RuntimeError(f"{name} has {t.numel()} elements, expected {numel}")
+    return t
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+              exp_avg_sqs: Sequence[torch.Tensor], max_exp_avg_sqs: Optional[Sequence[torch.Tensor]],
+              steps: Sequence[int], *, lr: float, beta1: float, beta2: float, eps: float,
+              weight_decay: float, decoupled: bool, amsgrad: bool = False, maximize: bool = False,
+              grad_multiplier: float = 1.0, outs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+              threads: int = 0, reference: bool = False) -> None:
+    """One Adam/AdamW update of every tensor, in one native call (validated tensor API).
+
+    ``params``/``exp_avgs``/``exp_avg_sqs``/``max_exp_avg_sqs`` are fp32 and updated in place;
+    ``grads`` may be fp32, bf16 or fp16; ``outs[i]`` (optional) receives the new weights as
+    bf16/fp16/fp32. ``steps[i]`` is the step count after this update (>= 1).
+    ``reference=True`` runs the plain scalar reference instead of the SIMD kernels.
+    """
+    n = len(params)
+    for name, seq in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("steps", steps)):
+        if len(seq) != n:
+            raise ValueError(f"{name} has {len(seq)} entries, params has {n}")
+    if amsgrad and (max_exp_avg_sqs is None or len(max_exp_avg_sqs) != n):
+        raise ValueError("amsgrad=True needs one max_exp_avg_sq per param")
+    if outs is not None and len(outs) != n:
+        raise ValueError(f"outs has {len(outs)} entries, params has {n}")
+    table = np.zeros((n, TASK_COLS), dtype=np.int64)
+    for i in range(n):
+        p = check_tensor(params[i], f"params[{i}]")
+        k = p.numel()
+        g = check_tensor(grads[i], f"grads[{i}]", dtypes=tuple(DTYPE_CODES), numel=k)
+        m = check_tensor(exp_avgs[i], f"exp_avgs[{i}]", numel=k)
+        v = check_tensor(exp_avg_sqs[i], f"exp_avg_sqs[{i}]", numel=k)
+        vm = check_tensor(max_exp_avg_sqs[i], f"max_exp_avg_sqs[{i}]", numel=k) if amsgrad else None
+        o = outs[i] if outs is not None else None
+        if o is not None:
+            check_tensor(o, f"outs[{i}]", dtypes=tuple(DTYPE_CODES), numel=k)
+        step = int(steps[i])
+        if step < 1:
+            raise ValueError(f"steps[{i}] must be >= 1, got {step}")
+        table[i] = (_ptr(p), _ptr(m), _ptr(v), _ptr(vm), _ptr(g), _ptr(o), k, step,
+                    DTYPE_CODES[g.dtype], DTYPE_CODES[o.dtype] if o is not None else OUT_NONE)
+    _C.adam_step(table, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                 bool(decoupled), bool(amsgrad), bool(maximize), float(grad_multiplier), int(threads),
+                 bool(reference))
+
+
+def grad_sumsq(grads: Sequence[torch.Tensor], threads: int = 0) -> float:
+    """Sum of squares (float64) over all gradients; inf/nan if any element is non-finite.
+
+    Deterministic for any thread count.
+    """
+    table = np.zeros((len(grads), 3), dtype=np.int64)
+    for i, g in enumerate(grads):
+        check_tensor(g, f"grads[{i}]", dtypes=tuple(DTYPE_CODES))
+        table[i] = (_ptr(g), g.numel(), DTYPE_CODES[g.dtype])
+    return _C.grad_sumsq(table, int(threads))
+
+
+def available_isas() -> list:
+    """Instruction sets this CPU supports, best last (always starts with 'scalar')."""
+    return list(_C.available_isas())
+
+
+def get_isa() -> str:
+    return _C.get_isa()
+
+
+def set_isa(name: str) -> None:
+    """Force the kernels to an ISA: 'scalar', 'avx2', 'avx512' or 'auto'."""
+    _C.set_isa(name)
+
+
+def get_num_threads() -> int:
+    return _C.get_num_threads()
+
+
+def set_num_threads(n: int) -> None:
+    _C.set_num_threads(int(n))
+
+
+def _init_from_env() -> None:
+    isa = os.environ.get("OFFLOAD_ISA", "").strip().lower()
+    if isa:
+        try:
+            _C.set_isa(isa)
+        except ValueError as e:
+            raise ImportError(f"OFFLOAD_ISA={isa!r}: {e} (available: {_C.available_isas()})") from None
+    threads = os.environ.get("OFFLOAD_NUM_THREADS", "").strip()
+    if threads:
+        _C.set_num_threads(int(threads))
+
+
+_init_from_env()

@@ -1,0 +1,390 @@
+"""optim.py: ``offload.Adam`` and ``offload.AdamW``, drop-in ``torch.optim.Optimizer`` subclasses.
+
+The math runs in the native multi-tensor kernel (one call per param group per step). The class
+keeps torch's constructor signature, defaults, validation messages and ``state_dict`` layout
+(``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so a state saved here loads into
+``torch.optim.AdamW`` and back. bf16/fp16 parameters get an fp32 master copy (state key
+``master_param``, the one addition to torch's layout); the kernel writes the rounded new weight
+straight into the parameter in the same pass.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from copy import deepcopy
+from itertools import chain
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch.optim import Optimizer
+
+from . import _C, _kernels
+from ._kernels import (COL_G, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
+                       COL_GD, DTYPE_CODES, TASK_COLS, check_tensor)
+
+__all__ = ["Adam", "AdamW"]
+
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+
+
+def _scalar(x) -> float:
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _check_param(p: torch.Tensor, where: str) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{where}: expected a torch.Tensor, got {type(p).__name__}")
+    if p.device.type == "cuda" or p.device.type not in ("cpu",):
+        raise RuntimeError(
+            f"{where} is on {p.device}: this build steps CPU parameters only. GPU offload "
+            "(parameters on the GPU, state in host RAM) is a separate mode that is not available yet.")
+    if p.layout is not torch.strided:
+        raise RuntimeError(f"{where} is a sparse ({p.layout}) tensor: not supported")
+    if p.is_complex():
+        raise TypeError(f"{where} is complex ({p.dtype}): offload supports float32, bfloat16 and float16 parameters")
+    if p.dtype not in _PARAM_DTYPES:
+        raise TypeError(f"{where} has dtype {p.dtype}: offload supports float32, bfloat16 and float16 parameters")
+    if not p.is_contiguous():
+        raise RuntimeError(f"{where} is not contiguous (strides {tuple(p.stride())}): offload updates "
+                           "parameters in place and never a temporary copy; make it contiguous first")
+
+
+def _check_hyper(lr, betas, eps, weight_decay) -> None:
+    # Same checks and messages as torch.optim.Adam.
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= _scalar(lr):
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= _scalar(betas[0]) < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= _scalar(betas[1]) < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+class _GroupPlan:
+    """Cached native task table of one param group: one row per parameter.
+
+    Pointers of state tensors are fixed once allocated; parameter and gradient pointers are
+    re-read every step (a parameter may be re-assigned with ``p.data = ...``) and re-validated
+    whenever they change. ``steps`` holds every parameter's step count; ``state['step']`` is a
+    0-dim view into it, so one vectorised add advances all of them.
+    """
+
+    def __init__(self, params: list):
+        self.params = params
+        self.ids = [id(p) for p in params]
+        n = len(params)
+        self.table = np.zeros((n, TASK_COLS), dtype=np.int64)
+        self.steps = torch.zeros(n, dtype=torch.float32)
+        self.steps_np = self.steps.numpy()
+        self.p_ptr = [-1] * n
+        self.g_obj: list = [None] * n
+        self.g_ptr = [0] * n
+
+    def matches(self, params: list) -> bool:
+        return len(params) == len(self.ids) and all(id(p) == i for p, i in zip(params, self.ids))
+
+
+class _AdamBase(Optimizer):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
+                 differentiable: bool = False, fused: Optional[bool] = None,
+                 decoupled_weight_decay: bool = False, threads: Optional[int] = None):
+        _check_hyper(lr, betas, eps, weight_decay)
+        if capturable:
+            raise ValueError("capturable=True is not supported by offload (the step runs on the CPU)")
+        if differentiable:
+            raise ValueError("differentiable=True is not supported by offload")
+        if fused:
+            raise ValueError("fused=True selects torch's own kernel; offload always uses its native kernel")
+        if threads is not None and not (isinstance(threads, int) and 1 <= threads <= 1024):
+            raise ValueError(f"threads must be an int in [1, 1024] or None, got {threads!r}")
+        if isinstance(betas[0], torch.Tensor) or isinstance(betas[1], torch.Tensor):
+            betas = (_scalar(betas[0]), _scalar(betas[1]))
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach, capturable=False, differentiable=False,
+                        fused=fused, decoupled_weight_decay=decoupled_weight_decay)
+        self._threads = threads
+        self._plans: dict = {}
+        self._pending_multiplier = 1.0
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ groups
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for i, p in enumerate(params):
+            _check_param(p, f"parameter {i} of group {len(self.param_groups)}")
+        super().add_param_group(param_group)
+        self._plans.clear()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", None)
+            group.setdefault("decoupled_weight_decay", False)
+        self.__dict__.setdefault("_threads", None)
+        self.__dict__.setdefault("_pending_multiplier", 1.0)
+        self._plans = {}
+
+    def __getstate__(self):
+        d = super().__getstate__()
+        d = dict(d)
+        d.pop("_plans", None)
+        return d
+
+    def _plan(self, gi: int, group: dict) -> _GroupPlan:
+        plan = self._plans.get(gi)
+        params = group["params"]
+        if plan is not None and plan.matches(params):
+            return plan
+        plan = _GroupPlan(params)
+        for i, p in enumerate(params):
+            st = self.state.get(p)
+            if st:
+                self._adopt_state(plan, i, p, st, group)
+        self._plans[gi] = plan
+        return plan
+
+    # ------------------------------------------------------------------ state
+    def _init_state(self, plan: _GroupPlan, i: int, p: torch.Tensor, group: dict) -> dict:
+        st = self.state[p]
+        st["step"] = torch.tensor(0.0)
+        st["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32)
+        st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32)
+        if group["amsgrad"]:
+            st["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32)
+        if p.dtype in _LOW_PRECISION:
+            st["master_param"] = p.detach().to(torch.float32, copy=True)
+        self._adopt_state(plan, i, p, st, group)
+        return st
+
+    def _adopt_state(self, plan: _GroupPlan, i: int, p: torch.Tensor, st: dict, group: dict) -> None:
+        """Make state[p] native-ready (fp32, contiguous, right sizes) and record its pointers."""
+        where = f"state of parameter {i}"
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in st:
+                raise KeyError(f"{where} has no '{key}'")
+        if group["amsgrad"] and "max_exp_avg_sq" not in st:
+            st["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32)
+        if p.dtype in _LOW_PRECISION and "master_param" not in st:
+            st["master_param"] = p.detach().to(torch.float32, copy=True)
+        for key in _STATE_KEYS:
+            if key in st:
+                t = st[key]
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{where}: '{key}' is not a tensor")
+                if t.shape != p.shape:
+                    raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)} but the parameter has "
+                                     f"shape {tuple(p.shape)}")
+                if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+                    st[key] = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        step = st.get("step", 0.0)
+        plan.steps[i] = _scalar(step)
+        st["step"] = plan.steps[i]  # 0-dim view: one vectorised add advances every step
+        row = plan.table[i]
+        row[COL_M] = _kernels._ptr(st["exp_avg"])
+        row[COL_V] = _kernels._ptr(st["exp_avg_sq"])
+        row[COL_VMAX] = _kernels._ptr(st.get("max_exp_avg_sq"))
+        row[COL_N] = p.numel()
+        plan.p_ptr[i] = -1  # forces the param columns to be refreshed
+
+    def _refresh_param(self, plan: _GroupPlan, i: int, p: torch.Tensor, st: dict) -> None:
+        _check_param(p, f"parameter {i}")
+        if p.numel() != plan.table[i, COL_N]:
+            raise RuntimeError(f"parameter {i} changed size ({plan.table[i, COL_N]} -> {p.numel()} elements) "
+                               "since its optimizer state was created")
+        row = plan.table[i]
+        if p.dtype in _LOW_PRECISION:
+            if "master_param" not in st:
+                st["master_param"] = p.detach().to(torch.float32, copy=True)
+            row[COL_P] = _kernels._ptr(st["master_param"])
+            row[COL_OUT] = _kernels._ptr(p)
+            row[COL_OD] = DTYPE_CODES[p.dtype]
+        else:
+            row[COL_P] = _kernels._ptr(p)
+            row[COL_OUT] = 0
+            row[COL_OD] = 0
+        plan.p_ptr[i] = p.data_ptr()
+
+    # ------------------------------------------------------------------ step
+    def _group_hyper(self, group: dict) -> dict:
+        lr, (beta1, beta2) = _scalar(group["lr"]), group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+        _check_hyper(lr, (beta1, beta2), eps, wd)
+        decoupled = self._decoupled if self._decoupled is not None else bool(group["decoupled_weight_decay"])
+        return dict(lr=lr, beta1=_scalar(beta1), beta2=_scalar(beta2), eps=float(eps), weight_decay=float(wd),
+                    decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]))
+
+    def _collect(self, plan: _GroupPlan, group: dict) -> list:
+        """Rows of parameters with a gradient; validates what changed since the last step."""
+        rows = []
+        table = plan.table
+        state = self.state
+        for i, p in enumerate(plan.params):
+            g = p.grad
+            if g is None:
+                continue
+            st = state.get(p)
+            if not st:
+                st = self._init_state(plan, i, p, group)
+            if p.data_ptr() != plan.p_ptr[i]:
+                self._refresh_param(plan, i, p, st)
+            if g is not plan.g_obj[i] or g.data_ptr() != plan.g_ptr[i]:
+                check_tensor(g, f"gradient of parameter {i}", dtypes=(p.dtype,), shape=p.shape)
+                plan.g_obj[i] = g
+                plan.g_ptr[i] = g.data_ptr()
+                table[i, COL_G] = _kernels._ptr(g)
+                table[i, COL_GD] = DTYPE_CODES[g.dtype]
+            rows.append(i)
+        return rows
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_multiplier: Optional[float] = None):
+        """Perform one optimization step.
+
+        ``grad_multiplier`` (keyword-only) scales every gradient inside the kernel pass (e.g. 1/loss
+        scale); it is multiplied with the coefficient left by :meth:`clip_grad_norm_`, if any.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        mult = self._pending_multiplier * (1.0 if grad_multiplier is None else float(grad_multiplier))
+        self._pending_multiplier = 1.0
+        if not math.isfinite(mult):
+            raise ValueError(f"grad_multiplier must be finite, got {mult}")
+        threads = self._threads or 0
+        for gi, group in enumerate(self.param_groups):
+            plan = self._plan(gi, group)
+            rows = self._collect(plan, group)
+            if not rows:
+                continue
+            h = self._group_hyper(group)
+            if len(rows) == len(plan.params):
+                plan.steps_np += 1
+                table = plan.table
+            else:
+                idx = np.asarray(rows, dtype=np.int64)
+                plan.steps_np[idx] += 1
+                table = plan.table[idx]
+            table[:, COL_STEP] = plan.steps_np if table is plan.table else plan.steps_np[idx]
+            _C.adam_step(table, h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["decoupled"],
+                         h["amsgrad"], h["maximize"], mult, threads, False)
+        return loss
+
+    # ------------------------------------------------------------------ clipping
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Global L2 gradient norm of all parameters, with clipping folded into the next step.
+
+        Like ``torch.nn.utils.clip_grad_norm_`` it returns the total norm, but instead of
+        rescaling the gradients in a separate pass it records the coefficient
+        ``min(1, max_norm / (norm + 1e-6))`` and the next :meth:`step` applies it inside the Adam
+        kernel (one pass over memory instead of three). The gradients themselves are not modified.
+        """
+        if float(norm_type) != 2.0:
+            raise ValueError("offload's fused clipping supports norm_type=2.0 only")
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        total = math.sqrt(_kernels.grad_sumsq(grads, self._threads or 0)) if grads else 0.0
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total}), so it cannot be clipped")
+        coef = float(max_norm) / (total + 1e-6)
+        if coef < 1.0:
+            self._pending_multiplier *= coef
+        return torch.tensor(total, dtype=torch.float32)
+
+    # ------------------------------------------------------------------ state_dict
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        # hand out copies of step counters: ours are views into one shared buffer
+        sd["state"] = {k: {kk: (vv.clone() if kk == "step" and isinstance(vv, torch.Tensor) else vv)
+                           for kk, vv in v.items()} for k, v in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state saved by this class or by ``torch.optim.Adam/AdamW``.
+
+        Unlike torch, moments stay fp32 for bf16/fp16 parameters (torch would cast them to the
+        parameter dtype); sizes are checked before anything is replaced.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hook_result = pre_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
+        groups = self.param_groups
+        saved_groups = deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                                 f"optimizer's group (group {gi}: {len(sg['params'])} saved, {len(g['params'])} here)")
+        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
+                          chain.from_iterable(g["params"] for g in groups)))
+        new_state: defaultdict = defaultdict(dict)
+        for k, v in state_dict["state"].items():
+            if k not in id_map:
+                new_state[k] = v
+                continue
+            p = id_map[k]
+            st = {}
+            for key, val in v.items():
+                if key == "step":
+                    st[key] = torch.tensor(_scalar(val), dtype=torch.float32)
+                elif isinstance(val, torch.Tensor):
+                    if val.shape != p.shape:
+                        raise ValueError(f"state '{key}' of saved parameter {k} has shape {tuple(val.shape)}, "
+                                         f"but the parameter has shape {tuple(p.shape)}")
+                    dtype = torch.float32 if val.is_floating_point() else val.dtype
+                    st[key] = val.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+                else:
+                    st[key] = deepcopy(val)
+            new_state[p] = st
+        for g, sg in zip(groups, saved_groups):
+            sg["params"] = g["params"]
+            if "param_names" in g and "param_names" not in sg:
+                sg["param_names"] = g["param_names"]
+        self.__setstate__({"state": new_state, "param_groups": saved_groups})
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    _decoupled: Optional[bool] = None
+
+
+class Adam(_AdamBase):
+    """Adam (L2 weight decay added to the gradient), same signature and defaults as torch.optim.Adam.
+
+    Extra keyword: ``threads`` (native threads per step; default: CPUs in the affinity mask).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+                 decoupled_weight_decay=False, threads=None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=decoupled_weight_decay, threads=threads)
+
+
+class AdamW(_AdamBase):
+    """AdamW (decoupled weight decay), same signature and defaults as torch.optim.AdamW."""
+
+    _decoupled = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None, threads=None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True, threads=threads)

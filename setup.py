@@ -1,0 +1,52 @@
+# setup.py: builds offload._C with pybind11 against no torch headers, no OpenMP and no
+# -march=native. kernels_<isa>.cpp files get that ISA's flags and nothing else does; the best
+# ISA the CPU supports is chosen at import (csrc/cpu_features.cpp).
+import os
+import re
+from glob import glob
+
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VERSION = re.search(r'__version__ = "([^"]+)"', open(os.path.join(HERE, "offload", "_version.py")).read()).group(1)
+
+ISA_FLAGS = {
+    "_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
+    "_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+                    "-Wno-maybe-uninitialized"],  # GCC 12 false positive in avx512fintrin.h,
+}
+
+
+class BuildExt(build_ext):
+    """Adds per-file ISA flags: only csrc/kernels_<isa>.cpp is compiled for that ISA."""
+
+    def build_extensions(self):
+        compiler = self.compiler
+        original = compiler._compile
+
+        def _compile(obj, src, ext, cc_args, extra_postargs, pp_opts):
+            extra = list(extra_postargs)
+            for suffix, flags in ISA_FLAGS.items():
+                if src.endswith(suffix):
+                    extra += flags
+            return original(obj, src, ext, cc_args, extra, pp_opts)
+
+        compiler._compile = _compile
+        super().build_extensions()
+
+
+ext = Pybind11Extension(
+    "offload._C",
+    sorted(glob("csrc/*.cpp")),
+    include_dirs=["csrc"],
+    cxx_std=17,
+    define_macros=[("OFFLOAD_VERSION", VERSION)],
+    # -ffp-contract=off: no silent FMA contraction, so every ISA path rounds exactly like the
+    # scalar reference (bitwise-identical results; see csrc/simd.h).
+    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wextra"],
+    extra_link_args=["-pthread"],
+)
+
+ParallelCompile("OFFLOAD_BUILD_JOBS", default=0).install()
+setup(version=VERSION, ext_modules=[ext], cmdclass={"build_ext": BuildExt})
