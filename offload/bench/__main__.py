@@ -1,0 +1,42 @@
+"""Entry point of ``python -m offload.bench``: dispatches to the subcommand modules.
+
+With no subcommand it runs ``kernel`` on its small default (about a minute).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from . import SUBCOMMANDS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m offload.bench",
+                                     description="offload throughput benchmarks (ours vs peers vs physical limits)")
+    sub = parser.add_subparsers(dest="command")
+    for name in SUBCOMMANDS:
+        try:
+            mod = importlib.import_module(f"offload.bench.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"offload.bench.{name}":
+                continue  # subcommand not built in this version
+            raise
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["kernel"] + argv
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
