@@ -20,6 +20,7 @@ import torch
 from torch.optim import Optimizer
 
 from . import _C, _kernels
+from ._dist import is_dtensor, like, local  # DTensor (FSDP2): step the local shard
 from ._kernels import (COL_G, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
                        COL_GD, DTYPE_CODES, TASK_COLS, check_tensor)
 
@@ -37,6 +38,7 @@ def _scalar(x) -> float:
 def _check_param(p: torch.Tensor, where: str) -> None:
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{where}: expected a torch.Tensor, got {type(p).__name__}")
+    p = local(p)
     if p.device.type == "cuda" or p.device.type not in ("cpu",):
         raise RuntimeError(
             f"{where} is on {p.device}: this build steps CPU parameters only. GPU offload "
@@ -161,13 +163,14 @@ class _AdamBase(Optimizer):
     # ------------------------------------------------------------------ state
     def _init_state(self, plan: _GroupPlan, i: int, p: torch.Tensor, group: dict) -> dict:
         st = self.state[p]
+        lp = local(p)
         st["step"] = torch.tensor(0.0)
-        st["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32)
-        st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32)
+        st["exp_avg"] = like(p, torch.zeros(lp.shape, dtype=torch.float32))
+        st["exp_avg_sq"] = like(p, torch.zeros(lp.shape, dtype=torch.float32))
         if group["amsgrad"]:
-            st["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32)
+            st["max_exp_avg_sq"] = like(p, torch.zeros(lp.shape, dtype=torch.float32))
         if p.dtype in _LOW_PRECISION:
-            st["master_param"] = p.detach().to(torch.float32, copy=True)
+            st["master_param"] = like(p, lp.detach().to(torch.float32, copy=True))
         self._adopt_state(plan, i, p, st, group)
         return st
 
@@ -177,32 +180,38 @@ class _AdamBase(Optimizer):
         for key in ("exp_avg", "exp_avg_sq"):
             if key not in st:
                 raise KeyError(f"{where} has no '{key}'")
+        lp = local(p)
         if group["amsgrad"] and "max_exp_avg_sq" not in st:
-            st["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32)
+            st["max_exp_avg_sq"] = like(p, torch.zeros(lp.shape, dtype=torch.float32))
         if p.dtype in _LOW_PRECISION and "master_param" not in st:
-            st["master_param"] = p.detach().to(torch.float32, copy=True)
+            st["master_param"] = like(p, lp.detach().to(torch.float32, copy=True))
         for key in _STATE_KEYS:
             if key in st:
                 t = st[key]
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"{where}: '{key}' is not a tensor")
-                if t.shape != p.shape:
-                    raise ValueError(f"{where}: '{key}' has shape {tuple(t.shape)} but the parameter has "
-                                     f"shape {tuple(p.shape)}")
-                if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-                    st[key] = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
+                lt = local(t)
+                if lt.shape != lp.shape:
+                    raise ValueError(f"{where}: '{key}' has shape {tuple(lt.shape)} but the parameter has "
+                                     f"shape {tuple(lp.shape)}")
+                if lt.dtype != torch.float32 or lt.device.type != "cpu" or not lt.is_contiguous():
+                    lt = lt.detach().to(device="cpu", dtype=torch.float32).contiguous()
+                    st[key] = like(p, lt)
+                elif is_dtensor(p) and not is_dtensor(t):
+                    st[key] = like(p, lt)
         step = st.get("step", 0.0)
         plan.steps[i] = _scalar(step)
         st["step"] = plan.steps[i]  # 0-dim view: one vectorised add advances every step
         row = plan.table[i]
-        row[COL_M] = _kernels._ptr(st["exp_avg"])
-        row[COL_V] = _kernels._ptr(st["exp_avg_sq"])
-        row[COL_VMAX] = _kernels._ptr(st.get("max_exp_avg_sq"))
-        row[COL_N] = p.numel()
+        row[COL_M] = _kernels._ptr(local(st["exp_avg"]))
+        row[COL_V] = _kernels._ptr(local(st["exp_avg_sq"]))
+        row[COL_VMAX] = _kernels._ptr(local(st.get("max_exp_avg_sq")))
+        row[COL_N] = lp.numel()
         plan.p_ptr[i] = -1  # forces the param columns to be refreshed
 
     def _refresh_param(self, plan: _GroupPlan, i: int, p: torch.Tensor, st: dict) -> None:
         _check_param(p, f"parameter {i}")
+        p = local(p)
         if p.numel() != plan.table[i, COL_N]:
             raise RuntimeError(f"parameter {i} changed size ({plan.table[i, COL_N]} -> {p.numel()} elements) "
                                "since its optimizer state was created")
@@ -210,7 +219,7 @@ class _AdamBase(Optimizer):
         if p.dtype in _LOW_PRECISION:
             if "master_param" not in st:
                 st["master_param"] = p.detach().to(torch.float32, copy=True)
-            row[COL_P] = _kernels._ptr(st["master_param"])
+            row[COL_P] = _kernels._ptr(local(st["master_param"]))
             row[COL_OUT] = _kernels._ptr(p)
             row[COL_OD] = DTYPE_CODES[p.dtype]
         else:
@@ -240,10 +249,11 @@ class _AdamBase(Optimizer):
             st = state.get(p)
             if not st:
                 st = self._init_state(plan, i, p, group)
-            if p.data_ptr() != plan.p_ptr[i]:
+            lp, g = local(p), local(g)
+            if lp.data_ptr() != plan.p_ptr[i]:
                 self._refresh_param(plan, i, p, st)
             if g is not plan.g_obj[i] or g.data_ptr() != plan.g_ptr[i]:
-                check_tensor(g, f"gradient of parameter {i}", dtypes=(p.dtype,), shape=p.shape)
+                check_tensor(g, f"gradient of parameter {i}", dtypes=(p.dtype,), shape=lp.shape)
                 plan.g_obj[i] = g
                 plan.g_ptr[i] = g.data_ptr()
                 table[i, COL_G] = _kernels._ptr(g)
@@ -298,13 +308,25 @@ class _AdamBase(Optimizer):
         if float(norm_type) != 2.0:
             raise ValueError("offload's fused clipping supports norm_type=2.0 only")
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        total = math.sqrt(_kernels.grad_sumsq(grads, self._threads or 0)) if grads else 0.0
+        total = math.sqrt(self._grad_sumsq(grads))
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total}), so it cannot be clipped")
         coef = float(max_norm) / (total + 1e-6)
         if coef < 1.0:
             self._pending_multiplier *= coef
         return torch.tensor(total, dtype=torch.float32)
+
+    def _grad_sumsq(self, grads: list) -> float:
+        """Sum of squares of all gradients; for DTensor (FSDP2) shards, all-reduced across ranks."""
+        if not any(is_dtensor(g) for g in grads):
+            return _kernels.grad_sumsq(grads, self._threads or 0) if grads else 0.0
+        from ._dist import allreduce_sumsq, layout_key
+        parts: dict = {}
+        for g in grads:
+            parts.setdefault(layout_key(g), []).append(g)
+        partial = {k: (_kernels.grad_sumsq([local(g) for g in gs], self._threads or 0), gs[0] if k else None)
+                   for k, gs in parts.items()}
+        return allreduce_sumsq(partial)
 
     # ------------------------------------------------------------------ state_dict
     def state_dict(self) -> dict:

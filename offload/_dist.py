@@ -1,0 +1,80 @@
+"""_dist.py: the few torch.distributed facts the optimizer and the checkpoints need.
+
+DTensor (FSDP2 ``fully_shard`` parameters): the kernel works on each rank's local shard, so
+everything that takes a pointer goes through :func:`local`, which returns the local tensor that
+shares the DTensor's storage (never a copy). State created for a DTensor parameter is wrapped back
+into a DTensor with the same mesh and placements (:func:`like`), as torch's own optimizers do, so
+``state_dict()`` keeps working with ``torch.distributed.checkpoint``.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Tuple
+
+import torch
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # pragma: no cover - torch built without distributed
+    _DTensor = None
+
+__all__ = ["is_dtensor", "local", "like", "world", "allreduce_sumsq"]
+
+
+def is_dtensor(t) -> bool:
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The tensor the kernel may write into: ``t`` itself, or a DTensor's local shard (same storage)."""
+    if t is not None and is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def like(p: torch.Tensor, local_tensor: torch.Tensor) -> torch.Tensor:
+    """Wrap ``local_tensor`` (the local part of something shaped like ``p``) the way ``p`` is wrapped."""
+    if not is_dtensor(p):
+        return local_tensor
+    return _DTensor.from_local(local_tensor, p.device_mesh, p.placements, run_check=False,
+                               shape=p.shape, stride=p.stride())
+
+
+def world(group=None) -> Tuple[int, int]:
+    """(rank, world size) of ``group`` when torch.distributed is initialized, else (0, 1)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def allreduce_sumsq(local_sumsq: dict, fallback: float = 0.0) -> float:
+    """Global sum of squares from per-layout partial sums.
+
+    ``local_sumsq`` maps a key to ``(sumsq, dtensor_or_None)``: plain tensors are replicated
+    (their sum counts once); for a DTensor the partial sum is all-reduced over every mesh
+    dimension on which it is sharded (one scalar per distinct layout, usually one in total).
+    """
+    import torch.distributed as dist
+    total = fallback
+    for sumsq, ref in local_sumsq.values():
+        if ref is None:
+            total += sumsq
+            continue
+        t = torch.tensor([sumsq], dtype=torch.float64)
+        mesh = ref.device_mesh
+        for dim, placement in enumerate(ref.placements):
+            if placement.is_partial():
+                raise RuntimeError("clip_grad_norm_: a gradient is a Partial DTensor (not yet reduced); "
+                                   "reduce the gradients before clipping")
+            if placement.is_shard():
+                dist.all_reduce(t, group=mesh.get_group(dim))
+        total += float(t.item())
+    return total
+
+
+def layout_key(t) -> Optional[tuple]:
+    """Key grouping DTensors whose local norms reduce over the same process groups."""
+    if not is_dtensor(t):
+        return None
+    return (id(t.device_mesh), tuple(str(pl) for pl in t.placements))
