@@ -23,3 +23,7 @@ def build_info() -> dict:
         "threads": _C.get_num_threads(),
         "affinity_cpus": _C.affinity_cpu_count(),
     }
+
+# --- checkpoints (issue 5) ---
+from .checkpoint import CheckpointError, load, save, save_async  # noqa: E402
+__all__ += ["save", "load", "save_async", "CheckpointError"]

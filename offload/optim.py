@@ -124,6 +124,7 @@ class _AdamBase(Optimizer):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for i, p in enumerate(params):
             _check_param(p, f"parameter {i} of group {len(self.param_groups)}")
+        param_group["params"] = params  # a generator was consumed by the check above
         super().add_param_group(param_group)
         self._plans.clear()
 
