@@ -65,18 +65,15 @@ class Pool {
     // Grow only: shrinking just means later calls use fewer workers.
     while (static_cast<int>(workers_.size()) + 1 < n) {
       const int tid = static_cast<int>(workers_.size()) + 1;
-      workers_.emplace_back([this, tid] { loop(tid); });
+      // The worker starts from the generation current now (run_mu_ is held, so it cannot move):
+      // reading it inside the new thread could miss a job published before the thread ran.
+      workers_.emplace_back([this, tid, seen = generation_] { loop(tid, seen); });
       workers_.back().detach();
     }
     size_.store(n);
   }
 
-  void loop(int tid) {
-    uint64_t seen = 0;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      seen = generation_;
-    }
+  void loop(int tid, uint64_t seen) {
     for (;;) {
       const std::function<void(int)>* job;
       bool mine;
