@@ -440,6 +440,9 @@ class SaveHandle:
         return self._future.done()
 
     def result(self, timeout: Optional[float] = None) -> str:
+        return self._finish(timeout, remove_hook=True)
+
+    def _finish(self, timeout: Optional[float], remove_hook: bool) -> str:
         self._future.result(timeout)
         with self._lock:
             if self._result is None:
@@ -447,11 +450,17 @@ class SaveHandle:
                     with _dir_lock(self._saver.dir):
                         self._saver.commit()
                 self._result = self._saver.dir
-            if self._hook is not None:
+            # inside step() torch is iterating over the hooks: the spent hook is removed later
+            if remove_hook and self._hook is not None:
                 self._hook.remove()
                 self._hook = None
-                _pending.pop(id(self._opt), None)
+                if _pending.get(id(self._opt)) is self:
+                    del _pending[id(self._opt)]
         return self._result
+
+    def _step_pre_hook(self, *_args, **_kwargs) -> None:
+        if self._result is None:
+            self._finish(None, remove_hook=False)
 
     wait = result
 
@@ -482,7 +491,7 @@ def save_async(optimizer, directory, *, group=None, chunk_bytes: int = DEFAULT_C
     saver = _Saver(optimizer, directory, group=group, chunk_bytes=chunk_bytes, progress=progress)
     handle = SaveHandle(saver, optimizer)
     target = saver.opt
-    handle._hook = target.register_step_pre_hook(lambda *_a, **_k: handle.result())
+    handle._hook = target.register_step_pre_hook(handle._step_pre_hook)
     _pending[id(optimizer)] = handle
 
     def work():
