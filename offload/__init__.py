@@ -27,3 +27,7 @@ def build_info() -> dict:
 # --- checkpoints (issue 5) ---
 from .checkpoint import CheckpointError, load, save, save_async  # noqa: E402
 __all__ += ["save", "load", "save_async", "CheckpointError"]
+
+# --- memory planner (issue 5) ---
+from .planner import MemoryPlan, plan  # noqa: E402
+__all__ += ["plan", "MemoryPlan"]

@@ -1,0 +1,67 @@
+"""bench/plan.py: ``python -m offload.bench plan``: the memory planner from the command line.
+
+Prints the bytes each place will hold (GPU, host, NVMe) for a parameter count and configuration,
+and whether it fits this machine; see ``offload.plan`` for the model-based API.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> int:
+    t = text.strip().lower().replace("_", "")
+    mult = _SUFFIX.get(t[-1:], None)
+    try:
+        n = float(t[:-1]) * mult if mult else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (e.g. 350M, 7B, 1.3e9)") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError("parameter count must be >= 1")
+    return int(n)
+
+
+def parse_transformer(text: str) -> int:
+    """'layers,hidden,vocab' -> parameters of a GPT-style decoder (12*L*h^2 + 13*L*h + V*h + h*2)."""
+    try:
+        layers, hidden, vocab = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError("--transformer takes LAYERS,HIDDEN,VOCAB, e.g. 32,4096,32000") from None
+    return 12 * layers * hidden * hidden + 13 * layers * hidden + vocab * hidden + 2 * hidden
+
+
+def run(args) -> int:
+    from ..planner import plan
+    n = args.params if args.params is not None else parse_transformer(args.transformer)
+    p = plan(n, device=args.device, param_dtype=args.param_dtype, grad_dtype=args.grad_dtype, state=args.state,
+             amsgrad=args.amsgrad, world_size=args.world_size, sharding=args.sharding,
+             bucket_bytes=int(args.bucket_mb * (1 << 20)), depth=args.depth, nvme_path=args.nvme_path,
+             activation_bytes=int(args.activations_gb * (1 << 30)) if args.activations_gb else None)
+    print(p)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(p.to_dict(), f, indent=1)
+    return 0 if all(v is not False for v in p.fits().values()) else 1
+
+
+def add_parser(subparsers) -> None:
+    sp = subparsers.add_parser("plan", help="memory planner: bytes per place and whether it fits",
+                               description=__doc__)
+    what = sp.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=parse_count, help="parameter count, e.g. 350M, 7B")
+    what.add_argument("--transformer", help="LAYERS,HIDDEN,VOCAB of a GPT-style decoder")
+    sp.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
+    sp.add_argument("--param-dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    sp.add_argument("--grad-dtype", default=None, choices=["fp32", "bf16", "fp16"])
+    sp.add_argument("--state", default="ram", choices=["ram", "nvme"])
+    sp.add_argument("--amsgrad", action="store_true")
+    sp.add_argument("--world-size", type=int, default=1)
+    sp.add_argument("--sharding", default="none", choices=["none", "zero1", "fsdp"])
+    sp.add_argument("--bucket-mb", type=float, default=32.0)
+    sp.add_argument("--depth", type=int, default=2, help="buckets in flight per direction")
+    sp.add_argument("--nvme-path", default=None, help="where NVMe state would live (free space check)")
+    sp.add_argument("--activations-gb", type=float, default=None, help="your activation memory estimate")
+    sp.add_argument("--json", default=None, help="also write the plan as JSON")
+    sp.set_defaults(func=run)

@@ -1,0 +1,243 @@
+"""planner.py: ``offload.plan()``, the memory planner: bytes per place before training starts.
+
+It counts, for a model (or a parameter count) and a configuration, what each place will hold:
+GPU weights and gradients, host weights/gradients (CPU mode), host optimizer state, pinned staging
+buffers, NVMe state files and the host buffers that stream them; then compares each total with
+what the machine has (host RAM from /proc/meminfo, GPU memory from CUDA, free disk space).
+
+The optimizer-state figures are exactly what ``offload.Adam/AdamW`` allocate (fp32 exp_avg and
+exp_avg_sq, + max_exp_avg_sq with amsgrad, + an fp32 master copy for bf16/fp16 parameters, + one
+fp32 step counter per parameter tensor); a test checks them against a real optimizer. Staging
+and NVMe-buffer figures follow the pipeline design (buckets of ``bucket_bytes`` parameters,
+``depth`` buckets in flight) and are estimates of those buffers, not measurements.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional, Union
+
+import torch
+
+__all__ = ["plan", "MemoryPlan"]
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+_LOW = (torch.bfloat16, torch.float16)
+STEP_BYTES = 4  # one fp32 step counter per parameter tensor
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _fmt(n: Optional[float]) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def host_memory() -> dict:
+    """MemTotal / MemAvailable in bytes from /proc/meminfo ({} where unavailable)."""
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                if k in ("MemTotal", "MemAvailable"):
+                    out[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+@dataclass
+class Row:
+    place: str   # 'gpu' | 'host' | 'nvme'
+    what: str
+    bytes: int
+
+
+@dataclass
+class MemoryPlan:
+    """The result of :func:`plan`: ``rows`` (place, what, bytes), totals, capacities, verdicts."""
+    config: dict
+    rows: List[Row]
+    capacity: dict = field(default_factory=dict)   # place -> bytes available (None: unknown)
+    warnings: List[str] = field(default_factory=list)
+
+    def total(self, place: str) -> int:
+        return sum(r.bytes for r in self.rows if r.place == place)
+
+    def bytes_of(self, place: str, what_prefix: str) -> int:
+        return sum(r.bytes for r in self.rows if r.place == place and r.what.startswith(what_prefix))
+
+    @property
+    def host_state_bytes(self) -> int:
+        """Optimizer state held in host RAM (what the optimizer's state tensors add up to)."""
+        return self.bytes_of("host", "optimizer state")
+
+    def fits(self) -> dict:
+        """place -> True/False/None (None: capacity unknown)."""
+        out = {}
+        for place in ("gpu", "host", "nvme"):
+            need = self.total(place)
+            if need == 0 and place not in self.capacity:
+                continue
+            cap = self.capacity.get(place)
+            out[place] = None if cap is None else need <= cap
+        return out
+
+    def to_dict(self) -> dict:
+        return {"config": self.config, "rows": [r.__dict__ for r in self.rows],
+                "totals": {p: self.total(p) for p in ("gpu", "host", "nvme")},
+                "capacity": self.capacity, "fits": self.fits(), "warnings": self.warnings}
+
+    def __str__(self) -> str:
+        c = self.config
+        lines = [f"offload memory plan: {c['params']:,} parameters in {c['tensors']} tensors, "
+                 f"param dtype {c['param_dtype']}, grads {c['grad_dtype']}, device {c['device']}, "
+                 f"state in {c['state']}{', amsgrad' if c['amsgrad'] else ''}"
+                 f"{', ' + c['sharding'] + ' x' + str(c['world_size']) if c['world_size'] > 1 else ''} (per rank)",
+                 f"{'place':<6} {'what':<58} {'bytes':>12}"]
+        for r in self.rows:
+            lines.append(f"{r.place:<6} {r.what:<58} {_fmt(r.bytes):>12}")
+        fits = self.fits()
+        for place, ok in fits.items():
+            cap = self.capacity.get(place)
+            verdict = "unknown capacity" if ok is None else ("fits" if ok else "DOES NOT FIT")
+            lines.append(f"total {place:<5} {_fmt(self.total(place)):>12}  of {_fmt(cap):>12} available: {verdict}")
+        lines += [f"note: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def _inventory(model_or_params, param_dtype):
+    """[(numel, dtype)] per parameter tensor, from a module, an iterable of tensors, or a count."""
+    if isinstance(model_or_params, (int, float)):
+        dt = param_dtype or torch.float32
+        return [(int(model_or_params), dt)]
+    if isinstance(model_or_params, torch.nn.Module):
+        params = list(model_or_params.parameters())
+    else:
+        params = []
+        for item in model_or_params:
+            params.extend(item["params"] if isinstance(item, dict) else [item])
+    seen, inv = set(), []
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        inv.append((p.numel(), param_dtype or p.dtype))
+    return inv
+
+
+def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Optional[str] = None,
+         param_dtype=None, grad_dtype=None, state: str = "ram", amsgrad: bool = False,
+         world_size: int = 1, sharding: str = "none", bucket_bytes: int = 32 << 20, depth: int = 2,
+         nvme_path: Optional[str] = None, activation_bytes: Optional[int] = None,
+         verbose: bool = False) -> MemoryPlan:
+    """Bytes each place will hold for this configuration, and whether it fits this machine.
+
+    ``device``: where forward/backward run ('cpu' or 'cuda'; default: cuda if available).
+    ``param_dtype``/``grad_dtype``: override the model's dtypes ('bf16', torch.bfloat16, ...).
+    ``state``: 'ram' or 'nvme'. ``sharding``: 'none', 'zero1' (state split across ``world_size``
+    ranks) or 'fsdp' (weights, gradients and state split). ``activation_bytes``: your estimate,
+    added to the GPU (or host, in CPU mode) total if given. ``verbose``: print the report.
+    """
+    if state not in ("ram", "nvme"):
+        raise ValueError(f"state must be 'ram' or 'nvme', got {state!r}")
+    if sharding not in ("none", "zero1", "fsdp"):
+        raise ValueError(f"sharding must be 'none', 'zero1' or 'fsdp', got {sharding!r}")
+    if world_size < 1 or depth < 1 or bucket_bytes < 1:
+        raise ValueError("world_size, depth and bucket_bytes must be >= 1")
+    if isinstance(param_dtype, str):
+        param_dtype = _DTYPES[param_dtype.lower()]
+    if isinstance(grad_dtype, str):
+        grad_dtype = _DTYPES[grad_dtype.lower()]
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device).type
+    inv = _inventory(model_or_params, param_dtype)
+    shard = world_size if sharding != "none" else 1
+    wshard = world_size if sharding == "fsdp" else 1
+
+    def per_rank(n: int, k: int) -> int:
+        return -(-n // k)
+
+    numel = sum(n for n, _ in inv)
+    weights = sum(per_rank(n, wshard) * _size(dt) for n, dt in inv)
+    grads = sum(per_rank(n, wshard) * _size(grad_dtype or dt) for n, dt in inv)
+    # the optimizer state of this rank (exactly what offload.Adam/AdamW allocate)
+    moments = sum(per_rank(n, shard) * 4 * (3 if amsgrad else 2) for n, _ in inv)
+    master = sum(per_rank(n, shard) * 4 for n, dt in inv if dt in _LOW)
+    steps = STEP_BYTES * (len(inv) if shard == 1 else -(-len(inv) // shard))
+    state_what = f"optimizer state: fp32 exp_avg, exp_avg_sq{', max_exp_avg_sq' if amsgrad else ''}, steps"
+
+    rows: List[Row] = []
+    warnings: List[str] = []
+    compute = "gpu" if device == "cuda" else "host"
+    rows.append(Row(compute, f"weights ({_dtype_names(inv, None)})", weights))
+    rows.append(Row(compute, f"gradients ({_dtype_names(inv, grad_dtype)})", grads))
+    if activation_bytes:
+        rows.append(Row(compute, "activations (your estimate)", int(activation_bytes)))
+    if state == "ram":
+        rows.append(Row("host", state_what, moments + steps))
+        if master:
+            rows.append(Row("host", "optimizer state: fp32 master weights (bf16/fp16 params)", master))
+    else:
+        rows.append(Row("host", "optimizer state: step counters", steps))
+        rows.append(Row("nvme", state_what.replace(", steps", ""), moments))
+        if master:
+            rows.append(Row("nvme", "optimizer state: fp32 master weights (bf16/fp16 params)", master))
+        per_param = 4 * (3 if amsgrad else 2) + (4 if master else 0)
+        stream = depth * 2 * min(bucket_bytes // 4 * per_param, moments + master)  # read ahead + write back
+        rows.append(Row("host", f"NVMe stream buffers ({depth} buckets in, {depth} out)", stream))
+    if device == "cuda":
+        gsize = max(_size(grad_dtype or dt) for _, dt in inv)
+        psize = max(_size(dt) for _, dt in inv)
+        per_bucket = bucket_bytes // 4 * (gsize + psize)
+        rows.append(Row("host", f"pinned staging (grads down, weights up; {depth} buckets)",
+                        min(depth * per_bucket, grads + weights)))
+
+    cap: dict = {}
+    mem = host_memory()
+    cap["host"] = mem.get("MemAvailable")
+    if device == "cuda" or any(r.place == "gpu" for r in rows):
+        cap["gpu"] = None
+        if torch.cuda.is_available():
+            free, _total = torch.cuda.mem_get_info()
+            cap["gpu"] = free
+        else:
+            warnings.append("no CUDA device here: GPU capacity unknown")
+    if state == "nvme":
+        path = nvme_path or os.getcwd()
+        try:
+            cap["nvme"] = shutil.disk_usage(path).free
+        except OSError:
+            cap["nvme"] = None
+    warnings.append("offloading optimizer state does not make weights, gradients and activations fit: "
+                    f"those stay on the {'GPU' if device == 'cuda' else 'compute device'} "
+                    f"({_fmt(weights + grads)} here{'' if activation_bytes else ' + activations, not counted'})")
+    if device == "cuda" and sharding == "fsdp":
+        warnings.append("FSDP also needs room for the largest all-gathered (unsharded) layer, not counted")
+    mp = MemoryPlan(config=dict(params=numel, tensors=len(inv), param_dtype=_dtype_names(inv, None),
+                                grad_dtype=_dtype_names(inv, grad_dtype), device=device, state=state,
+                                amsgrad=amsgrad, world_size=world_size, sharding=sharding,
+                                bucket_bytes=bucket_bytes, depth=depth),
+                    rows=rows, capacity=cap, warnings=warnings)
+    for place, ok in mp.fits().items():
+        if ok is False:
+            mp.warnings.insert(0, f"{place} needs {_fmt(mp.total(place))} but has {_fmt(cap[place])} available")
+    if verbose:
+        print(mp)
+    return mp
+
+
+def _dtype_names(inv, override) -> str:
+    names = sorted({str(override or dt).replace("torch.", "") for _, dt in inv})
+    return "/".join(names)

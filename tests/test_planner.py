@@ -1,0 +1,51 @@
+"""offload.plan: its figures equal what the optimizer really allocates; the CLI prints and exits."""
+import json
+
+import pytest
+import torch
+
+import offload
+from offload.bench.__main__ import main as bench_main
+
+
+def _model():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(50, 24), torch.nn.Linear(24, 40), torch.nn.LayerNorm(40),
+                            torch.nn.Linear(40, 7))
+    m[3].to(torch.bfloat16)  # bf16 params get an fp32 master copy
+    return m
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_host_state_matches_allocation(amsgrad):
+    model = _model()
+    p = offload.plan(model, device="cpu", amsgrad=amsgrad)
+    opt = offload.AdamW(model.parameters(), amsgrad=amsgrad)
+    for q in model.parameters():
+        q.grad = torch.randn_like(q)
+    opt.step()
+    allocated = sum(t.nbytes for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+    assert p.host_state_bytes == allocated
+    assert p.bytes_of("host", "weights") == sum(q.nbytes for q in model.parameters())
+    assert p.bytes_of("host", "gradients") == sum(q.grad.nbytes for q in model.parameters())
+    assert p.total("gpu") == 0 and p.fits()["host"] is True
+
+
+@pytest.mark.timeout(30)
+def test_nvme_sharding_and_warning():
+    p = offload.plan(10_000_000, device="cuda", param_dtype="bf16", state="nvme", world_size=4, sharding="zero1")
+    assert p.bytes_of("nvme", "optimizer state") == 10_000_000 // 4 * (8 + 4)  # m, v + fp32 master
+    assert p.bytes_of("gpu", "weights") == 20_000_000  # ZeRO-1 does not shard weights
+    assert any("does not make weights" in w for w in p.warnings)
+    f = offload.plan(10_000_000, device="cuda", param_dtype="bf16", world_size=4, sharding="fsdp")
+    assert f.bytes_of("gpu", "weights") == 5_000_000
+
+
+@pytest.mark.timeout(30)
+def test_cli(tmp_path, capsys):
+    rc = bench_main(["plan", "--params", "2M", "--device", "cpu", "--json", str(tmp_path / "p.json")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "optimizer state" in out and "fits" in out
+    assert json.loads((tmp_path / "p.json").read_text())["rows"][0]["bytes"] == 4_000_000  # bf16 weights
+    assert bench_main(["plan", "--params", "900T", "--device", "cpu"]) == 1  # does not fit: exit 1
