@@ -45,3 +45,11 @@ def test_fsdp2_example_runs_two_processes(tmp_path):
     losses = _losses(out.stdout)
     assert len(losses) >= 3 and losses[-1] < losses[0]
     assert sum(f.endswith(".safetensors") for f in os.listdir(tmp_path / "ck")) == 2
+
+
+@pytest.mark.timeout(90)
+def test_hf_trainer_example(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers.Trainer needs it
+    losses = _load("hf_trainer").main(["--steps", "24", "--output-dir", str(tmp_path)])
+    assert len(losses) >= 4 and losses[-1] < 0.8 * losses[0]
