@@ -328,8 +328,10 @@ class _Saver:
                 crc, n = 0, 0
                 for chunk in ref.read_chunks(self.chunk):
                     buf = chunk.numpy() if chunk.numel() else b""
-                    crc = zlib.crc32(buf, crc)
+                    # checksum on a helper thread while this one writes the same bytes (both drop the GIL)
+                    fut = _crc_pool().submit(zlib.crc32, buf, crc)
                     _write_all(fd, buf)
+                    crc = fut.result()
                     n += chunk.numel()
                     if bar is not None:
                         bar.update(chunk.numel())
@@ -387,6 +389,17 @@ class _Saver:
             other_world = self.rank == 0 and f"-of-{self.world:05d}." not in base
             if ours or other_world:
                 _unlink(os.path.join(self.dir, name))
+
+
+_crc_executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+
+def _crc_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _crc_executor
+    with _locks_guard:
+        if _crc_executor is None:
+            _crc_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-crc")
+        return _crc_executor
 
 
 def _unlink(path: str) -> None:
