@@ -246,3 +246,12 @@ def test_sigkill_mid_save_leaves_a_loadable_consistent_checkpoint(tmp_path):
         assert 1 <= len(leftovers) <= 2
         offload.save(opt, d)  # the next save removes what the killed one left behind
         assert len(os.listdir(d)) == 3 and not any(".tmp-" in f for f in os.listdir(d))
+
+
+@pytest.mark.timeout(30)
+def test_progress_bar(tmp_path, capsys):
+    pytest.importorskip("tqdm")
+    model, opt = make()
+    train(model, opt, 1, 0)
+    offload.save(opt, tmp_path, progress=True, chunk_bytes=4096)
+    assert "offload.save rank 0" in capsys.readouterr().err

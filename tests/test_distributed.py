@@ -101,8 +101,11 @@ def _zero1(rank, outdir):
         opt.step()
         opt.zero_grad()
         if s == 1:
-            offload.save(opt, os.path.join(outdir, "zero1"))  # one file per rank: each its own shard
+            # one file per rank, each its own shard; async: written in the background, committed
+            # collectively by the next step's pre-hook on every rank
+            handle = offload.save_async(opt, os.path.join(outdir, "zero1"))
             saved = [p.detach().clone() for p in model.parameters()]
+    assert handle.done() and handle.result() == os.path.join(outdir, "zero1")
     assert len(opt.optim.state) == len(owned)  # state only for this rank's shard
     ref, _ = _reference(STEPS)
     for i, (p, r) in enumerate(zip(model.parameters(), ref)):
