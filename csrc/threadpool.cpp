@@ -65,18 +65,20 @@ class Pool {
     // Grow only: shrinking just means later calls use fewer workers.
     while (static_cast<int>(workers_.size()) + 1 < n) {
       const int tid = static_cast<int>(workers_.size()) + 1;
-      workers_.emplace_back([this, tid] { loop(tid); });
+      uint64_t gen;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        gen = generation_;  // no job is in flight (run_mu_ is held), so this is current
+      }
+      workers_.emplace_back([this, tid, gen] { loop(tid, gen); });
       workers_.back().detach();
     }
     size_.store(n);
   }
 
-  void loop(int tid) {
-    uint64_t seen = 0;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      seen = generation_;
-    }
+  // `seen` is the generation at creation: a job published before this thread first takes the
+  // lock must still be seen as new, or run() would wait for it forever.
+  void loop(int tid, uint64_t seen) {
     for (;;) {
       const std::function<void(int)>* job;
       bool mine;
