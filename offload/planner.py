@@ -6,8 +6,9 @@ buffers, NVMe state files and the host buffers that stream them; then compares e
 what the machine has (host RAM from /proc/meminfo, GPU memory from CUDA, free disk space).
 
 The optimizer-state figures are exactly what ``offload.Adam/AdamW`` allocate (fp32 exp_avg and
-exp_avg_sq, + max_exp_avg_sq with amsgrad, + an fp32 master copy for bf16/fp16 parameters, + one
-fp32 step counter per parameter tensor); a test checks them against a real optimizer. Staging
+exp_avg_sq, + max_exp_avg_sq with amsgrad, + an fp32 master copy for bf16/fp16 parameters, each
+padded to 64 bytes inside one arena, + one fp32 step counter per parameter tensor); a test checks
+them against the storages a real optimizer allocates. Staging
 and NVMe-buffer figures follow the pipeline design (buckets of ``bucket_bytes`` parameters,
 ``depth`` buckets in flight) and are estimates of those buffers, not measurements.
 """
@@ -26,6 +27,10 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
            "fp16": torch.float16, "float16": torch.float16}
 _LOW = (torch.bfloat16, torch.float16)
 STEP_BYTES = 4  # one fp32 step counter per parameter tensor
+
+
+def _pad(n: int) -> int:
+    return (n + 15) // 16 * 16
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -173,8 +178,9 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     weights = sum(per_rank(n, wshard) * _size(dt) for n, dt in inv)
     grads = sum(per_rank(n, wshard) * _size(grad_dtype or dt) for n, dt in inv)
     # the optimizer state of this rank (exactly what offload.Adam/AdamW allocate)
-    moments = sum(per_rank(n, shard) * 4 * (3 if amsgrad else 2) for n, _ in inv)
-    master = sum(per_rank(n, shard) * 4 for n, dt in inv if dt in _LOW)
+    # state tensors are views of one arena, each padded to 16 floats (64 bytes), see optim.py
+    moments = sum(_pad(per_rank(n, shard)) * 4 * (3 if amsgrad else 2) for n, _ in inv)
+    master = sum(_pad(per_rank(n, shard)) * 4 for n, dt in inv if dt in _LOW)
     steps = STEP_BYTES * (len(inv) if shard == 1 else -(-len(inv) // shard))
     state_what = f"optimizer state: fp32 exp_avg, exp_avg_sq{', max_exp_avg_sq' if amsgrad else ''}, steps"
 

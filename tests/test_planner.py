@@ -25,8 +25,15 @@ def test_host_state_matches_allocation(amsgrad):
     for q in model.parameters():
         q.grad = torch.randn_like(q)
     opt.step()
-    allocated = sum(t.nbytes for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
-    assert p.host_state_bytes == allocated
+    # what is really allocated: the distinct storages behind the state tensors (arena + step buffer)
+    storages = {}
+    for st in opt.state.values():
+        for t in st.values():
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+    assert p.host_state_bytes == sum(storages.values())
+    views = sum(t.nbytes for st in opt.state.values() for t in st.values())
+    assert views <= p.host_state_bytes < views + 64 * 4 * len(opt.state)  # only the 64-byte padding
     assert p.bytes_of("host", "weights") == sum(q.nbytes for q in model.parameters())
     assert p.bytes_of("host", "gradients") == sum(q.grad.nbytes for q in model.parameters())
     assert p.total("gpu") == 0 and p.fits()["host"] is True
@@ -35,7 +42,7 @@ def test_host_state_matches_allocation(amsgrad):
 @pytest.mark.timeout(30)
 def test_nvme_sharding_and_warning():
     p = offload.plan(10_000_000, device="cuda", param_dtype="bf16", state="nvme", world_size=4, sharding="zero1")
-    assert p.bytes_of("nvme", "optimizer state") == 10_000_000 // 4 * (8 + 4)  # m, v + fp32 master
+    assert p.bytes_of("nvme", "optimizer state") == 10_000_000 // 4 * (8 + 4)  # 2.5M: a multiple of 16  # m, v + fp32 master
     assert p.bytes_of("gpu", "weights") == 20_000_000  # ZeRO-1 does not shard weights
     assert any("does not make weights" in w for w in p.warnings)
     f = offload.plan(10_000_000, device="cuda", param_dtype="bf16", world_size=4, sharding="fsdp")
