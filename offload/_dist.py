@@ -8,7 +8,7 @@ into a DTensor with the same mesh and placements (:func:`like`), as torch's own 
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -17,7 +17,7 @@ try:  # torch >= 2.4
 except Exception:  # pragma: no cover - torch built without distributed
     _DTensor = None
 
-__all__ = ["is_dtensor", "local", "like", "world", "allreduce_sumsq"]
+__all__ = ["is_dtensor", "local", "like", "world", "allreduce_sumsq", "layout_key"]
 
 
 def is_dtensor(t) -> bool:

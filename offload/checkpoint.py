@@ -28,7 +28,7 @@ import struct
 import sys
 import threading
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional
 
 import torch
@@ -624,11 +624,16 @@ def load(optimizer, directory, *, group=None, chunk_bytes: int = DEFAULT_CHUNK, 
                 _check_crc(dpath, f, rec, buf, base)
         # ---- from here on the optimizer is modified
         params = _params(opt)
+        saved_keys: dict = {}
+        for rec in ridx["tensors"]:
+            saved_keys.setdefault(rec["param"], set()).add(rec["key"])
         for i, (p, prec) in enumerate(zip(params, ridx["params"])):
             if not prec["has_state"]:
                 opt.state.pop(p, None)
                 continue
             st = opt.state[p]
+            for k in [k for k in st if k not in saved_keys.get(i, ()) and k != "step"]:
+                del st[k]  # e.g. max_exp_avg_sq of a run with amsgrad, loading a run without
             if prec["step"] is not None:
                 st["step"] = torch.tensor(float(prec["step"]), dtype=torch.float32)
             for k, v in prec["extra"].items():
@@ -653,5 +658,9 @@ def load(optimizer, directory, *, group=None, chunk_bytes: int = DEFAULT_CHUNK, 
             g[k] = _unjson(v, g.get(k))
     # let the optimizer re-adopt its state (offload re-reads pointers and step counters here)
     opt.__setstate__({"state": opt.state, "param_groups": opt.param_groups})
+    if opt is not optimizer and hasattr(optimizer, "_sync_param_groups"):
+        # ZeroRedundancyOptimizer copies its own groups' hyperparameters into the shard's at every
+        # step: give it the loaded ones (groups correspond by index)
+        optimizer._sync_param_groups(opt.param_groups, optimizer.param_groups)
     if hasattr(opt, "_pending_multiplier"):
         opt._pending_multiplier = float(ridx.get("pending_grad_multiplier", 1.0))

@@ -255,3 +255,19 @@ def test_progress_bar(tmp_path, capsys):
     train(model, opt, 1, 0)
     offload.save(opt, tmp_path, progress=True, chunk_bytes=4096)
     assert "offload.save rank 0" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_load_replaces_state_keys_and_hyperparameters(tmp_path):
+    model, opt = make(amsgrad=False)
+    train(model, opt, 2, 0)
+    offload.save(opt, tmp_path)
+    model2, opt2 = make(amsgrad=True)
+    train(model2, opt2, 1, 0)  # has max_exp_avg_sq and step 1
+    model2.load_state_dict(model.state_dict())
+    offload.load(opt2, tmp_path)
+    assert opt2.param_groups[0]["amsgrad"] is False
+    state_equal(opt, opt2)
+    train(model, opt, 2, 2)
+    train(model2, opt2, 2, 2)
+    state_equal(opt, opt2)

@@ -86,9 +86,9 @@ def _zero1(rank, outdir):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    def build():
+    def build(lr=1e-2):
         model = DDP(_model())
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=offload.AdamW, lr=1e-2,
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=offload.AdamW, lr=lr,
                                       weight_decay=0.1, threads=1)
         return model, opt
 
@@ -112,11 +112,12 @@ def _zero1(rank, outdir):
         _close(p.detach(), r, f"ZeRO-1 parameter {i}")
 
     # resume from the checkpoint on both ranks and continue: same result
-    model2, opt2 = build()
+    model2, opt2 = build(lr=0.5)  # the checkpoint's hyperparameters must win, on the wrapper too
     with torch.no_grad():
         for p, v in zip(model2.parameters(), saved):
             p.copy_(v)
     offload.load(opt2, os.path.join(outdir, "zero1"))
+    assert opt2.param_groups[0]["lr"] == 1e-2
     for s in range(2, STEPS):
         x, y = _local_batch(s, rank)
         torch.nn.functional.mse_loss(model2(x), y).backward()
