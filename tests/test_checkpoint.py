@@ -271,3 +271,21 @@ def test_load_replaces_state_keys_and_hyperparameters(tmp_path):
     train(model, opt, 2, 2)
     train(model2, opt2, 2, 2)
     state_equal(opt, opt2)
+
+
+@pytest.mark.timeout(30)
+def test_load_never_unpickles(tmp_path, monkeypatch):
+    import pickle
+
+    model, opt = make()
+    train(model, opt, 1, 0)
+    offload.save(opt, tmp_path)
+
+    def refuse(*a, **k):
+        raise AssertionError("offload.load must not unpickle")
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    _, opt2 = make()
+    offload.load(opt2, tmp_path)
+    state_equal(opt, opt2)
