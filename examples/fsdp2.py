@@ -81,8 +81,9 @@ def main(argv=None) -> None:
     ap.add_argument("--save", default=None, help="directory for an offload checkpoint at the end")
     args = ap.parse_args(argv)
     if "RANK" in os.environ:  # launched by torchrun
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)  # note: offload steps CPU parameters in this version
+        # gloo and CPU parameters: this version of offload steps CPU parameters (the GPU pipeline,
+        # with the shards on the GPU and their state in host memory, is a separate mode)
+        dist.init_process_group("gloo")
         try:
             train(dist.get_rank(), dist.get_world_size(), args)
         finally:
