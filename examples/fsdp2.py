@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -61,11 +61,12 @@ def train(rank: int, world: int, args) -> float:
     return loss.item()
 
 
-def _spawned(rank: int, world: int, port: int, args) -> None:
+def _spawned(rank: int, world: int, rendezvous: str, args) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         train(rank, world, args)
+        dist.barrier()  # nobody tears the group down while another rank still uses it
     finally:
         dist.destroy_process_group()
 
@@ -86,13 +87,13 @@ def main(argv=None) -> None:
         dist.init_process_group("gloo")
         try:
             train(dist.get_rank(), dist.get_world_size(), args)
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.world_size, port, args), nprocs=args.world_size, join=True)
+    with tempfile.TemporaryDirectory() as tmp:  # file rendezvous: no TCP port to pick
+        mp.spawn(_spawned, args=(args.world_size, os.path.join(tmp, "rendezvous"), args),
+                 nprocs=args.world_size, join=True)
 
 
 if __name__ == "__main__":

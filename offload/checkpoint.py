@@ -383,6 +383,9 @@ class _Saver:
         keep = {_rank_name(self.rank, self.world, self.gen, ext) for ext in ("json", "safetensors")}
         for name in os.listdir(self.dir):
             base = name.lstrip(".")
+            if self.rank == 0 and name.startswith(f".{INDEX}.tmp-"):
+                _unlink(os.path.join(self.dir, name))  # an index.json write that was killed
+                continue
             if not base.startswith("rank") or name in keep:
                 continue
             ours = base.startswith(mine)

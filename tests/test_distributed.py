@@ -4,7 +4,6 @@ FSDP2 fully_shard with DTensor parameters, gradient clipping across ranks, per-r
 Each test spawns 2 processes; each process compares its result with single-process
 torch.optim.AdamW on the full batch and writes a verdict file the test reads."""
 import os
-import socket
 import traceback
 
 import pytest
@@ -16,12 +15,6 @@ import offload
 
 WORLD = 2
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model():
@@ -55,23 +48,26 @@ def _local_batch(step, rank):
     return x[rank::WORLD], y[rank::WORLD]
 
 
-def _worker(rank, port, scenario, outdir):
+def _worker(rank, scenario, outdir):
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+        # file rendezvous: no TCP port to pick, so no race with other processes on the machine
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(outdir, 'rendezvous')}",
+                                rank=rank, world_size=WORLD)
         globals()["_" + scenario](rank, outdir)
         verdict = "ok"
-    except Exception:
+    except BaseException:
         verdict = traceback.format_exc()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     with open(os.path.join(outdir, f"verdict{rank}"), "w") as f:
         f.write(verdict)
+    if dist.is_initialized():
+        if verdict == "ok":
+            dist.barrier()  # no rank tears the group down while the other still uses it
+        dist.destroy_process_group()
 
 
 def _run(scenario, tmp_path):
-    mp.spawn(_worker, args=(_free_port(), scenario, str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(scenario, str(tmp_path)), nprocs=WORLD, join=True)
     for r in range(WORLD):
         verdict = (tmp_path / f"verdict{r}").read_text()
         assert verdict == "ok", f"rank {r}:\n{verdict}"
