@@ -65,18 +65,20 @@ class Pool {
     // Grow only: shrinking just means later calls use fewer workers.
     while (static_cast<int>(workers_.size()) + 1 < n) {
       const int tid = static_cast<int>(workers_.size()) + 1;
-      workers_.emplace_back([this, tid] { loop(tid); });
+      // The worker must start from the generation current NOW: if it read it itself, a job
+      // published before the new thread got scheduled would be skipped and run() would wait forever.
+      uint64_t gen;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        gen = generation_;
+      }
+      workers_.emplace_back([this, tid, gen] { loop(tid, gen); });
       workers_.back().detach();
     }
     size_.store(n);
   }
 
-  void loop(int tid) {
-    uint64_t seen = 0;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      seen = generation_;
-    }
+  void loop(int tid, uint64_t seen) {
     for (;;) {
       const std::function<void(int)>* job;
       bool mine;
