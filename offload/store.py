@@ -386,7 +386,24 @@ class StateStore:
                      h["amsgrad"], h["maximize"], mult, threads, False)
         self.telemetry["kernel_s"] += time.perf_counter() - t
 
-    def _run_pipeline(self, jobs: list, info, mult: float, threads: int) -> None:
+    def io_pass(self) -> float:
+        """Benchmark helper: read and write back every bucket through the step's pipeline without
+        computing (data unchanged). Returns the seconds it took: the I/O-only time of a full step."""
+        self._check_usable()
+        if self.mode != "nvme":
+            raise RuntimeError("io_pass() measures the nvme pipeline")
+        saved = dict(self.telemetry)
+        t = time.perf_counter()
+        try:
+            self._run_pipeline([(b, b.pieces, True) for b in self.buckets], None, 1.0, 0, compute=False)
+        except BaseException as e:
+            self._fail(e)
+            raise
+        dt = time.perf_counter() - t
+        self.telemetry = saved
+        return dt
+
+    def _run_pipeline(self, jobs: list, info, mult: float, threads: int, compute: bool = True) -> None:
         eng, f, slots = self.engine, self.file, self.arena.slots
         free = list(range(len(slots)))[::-1]
         reads: deque = deque()
@@ -417,8 +434,9 @@ class StateStore:
                 tel["bytes_read"] += req.wait()
                 tel["read_wait_s"] += time.perf_counter() - t
             buf = slots[s]
-            self._prepare(b, act, buf)
-            self._kernel(b, act, buf.data_ptr(), info, mult, threads)
+            if compute:
+                self._prepare(b, act, buf)
+                self._kernel(b, act, buf.data_ptr(), info, mult, threads)
             writes.append((s, eng.write(f, buf, b.offset, b.nbytes)))
         while writes:
             retire_write()

@@ -340,9 +340,10 @@ RSS_SCRIPT = textwrap.dedent("""
     n = 22 * 2**20                  # 22M bf16 params: 264 MB of fp32 master|m|v state
     p = torch.empty(n, dtype=torch.bfloat16).uniform_()
     p.grad = torch.empty(n, dtype=torch.bfloat16).uniform_()
-    opt = offload.AdamW([p], state=sys.argv[2], nvme_dir=sys.argv[1], host_budget="16MiB")
+    offload.AdamW([torch.zeros(1)])  # torch's first Optimizer() imports ~70 MB of modules: not ours
     open("/proc/self/clear_refs", "w").write("5")   # reset VmHWM to the current RSS
     base = status("VmRSS:")
+    opt = offload.AdamW([p], state=sys.argv[2], nvme_dir=sys.argv[1], host_budget="16MiB")
     for _ in range(2):
         opt.step()
     print(status("VmHWM:") - base, opt.storage_info()["file_bytes"])
@@ -357,5 +358,6 @@ def test_peak_rss_bounded_by_budget(tmp_path, mode):
                        env=env, timeout=110)
     assert r.returncode == 0, r.stderr
     growth, state_bytes = map(int, r.stdout.split())
+    # budget + fixed costs (torch's and our thread pools' first use: ~5-9 MiB), far below the state
     assert state_bytes > 250 * 2**20
     assert growth < 16 * 2**20 + 12 * 2**20, f"peak RSS grew by {growth / 2**20:.1f} MiB with a 16 MiB budget"
