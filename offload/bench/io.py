@@ -7,7 +7,10 @@ Measured on the directory the user names (default: a temp dir on the current fil
   pwrite      plain buffered os.pwrite + fsync / os.preadv after dropping the file's cached pages
   memmap      numpy.memmap copy + flush / copy out after dropping cached pages
   aiofiles    aiofiles (thread-pool buffered I/O) if installed
-Buffered peers drop the page cache for the file (fsync + posix_fadvise DONTNEED) before reading,
+Every method overwrites the same, already written file (as the state store rewrites its file every
+step; on ext4 a direct write that extends a file or fills unwritten extents holds the inode lock
+for its whole duration, so first writes to a fresh file run one at a time whatever the queue
+depth, for fio as for us). Buffered peers drop the page cache for the file (fsync + posix_fadvise DONTNEED) before reading,
 so every read comes from the disk. DeepSpeed's AIO handle is not measured (not installed here:
 it needs libaio-dev and a ~7 minute JIT build). Each figure is the median of --reps repetitions; ratios are to
 fio's best queue depth for the same direction.
@@ -52,7 +55,7 @@ def bench_ours(path: str, size: int, buf: torch.Tensor, request: int, qd: int, b
     """Write then read ``size`` bytes with up to ``inflight`` requests of ``request`` bytes queued."""
     out = {}
     with AioEngine(queue_depth=qd, block_size=block) as eng:
-        f = eng.open(path, create=not os.path.exists(path))
+        f = eng.open(path)
         nbuf = buf.numel() // request
         for op in ("write", "read"):
             fn = eng.write if op == "write" else eng.read
@@ -74,20 +77,22 @@ def bench_ours(path: str, size: int, buf: torch.Tensor, request: int, qd: int, b
 
 
 # ------------------------------------------------------------------------------ fio
-def bench_fio(path: str, size: int, depths: list) -> dict:
-    """{(op, depth): bytes/s} from fio (O_DIRECT, libaio, 1 MiB blocks)."""
+def bench_fio(path: str, size: int, configs: list) -> dict:
+    """{(op, iodepth, jobs): bytes/s} from fio (O_DIRECT, libaio, 1 MiB blocks). With several
+    jobs each covers its own slice of the region (several submitting threads, like our workers)."""
     res = {}
     for op in ("write", "read"):
-        for qd in depths:
-            cmd = ["fio", "--name=offload-io", f"--filename={path}", f"--size={size}", "--bs=1M", f"--rw={op}",
-                   "--direct=1", "--ioengine=libaio", f"--iodepth={qd}", "--numjobs=1", "--end_fsync=1",
+        for qd, jobs in configs:
+            cmd = ["fio", "--name=offload-io", f"--filename={path}", f"--size={size // jobs}", "--bs=1M",
+                   f"--rw={op}", "--direct=1", "--ioengine=libaio", f"--iodepth={qd}", f"--numjobs={jobs}",
+                   f"--offset_increment={size // jobs}", "--group_reporting", "--end_fsync=1",
                    "--output-format=json"]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"fio failed: {r.stderr.strip()[:500]}")
             js = json.loads(r.stdout[r.stdout.index("{"):])
             job = js["jobs"][0]
-            res[(op, qd)] = float(job[op]["bw_bytes"])
+            res[(op, qd, jobs)] = float(job[op]["bw_bytes"])
     return res
 
 
@@ -96,7 +101,7 @@ def bench_pwrite(path: str, size: int, buf: torch.Tensor, chunk: int = 1 << 20) 
     out = {}
     mv = memoryview(buf.numpy())
     nbuf = buf.numel() // chunk
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path, os.O_RDWR)
     try:
         t = time.perf_counter()
         for k, off in enumerate(range(0, size, chunk)):
@@ -120,7 +125,7 @@ def bench_memmap(path: str, size: int, buf: torch.Tensor) -> dict:
     src = buf.numpy()
     n = src.size
     t = time.perf_counter()
-    mm = np.memmap(path, dtype=np.uint8, mode="w+", shape=(size,))
+    mm = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
     for off in range(0, size, n):
         k = min(n, size - off)
         mm[off:off + k] = src[:k]
@@ -148,7 +153,7 @@ def bench_aiofiles(path: str, size: int, buf: torch.Tensor, chunk: int = 1 << 20
 
     async def run():
         out = {}
-        async with aiofiles.open(path, "wb") as f:
+        async with aiofiles.open(path, "r+b") as f:
             t = time.perf_counter()
             for k, off in enumerate(range(0, size, chunk)):
                 s = (k % nbuf) * chunk
@@ -186,36 +191,35 @@ def measure(args) -> dict:
         raise SystemExit("--size, --request and --block-size must be multiples of 4 KiB")
     base = args.dir or os.getcwd()
     work = tempfile.mkdtemp(prefix="offload-io-bench-", dir=base)
-    depths = [int(x) for x in args.fio_depths.split(",")]
+    configs = [(int(x), 1) for x in args.fio_depths.split(",")] + \
+        [(int(x), int(j)) for x, j in (c.split("x") for c in args.fio_jobs.split(",") if c)]
     buf = aligned_empty(max(request * args.inflight, 64 << 20))
     _fill(buf)
     results: dict = {k: {"write": [], "read": []} for k in ("ours", "pwrite", "memmap", "aiofiles")}
     fio_all: dict = {}
     has_fio = shutil.which("fio") is not None and not args.no_fio
     notes = []
+    p = os.path.join(work, "region")
     try:
+        # lay the region out once (untimed); every method then overwrites and reads it back
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        bench_ours(p, size, buf, request, args.queue_depth, block, args.inflight)
         for rep in range(args.reps):
-            p = os.path.join(work, f"ours{rep}")
             r = bench_ours(p, size, buf, request, args.queue_depth, block, args.inflight)
             if not r["direct"]:
                 notes.append("our engine fell back to buffered I/O (O_DIRECT refused)")
-            os.unlink(p)
             for op in ("write", "read"):
                 results["ours"][op].append(r[op])
             if has_fio:
-                p = os.path.join(work, f"fio{rep}")
-                for key, v in bench_fio(p, size, depths).items():
+                for key, v in bench_fio(p, size, configs).items():
                     fio_all.setdefault(key, []).append(v)
-                os.unlink(p)
             for name, fn in (("pwrite", lambda p: bench_pwrite(p, size, buf)),
                              ("memmap", lambda p: bench_memmap(p, size, buf)),
                              ("aiofiles", lambda p: bench_aiofiles(p, size, buf))):
                 if name in args.skip.split(","):
                     continue
-                p = os.path.join(work, f"{name}{rep}")
                 r = fn(p)
-                if os.path.exists(p):
-                    os.unlink(p)
                 if r is not None:
                     for op in ("write", "read"):
                         results[name][op].append(r[op])
@@ -223,12 +227,12 @@ def measure(args) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     med = {k: {op: statistics.median(v) for op, v in d.items() if v} for k, d in results.items()}
     med = {k: v for k, v in med.items() if v}
-    fio_med = {f"{op}_qd{qd}": statistics.median(v) for (op, qd), v in fio_all.items()}
+    fio_med = {f"{op}_qd{qd}_x{j}": statistics.median(v) for (op, qd, j), v in fio_all.items()}
     ceiling = {}
     if fio_med:
         for op in ("write", "read"):
-            qd = max(depths, key=lambda d: fio_med[f"{op}_qd{d}"])
-            ceiling[op] = {"bytes_per_s": fio_med[f"{op}_qd{qd}"], "iodepth": qd}
+            qd, j = max(configs, key=lambda c: fio_med[f"{op}_qd{c[0]}_x{c[1]}"])
+            ceiling[op] = {"bytes_per_s": fio_med[f"{op}_qd{qd}_x{j}"], "iodepth": qd, "jobs": j}
     report = dict(bench="io", dir=base, size=size, request=request, block_size=block, queue_depth=args.queue_depth,
                   inflight=args.inflight, reps=args.reps, results=med, fio=fio_med, fio_best=ceiling,
                   notes=sorted(set(notes)), missing=[k for k in results if k not in med])
@@ -255,13 +259,13 @@ def _print(r: dict) -> None:
         w, rd = v.get("write"), v.get("read")
         print(f"{k:<22}{w / GB:>12.2f}{ratio('write', w):>9}{rd / GB:>12.2f}{ratio('read', rd):>9}")
     for key, v in r["fio"].items():
-        op, qd = key.split("_")
-        print(f"{'fio ' + op + ' ' + qd:<22}" + (f"{v / GB:>12.2f}{'':>9}" if op == "write" else
+        op, qd, j = key.split("_")
+        print(f"{'fio ' + op + ' ' + qd + ' ' + j.replace('x', 'jobs '):<22}" + (f"{v / GB:>12.2f}{'':>9}" if op == "write" else
                                                   f"{'':>21}{v / GB:>12.2f}"))
     if best:
-        print("fio best (disk ceiling): write {:.2f} GB/s (iodepth {}), read {:.2f} GB/s (iodepth {})".format(
-            best["write"]["bytes_per_s"] / GB, best["write"]["iodepth"], best["read"]["bytes_per_s"] / GB,
-            best["read"]["iodepth"]))
+        print("fio best (disk ceiling): write {:.2f} GB/s (iodepth {} x {} jobs), read {:.2f} GB/s (iodepth {} x {} "
+              "jobs)".format(best["write"]["bytes_per_s"] / GB, best["write"]["iodepth"], best["write"]["jobs"],
+                             best["read"]["bytes_per_s"] / GB, best["read"]["iodepth"], best["read"]["jobs"]))
     else:
         print("fio not installed: no disk ceiling measured (apt-get install fio)")
     if r["missing"]:
@@ -279,7 +283,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--inflight", type=int, default=4, help="our requests queued at once (default 4)")
     p.add_argument("--queue-depth", type=int, default=8, help="our engine's worker threads (default 8)")
     p.add_argument("--block-size", default="1MiB", help="our engine's piece size (default 1MiB)")
-    p.add_argument("--fio-depths", default="1,4,16,32", help="fio iodepths to try (default 1,4,16,32)")
+    p.add_argument("--fio-depths", default="1,4,16,32", help="fio iodepths to try, one job (default 1,4,16,32)")
+    p.add_argument("--fio-jobs", default="8x2,4x4", help="extra fio configs iodepth x jobs (default 8x2,4x4)")
     p.add_argument("--no-fio", action="store_true", help="skip fio")
     p.add_argument("--skip", default="", help="comma-separated peers to skip: pwrite,memmap,aiofiles")
     p.add_argument("--reps", type=int, default=3, help="repetitions (median reported; default 3)")
