@@ -233,7 +233,10 @@ class StateStore:
                 start = 0
                 while start < n:
                     b = open_b.get(low)
-                    if b is None or b.cap >= cap_max:
+                    # a parameter that fits in one bucket is never split (its state_dict tensors
+                    # are then plain views of the file); larger ones fill buckets piece by piece
+                    fits_alone = start == 0 and n <= cap_max
+                    if b is None or b.cap >= cap_max or (fits_alone and b.cap + n > cap_max):
                         if b is not None:
                             close(b)
                         b = open_b[low] = _Bucket(gi, low, nsec)

@@ -361,3 +361,18 @@ def test_peak_rss_bounded_by_budget(tmp_path, mode):
     # budget + fixed costs (torch's and our thread pools' first use: ~5-9 MiB), far below the state
     assert state_bytes > 250 * 2**20
     assert growth < 16 * 2**20 + 12 * 2**20, f"peak RSS grew by {growth / 2**20:.1f} MiB with a 16 MiB budget"
+
+
+@pytest.mark.timeout(30)
+def test_params_that_fit_a_bucket_are_not_split(tmp_path):
+    # 4 slots of 16 KiB: 1360 fp32 elements of master|m|v per bucket; each 1000-element param fits alone
+    ps = [torch.randn(1000).bfloat16() for _ in range(5)] + [torch.randn(3000).bfloat16()]
+    opt = offload.AdamW(ps, state="nvme", nvme_dir=tmp_path, host_budget=4 * 16384)
+    pieces = opt._store.pieces
+    assert all(len(pieces[(0, i)]) == 1 for i in range(5))
+    assert len(pieces[(0, 5)]) == 3  # larger than a bucket: split
+    for p in ps:
+        p.grad = torch.randn(p.shape).bfloat16()
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["state"][0]["exp_avg"].untyped_storage().nbytes() == opt._store.file_bytes  # a view of the file
