@@ -375,4 +375,7 @@ def test_params_that_fit_a_bucket_are_not_split(tmp_path):
         p.grad = torch.randn(p.shape).bfloat16()
     opt.step()
     sd = opt.state_dict()
-    assert sd["state"][0]["exp_avg"].untyped_storage().nbytes() == opt._store.file_bytes  # a view of the file
+    sd["state"][0]["exp_avg"][:] = 7.0  # a view of the file (not a copy): the store sees the change
+    sd["state"][5]["exp_avg"][:] = 7.0  # split parameter: a copy
+    again = opt.state_dict()
+    assert (again["state"][0]["exp_avg"] == 7.0).all() and not (again["state"][5]["exp_avg"] == 7.0).any()
