@@ -422,6 +422,8 @@ class Adam(_AdamBase):
     """Adam (L2 weight decay added to the gradient), same signature and defaults as torch.optim.Adam.
 
     Extra keyword: ``threads`` (native threads per step; default: CPUs in the affinity mask).
+    State on disk: ``state="nvme"|"mmap"``, ``nvme_dir``, ``host_budget``, ``keep_files``,
+    ``nvme_options`` (see docs/nvme.md and offload/store.py).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
@@ -436,7 +438,11 @@ class Adam(_AdamBase):
 
 
 class AdamW(_AdamBase):
-    """AdamW (decoupled weight decay), same signature and defaults as torch.optim.AdamW."""
+    """AdamW (decoupled weight decay), same signature and defaults as torch.optim.AdamW.
+
+    Extra keywords as for :class:`Adam` (``threads``; ``state``, ``nvme_dir``, ``host_budget``,
+    ``keep_files``, ``nvme_options`` for optimizer state on disk).
+    """
 
     _decoupled = True
 
