@@ -65,12 +65,10 @@ class Pool {
     // Grow only: shrinking just means later calls use fewer workers.
     while (static_cast<int>(workers_.size()) + 1 < n) {
       const int tid = static_cast<int>(workers_.size()) + 1;
-      // The worker must start from the generation current NOW: if it read it itself, a job
-      // published before the new thread got scheduled would be skipped and run() would wait forever.
       uint64_t gen;
       {
         std::lock_guard<std::mutex> lk(mu_);
-        gen = generation_;
+        gen = generation_;  // no job is in flight (run_mu_ is held), so this is current
       }
       workers_.emplace_back([this, tid, gen] { loop(tid, gen); });
       workers_.back().detach();
@@ -78,6 +76,8 @@ class Pool {
     size_.store(n);
   }
 
+  // `seen` is the generation at creation: a job published before this thread first takes the
+  // lock must still be seen as new, or run() would wait for it forever.
   void loop(int tid, uint64_t seen) {
     for (;;) {
       const std::function<void(int)>* job;

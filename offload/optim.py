@@ -84,9 +84,9 @@ class _GroupPlan:
         self.table = np.zeros((n, TASK_COLS), dtype=np.int64)
         self.steps = torch.zeros(n, dtype=torch.float32)
         self.steps_np = self.steps.numpy()
-        self.p_ptr = [-1] * n
-        self.g_obj: list = [None] * n
-        self.g_ptr = [0] * n
+        self.p_ptr = np.full(n, -1, dtype=np.int64)  # param pointer the table row was built for
+        self.g_ptr = np.full(n, -1, dtype=np.int64)  # gradient pointer last validated
+        self.g_obj: list = [None] * n                # gradient object last validated
 
     def matches(self, params: list) -> bool:
         return len(params) == len(self.ids) and all(id(p) == i for p, i in zip(params, self.ids))
@@ -181,17 +181,38 @@ class _AdamBase(Optimizer):
         return plan
 
     # ------------------------------------------------------------------ state
-    def _init_state(self, plan: _GroupPlan, i: int, p: torch.Tensor, group: dict) -> dict:
-        st = self.state[p]
-        st["step"] = torch.tensor(0.0)
-        st["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32)
-        st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32)
-        if group["amsgrad"]:
-            st["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32)
-        if p.dtype in _LOW_PRECISION:
-            st["master_param"] = p.detach().to(torch.float32, copy=True)
-        self._adopt_state(plan, i, p, st, group)
-        return st
+    def _init_states(self, plan: _GroupPlan, rows: list, group: dict) -> None:
+        """Create the state of several parameters at once, carved out of one zeroed fp32 arena.
+
+        Each state kind is one contiguous stream (all exp_avg, then all exp_avg_sq, ...) with every
+        tensor starting on a 64-byte boundary, so many small parameters still stream like one large
+        one (no page-sized hops, fewer TLB misses). ``state[p][key]`` are ordinary views of it.
+        """
+        params = [plan.params[i] for i in rows]
+        for i, p in zip(rows, params):
+            _check_param(p, f"parameter {i}")
+        kinds = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        padded = [(p.numel() + 15) // 16 * 16 for p in params]
+        lowp = [p.dtype in _LOW_PRECISION for p in params]
+        per_kind = sum(padded)
+        total = per_kind * len(kinds) + sum(n for n, lp in zip(padded, lowp) if lp)
+        arena = torch.zeros(total, dtype=torch.float32)
+        off = 0
+        views: list = [dict() for _ in params]
+        for key in kinds:
+            for j, (p, n) in enumerate(zip(params, padded)):
+                views[j][key] = arena[off:off + p.numel()].view(p.shape)
+                off += n
+        for j, (p, n) in enumerate(zip(params, padded)):
+            if lowp[j]:
+                master = arena[off:off + p.numel()].view(p.shape)
+                master.copy_(p.detach())
+                views[j]["master_param"] = master
+                off += n
+        for i, p, st in zip(rows, params, views):
+            st["step"] = torch.tensor(0.0)
+            self.state[p] = st
+            self._adopt_state(plan, i, p, st, group)
 
     def _adopt_state(self, plan: _GroupPlan, i: int, p: torch.Tensor, st: dict, group: dict) -> None:
         """Make state[p] native-ready (fp32, contiguous, right sizes) and record its pointers."""
@@ -222,6 +243,7 @@ class _AdamBase(Optimizer):
         row[COL_VMAX] = _kernels._ptr(st.get("max_exp_avg_sq"))
         row[COL_N] = p.numel()
         plan.p_ptr[i] = -1  # forces the param columns to be refreshed
+        plan.g_obj[i] = None
 
     def _refresh_param(self, plan: _GroupPlan, i: int, p: torch.Tensor, st: dict) -> None:
         _check_param(p, f"parameter {i}")
@@ -250,28 +272,31 @@ class _AdamBase(Optimizer):
         return dict(lr=lr, beta1=_scalar(beta1), beta2=_scalar(beta2), eps=float(eps), weight_decay=float(wd),
                     decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]))
 
-    def _collect(self, plan: _GroupPlan, group: dict) -> list:
-        """Rows of parameters with a gradient; validates what changed since the last step."""
-        rows = []
-        table = plan.table
-        state = self.state
-        for i, p in enumerate(plan.params):
+    def _collect(self, plan: _GroupPlan, group: dict) -> np.ndarray:
+        """Rows of parameters with a gradient, in order; validates whatever changed since the last step.
+
+        The native gather returns the rows whose param pointer, grad object and grad pointer are
+        unchanged (already validated); the rest are (re)validated here.
+        """
+        ready, changed = _C.collect_grads(plan.params, plan.g_obj, plan.p_ptr, plan.g_ptr)
+        if not changed:
+            return ready
+        table, state = plan.table, self.state
+        fresh = [i for i in changed if not state.get(plan.params[i])]
+        if fresh:
+            self._init_states(plan, fresh, group)
+        for i in changed:
+            p = plan.params[i]
             g = p.grad
-            if g is None:
-                continue
-            st = state.get(p)
-            if not st:
-                st = self._init_state(plan, i, p, group)
+            st = state[p]
             if p.data_ptr() != plan.p_ptr[i]:
                 self._refresh_param(plan, i, p, st)
-            if g is not plan.g_obj[i] or g.data_ptr() != plan.g_ptr[i]:
-                check_tensor(g, f"gradient of parameter {i}", dtypes=(p.dtype,), shape=p.shape)
-                plan.g_obj[i] = g
-                plan.g_ptr[i] = g.data_ptr()
-                table[i, COL_G] = _kernels._ptr(g)
-                table[i, COL_GD] = DTYPE_CODES[g.dtype]
-            rows.append(i)
-        return rows
+            check_tensor(g, f"gradient of parameter {i}", dtypes=(p.dtype,), shape=p.shape)
+            plan.g_obj[i] = g
+            plan.g_ptr[i] = g.data_ptr()
+            table[i, COL_G] = _kernels._ptr(g)
+            table[i, COL_GD] = DTYPE_CODES[g.dtype]
+        return np.sort(np.concatenate([ready, np.asarray(changed, dtype=np.int64)]))
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_multiplier: Optional[float] = None):
@@ -295,14 +320,14 @@ class _AdamBase(Optimizer):
         for gi, group in enumerate(self.param_groups):
             plan = self._plan(gi, group)
             rows = self._collect(plan, group)
-            if not rows:
+            if len(rows) == 0:
                 continue
             h = self._group_hyper(group)
             if len(rows) == len(plan.params):
                 plan.steps_np += 1
                 table = plan.table
             else:
-                idx = np.asarray(rows, dtype=np.int64)
+                idx = rows
                 plan.steps_np[idx] += 1
                 table = plan.table[idx]
             table[:, COL_STEP] = plan.steps_np if table is plan.table else plan.steps_np[idx]
