@@ -501,7 +501,8 @@ class StateStore:
         return out
 
     def load(self, entries: dict) -> None:
-        """Write saved state into the file, bucket by bucket. ``entries``: (gi, i) -> state dict.
+        """Replace the whole state by ``entries`` ((gi, i) -> state dict), bucket by bucket.
+        Parameters without an entry start afresh at their next step (as with torch's loader).
 
         Missing 'master_param' of a bf16/fp16 parameter is taken from the parameter (a state
         saved by torch.optim). Sizes are checked before anything is written.
@@ -526,9 +527,7 @@ class StateStore:
                 if not hit:
                     continue
                 if self.mode == "nvme":
-                    buf = self.arena.slots[0]
-                    if any(self.ready[b.gi][pc[0]] and (b.gi, pc[0]) not in entries for pc in b.pieces):
-                        self.engine.read(self.file, buf, b.offset, b.nbytes).wait()
+                    buf = self.arena.slots[0]  # the rest of the bucket is not ready after the load
                 else:
                     buf = self._mapping[1][b.offset:b.offset + b.nbytes]
                 f32 = buf.view(torch.float32)
@@ -547,6 +546,9 @@ class StateStore:
                 if self.mode == "nvme":
                     self.engine.write(self.file, buf, b.offset, b.nbytes).wait()
                     self.telemetry["bytes_written"] += b.nbytes
+            for gi in range(len(self._groups)):  # like torch: parameters missing from the saved state start fresh
+                self.ready[gi][:] = False
+                self.steps[gi].zero_()
             for (gi, i), st in entries.items():
                 v = st.get("step", 0.0)
                 self.steps[gi][i] = float(v.item() if isinstance(v, torch.Tensor) else v)

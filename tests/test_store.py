@@ -379,3 +379,23 @@ def test_params_that_fit_a_bucket_are_not_split(tmp_path):
     sd["state"][5]["exp_avg"][:] = 7.0  # split parameter: a copy
     again = opt.state_dict()
     assert (again["state"][0]["exp_avg"] == 7.0).all() and not (again["state"][5]["exp_avg"] == 7.0).any()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_load_partial_state_resets_the_others_like_ram(tmp_path, mode):
+    # a saved state without some parameters: those start afresh, exactly as in RAM mode
+    ps_r, ps_n = make_params(7), make_params(7)
+    ram = make_opt(ps_r)
+    nv = make_opt(ps_n, state=mode, nvme_dir=tmp_path, host_budget=20480)
+    run_steps(ps_r, ram, 3)
+    run_steps(ps_n, nv, 3)
+    sd = ram.state_dict()
+    for k in (1, 2, 5):
+        del sd["state"][k]
+    ram.load_state_dict(sd)
+    nv.load_state_dict(sd)
+    assert_same(ps_r, ram.state_dict(), ps_n, nv.state_dict())
+    run_steps(ps_r, ram, 3, start=3)
+    run_steps(ps_n, nv, 3, start=3)
+    assert_same(ps_r, ram.state_dict(), ps_n, nv.state_dict())
