@@ -222,3 +222,27 @@ def test_arena_slots_are_aligned():
         assert s.data_ptr() % 4096 == 0 and s.numel() == 8192
     with pytest.raises(ValueError):
         HostArena(1, 1000)
+
+
+@pytest.mark.timeout(60)
+def test_wait_releases_the_gil(tmp_path):
+    import threading
+    import time
+    with aio.AioEngine(queue_depth=1, block_size=4096) as eng:
+        f = eng.open(str(tmp_path / "f"), create=True, direct=False)
+        buf = aligned_empty(256 << 20)  # 65536 one-page system calls on one worker: well over 10 ms
+        req = eng.write(f, buf)
+        started = threading.Event()
+
+        def waiter():
+            started.set()
+            req.wait(timeout=50)
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        started.wait()
+        time.sleep(0.01)
+        # this line runs before the transfer ends only if the waiting thread released the GIL
+        still_running = not req.done()
+        t.join()
+        assert still_running
