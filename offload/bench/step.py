@@ -133,7 +133,7 @@ def measure(args) -> dict:
             read_wait_s=statistics.median(x["read_wait_s"] for x in tel),
             write_wait_s=statistics.median(x["write_wait_s"] for x in tel),
             bytes_per_step=statistics.median(x["bytes_read"] + x["bytes_written"] for x in tel),
-            overlap=step / max(io_s or 0.0, k), peak_rss=peak, rss_before_optimizer=base_rss,
+            overlap=step / max(io_s, k) if io_s is not None else None, peak_rss=peak, rss_before_optimizer=base_rss,
             rss_growth=peak - base_rss, peak_rss_exact=reset)
         opt.close()
     finally:
@@ -158,7 +158,11 @@ def _print(r: dict) -> None:
     print(f"  {'kernel (' + r['kernel_source'] + ')':<34}{r['kernel_s']:9.3f} s   "
           f"(kernel time inside the NVMe step: {r['kernel_in_step_s']:.3f} s)")
     print(f"  {'waits inside the step':<34}read {r['read_wait_s']:.3f} s, write {r['write_wait_s']:.3f} s")
-    print(f"  {'overlap = step / max(io, kernel)':<34}{r['overlap']:9.2f}     (1.00 = perfect overlap)")
+    if r["overlap"] is not None:
+        print(f"  {'overlap = step / max(io, kernel)':<34}{r['overlap']:9.2f}     (1.00 = perfect overlap)")
+    else:
+        print(f"  {'step / kernel':<34}{r['step_s'] / r['kernel_s']:9.2f}     (mmap: the page cache does the "
+              "I/O inside the kernel's page faults; no separate I/O time)")
     print(f"  {'peak RSS':<34}{r['peak_rss'] / gib:9.2f} GiB (params+grads {r['params_and_grads_bytes'] / gib:.2f} GiB; "
           f"growth once they existed {r['rss_growth'] / gib:.3f} GiB vs budget {r['host_budget'] / gib:.2f} GiB)")
 
