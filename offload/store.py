@@ -149,7 +149,8 @@ class StateStore:
         if not os.path.isdir(nvme_dir):
             raise NotADirectoryError(errno.ENOTDIR, "nvme_dir is not a directory", nvme_dir)
         self.nvme_dir = nvme_dir
-        self._groups = param_groups
+        # the parameters as laid out; hyperparameters are read from the optimizer's groups each step
+        self._params = [list(g["params"]) for g in param_groups]
         self._failed: Optional[BaseException] = None
         self.engine = None
         self.file = None
@@ -173,8 +174,8 @@ class StateStore:
         self._layout(slot_bytes)
         self.file_bytes = max(ALIGN, sum(b.nbytes for b in self.buckets))  # never an empty file (mmap)
         # step counts (fp32 like torch's), one vector per group; state['step'] are 0-dim views
-        self.steps = [torch.zeros(len(g["params"]), dtype=torch.float32) for g in param_groups]
-        self.ready = [np.zeros(len(g["params"]), dtype=bool) for g in param_groups]
+        self.steps = [torch.zeros(len(ps), dtype=torch.float32) for ps in self._params]
+        self.ready = [np.zeros(len(ps), dtype=bool) for ps in self._params]
         self.telemetry = dict(steps=0, bytes_read=0, bytes_written=0, read_wait_s=0.0, write_wait_s=0.0,
                               kernel_s=0.0, step_s=0.0, buckets=len(self.buckets), file_bytes=self.file_bytes,
                               slot_bytes=slot_bytes, slots=nslots, direct=None)
@@ -222,9 +223,9 @@ class StateStore:
             offset += b.nbytes
             self.buckets.append(b)
 
-        for gi, group in enumerate(self._groups):
+        for gi, params in enumerate(self._params):
             open_b: dict = {}
-            for i, p in enumerate(group["params"]):
+            for i, p in enumerate(params):
                 low = p.dtype in _LOW
                 nsec = (1 if low else 0) + 2 + (1 if self.amsgrad[gi] else 0)
                 cap_max = slot_bytes // (4 * nsec) // _ELEM * _ELEM
@@ -290,13 +291,21 @@ class StateStore:
             self.engine.wait_all()  # nothing may still write into buffers or the file
 
     # ------------------------------------------------------------------ step
+    def _check_groups(self, groups: list) -> None:
+        if len(groups) != len(self._params) or any(
+                len(g["params"]) != len(ps) or any(a is not b for a, b in zip(g["params"], ps))
+                for g, ps in zip(groups, self._params)):
+            raise RuntimeError(f"the optimizer's parameters changed since it was created with state={self.mode!r} "
+                               "(the state file is laid out for the original parameter list)")
+
     def _collect(self, opt) -> tuple:
         """Validate grads/params of every group (before any I/O) and return per-group info."""
         info = []
-        for gi, group in enumerate(self._groups):
+        self._check_groups(opt.param_groups)
+        for gi, group in enumerate(opt.param_groups):
             if bool(group["amsgrad"]) != self.amsgrad[gi]:
                 raise ValueError(f"group {gi}: amsgrad cannot change after construction with state={self.mode!r}")
-            params = group["params"]
+            params = self._params[gi]
             active = np.zeros(len(params), dtype=bool)
             for i, p in enumerate(params):
                 if p.grad is None:
@@ -326,7 +335,7 @@ class StateStore:
                 if active.any():
                     self.steps[gi][torch.from_numpy(active)] += 1
                     for i in np.flatnonzero(active):
-                        p = self._groups[gi]["params"][i]
+                        p = self._params[gi][i]
                         st = opt.state[p]
                         if "step" not in st:
                             st["step"] = self.steps[gi][int(i)]
@@ -346,7 +355,7 @@ class StateStore:
         """First step of a parameter: create its state in the buffer as the in-RAM mode would."""
         ready = self.ready[b.gi]
         f32 = buf.view(torch.float32)
-        params = self._groups[b.gi]["params"]
+        params = self._params[b.gi]
         for (i, start, n, pos) in b.pieces:
             if ready[i]:
                 continue
@@ -359,7 +368,7 @@ class StateStore:
 
     def _table(self, b: _Bucket, act: list, base: int) -> np.ndarray:
         t = np.zeros((len(act), TASK_COLS), dtype=np.int64)
-        params = self._groups[b.gi]["params"]
+        params = self._params[b.gi]
         steps = self.steps[b.gi].numpy()
         off = 1 if b.low else 0
         for r, (i, start, n, pos) in enumerate(act):
@@ -479,8 +488,8 @@ class StateStore:
             self.engine.wait_all()
         mm = self._state_mapping()
         out = {}
-        for gi, group in enumerate(self._groups):
-            for i, p in enumerate(group["params"]):
+        for gi, params in enumerate(self._params):
+            for i, p in enumerate(params):
                 if not self.ready[gi][i] and p.numel() > 0:
                     continue
                 pcs = self.pieces[(gi, i)]
@@ -509,7 +518,7 @@ class StateStore:
         """
         self._check_usable()
         for (gi, i), st in entries.items():
-            p = self._groups[gi]["params"][i]
+            p = self._params[gi][i]
             for key in self._keys(gi, p.dtype in _LOW):
                 if key == "master_param" and key not in st:
                     continue
@@ -531,7 +540,7 @@ class StateStore:
                 else:
                     buf = self._mapping[1][b.offset:b.offset + b.nbytes]
                 f32 = buf.view(torch.float32)
-                params = self._groups[b.gi]["params"]
+                params = self._params[b.gi]
                 for (i, start, n, pos) in hit:
                     st, p = entries[(b.gi, i)], params[i]
                     for s, key in enumerate(self._keys(b.gi, b.low)):
@@ -546,7 +555,7 @@ class StateStore:
                 if self.mode == "nvme":
                     self.engine.write(self.file, buf, b.offset, b.nbytes).wait()
                     self.telemetry["bytes_written"] += b.nbytes
-            for gi in range(len(self._groups)):  # like torch: parameters missing from the saved state start fresh
+            for gi in range(len(self._params)):  # like torch: parameters missing from the saved state start fresh
                 self.ready[gi][:] = False
                 self.steps[gi].zero_()
             for (gi, i), st in entries.items():

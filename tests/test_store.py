@@ -399,3 +399,31 @@ def test_load_partial_state_resets_the_others_like_ram(tmp_path, mode):
     run_steps(ps_r, ram, 3, start=3)
     run_steps(ps_n, nv, 3, start=3)
     assert_same(ps_r, ram.state_dict(), ps_n, nv.state_dict())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_hyperparameters_follow_loaded_groups_and_schedulers(tmp_path, mode):
+    # load_state_dict replaces the group dicts; the store must use the live ones (lr from the
+    # checkpoint, then from the scheduler)
+    ps_r, ps_n = make_params(8), make_params(8)
+    ram = make_opt(ps_r)
+    nv = make_opt(ps_n, state=mode, nvme_dir=tmp_path, host_budget=20480)
+    run_steps(ps_r, ram, 2)
+    run_steps(ps_n, nv, 2)
+    sd = ram.state_dict()
+    sd["param_groups"][0]["lr"] = 0.05
+    sd["param_groups"][2]["weight_decay"] = 0.3
+    ram.load_state_dict(sd)
+    nv.load_state_dict(sd)
+    sr = torch.optim.lr_scheduler.StepLR(ram, step_size=1, gamma=0.5)
+    sn = torch.optim.lr_scheduler.StepLR(nv, step_size=1, gamma=0.5)
+    for s in range(3):
+        run_steps(ps_r, ram, 1, start=2 + s)
+        run_steps(ps_n, nv, 1, start=2 + s)
+        sr.step()
+        sn.step()
+    assert_same(ps_r, ram.state_dict(), ps_n, nv.state_dict())
+    nv.param_groups[0]["params"] = nv.param_groups[0]["params"][:1]
+    with pytest.raises(RuntimeError, match="parameters changed"):
+        run_steps(ps_n, nv, 1, start=9)
