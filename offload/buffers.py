@@ -66,7 +66,7 @@ class HostArena:
         return self.memory.numel()
 
     def close(self) -> None:
-        if self.pinned:
+        if getattr(self, "pinned", False):
             _cuda_unregister(self.memory)
             self.pinned = False
 
