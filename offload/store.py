@@ -151,6 +151,7 @@ class StateStore:
         self.nvme_dir = nvme_dir
         # the parameters as laid out; hyperparameters are read from the optimizer's groups each step
         self._params = [list(g["params"]) for g in param_groups]
+        self._dtypes = [[p.dtype for p in ps] for ps in self._params]
         self._failed: Optional[BaseException] = None
         self.engine = None
         self.file = None
@@ -312,6 +313,9 @@ class StateStore:
                     continue
                 if p.numel() != sum(pc[2] for pc in self.pieces[(gi, i)]):
                     raise RuntimeError(f"parameter {i} of group {gi} changed size since the optimizer was created")
+                if p.dtype != self._dtypes[gi][i]:  # the bucket layout depends on it (master section or not)
+                    raise RuntimeError(f"parameter {i} of group {gi} changed dtype ({self._dtypes[gi][i]} -> "
+                                       f"{p.dtype}) since the optimizer was created with state={self.mode!r}")
                 check_tensor(p, f"parameter {i}", dtypes=(torch.float32,) + _LOW)
                 check_tensor(p.grad, f"gradient of parameter {i}", dtypes=(p.dtype,), shape=p.shape)
                 active[i] = True

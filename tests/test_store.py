@@ -327,6 +327,11 @@ def test_validation_errors_do_not_poison(tmp_path):
     ps[0].grad = torch.zeros(2000)[::2]
     with pytest.raises(RuntimeError, match="not contiguous"):
         opt.step()
+    ps[0].data = ps[0].data.bfloat16()  # a dtype change would change the bucket layout
+    ps[0].grad = None
+    with pytest.raises(RuntimeError, match="changed dtype"):
+        run_steps(ps, opt, 1, start=1)
+    ps[0].data = ps[0].data.float()
     run_steps(ps, opt, 1, start=1)  # still usable: nothing was touched
 
 
