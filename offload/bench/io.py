@@ -7,12 +7,13 @@ Measured on the directory the user names (default: a temp dir on the current fil
   pwrite      plain buffered os.pwrite + fsync / os.preadv after dropping the file's cached pages
   memmap      numpy.memmap copy + flush / copy out after dropping cached pages
   aiofiles    aiofiles (thread-pool buffered I/O) if installed
+  deepspeed   DeepSpeed's AIO handle (libaio, O_DIRECT) with its page-locked buffer, if importable
+              and its op builds (pip install deepspeed; apt-get install libaio-dev)
 Every method overwrites the same, already written file (as the state store rewrites its file every
 step; on ext4 a direct write that extends a file or fills unwritten extents holds the inode lock
 for its whole duration, so first writes to a fresh file run one at a time whatever the queue
 depth, for fio as for us). Buffered peers drop the page cache for the file (fsync + posix_fadvise DONTNEED) before reading,
-so every read comes from the disk. DeepSpeed's AIO handle is not measured (not installed here:
-it needs libaio-dev and a ~7 minute JIT build). Each figure is the median of --reps repetitions; ratios are to
+so every read comes from the disk. Each figure is the median of --reps repetitions; ratios are to
 fio's best queue depth for the same direction.
 """
 from __future__ import annotations
@@ -177,6 +178,46 @@ def bench_aiofiles(path: str, size: int, buf: torch.Tensor, chunk: int = 1 << 20
     return asyncio.run(run())
 
 
+def bench_deepspeed(path: str, size: int, request: int, qd: int, block: int, inflight: int, threads: int):
+    """DeepSpeed's AIO handle (libaio, O_DIRECT) on its own page-locked buffer: batches of
+    ``inflight`` async requests of ``request`` bytes, then wait(). None if DeepSpeed is not usable."""
+    try:
+        import logging
+        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        builder = AsyncIOBuilder()
+        if not builder.is_compatible(verbose=False):
+            return None
+        ds = builder.load(verbose=False)
+    except Exception:
+        return None
+    h = ds.aio_handle(block, qd, False, True, threads)
+    locked = h.new_cpu_locked_tensor(request * inflight, torch.empty(0, dtype=torch.uint8))
+    out = {}
+    try:
+        for op in ("write", "read"):
+            fn = h.async_pwrite if op == "write" else h.async_pread
+            t = time.perf_counter()
+            queued = 0
+            for off in range(0, size, request):
+                n = min(request, size - off)
+                fn(locked[queued * request:queued * request + n], path, off)
+                queued += 1
+                if queued == inflight:
+                    h.wait()
+                    queued = 0
+            if queued:
+                h.wait()
+            if op == "write":
+                fd = os.open(path, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+            out[op] = size / (time.perf_counter() - t)
+    finally:
+        h.free_cpu_locked_tensor(locked)
+    return out
+
+
 # ------------------------------------------------------------------------------ driver
 def run(args) -> int:
     measure(args)
@@ -195,7 +236,7 @@ def measure(args) -> dict:
         [(int(x), int(j)) for x, j in (c.split("x") for c in args.fio_jobs.split(",") if c)]
     buf = aligned_empty(max(request * args.inflight, 64 << 20))
     _fill(buf)
-    results: dict = {k: {"write": [], "read": []} for k in ("ours", "pwrite", "memmap", "aiofiles")}
+    results: dict = {k: {"write": [], "read": []} for k in ("ours", "deepspeed", "pwrite", "memmap", "aiofiles")}
     fio_all: dict = {}
     has_fio = shutil.which("fio") is not None and not args.no_fio
     notes = []
@@ -216,7 +257,9 @@ def measure(args) -> dict:
                     fio_all.setdefault(key, []).append(v)
             for name, fn in (("pwrite", lambda p: bench_pwrite(p, size, buf)),
                              ("memmap", lambda p: bench_memmap(p, size, buf)),
-                             ("aiofiles", lambda p: bench_aiofiles(p, size, buf))):
+                             ("aiofiles", lambda p: bench_aiofiles(p, size, buf)),
+                             ("deepspeed", lambda p: bench_deepspeed(p, size, request, args.queue_depth, block,
+                                                                     args.inflight, args.ds_threads))):
                 if name in args.skip.split(","):
                     continue
                 r = fn(p)
@@ -275,7 +318,7 @@ def _print(r: dict) -> None:
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("io", help="NVMe read/write throughput: our engine vs fio and buffered peers",
+    p = subparsers.add_parser("io", help="NVMe read/write throughput: our engine vs fio, DeepSpeed AIO and buffered peers",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: current directory)")
     p.add_argument("--size", default="2GiB", help="bytes written then read per method (default 2GiB)")
@@ -286,7 +329,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--fio-depths", default="1,4,16,32", help="fio iodepths to try, one job (default 1,4,16,32)")
     p.add_argument("--fio-jobs", default="8x2,4x4", help="extra fio configs iodepth x jobs (default 8x2,4x4)")
     p.add_argument("--no-fio", action="store_true", help="skip fio")
-    p.add_argument("--skip", default="", help="comma-separated peers to skip: pwrite,memmap,aiofiles")
+    p.add_argument("--skip", default="", help="comma-separated peers to skip: pwrite,memmap,aiofiles,deepspeed")
+    p.add_argument("--ds-threads", type=int, default=2, help="DeepSpeed intra_op_parallelism (default 2)")
     p.add_argument("--reps", type=int, default=3, help="repetitions (median reported; default 3)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=run)
