@@ -202,7 +202,10 @@ class StateStore:
                                            self.keep)
         self._reserve()
         if mode == "nvme":
-            self.arena = HostArena(nslots, slot_bytes)
+            # no larger than the largest bucket: a small model under a big budget allocates (and,
+            # with CUDA, pins) only what it can use
+            self.arena = HostArena(nslots, max([b.nbytes for b in self.buckets] + [ALIGN]))
+            self.slot_bytes = self.telemetry["slot_bytes"] = self.arena.slot_bytes
         else:
             mm = mmap.mmap(self.file.fd, self.file_bytes, mmap.MAP_SHARED,
                            mmap.PROT_READ | mmap.PROT_WRITE)
