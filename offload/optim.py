@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from . import _C, _kernels
 from ._kernels import (COL_G, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
                        COL_GD, DTYPE_CODES, TASK_COLS, check_tensor)
+from .gpu import GpuOffloadMixin, split_params, start_engine  # GPU-offload mode (offload/pipeline.py)
 
 __all__ = ["Adam", "AdamW"]
 
@@ -34,10 +35,13 @@ def _scalar(x) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
-def _check_param(p: torch.Tensor, where: str) -> None:
+def _check_param(p: torch.Tensor, where: str, gpu_mode: bool = False) -> None:
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{where}: expected a torch.Tensor, got {type(p).__name__}")
-    if p.device.type == "cuda" or p.device.type not in ("cpu",):
+    if gpu_mode:  # GPU offload: parameters on the device (or CPU tensors driven by a test device)
+        if p.device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"{where} is on {p.device}: GPU offload supports CUDA parameters")
+    elif p.device.type == "cuda" or p.device.type not in ("cpu",):
         raise RuntimeError(
             f"{where} is on {p.device}: this build steps CPU parameters only. GPU offload "
             "(parameters on the GPU, state in host RAM) is a separate mode that is not available yet.")
@@ -92,11 +96,12 @@ class _GroupPlan:
         return len(params) == len(self.ids) and all(id(p) == i for p, i in zip(params, self.ids))
 
 
-class _AdamBase(Optimizer):
+class _AdamBase(GpuOffloadMixin, Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None,
-                 decoupled_weight_decay: bool = False, threads: Optional[int] = None):
+                 decoupled_weight_decay: bool = False, threads: Optional[int] = None,
+                 offload_device=None, **gpu_options):
         _check_hyper(lr, betas, eps, weight_decay)
         if capturable:
             raise ValueError("capturable=True is not supported by offload (the step runs on the CPU)")
@@ -114,14 +119,21 @@ class _AdamBase(Optimizer):
         self._threads = threads
         self._plans: dict = {}
         self._pending_multiplier = 1.0
+        # --- GPU offload: the mode follows from where the parameters are (offload/gpu.py) ---
+        params, self._gpu_device = split_params(params, offload_device, gpu_options)
+        self._gpu = None
         super().__init__(params, defaults)
+        self._gpu = start_engine(self, self._gpu_device, gpu_options)
+        # --- end GPU offload ---
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for i, p in enumerate(params):
-            _check_param(p, f"parameter {i} of group {len(self.param_groups)}")
+            _check_param(p, f"parameter {i} of group {len(self.param_groups)}", self._gpu_device is not None)
+        if self._gpu is not None:
+            raise NotImplementedError("add_param_group after construction is not supported in GPU-offload mode")
         super().add_param_group(param_group)
         self._plans.clear()
 
@@ -137,12 +149,16 @@ class _AdamBase(Optimizer):
             group.setdefault("decoupled_weight_decay", False)
         self.__dict__.setdefault("_threads", None)
         self.__dict__.setdefault("_pending_multiplier", 1.0)
+        self.__dict__.setdefault("_gpu", None)
+        self.__dict__.setdefault("_gpu_device", None)
         self._plans = {}
 
     def __getstate__(self):
         d = super().__getstate__()
         d = dict(d)
         d.pop("_plans", None)
+        d.pop("_gpu", None)
+        d.pop("_gpu_device", None)
         return d
 
     def _plan(self, gi: int, group: dict) -> _GroupPlan:
@@ -262,6 +278,9 @@ class _AdamBase(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._gpu is not None:
+            self._gpu.step(grad_multiplier)
+            return loss
         mult = self._pending_multiplier * (1.0 if grad_multiplier is None else float(grad_multiplier))
         self._pending_multiplier = 1.0
         if not math.isfinite(mult):
@@ -295,6 +314,8 @@ class _AdamBase(Optimizer):
         ``min(1, max_norm / (norm + 1e-6))`` and the next :meth:`step` applies it inside the Adam
         kernel (one pass over memory instead of three). The gradients themselves are not modified.
         """
+        if self._gpu is not None:
+            return self._gpu.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         if float(norm_type) != 2.0:
             raise ValueError("offload's fused clipping supports norm_type=2.0 only")
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
@@ -308,6 +329,8 @@ class _AdamBase(Optimizer):
 
     # ------------------------------------------------------------------ state_dict
     def state_dict(self) -> dict:
+        if self._gpu is not None:
+            self._gpu.synchronize()
         sd = super().state_dict()
         # hand out copies of step counters: ours are views into one shared buffer
         sd["state"] = {k: {kk: (vv.clone() if kk == "step" and isinstance(vv, torch.Tensor) else vv)
@@ -357,7 +380,11 @@ class _AdamBase(Optimizer):
             sg["params"] = g["params"]
             if "param_names" in g and "param_names" not in sg:
                 sg["param_names"] = g["param_names"]
+        if self._gpu is not None:
+            self._gpu.synchronize()
         self.__setstate__({"state": new_state, "param_groups": saved_groups})
+        if self._gpu is not None:
+            self._gpu.load_state()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -372,10 +399,11 @@ class Adam(_AdamBase):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=False, threads=None):
+                 decoupled_weight_decay=False, threads=None, offload_device=None, **gpu_options):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=decoupled_weight_decay, threads=threads)
+                         decoupled_weight_decay=decoupled_weight_decay, threads=threads,
+                         offload_device=offload_device, **gpu_options)
 
 
 class AdamW(_AdamBase):
@@ -384,7 +412,9 @@ class AdamW(_AdamBase):
     _decoupled = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None, threads=None):
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None, threads=None,
+                 offload_device=None, **gpu_options):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True, threads=threads)
+                         decoupled_weight_decay=True, threads=threads, offload_device=offload_device,
+                         **gpu_options)
