@@ -98,6 +98,10 @@ class Device:
     def check(self) -> None:
         """Raise if a hazard was detected (only the fake device detects any)."""
 
+    def discard(self, event: Event) -> None:
+        """The scheduler will never use what the copy ending in ``event`` wrote (it was superseded
+        by a new copy of the same sources): a hazard on its sources is harmless."""
+
     def close(self) -> None:
         pass
 
@@ -221,6 +225,8 @@ class _FakeEvent(Event):
         self._stream = stream
         self._span = None
         self.error: Optional[BaseException] = None
+        self.hazards: List[str] = []
+        self.discarded = False
 
     def synchronize(self) -> None:
         if not self._done.wait(_WAIT_TIMEOUT_S):
@@ -305,7 +311,7 @@ class FakeDevice(Device):
         self._d2h = _FakeStream("d2h")
         self._h2d = _FakeStream("h2d")
         self._last: List[Event] = []
-        self.violations: List[str] = []
+        self._hazardous: List[_FakeEvent] = []
         self.copies = 0
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -328,17 +334,20 @@ class FakeDevice(Device):
             if self.poison:
                 _poison(d)
         label = stream.name
+        box: List[_FakeEvent] = []
 
         def run():
             for (d, s), snap in zip(pairs, snaps):
                 if not _same_bits(s, snap):
-                    msg = (f"{label} copy source {tuple(s.shape)} {s.dtype} was modified between enqueue "
-                           "and execution (overwritten while in use)")
-                    with self._lock:
-                        self.violations.append(msg)
+                    box[0].hazards.append(f"{label} copy source {tuple(s.shape)} {s.dtype} was modified between "
+                                          "enqueue and execution (overwritten while in use)")
                 d.copy_(s.reshape(d.shape))
+            if box[0].hazards:
+                with self._lock:
+                    self._hazardous.append(box[0])
 
         ev = stream.submit(run, after, delay)
+        box.append(ev)
         with self._lock:
             self._last.append(ev)
             if len(self._last) > 64:
@@ -362,9 +371,16 @@ class FakeDevice(Device):
         for ev in pending:
             ev.synchronize()
 
-    def check(self) -> None:
+    @property
+    def violations(self) -> List[str]:
         with self._lock:
-            v = list(self.violations)
+            return [h for ev in self._hazardous if not ev.discarded for h in ev.hazards]
+
+    def discard(self, event: Event) -> None:
+        event.discarded = True
+
+    def check(self) -> None:
+        v = self.violations
         if v:
             raise AssertionError(f"FakeDevice detected {len(v)} hazard(s); first: {v[0]}")
 

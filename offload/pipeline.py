@@ -84,6 +84,7 @@ class GpuOffloadEngine:
             b.h2d_issued = threading.Event()
             b.h2d_issued.set()
             b.h2d_ev: Optional[Event] = None
+            b.last_d2h_ev: Optional[Event] = None   # survives cycle resets
             b.norm_buf = device.host_empty(2 * len(b.slots), torch.float32)
         self.stats = StepStats(overlapped=self.overlap)
         self._reset_cycle()
@@ -106,6 +107,7 @@ class GpuOffloadEngine:
         if self.overlap:
             for s in self.slot_of.values():
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_grad_hook(s)))
+                self._hooks.append(s.param.register_hook(self._make_pre_accumulate_hook(s)))
             self._order_seen: Dict[int, int] = {}
             self._order_handle = torch.nn.modules.module.register_module_forward_pre_hook(self._observe_order)
             self._worker = threading.Thread(target=self._work, name="offload-cpu-step", daemon=True)
@@ -184,6 +186,7 @@ class GpuOffloadEngine:
             b.d2h_ev = None
             b.queued = False
             b.norm_parts = []                 # [(positions, offset)] into norm_buf
+            b.cycle_d2h = []                  # this cycle's D2H events of the bucket
             b.norm_cursor = 0
         self._in_cycle = False
 
@@ -216,6 +219,16 @@ class GpuOffloadEngine:
                 self._launch(b, sorted(b.ready))
                 if self.eager:
                     self._queue_step(b, self.opt._group_hyper(self.opt.param_groups[b.group]), 1.0)
+        return hook
+
+    def _make_pre_accumulate_hook(self, s: Slot):
+        def hook(grad: torch.Tensor):
+            # a gradient is about to be accumulated into p.grad while an earlier copy of it may still
+            # be in flight (a second backward before step()): the compute stream waits for that copy
+            ev = s.bucket.last_d2h_ev
+            if ev is not None and not ev.query():
+                self._blocked(self.device.wait(ev))
+            return grad
         return hook
 
     def _second_backward(self, b: Bucket) -> None:
@@ -261,7 +274,8 @@ class GpuOffloadEngine:
         pairs = [(b.grad_view(s), g) for s, g in zip(slots, grads)]
         pairs.append((b.norm_buf[off:off + k], sq))
         ev = self.device.copy_to_host(pairs, after)
-        b.d2h_ev = ev
+        b.d2h_ev = b.last_d2h_ev = ev
+        b.cycle_d2h.append(ev)
         nbytes = sum(g.numel() * g.element_size() for g in grads)
         self.stats.add(d2h_bytes=nbytes)
         with self._ev_lock:
@@ -364,6 +378,17 @@ class GpuOffloadEngine:
                     "(e.g. torch.nn.utils.clip_grad_norm_ or GradScaler.unscale_ on the device gradients). "
                     "Use optimizer.clip_grad_norm_ / max_grad_norm= and check_overflow=True (which turn off "
                     "stepping during backward), or pass step_during_backward=False.")
+            if any(i in b.copied for i in todo):
+                # a gradient changed after it was sent: send the whole bucket again (norms too) and
+                # never use the earlier copies
+                if any(b.slots[i].param.grad is None for i in b.copied):
+                    raise RuntimeError("offload: a gradient changed after it was sent and released "
+                                       "(release_grads=True); it cannot be sent again")
+                todo = sorted(set(todo) | set(b.copied))
+                for ev in b.cycle_d2h:
+                    self.device.discard(ev)
+                b.cycle_d2h = []
+                b.norm_parts, b.norm_cursor = [], 0
             self._begin_cycle()
             self._launch(b, todo)
 
@@ -435,6 +460,9 @@ class GpuOffloadEngine:
             raise ValueError(f"grad_multiplier must be finite, got {mult}")
         stats.grad_multiplier = mult
         stats.skipped = skip
+        for b in self.buckets:   # the device gradients may be zeroed in place after step(): not while read
+            if b.copied and not self.release_grads:
+                self._blocked(self.device.wait(b.d2h_ev))
         bwd = self.device.record()
         seq: List[Bucket] = []
         if not skip:
