@@ -65,18 +65,22 @@ class Pool {
     // Grow only: shrinking just means later calls use fewer workers.
     while (static_cast<int>(workers_.size()) + 1 < n) {
       const int tid = static_cast<int>(workers_.size()) + 1;
-      workers_.emplace_back([this, tid] { loop(tid); });
+      // The worker must start from the generation current *now*: if it read generation_ itself
+      // when it first gets scheduled, a job published in between would be skipped (pending_
+      // never reaches 0: deadlock). Callers hold run_mu_ (or are the constructor), so no job is
+      // published while this runs.
+      uint64_t start;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        start = generation_;
+      }
+      workers_.emplace_back([this, tid, start] { loop(tid, start); });
       workers_.back().detach();
     }
     size_.store(n);
   }
 
-  void loop(int tid) {
-    uint64_t seen = 0;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      seen = generation_;
-    }
+  void loop(int tid, uint64_t seen) {
     for (;;) {
       const std::function<void(int)>* job;
       bool mine;
