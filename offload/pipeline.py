@@ -44,7 +44,7 @@ __all__ = ["GpuOffloadEngine", "GPU_OPTIONS"]
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 GPU_OPTIONS = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm", "check_overflow",
                "release_grads", "trace")
-_HOST_WAIT_S = 300.0
+_HOST_WAIT_S = 300.0  # a hang is a bug: fail loudly instead
 
 
 class _WorkerError(RuntimeError):
