@@ -265,8 +265,8 @@ class GpuOffloadEngine:
             old = b.norm_buf
             b.norm_buf = self.device.host_empty(2 * (b.norm_cursor + k), torch.float32)
             b.norm_buf[:b.norm_cursor].copy_(old[:b.norm_cursor])
-        norms = torch._foreach_norm(grads, 2)
-        sq = torch.stack([n.float() for n in norms]).square()
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)   # fp32 even for bf16/fp16 grads
+        sq = torch.stack(norms).square()
         off = b.norm_cursor
         b.norm_parts.append((list(positions), off))
         b.norm_cursor += k

@@ -69,7 +69,7 @@ def _make_optimizer(variant: str, model, device, args):
         return torch.optim.AdamW(groups, lr=args.lr, fused=True)
     import offload
     from offload.device import CudaDevice, FakeDevice
-    dev = CudaDevice(device) if device.type == "cuda" else FakeDevice(max_delay=0.0, poison=False)
+    dev = CudaDevice(device) if device.type == "cuda" else FakeDevice(max_delay=0.0, poison=False, check=False)
     opts = dict(bucket_mb=args.bucket_mb, offload_device=dev, trace=bool(args.trace))
     if variant == "offload-overlap":
         return offload.AdamW(groups, lr=args.lr, **opts)
