@@ -265,14 +265,15 @@ class GpuOffloadEngine:
             old = b.norm_buf
             b.norm_buf = self.device.host_empty(2 * (b.norm_cursor + k), torch.float32)
             b.norm_buf[:b.norm_cursor].copy_(old[:b.norm_cursor])
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)   # fp32 even for bf16/fp16 grads
-        sq = torch.stack(norms).square()
-        off = b.norm_cursor
-        b.norm_parts.append((list(positions), off))
-        b.norm_cursor += k
-        after = self.device.record()
         pairs = [(b.grad_view(s), g) for s, g in zip(slots, grads)]
-        pairs.append((b.norm_buf[off:off + k], sq))
+        if not self.eager:   # squared norms for clipping / overflow: computed on the device, k scalars cross
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)   # fp32 even for bf16/fp16 grads
+            sq = torch.stack(norms).square()
+            off = b.norm_cursor
+            b.norm_parts.append((list(positions), off))
+            b.norm_cursor += k
+            pairs.append((b.norm_buf[off:off + k], sq))
+        after = self.device.record()
         ev = self.device.copy_to_host(pairs, after)
         b.d2h_ev = b.last_d2h_ev = ev
         b.cycle_d2h.append(ev)
