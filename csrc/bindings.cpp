@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <stdexcept>
+#include <vector>
 
 #include "adam.h"
 #include "kernels.h"
@@ -39,6 +40,16 @@ const T* table_rows(const py::array& a, int64_t* rows, const char* what) {
 AdamHyper hyper(double lr, double beta1, double beta2, double eps, double wd, bool decoupled,
                 bool amsgrad, bool maximize, double grad_multiplier) {
   return AdamHyper{lr, beta1, beta2, eps, wd, grad_multiplier, decoupled, amsgrad, maximize};
+}
+
+// tensor.data_ptr() through the vectorcall protocol (no bound-method object per call).
+int64_t data_ptr(PyObject* tensor, PyObject* name) {
+  PyObject* r = PyObject_CallMethodNoArgs(tensor, name);
+  if (r == nullptr) throw py::error_already_set();
+  const long long v = PyLong_AsLongLong(r);
+  Py_DECREF(r);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return static_cast<int64_t>(v);
 }
 
 int check_threads(int threads) {
@@ -85,6 +96,38 @@ PYBIND11_MODULE(_C, m) {
       py::arg("grad_multiplier"), py::arg("threads") = 0, py::arg("reference") = false,
       "Adam/AdamW update of every tensor in an int64 table with rows "
       "(p, m, v, vmax, g, out, n, step, gdtype, odtype). Internal: use offload._kernels.");
+
+  // Per-step gather for the optimizer (offload/optim.py, _GroupPlan): one C loop instead of a
+  // Python loop over every parameter. Holds the GIL (it calls into Python objects).
+  m.def(
+      "collect_grads",
+      [](const py::list& params, py::list& cached_grads, py::array_t<int64_t> p_ptrs,
+         py::array_t<int64_t> g_ptrs) {
+        const py::ssize_t n = static_cast<py::ssize_t>(params.size());
+        if (static_cast<py::ssize_t>(cached_grads.size()) != n || p_ptrs.ndim() != 1 || g_ptrs.ndim() != 1 ||
+            p_ptrs.shape(0) != n || g_ptrs.shape(0) != n)
+          throw std::invalid_argument("collect_grads: lists and pointer arrays must have one entry per parameter");
+        auto pp = p_ptrs.unchecked<1>();
+        auto gp = g_ptrs.unchecked<1>();
+        std::vector<int64_t> ready, changed;
+        ready.reserve(n);
+        static const py::str grad_name("grad"), data_ptr_name("data_ptr");
+        for (py::ssize_t i = 0; i < n; ++i) {
+          py::handle p = params[i];
+          py::object g = py::reinterpret_steal<py::object>(PyObject_GetAttr(p.ptr(), grad_name.ptr()));
+          if (!g) throw py::error_already_set();
+          if (g.is_none()) continue;
+          if (data_ptr(p.ptr(), data_ptr_name.ptr()) != pp(i) || !g.is(cached_grads[i]) ||
+              data_ptr(g.ptr(), data_ptr_name.ptr()) != gp(i))
+            changed.push_back(i);
+          else
+            ready.push_back(i);
+        }
+        return py::make_tuple(py::array_t<int64_t>(ready.size(), ready.data()), changed);
+      },
+      py::arg("params"), py::arg("cached_grads"), py::arg("p_ptrs"), py::arg("g_ptrs"),
+      "Indices of parameters whose grad is set and whose param/grad pointers and grad object are "
+      "unchanged since cached (ready), and of those that need re-validation in Python (changed).");
 
   m.def(
       "grad_sumsq",

@@ -65,21 +65,19 @@ class Pool {
     // Grow only: shrinking just means later calls use fewer workers.
     while (static_cast<int>(workers_.size()) + 1 < n) {
       const int tid = static_cast<int>(workers_.size()) + 1;
-      // The worker must start from the generation current *now*: if it read generation_ itself
-      // when it first gets scheduled, a job published in between would be skipped (pending_
-      // never reaches 0: deadlock). Callers hold run_mu_ (or are the constructor), so no job is
-      // published while this runs.
-      uint64_t start;
+      uint64_t gen;
       {
         std::lock_guard<std::mutex> lk(mu_);
-        start = generation_;
+        gen = generation_;  // no job is in flight (run_mu_ is held), so this is current
       }
-      workers_.emplace_back([this, tid, start] { loop(tid, start); });
+      workers_.emplace_back([this, tid, gen] { loop(tid, gen); });
       workers_.back().detach();
     }
     size_.store(n);
   }
 
+  // `seen` is the generation at creation: a job published before this thread first takes the
+  // lock must still be seen as new, or run() would wait for it forever.
   void loop(int tid, uint64_t seen) {
     for (;;) {
       const std::function<void(int)>* job;

@@ -88,9 +88,9 @@ class _GroupPlan:
         self.table = np.zeros((n, TASK_COLS), dtype=np.int64)
         self.steps = torch.zeros(n, dtype=torch.float32)
         self.steps_np = self.steps.numpy()
-        self.p_ptr = [-1] * n
-        self.g_obj: list = [None] * n
-        self.g_ptr = [0] * n
+        self.p_ptr = np.full(n, -1, dtype=np.int64)  # param pointer the table row was built for
+        self.g_ptr = np.full(n, -1, dtype=np.int64)  # gradient pointer last validated
+        self.g_obj: list = [None] * n                # gradient object last validated
 
     def matches(self, params: list) -> bool:
         return len(params) == len(self.ids) and all(id(p) == i for p, i in zip(params, self.ids))
@@ -216,6 +216,7 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         row[COL_VMAX] = _kernels._ptr(st.get("max_exp_avg_sq"))
         row[COL_N] = p.numel()
         plan.p_ptr[i] = -1  # forces the param columns to be refreshed
+        plan.g_obj[i] = None
 
     def _refresh_param(self, plan: _GroupPlan, i: int, p: torch.Tensor, st: dict) -> None:
         _check_param(p, f"parameter {i}")
@@ -244,28 +245,31 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         return dict(lr=lr, beta1=_scalar(beta1), beta2=_scalar(beta2), eps=float(eps), weight_decay=float(wd),
                     decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]))
 
-    def _collect(self, plan: _GroupPlan, group: dict) -> list:
-        """Rows of parameters with a gradient; validates what changed since the last step."""
-        rows = []
-        table = plan.table
-        state = self.state
-        for i, p in enumerate(plan.params):
+    def _collect(self, plan: _GroupPlan, group: dict) -> np.ndarray:
+        """Rows of parameters with a gradient, in order; validates whatever changed since the last step.
+
+        The native gather returns the rows whose param pointer, grad object and grad pointer are
+        unchanged (already validated); the rest are (re)validated here.
+        """
+        ready, changed = _C.collect_grads(plan.params, plan.g_obj, plan.p_ptr, plan.g_ptr)
+        if not changed:
+            return ready
+        table, state = plan.table, self.state
+        for i in changed:
+            p = plan.params[i]
             g = p.grad
-            if g is None:
-                continue
             st = state.get(p)
             if not st:
+                _check_param(p, f"parameter {i}")
                 st = self._init_state(plan, i, p, group)
             if p.data_ptr() != plan.p_ptr[i]:
                 self._refresh_param(plan, i, p, st)
-            if g is not plan.g_obj[i] or g.data_ptr() != plan.g_ptr[i]:
-                check_tensor(g, f"gradient of parameter {i}", dtypes=(p.dtype,), shape=p.shape)
-                plan.g_obj[i] = g
-                plan.g_ptr[i] = g.data_ptr()
-                table[i, COL_G] = _kernels._ptr(g)
-                table[i, COL_GD] = DTYPE_CODES[g.dtype]
-            rows.append(i)
-        return rows
+            check_tensor(g, f"gradient of parameter {i}", dtypes=(p.dtype,), shape=p.shape)
+            plan.g_obj[i] = g
+            plan.g_ptr[i] = g.data_ptr()
+            table[i, COL_G] = _kernels._ptr(g)
+            table[i, COL_GD] = DTYPE_CODES[g.dtype]
+        return np.sort(np.concatenate([ready, np.asarray(changed, dtype=np.int64)]))
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_multiplier: Optional[float] = None):
@@ -289,14 +293,14 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         for gi, group in enumerate(self.param_groups):
             plan = self._plan(gi, group)
             rows = self._collect(plan, group)
-            if not rows:
+            if len(rows) == 0:
                 continue
             h = self._group_hyper(group)
             if len(rows) == len(plan.params):
                 plan.steps_np += 1
                 table = plan.table
             else:
-                idx = np.asarray(rows, dtype=np.int64)
+                idx = rows
                 plan.steps_np[idx] += 1
                 table = plan.table[idx]
             table[:, COL_STEP] = plan.steps_np if table is plan.table else plan.steps_np[idx]

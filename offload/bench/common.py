@@ -1,0 +1,95 @@
+"""common.py: helpers shared by the benchmark subcommands: timing, medians, progress, tables, JSON."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Iterable, Optional
+
+
+def median_time(fn: Callable[[], None], reps: int, warmup: int = 1) -> list:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def median(xs: Iterable[float]) -> float:
+    return statistics.median(list(xs))
+
+
+class Progress:
+    """tqdm when installed, else a one-line counter on stderr (silent when not a terminal)."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True):
+        self.bar = None
+        self.n, self.total, self.desc = 0, total, desc
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, desc=desc, leave=False, file=sys.stderr)
+            except ImportError:
+                pass
+
+    def update(self, label: str = "") -> None:
+        self.n += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update(1)
+        elif self.enabled and sys.stderr.isatty():
+            sys.stderr.write(f"\r{self.desc}: {self.n}/{self.total} {label[:50]:<50}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled and sys.stderr.isatty():
+            sys.stderr.write("\r" + " " * 80 + "\r")
+
+
+def format_table(headers: list, rows: list) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for j, r in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def machine_info() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import torch
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def write_json(path: Optional[str], payload: dict) -> None:
+    if not path:
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

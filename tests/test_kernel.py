@@ -1,0 +1,270 @@
+# test_kernel.py: the native Adam kernel, every forced ISA path x grad dtype x output dtype x
+# variant, against the plain scalar reference (bitwise: all paths do the same IEEE operations
+# in the same order with FMA contraction disabled), against float64 math, and across thread counts.
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from offload import _C, kernels
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+SIZES = [0, 1, 15, 16, 17, 63, 4097]
+VARIANTS = [  # (decoupled, amsgrad, maximize, weight_decay)
+    (True, False, False, 0.1),
+    (False, False, False, 0.1),
+    (True, True, False, 0.0),
+    (False, True, True, 0.05),
+    (True, False, True, 0.0),
+]
+
+
+def make_state(n, gdtype, odtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen)
+    m = torch.randn(n, generator=gen) * 0.1
+    v = torch.rand(n, generator=gen) * 0.01
+    vmax = v + torch.rand(n, generator=gen) * 0.01
+    g = (torch.randn(n, generator=gen) * 3).to(gdtype)
+    out = torch.empty(n, dtype=odtype) if odtype is not None else None
+    return [p, m, v, vmax, g, out]
+
+
+def run(state, variant, step=3, reference=False, threads=0, mult=1.0, lr=1e-2):
+    p, m, v, vmax, g, out = state
+    decoupled, amsgrad, maximize, wd = variant
+    kernels.adam_step([p], [g], [m], [v], [vmax], [step], lr=lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                      weight_decay=wd, decoupled=decoupled, amsgrad=amsgrad, maximize=maximize,
+                      grad_multiplier=mult, outs=[out] if out is not None else None,
+                      threads=threads, reference=reference)
+
+
+def clone(state):
+    return [t.clone() if t is not None else None for t in state]
+
+
+def assert_bitwise(a, b):
+    for x, y in zip(a, b):
+        if x is None:
+            continue
+        assert torch.equal(x.view(torch.int16 if x.element_size() == 2 else torch.int32),
+                           y.view(torch.int16 if y.element_size() == 2 else torch.int32))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("gd,od", list(itertools.product(["f32", "bf16", "f16"], [None, "bf16", "f16"])))
+def test_isa_matches_reference_bitwise(isa, n, gd, od):
+    for vi, variant in enumerate(VARIANTS):
+        state = make_state(n, DTYPES[gd], DTYPES.get(od), seed=n * 31 + vi)
+        ref = clone(state)
+        mult = 0.5 if vi % 2 else 1.0
+        run(state, variant, mult=mult)
+        run(ref, variant, mult=mult, reference=True)
+        assert_bitwise(state, ref)
+
+
+@pytest.mark.parametrize("gd", ["f32", "bf16"])
+def test_large_odd_size_matches_reference(isa, gd):
+    n = (1 << 20) + 3
+    state = make_state(n, DTYPES[gd], torch.bfloat16, seed=7)
+    ref = clone(state)
+    run(state, VARIANTS[0], step=1)
+    run(ref, VARIANTS[0], step=1, reference=True)
+    assert_bitwise(state, ref)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_bitwise_identical_across_thread_counts(threads):
+    n = 300_007  # several chunks per thread, odd tail
+    base = make_state(n, torch.bfloat16, torch.bfloat16, seed=1)
+    one = clone(base)
+    run(one, VARIANTS[3], threads=1)
+    many = clone(base)
+    kernels.set_num_threads(max(threads, kernels.get_num_threads()))
+    run(many, VARIANTS[3], threads=threads)
+    assert_bitwise(many, one)
+
+
+def _specials():
+    # ties, subnormals, overflow edge, signed zeros, large values
+    vals = [0.0, -0.0, 1.0, -1.0, 65504.0, 65519.0, 65520.0, 1e-8, -1e-8, 6e-8, 3e-8, 5.9604645e-08,
+            2.9802322e-08, 1.0000001, 1.00390625, 1.005859375, 3.0e38, -3.0e38, 1e-40, -1e-45, 6.1e-5,
+            2.0 ** -14, 2.0 ** -24, 2.0 ** -25, 1.5 * 2.0 ** -25]
+    gen = torch.Generator().manual_seed(3)
+    rnd = torch.cat([torch.randn(4096, generator=gen) * s for s in (1e-6, 1e-3, 1.0, 1e3, 1e5)])
+    bits = torch.randint(-2**31, 2**31 - 1, (8192,), generator=gen, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    bits = bits[torch.isfinite(bits)]
+    return torch.cat([torch.tensor(vals, dtype=torch.float32), rnd, bits])
+
+
+@pytest.mark.parametrize("od", ["bf16", "f16"])
+def test_output_bits_equal_torch_cast(isa, od):
+    """Fused output equals master.to(dtype) bit for bit (round to nearest even)."""
+    target = _specials()
+    n = target.numel()
+    # With lr=0 and no decay, the update leaves p unchanged, so out == round(p).
+    p = target.clone()
+    m, v = torch.zeros(n), torch.ones(n)
+    out = torch.empty(n, dtype=DTYPES[od])
+    kernels.adam_step([p], [torch.zeros(n)], [m], [v], None, [1], lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
+                      weight_decay=0.0, decoupled=True, outs=[out])
+    assert torch.equal(p, target)
+    expect = target.to(DTYPES[od])
+    assert torch.equal(out.view(torch.int16), expect.view(torch.int16))
+
+
+def test_nan_output_is_nan(isa):
+    p = torch.tensor([float("nan")] * 17)
+    for od in ("bf16", "f16"):
+        out = torch.empty(17, dtype=DTYPES[od])
+        kernels.adam_step([p.clone()], [torch.zeros(17)], [torch.zeros(17)], [torch.ones(17)], None, [1], lr=0.0,
+                          beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, outs=[out])
+        assert torch.isnan(out.float()).all()
+
+
+@pytest.mark.parametrize("gd", ["f32", "bf16", "f16"])
+def test_grad_input_conversion_exact(isa, gd):
+    """A low-precision gradient is widened exactly: same update as its fp32 upcast."""
+    g = (_specials()[:20000] * 1e-3).to(DTYPES[gd])
+    g = torch.where(torch.isfinite(g.float()), g, torch.zeros_like(g))
+    n = g.numel()
+    a = [torch.zeros(n), torch.zeros(n), torch.zeros(n)]
+    b = [torch.zeros(n), torch.zeros(n), torch.zeros(n)]
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    kernels.adam_step([a[0]], [g], [a[1]], [a[2]], None, [1], **kw)
+    kernels.adam_step([b[0]], [g.float()], [b[1]], [b[2]], None, [1], **kw)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def _float64_adam(p, grads, decoupled, amsgrad, wd, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
+    p = p.double().clone()
+    m = torch.zeros_like(p); v = torch.zeros_like(p); vm = torch.zeros_like(p)
+    for t, g in enumerate(grads, 1):
+        g = g.double()
+        if wd:
+            if decoupled:
+                p = p * (1 - lr * wd)
+            else:
+                g = g + wd * p
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        vm = torch.maximum(vm, v)
+        vv = vm if amsgrad else v
+        p = p - lr / (1 - b1 ** t) * m / ((vv / (1 - b2 ** t)).sqrt() + eps)
+    return p
+
+
+@pytest.mark.parametrize("decoupled,amsgrad,wd", [(True, False, 0.01), (False, True, 0.01), (True, True, 0.0)])
+def test_error_vs_float64_no_worse_than_torch(isa, decoupled, amsgrad, wd):
+    n, steps = 4097, 200
+    gen = torch.Generator().manual_seed(11)
+    p0 = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen) * (1 + 0.01 * t) for t in range(steps)]
+    exact = _float64_adam(p0, grads, decoupled, amsgrad, wd)
+
+    ours = p0.clone(); m = torch.zeros(n); v = torch.zeros(n); vm = torch.zeros(n)
+    for t, g in enumerate(grads, 1):
+        kernels.adam_step([ours], [g], [m], [v], [vm], [t], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                          weight_decay=wd, decoupled=decoupled, amsgrad=amsgrad)
+    tp = p0.clone().requires_grad_()
+    opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)([tp], lr=1e-3, weight_decay=wd, amsgrad=amsgrad,
+                                                                 foreach=False)
+    for g in grads:
+        tp.grad = g.clone()
+        opt.step()
+    err_ours = ((ours.double() - exact).norm() / exact.norm()).item()
+    err_torch = ((tp.detach().double() - exact).norm() / exact.norm()).item()
+    assert err_ours <= err_torch * 1.05 + 1e-9, (err_ours, err_torch)
+
+
+def test_grad_sumsq_matches_and_is_deterministic():
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(n, generator=gen) for n in (0, 1, 17, 70_000, 200_003)] + \
+            [torch.randn(4097, generator=gen).to(torch.bfloat16), torch.randn(33, generator=gen).half()]
+    expect = sum(float((g.double() ** 2).sum()) for g in grads)
+    vals = set()
+    kernels.set_num_threads(max(7, kernels.get_num_threads()))
+    for threads in (1, 2, 3, 7):
+        vals.add(kernels.grad_sumsq(grads, threads=threads))
+    assert len(vals) == 1
+    assert abs(vals.pop() - expect) <= 1e-12 * expect
+
+
+def test_grad_sumsq_nonfinite(isa):
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        g = torch.randn(1001)
+        g[537] = bad
+        assert not np.isfinite(kernels.grad_sumsq([g]))
+        assert not np.isfinite(kernels.grad_sumsq([g.to(torch.bfloat16)]))
+
+
+# ---- the native layer's own checks (a wrong call must raise, never write out of bounds) ----
+
+def _table(rows):
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 10)
+
+
+def _call(table, **kw):
+    args = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, amsgrad=False,
+                maximize=False, grad_multiplier=1.0, threads=0, reference=False)
+    args.update(kw)
+    _C.adam_step(table, **args)
+
+
+def test_native_rejects_bad_tables():
+    p, m, v, g = (torch.zeros(8) for _ in range(4))
+    good = [p.data_ptr(), m.data_ptr(), v.data_ptr(), 0, g.data_ptr(), 0, 8, 1, 1, 0]
+    _call(_table(good))
+    bad_rows = {
+        "null param": [0] + good[1:],
+        "negative length": good[:6] + [-1] + good[7:],
+        "step 0": good[:7] + [0] + good[8:],
+        "bad gdtype": good[:8] + [9, 0],
+        "bad odtype": good[:9] + [7],
+        "out null": good[:9] + [2],
+        "overlap": [p.data_ptr(), p.data_ptr() + 4] + good[2:],
+    }
+    for what, row in bad_rows.items():
+        with pytest.raises(ValueError):
+            _call(_table(row))
+    with pytest.raises(ValueError):
+        _call(_table(good), amsgrad=True)  # vmax missing
+    with pytest.raises(ValueError):
+        _call(np.zeros((1, 9), dtype=np.int64))
+    with pytest.raises(ValueError):
+        _call(np.zeros((1, 10), dtype=np.int32))
+    with pytest.raises(ValueError):
+        _call(np.zeros((10, 2), dtype=np.int64).T)
+    for kw in (dict(lr=float("nan")), dict(lr=-1.0), dict(beta1=1.0), dict(beta2=-0.1), dict(eps=-1.0),
+               dict(weight_decay=float("inf")), dict(grad_multiplier=float("nan")), dict(threads=-1)):
+        with pytest.raises(ValueError):
+            _call(_table(good), **kw)
+
+
+def test_tensor_api_rejects_bad_tensors():
+    n = 16
+    ok = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    p, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    with pytest.raises(RuntimeError, match="elements"):
+        kernels.adam_step([p], [torch.zeros(n + 1)], [m], [v], None, [1], **ok)
+    with pytest.raises(TypeError, match="dtype"):
+        kernels.adam_step([p], [torch.zeros(n, dtype=torch.float64)], [m], [v], None, [1], **ok)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.adam_step([p], [torch.zeros(n, 2)[:, 0]], [m], [v], None, [1], **ok)
+    with pytest.raises(ValueError, match="steps"):
+        kernels.adam_step([p], [torch.zeros(n)], [m], [v], None, [0], **ok)
+
+
+def test_isa_selection():
+    assert kernels.available_isas()[0] == "scalar"
+    with pytest.raises(ValueError):
+        kernels.set_isa("sse9")
+    prev = kernels.get_isa()
+    try:
+        for name in kernels.available_isas():
+            kernels.set_isa(name)
+            assert kernels.get_isa() == name
+    finally:
+        kernels.set_isa(prev)
