@@ -91,6 +91,11 @@ class Device:
         """Compute stream waits for ``event``; returns host seconds blocked (0 on a real GPU)."""
         raise NotImplementedError
 
+    def timed_wait(self, event: Event) -> Event:
+        """Like ``wait``; the returned event's ``seconds()`` is how long the compute stream stalled
+        (on a GPU: measured with events around the wait; elsewhere: host seconds blocked)."""
+        return _DoneEvent(self.wait(event))
+
     def synchronize(self) -> None:
         """Block until every stream of this device is idle."""
         raise NotImplementedError
@@ -176,6 +181,14 @@ class CudaDevice(Device):
     def wait(self, event: Event) -> float:
         torch.cuda.current_stream(self.device).wait_event(event._end)
         return 0.0
+
+    def timed_wait(self, event: Event) -> Event:
+        stream = torch.cuda.current_stream(self.device)
+        start, end = self._event(True), self._event(True)
+        start.record(stream)
+        stream.wait_event(event._end)
+        end.record(stream)
+        return _CudaEvent(start, end)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -463,7 +463,9 @@ class GpuOffloadEngine:
         stats.skipped = skip
         for b in self.buckets:   # the device gradients may be zeroed in place after step(): not while read
             if b.copied and not self.release_grads:
-                self._blocked(self.device.wait(b.d2h_ev))
+                stall = self.device.timed_wait(b.d2h_ev)
+                with self._ev_lock:
+                    self._events.append(("exposed", b, stall, stats))
         bwd = self.device.record()
         seq: List[Bucket] = []
         if not skip:
@@ -535,9 +537,11 @@ class GpuOffloadEngine:
             t0 = time.perf_counter()
             self._wait_host(last.h2d_issued, "upload")
             blocked = time.perf_counter() - t0
-            blocked += self.device.wait(last.h2d_ev)
+            stall = self.device.timed_wait(last.h2d_ev)
             if count and self._seq_stats is not None:
                 self._blocked(blocked, self._seq_stats)
+                with self._ev_lock:
+                    self._events.append(("exposed", last, stall, self._seq_stats))
         if self._wait_ptr >= len(seq):
             if self._seq_stats is not None:
                 self._seq_stats.complete = True
@@ -563,7 +567,7 @@ class GpuOffloadEngine:
         for kind, b, ev, st in events:
             if ev.query():
                 st.add(**{f"{kind}_s": ev.seconds()})
-                if self.trace is not None:
+                if self.trace is not None and kind != "exposed":
                     self.trace.span(f"{kind} b{b.index}", kind, ev.span())
             else:
                 keep.append((kind, b, ev, st))
