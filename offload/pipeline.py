@@ -37,13 +37,14 @@ import torch
 from . import _C
 from .buckets import Bucket, Slot, build_buckets
 from .device import Device, Event
+from .smallparams import DeviceSideAdam
 from .telemetry import StepStats, Trace
 
 __all__ = ["GpuOffloadEngine", "GPU_OPTIONS"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 GPU_OPTIONS = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm", "check_overflow",
-               "release_grads", "trace")
+               "release_grads", "trace", "small_param_numel")
 _HOST_WAIT_S = 300.0  # a hang is a bug: fail loudly instead
 
 
@@ -56,11 +57,14 @@ class GpuOffloadEngine:
 
     def __init__(self, opt, device: Device, *, bucket_mb: float = 32.0, overlap: bool = True,
                  step_during_backward: Optional[bool] = None, max_grad_norm: Optional[float] = None,
-                 check_overflow: bool = False, release_grads: bool = False, trace: bool = False):
+                 check_overflow: bool = False, release_grads: bool = False, trace: bool = False,
+                 small_param_numel: int = 0):
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise ValueError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
         if max_grad_norm is not None and not (float(max_grad_norm) > 0):
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        if not (isinstance(small_param_numel, int) and small_param_numel >= 0):
+            raise ValueError(f"small_param_numel must be an int >= 0, got {small_param_numel!r}")
         if step_during_backward and (max_grad_norm is not None or check_overflow):
             raise ValueError("step_during_backward=True cannot be combined with max_grad_norm or check_overflow: "
                              "both need every gradient before any bucket may be stepped")
@@ -73,7 +77,11 @@ class GpuOffloadEngine:
         if step_during_backward is None:
             step_during_backward = max_grad_norm is None and not check_overflow
         self.eager = self.overlap and bool(step_during_backward)
-        groups = [g["params"] for g in opt.param_groups]
+        # parameters of at most small_param_numel elements stay on the device (offload/smallparams.py)
+        groups = [[p for p in g["params"] if p.numel() > small_param_numel] for g in opt.param_groups]
+        self.small = DeviceSideAdam(opt, {gi: [p for p in g["params"] if p.numel() <= small_param_numel]
+                                          for gi, g in enumerate(opt.param_groups)},
+                                    opt._group_hyper(opt.param_groups[0])["decoupled"])
         self.buckets: List[Bucket] = build_buckets(groups, int(bucket_mb * 2 ** 20), device,
                                                    [bool(g["amsgrad"]) for g in opt.param_groups])
         self.slot_of: Dict[int, Slot] = {id(s.param): s for b in self.buckets for s in b.slots}
@@ -159,6 +167,8 @@ class GpuOffloadEngine:
                 else:
                     self.device.copy_to_host([(b.master_view(s), s.param.detach())], None).synchronize()
                 self._register_state(s)
+        if self.small:
+            self.small.load()
 
     def reload_params(self) -> None:
         """Re-read master weights from the device parameters (after changing them in place)."""
@@ -394,7 +404,7 @@ class GpuOffloadEngine:
             self._launch(b, todo)
 
     def _total_sumsq(self) -> float:
-        total = 0.0
+        total = self.small.sumsq() if self.small else 0.0
         for b in self.buckets:
             if not b.copied:
                 continue
@@ -468,6 +478,8 @@ class GpuOffloadEngine:
                     self._events.append(("exposed", b, stall, stats))
         bwd = self.device.record()
         seq: List[Bucket] = []
+        if not skip and self.small:
+            self.small.step(mult)
         if not skip:
             order = sorted(self.buckets, key=lambda x: x.rank)
             for b in order:

@@ -449,3 +449,39 @@ def test_train_bench_runs_on_cpu(tmp_path, capsys):
     res = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     assert res["offload-overlap"]["iter_s"] > 0 and res["offload-sync"]["exposed_s"] is not None
     assert "skipped" in res["offload-nvme"]["error"]
+
+
+# ------------------------------------------------------------------------------------ small params
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("opts", [dict(), dict(max_grad_norm=0.05), dict(check_overflow=True, overlap=False)])
+def test_small_params_stepped_on_device(opts):
+    clip = opts.get("max_grad_norm")
+    inf = 3 if opts.get("check_overflow") else None
+    got = train(ours(small_param_numel=128, **opts), torch_clip=None, inf_step=inf)
+    eng = got[1]._gpu
+    n_small = len(eng.small.params)
+    assert n_small > 0 and all(p.numel() <= 128 for p in eng.small.params)
+    assert all(s.numel > 128 for b in eng.buckets for s in b.slots)
+    ref = train(torch_ref, torch_clip=clip, inf_step=inf)
+    assert_same(got, ref, exact=False, atol=1e-5, rtol=1e-4)   # state of small params included
+
+
+@pytest.mark.timeout(60)
+def test_small_params_state_dict_round_trip():
+    model, opt = train(ours(small_param_numel=128), steps=2)
+    sd = opt.state_dict()
+    model2 = make_net(torch.float32)
+    model2.load_state_dict(model.state_dict())
+    opt2 = ours(small_param_numel=128)(model2)
+    opt2.load_state_dict(sd)
+    ref_model = make_net(torch.float32)
+    ref_model.load_state_dict(model.state_dict())
+    ref = torch_ref(ref_model)
+    ref.load_state_dict(sd)
+    idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(3))
+    for m, o in ((model2, opt2), (ref_model, ref)):
+        m(idx, tgt, use_aux=True).backward()
+        o.step()
+        o.zero_grad()
+    opt2.synchronize()
+    assert_same((model2, opt2), (ref_model, ref), exact=False)
