@@ -110,7 +110,7 @@ def assert_same(a, b, exact=True, atol=1e-6, rtol=1e-5, state=True):
     sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
     assert sorted(sa) == sorted(sb)
     for k in sa:
-        for key in ("exp_avg", "exp_avg_sq", "master_param", "step"):
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param", "step"):
             if key in sb or (key in sa and key != "master_param"):
                 ta, tb = sa[k][key].float(), sb[k][key].float().to(ta.device)
                 if exact:
@@ -485,3 +485,26 @@ def test_small_params_state_dict_round_trip():
         o.zero_grad()
     opt2.synchronize()
     assert_same((model2, opt2), (ref_model, ref), exact=False)
+
+
+# ------------------------------------------------------------------------------------ variants
+@pytest.mark.timeout(60)
+def test_cpu_device_synchronous_copies():
+    from offload.device import CpuDevice
+
+    def factory(model):
+        return offload.AdamW(param_groups(model, 0.1), lr=LR, offload_device=CpuDevice(), bucket_mb=0.004)
+    assert_same(train(factory), train(cpu_mode))
+
+
+@pytest.mark.timeout(60)
+def test_adam_l2_and_amsgrad_match_torch():
+    def ours_adam(model):
+        return offload.Adam(param_groups(model, 0.1), lr=LR, amsgrad=True, offload_device=FakeDevice(seed=3),
+                            bucket_mb=0.004)
+
+    def ref_adam(model):
+        return torch.optim.Adam(param_groups(model, 0.1), lr=LR, amsgrad=True)
+    got = train(ours_adam)
+    assert "max_exp_avg_sq" in next(iter(got[1].state_dict()["state"].values()))
+    assert_same(got, train(ref_adam), exact=False)
