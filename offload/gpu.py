@@ -36,6 +36,8 @@ def split_params(params, offload_device, gpu_options: dict):
     if unknown:
         raise TypeError(f"unexpected keyword argument(s) {unknown}; GPU-offload options are {list(GPU_OPTIONS)}")
     device = resolve_device(offload_device, _flat(params))
+    if device is not None and device is not offload_device:
+        device._created_by_offload = True   # made here, not passed in: the engine closes it
     if device is None and gpu_options:
         raise TypeError(f"{sorted(gpu_options)} only apply to GPU offload (parameters on a GPU or offload_device=...)")
     return params, device
@@ -45,7 +47,9 @@ def start_engine(opt, device: Optional[Device], gpu_options: dict) -> Optional[G
     if device is None:
         return None
     opt._step_supports_amp_scaling = True   # GradScaler hands us grad_scale / found_inf instead of unscaling
-    return GpuOffloadEngine(opt, device, **gpu_options)
+    engine = GpuOffloadEngine(opt, device, **gpu_options)
+    engine.owns_device = getattr(device, "_created_by_offload", False)
+    return engine
 
 
 class GpuOffloadMixin:

@@ -619,6 +619,9 @@ class GpuOffloadEngine:
             self._jobs.put(None)
             self._worker.join(timeout=10)
             self._worker = None
+        if getattr(self, "owns_device", False):
+            self.owns_device = False
+            self.device.close()
 
     def __del__(self):
         try:
