@@ -450,6 +450,9 @@ class GpuOffloadEngine:
         if (gs is not None or found_inf is not None) and self.eager and any(b.queued for b in self.buckets):
             raise RuntimeError("offload: torch.amp.GradScaler needs check_overflow=True (or step_during_backward="
                                "False): buckets were already stepped during backward without the loss scale")
+        if self.eager and mult != 1.0:
+            raise RuntimeError(f"offload: step(grad_multiplier={mult}) needs step_during_backward=False: buckets "
+                               "are stepped during backward, before the multiplier is known")
         self._flush()
         stats = self.stats
         skip = False

@@ -239,6 +239,33 @@ def test_torch_clip_on_device_grads_is_seen_in_deferred_mode():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["deferred", "sync"])
+def test_step_grad_multiplier(mode):
+    def run(factory):
+        model = make_net(torch.float32)
+        opt = factory(model)
+        gen = torch.Generator().manual_seed(4)
+        for it in range(3):
+            idx, tgt = random_batch(CFG, 2, "cpu", gen)
+            (model(idx, tgt, use_aux=True) * 8.0).backward()
+            opt.step(grad_multiplier=0.125)
+            opt.zero_grad()
+        opt.synchronize()
+        return model, opt
+    assert_same(run(ours(**MODES[mode])), run(cpu_mode))
+
+
+@pytest.mark.timeout(60)
+def test_eager_mode_refuses_grad_multiplier():
+    model = make_net(torch.float32)
+    opt = ours()(model)
+    idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(5))
+    model(idx, tgt, use_aux=True).backward()
+    with pytest.raises(RuntimeError, match="step_during_backward=False"):
+        opt.step(grad_multiplier=0.5)
+
+
+@pytest.mark.timeout(60)
 def test_eager_mode_refuses_late_clipping():
     model = make_net(torch.float32)
     opt = ours()(model)
