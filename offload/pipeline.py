@@ -355,11 +355,15 @@ class GpuOffloadEngine:
                     self._run_upload(*job[1:])
                 elif job[0] == "barrier":
                     job[1].set()
-            except BaseException as e:  # surfaced on the training thread
+            except BaseException as e:  # surfaced on the training thread; nobody may wait forever
                 if self._error is None:
                     self._error = e
                 if job[0] == "barrier":
                     job[1].set()
+                elif job[0] == "step":
+                    job[1].step_done.set()
+                elif job[0] == "upload":
+                    job[1].h2d_issued.set()
 
     def _wait_host(self, ev: threading.Event, what: str) -> None:
         if not ev.wait(_HOST_WAIT_S):

@@ -545,3 +545,19 @@ def test_adam_l2_and_amsgrad_match_torch():
     got = train(ours_adam)
     assert "max_exp_avg_sq" in next(iter(got[1].state_dict()["state"].values()))
     assert_same(got, train(ref_adam), exact=False)
+
+
+@pytest.mark.timeout(60)
+def test_worker_failure_surfaces_instead_of_hanging(monkeypatch):
+    from offload import pipeline
+    model = make_net(torch.float32)
+    opt = ours()(model)
+    def boom(*a, **k):
+        raise ValueError("injected kernel failure")
+    monkeypatch.setattr(pipeline, "_C", type("C", (), {"adam_step": staticmethod(boom)}))
+    idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(5))
+    with pytest.raises(RuntimeError, match="injected kernel failure"):
+        model(idx, tgt, use_aux=True).backward()
+        opt.step()
+        model(idx, tgt, use_aux=True)   # the next forward waits for uploads: must raise, not hang
+        opt.synchronize()
