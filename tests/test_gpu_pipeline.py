@@ -561,3 +561,62 @@ def test_worker_failure_surfaces_instead_of_hanging(monkeypatch):
         opt.step()
         model(idx, tgt, use_aux=True)   # the next forward waits for uploads: must raise, not hang
         opt.synchronize()
+
+
+# ------------------------------------------------------------------------------------ overlap is real
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: the early layers' backward takes long."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        import time
+        time.sleep(0.15)
+        return g
+
+
+class _Deep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+
+    def forward(self, x):
+        x = _SlowBackward.apply(self.layers[0](x))
+        for layer in self.layers[1:]:
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+@pytest.mark.timeout(60)
+def test_buckets_are_stepped_during_backward_and_uploads_overlap_next_forward():
+    import time
+    model = _Deep()
+    dev = FakeDevice(max_delay=0.0, seed=0)
+    opt = offload.AdamW(model.parameters(), lr=1e-3, offload_device=dev, bucket_mb=0.02, trace=True)
+    assert len(opt._gpu.buckets) >= 4
+    x = torch.randn(8, 64)
+    model(x).backward()
+    t_step = time.perf_counter()
+    opt.step()
+    spans = [(a, b) for name, lane, a, b in opt._gpu.trace._spans if lane == "cpu step"]
+    # the last layers' buckets were stepped while the first layer's backward was still running
+    assert sum(a < t_step for a, _ in spans) >= 2
+    opt.zero_grad()
+    # uploads: with slow copies, step() returns before they are done; forward waits bucket by bucket
+    dev.max_delay = 0.05
+    model(x).backward()
+    opt.step()
+    for b in opt._gpu.buckets:
+        assert b.h2d_issued.wait(10)
+    evs = [b.h2d_ev for b in opt._gpu.buckets]
+    assert not all(e.query() for e in evs)
+    model.layers[0](x)                      # the first layer needs only the first bucket(s)
+    assert not all(e.query() for e in evs)  # the last buckets are still in flight
+    model(x)
+    assert all(e.query() for e in evs)
+    opt.synchronize()
+    dev.check()
