@@ -140,9 +140,10 @@ def test_fp32_matches_torch_and_cpu_mode(mode):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", list(MODES))
-def test_bf16_matches_cpu_mode_bitwise(mode):
-    got = train(ours(**MODES[mode]), dtype=torch.bfloat16)
-    assert_same(got, train(cpu_mode, dtype=torch.bfloat16))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_matches_cpu_mode_bitwise(mode, dtype):
+    got = train(ours(**MODES[mode]), dtype=dtype)
+    assert_same(got, train(cpu_mode, dtype=dtype))
     assert "master_param" in next(iter(got[1].state_dict()["state"].values()))
 
 
