@@ -507,6 +507,9 @@ class GpuOffloadEngine:
         self.stats = StepStats(overlapped=self.overlap)   # the next cycle's
         self._upload_seq, self._wait_ptr, self._seq_stats = seq, 0, stats
         self._done_stats.append(stats)
+        self._collect_copy_times()   # keeps the event list short even if nobody reads the stats
+        if len(self._done_stats) > 8:
+            self._last_stats_candidates()
         if self.overlap:
             if getattr(self, "_order_handle", None) is not None:
                 self._apply_observed_order()
@@ -599,13 +602,17 @@ class GpuOffloadEngine:
         if wait:
             self.synchronize()
         self._collect_copy_times()
-        pending = {id(st) for _, _, _, st in self._events}
-        done = [st for st in self._done_stats if getattr(st, "complete", False) and id(st) not in pending]
+        self._last_stats_candidates()
+        return None if self._last_stats is None else self._last_stats.as_dict()
+
+    def _last_stats_candidates(self) -> None:
+        with self._ev_lock:
+            pending = {id(st) for _, _, _, st in self._events}
+        done = [st for st in self._done_stats if st.complete and id(st) not in pending]
         if done:
             self._last_stats = done[-1]
             keep_from = self._done_stats.index(done[-1]) + 1
             self._done_stats = self._done_stats[keep_from:]
-        return None if self._last_stats is None else self._last_stats.as_dict()
 
     def export_chrome_trace(self, path: str) -> int:
         if self.trace is None:

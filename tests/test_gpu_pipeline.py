@@ -621,3 +621,10 @@ def test_buckets_are_stepped_during_backward_and_uploads_overlap_next_forward():
     assert all(e.query() for e in evs)
     opt.synchronize()
     dev.check()
+
+
+@pytest.mark.timeout(60)
+def test_bookkeeping_stays_bounded_without_reading_stats():
+    model, opt = train(ours(), steps=12)
+    assert len(opt._gpu._events) <= 4 * len(opt._gpu.buckets)
+    assert len(opt._gpu._done_stats) <= 9
