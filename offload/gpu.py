@@ -26,6 +26,8 @@ def _flat(params: list) -> list:
             out.extend([ps] if isinstance(ps, torch.Tensor) else list(ps))
         else:
             out.append(item)
+    # named parameters come as (name, tensor) pairs
+    out = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in out]
     return [p for p in out if isinstance(p, torch.Tensor)]
 
 
