@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,8 +51,28 @@ def make_cases(scale: float, only) -> list:
 
 
 # --------------------------------------------------------------------------- contenders
+_RANDOM = {}
+
+
+def randn_like_sizes(sizes: list, dtype=torch.float32, scale: float = 1.0) -> list:
+    """Random tensors of the given sizes, copied out of one cached random block (fast setup)."""
+    need = max(sizes)
+    src = _RANDOM.get("src")
+    if src is None or src.numel() < need:
+        src = _RANDOM["src"] = torch.randn(need)
+    out = []
+    for k, n in enumerate(sizes):
+        start = (k * 7919) % max(1, src.numel() - n + 1)
+        out.append((src[start:start + n] * scale).to(dtype))
+    return out
+
+
 class Contender:
     name = "?"
+    threads = 1
+
+    def set_threads(self, threads: int) -> None:
+        self.threads = threads
 
     def step(self) -> None:
         raise NotImplementedError
@@ -64,10 +84,13 @@ class Ours(Contender):
 
     def __init__(self, case: Case, grads: list, threads: int):
         dtype = torch.bfloat16 if case.lowp else torch.float32
-        self.params = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in case.sizes]
+        self.params = [torch.nn.Parameter(t) for t in randn_like_sizes(case.sizes, dtype)]
         for p, g in zip(self.params, grads):
             p.grad = g
         self.opt = offload.AdamW(self.params, lr=1e-3, weight_decay=0.01, threads=threads)
+
+    def set_threads(self, threads: int) -> None:
+        self.opt._threads = threads
 
     def step(self) -> None:
         self.opt.step()
@@ -91,7 +114,7 @@ class TorchAdamW(Contender):
     def __init__(self, case: Case, grads: list, threads: int, mode: str):
         self.name = f"torch AdamW({mode}=True)" + (" +casts" if case.lowp else "")
         self.threads = threads
-        self.params = [torch.nn.Parameter(torch.randn(n)) for n in case.sizes]
+        self.params = [torch.nn.Parameter(t) for t in randn_like_sizes(case.sizes)]
         self.lowp = case.lowp
         self.grads = grads
         if case.lowp:
@@ -122,7 +145,7 @@ class DeepSpeed(Contender):
     def __init__(self, case: Case, grads: list, threads: int):
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: import here, optional
         self.threads = threads
-        self.params = [torch.nn.Parameter(torch.randn(n)) for n in case.sizes]
+        self.params = [torch.nn.Parameter(t) for t in randn_like_sizes(case.sizes)]
         for p, g in zip(self.params, grads):
             p.grad = g
         self.opt = DeepSpeedCPUAdam(self.params, lr=1e-3, weight_decay=0.01, adamw_mode=True)
@@ -141,7 +164,7 @@ class Probe(Contender):
     name = "bandwidth probe (ceiling)"
 
     def __init__(self, numel: int, threads: int):
-        self.bufs = [torch.rand(numel) for _ in range(4)]
+        self.bufs = [torch.full((numel,), 0.5) for _ in range(4)]
         self.threads, self.numel = threads, numel
 
     def step(self) -> None:
@@ -158,31 +181,35 @@ def deepspeed_available() -> bool:
 
 
 # --------------------------------------------------------------------------- running
-def run_case(case: Case, threads: int, reps: int, use_ds: bool, progress: Progress) -> dict:
+def run_case(case: Case, thread_counts: list, reps: int, use_ds: bool, progress: Progress) -> None:
+    """Time every contender, round-robin, at each thread count; results go to case.results."""
     gdtype = torch.bfloat16 if case.lowp else torch.float32
-    grads = [(torch.randn(n) * 1e-2).to(gdtype) for n in case.sizes]
-    ours = Ours(case, grads, threads)
+    grads = randn_like_sizes(case.sizes, gdtype, scale=1e-2)
+    ours = Ours(case, grads, thread_counts[0])
     ours.step()  # creates state and the pointer table
-    contenders = [ours, OursKernel(ours, threads),
-                  TorchAdamW(case, grads, threads, "fused"), TorchAdamW(case, grads, threads, "foreach")]
+    contenders = [ours, OursKernel(ours, thread_counts[0]),
+                  TorchAdamW(case, grads, thread_counts[0], "fused"), TorchAdamW(case, grads, thread_counts[0], "foreach")]
     if use_ds and not case.lowp:
         try:
-            contenders.append(DeepSpeed(case, grads, threads))
+            contenders.append(DeepSpeed(case, grads, thread_counts[0]))
         except Exception as e:  # noqa: BLE001 - report and go on without it
             print(f"  (DeepSpeedCPUAdam unavailable: {type(e).__name__}: {e})")
-    contenders.append(Probe(case.numel, threads))
-    times = {c.name: [] for c in contenders}
-    for rep in range(reps + 1):  # round-robin; rep 0 is warm-up
+    contenders.append(Probe(case.numel, thread_counts[0]))
+    for t in thread_counts:
+        times = {c.name: [] for c in contenders}
         for c in contenders:
-            t0 = __import__("time").perf_counter()
-            c.step()
-            dt = __import__("time").perf_counter() - t0
-            if rep:
-                times[c.name].append(dt)
-            progress.update(f"{case.name} t={threads} {c.name}")
+            c.set_threads(t)
+        for rep in range(reps + 1):  # round-robin; rep 0 is warm-up
+            for c in contenders:
+                t0 = time.perf_counter()
+                c.step()
+                dt = time.perf_counter() - t0
+                if rep:
+                    times[c.name].append(dt)
+                progress.update(f"{case.name} t={t} {c.name}")
+        case.results[t] = {k: median(v) for k, v in times.items()} | {"_raw": times}
     del contenders, ours, grads
     gc.collect()
-    return {k: median(v) for k, v in times.items()} | {"_raw": times}
 
 
 def summarize(cases: list, thread_counts: list) -> tuple:
@@ -281,8 +308,7 @@ def run(args) -> int:
     progress = Progress(len(cases) * len(thread_counts) * (args.reps + 1) * n_contenders, "kernel bench",
                         enabled=not args.no_progress)
     for case in cases:
-        for t in thread_counts:
-            case.results[t] = run_case(case, t, args.reps, use_ds, progress)
+        run_case(case, thread_counts, args.reps, use_ds, progress)
     progress.close()
     table, records = summarize(cases, thread_counts)
     print(table)
