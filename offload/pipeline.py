@@ -94,6 +94,7 @@ class GpuOffloadEngine:
             b.h2d_ev: Optional[Event] = None
             b.last_d2h_ev: Optional[Event] = None   # survives cycle resets
             b.norm_buf = device.host_empty(2 * len(b.slots), torch.float32)
+            b.pver = [None] * len(b.slots)   # (version, data_ptr) of each parameter its master matches
         self.stats = StepStats(overlapped=self.overlap)
         self._reset_cycle()
         self._init_masters()
@@ -122,13 +123,28 @@ class GpuOffloadEngine:
             self._worker.start()
 
     # ================================================================== setup / state
-    def _init_masters(self) -> None:
-        evs = []
-        for b in self.buckets:
-            evs.append(self.device.copy_to_host([(b.master_view(s), s.param.detach()) for s in b.slots], None))
+    def _init_masters(self, slots: Optional[Sequence[Slot]] = None) -> None:
+        """Read fp32 masters from the device parameters; remember which parameter version they match.
+
+        Our own uploads write through ``param.data`` and leave the version counter alone, so a
+        changed version (or storage) later means the user wrote the parameter (e.g.
+        ``model.load_state_dict`` after the optimizer was built): the master is then re-read.
+        """
+        if slots is None:
+            slots = [s for b in self.buckets for s in b.slots]
+        after = self.device.record()   # whatever wrote the parameters on the compute stream comes first
+        evs = [self.device.copy_to_host([(s.bucket.master_view(s), s.param.detach())], after) for s in slots]
+        for s in slots:
+            s.bucket.pver[s.pos] = (s.param._version, s.param.data_ptr())
         for ev in evs:
             ev.synchronize()
         self.device.check()
+
+    def _refresh_changed_masters(self, b: Bucket, positions: Sequence[int]) -> None:
+        changed = [b.slots[i] for i in positions
+                   if b.pver[i] != (b.slots[i].param._version, b.slots[i].param.data_ptr())]
+        if changed:
+            self._init_masters(changed)
 
     def _register_state(self, s: Slot) -> None:
         b = s.bucket
@@ -152,7 +168,7 @@ class GpuOffloadEngine:
                     for arena in (b.exp_avg, b.exp_avg_sq, b.max_exp_avg_sq):
                         if arena is not None:
                             b.view(arena, s).zero_()
-                    self.device.copy_to_host([(b.master_view(s), s.param.detach())], None).synchronize()
+                    self._init_masters([s])
                     self.opt.state.pop(s.param, None)
                     continue
                 step = st.get("step", 0.0)
@@ -164,8 +180,9 @@ class GpuOffloadEngine:
                     b.view(b.max_exp_avg_sq, s).copy_(src if src is not None else torch.zeros(()))
                 if "master_param" in st:
                     b.master_view(s).copy_(st["master_param"])
+                    b.pver[s.pos] = (s.param._version, s.param.data_ptr())
                 else:
-                    self.device.copy_to_host([(b.master_view(s), s.param.detach())], None).synchronize()
+                    self._init_masters([s])
                 self._register_state(s)
         if self.small:
             self.small.load()
@@ -301,6 +318,7 @@ class GpuOffloadEngine:
         positions = sorted(b.copied)
         if not positions:
             return
+        self._refresh_changed_masters(b, positions)
         for i in positions:
             s = b.slots[i]
             if s.param not in self.opt.state or "exp_avg" not in self.opt.state[s.param]:
@@ -333,7 +351,8 @@ class GpuOffloadEngine:
 
     def _run_upload(self, b: Bucket, positions, after: Event, stats: StepStats) -> None:
         try:
-            pairs = [(b.slots[i].param.detach(), b.out_view(b.slots[i])) for i in positions]
+            # through .data: our own write must not look like a user's write (version counter)
+            pairs = [(b.slots[i].param.data, b.out_view(b.slots[i])) for i in positions]
             b.h2d_ev = self.device.copy_to_device(pairs, after)
             stats.add(h2d_bytes=sum(d.numel() * d.element_size() for d, _ in pairs))
             with self._ev_lock:

@@ -628,3 +628,25 @@ def test_bookkeeping_stays_bounded_without_reading_stats():
     model, opt = train(ours(), steps=12)
     assert len(opt._gpu._events) <= 4 * len(opt._gpu.buckets)
     assert len(opt._gpu._done_stats) <= 9
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["eager", "sync"])
+def test_parameters_written_after_construction_are_picked_up(dtype, mode):
+    # e.g. model.load_state_dict(pretrained) after the optimizer was built
+    torch.manual_seed(7)
+    pretrained = Net().to(dtype).state_dict()
+
+    def factory_then_load(opts):
+        def factory(model):
+            opt = ours(**opts)(model)
+            model.load_state_dict(pretrained)
+            return opt
+        return factory
+
+    def load_then_cpu(model):
+        model.load_state_dict(pretrained)
+        return cpu_mode(model)
+    got = train(factory_then_load(MODES[mode]), dtype=dtype, steps=3)
+    assert_same(got, train(load_then_cpu, dtype=dtype, steps=3))
