@@ -21,8 +21,6 @@ import json
 import statistics
 import sys
 import time
-from typing import Optional
-
 import torch
 
 from .gpt import GPT, PRESETS, GPTConfig, param_groups, random_batch
