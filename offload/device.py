@@ -24,6 +24,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -148,6 +149,8 @@ class CudaDevice(Device):
         self.name = str(self.device)
         self._timing = timing
         self._registered: List[torch.Tensor] = []
+        # registered memory must be unregistered before it is freed, also when nobody calls close()
+        self._finalizer = weakref.finalize(self, CudaDevice._unregister, self._registered, self.device)
         with torch.cuda.device(self.device):
             self._d2h = torch.cuda.Stream(self.device)
             self._h2d = torch.cuda.Stream(self.device)
@@ -168,15 +171,21 @@ class CudaDevice(Device):
                 return buf.view(dtype)
         return torch.empty(numel, dtype=dtype, pin_memory=True)
 
-    def close(self) -> None:
-        """Unregister page-locked buffers (only once nothing uses them any more)."""
-        self.synchronize()
-        for buf in self._registered:
-            try:
+    @staticmethod
+    def _unregister(bufs: List[torch.Tensor], device) -> None:
+        if not bufs:
+            return
+        try:
+            torch.cuda.synchronize(device)
+            for buf in bufs:
                 torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-            except Exception:  # pragma: no cover
-                pass
-        self._registered = []
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+        bufs.clear()
+
+    def close(self) -> None:
+        """Unregister the page-locked buffers; copies from them are then synchronous (still correct)."""
+        self._finalizer()
 
     def _event(self, timing=False):
         return torch.cuda.Event(enable_timing=timing)

@@ -97,6 +97,7 @@ def check_case(kind: str, dtype: torch.dtype, clip: bool, accum: int, steps: int
     ok = finite and d_master <= tol * moved and d_param <= 2 * tol * moved
     stats = opt.last_step_stats(wait=True)
     opt._gpu.close()
+    dev.close()
     return {"device": kind, "dtype": str(dtype).replace("torch.", ""), "clip": clip, "accum": accum,
             "steps": steps, "overlap": overlap, "moved": moved, "max_diff_master": d_master,
             "max_diff_param": d_param, "rel_diff": d_master / moved if moved else 0.0, "ok": bool(ok),

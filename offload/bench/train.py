@@ -134,8 +134,9 @@ def run_variant(variant: str, cfg: GPTConfig, device, dtype, args) -> dict:
         path = f"{args.trace}.{variant}.json"
         opt.export_chrome_trace(path)
         res["trace"] = path
-    if hasattr(opt, "_gpu") and opt._gpu is not None:
+    if getattr(opt, "_gpu", None) is not None:
         opt._gpu.close()
+        opt._gpu.device.close()   # made here: release pinned memory and stream threads
     return res
 
 
