@@ -328,6 +328,7 @@ class _FakeStream:
             except BaseException as e:  # surfaced by Event.synchronize
                 ev.error = e
             ev._done.set()
+            del item, fn, after, ev   # an idle thread must not keep the last job (and its device) alive
 
     def close(self) -> None:
         self._q.put(None)
@@ -363,6 +364,7 @@ class FakeDevice(Device):
         self._lock = threading.Lock()
         self._d2h = _FakeStream("d2h")
         self._h2d = _FakeStream("h2d")
+        self._finalizer = weakref.finalize(self, FakeDevice._stop, self._d2h, self._h2d)
         self._last: List[Event] = []
         self._hazardous: List[_FakeEvent] = []
         self.copies = 0
@@ -437,9 +439,13 @@ class FakeDevice(Device):
         if v:
             raise AssertionError(f"FakeDevice detected {len(v)} hazard(s); first: {v[0]}")
 
+    @staticmethod
+    def _stop(*streams: _FakeStream) -> None:
+        for st in streams:
+            st.close()
+
     def close(self) -> None:
-        self._d2h.close()
-        self._h2d.close()
+        self._finalizer()
 
 
 def resolve_device(spec, params: Sequence[torch.Tensor]) -> Optional[Device]:

@@ -29,6 +29,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -50,6 +51,33 @@ _HOST_WAIT_S = 300.0  # a hang is a bug: fail loudly instead
 
 class _WorkerError(RuntimeError):
     pass
+
+
+def _weak_hook(engine: "GpuOffloadEngine", method: str, *bound):
+    """A hook that reaches the engine through a weak reference. Tensor hooks are held from C++,
+    where the garbage collector cannot see them: a strong reference would keep the engine, its
+    host arenas and its threads alive forever."""
+    ref = weakref.ref(engine)
+
+    def hook(*args):
+        eng = ref()
+        if eng is not None:
+            getattr(eng, method)(*bound, *args)
+        # a tensor hook returning None leaves the gradient unchanged
+    return hook
+
+
+def _worker_loop(engine_ref, jobs: "queue.Queue") -> None:
+    """The CPU worker: runs the engine's jobs in order until told to stop or the engine is gone."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        engine = engine_ref()
+        if engine is None:
+            return
+        engine._run_job(job)
+        del engine
 
 
 class GpuOffloadEngine:
@@ -115,12 +143,18 @@ class GpuOffloadEngine:
         self._worker = None
         if self.overlap:
             for s in self.slot_of.values():
-                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._make_grad_hook(s)))
-                self._hooks.append(s.param.register_hook(self._make_pre_accumulate_hook(s)))
+                self._hooks.append(s.param.register_post_accumulate_grad_hook(
+                    _weak_hook(self, "_on_grad_ready", s.bucket.index, s.pos)))
+                self._hooks.append(s.param.register_hook(
+                    _weak_hook(self, "_before_accumulate", s.bucket.index, s.pos)))
             self._order_seen: Dict[int, int] = {}
-            self._order_handle = torch.nn.modules.module.register_module_forward_pre_hook(self._observe_order)
-            self._worker = threading.Thread(target=self._work, name="offload-cpu-step", daemon=True)
+            self._order_handle = torch.nn.modules.module.register_module_forward_pre_hook(
+                _weak_hook(self, "_observe_order"))
+            # the thread holds only a weak reference, so an engine nobody uses any more is collected
+            self._worker = threading.Thread(target=_worker_loop, args=(weakref.ref(self), self._jobs),
+                                            name="offload-cpu-step", daemon=True)
             self._worker.start()
+            self._finalizer = weakref.finalize(self, self._jobs.put, None)
 
     # ================================================================== setup / state
     def _init_masters(self, slots: Optional[Sequence[Slot]] = None) -> None:
@@ -232,31 +266,27 @@ class GpuOffloadEngine:
         (stats or self.stats).add(exposed_s=seconds)
 
     # ================================================================== backward: D2H
-    def _make_grad_hook(self, s: Slot):
-        def hook(p: torch.Tensor) -> None:
-            if not self._boundary:
-                return
-            self._raise_if_failed()
-            self._begin_cycle()
-            b = s.bucket
-            if s.pos in b.ready or s.pos in b.copied:
-                self._second_backward(b)
-            b.ready.add(s.pos)
-            if len(b.ready) == len(b.slots):
-                self._launch(b, sorted(b.ready))
-                if self.eager:
-                    self._queue_step(b, self.opt._group_hyper(self.opt.param_groups[b.group]), 1.0)
-        return hook
+    def _on_grad_ready(self, bi: int, pos: int, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of the parameter at ``pos`` of bucket ``bi``."""
+        if not self._boundary:
+            return
+        self._raise_if_failed()
+        self._begin_cycle()
+        b = self.buckets[bi]
+        if pos in b.ready or pos in b.copied:
+            self._second_backward(b)
+        b.ready.add(pos)
+        if len(b.ready) == len(b.slots):
+            self._launch(b, sorted(b.ready))
+            if self.eager:
+                self._queue_step(b, self.opt._group_hyper(self.opt.param_groups[b.group]), 1.0)
 
-    def _make_pre_accumulate_hook(self, s: Slot):
-        def hook(grad: torch.Tensor):
-            # a gradient is about to be accumulated into p.grad while an earlier copy of it may still
-            # be in flight (a second backward before step()): the compute stream waits for that copy
-            ev = s.bucket.last_d2h_ev
-            if ev is not None and not ev.query():
-                self._blocked(self.device.wait(ev))
-            return grad
-        return hook
+    def _before_accumulate(self, bi: int, pos: int, grad: torch.Tensor) -> None:
+        # a gradient is about to be accumulated into p.grad while an earlier copy of it may still
+        # be in flight (a second backward before step()): the compute stream waits for that copy
+        ev = self.buckets[bi].last_d2h_ev
+        if ev is not None and not ev.query():
+            self._blocked(self.device.wait(ev))
 
     def _second_backward(self, b: Bucket) -> None:
         if any(x.queued for x in self.buckets) or self.eager and any(x.copied for x in self.buckets):
@@ -360,29 +390,25 @@ class GpuOffloadEngine:
         finally:
             b.h2d_issued.set()
 
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                if self._error is not None:
-                    raise RuntimeError("skipped after an earlier failure")
-                if job[0] == "step":
-                    self._run_step(*job[1:])
-                elif job[0] == "upload":
-                    self._run_upload(*job[1:])
-                elif job[0] == "barrier":
-                    job[1].set()
-            except BaseException as e:  # surfaced on the training thread; nobody may wait forever
-                if self._error is None:
-                    self._error = e
-                if job[0] == "barrier":
-                    job[1].set()
-                elif job[0] == "step":
-                    job[1].step_done.set()
-                elif job[0] == "upload":
-                    job[1].h2d_issued.set()
+    def _run_job(self, job: tuple) -> None:
+        try:
+            if self._error is not None:
+                raise RuntimeError("skipped after an earlier failure")
+            if job[0] == "step":
+                self._run_step(*job[1:])
+            elif job[0] == "upload":
+                self._run_upload(*job[1:])
+            elif job[0] == "barrier":
+                job[1].set()
+        except BaseException as e:  # surfaced on the training thread; nobody may wait forever
+            if self._error is None:
+                self._error = e
+            if job[0] == "barrier":
+                job[1].set()
+            elif job[0] == "step":
+                job[1].step_done.set()
+            elif job[0] == "upload":
+                job[1].h2d_issued.set()
 
     def _wait_host(self, ev: threading.Event, what: str) -> None:
         if not ev.wait(_HOST_WAIT_S):
@@ -533,7 +559,8 @@ class GpuOffloadEngine:
             if getattr(self, "_order_handle", None) is not None:
                 self._apply_observed_order()
             if seq and self._fwd_handle is None:
-                self._fwd_handle = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+                self._fwd_handle = torch.nn.modules.module.register_module_forward_pre_hook(
+                    _weak_hook(self, "_before_forward"))
             if not seq:
                 stats.complete = True
         else:
@@ -655,9 +682,3 @@ class GpuOffloadEngine:
         if getattr(self, "owns_device", False):
             self.owns_device = False
             self.device.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass

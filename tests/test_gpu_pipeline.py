@@ -652,3 +652,20 @@ def test_parameters_written_after_construction_are_picked_up(dtype, mode):
         return cpu_mode(model)
     got = train(factory_then_load(MODES[mode]), dtype=dtype, steps=3)
     assert_same(got, train(load_then_cpu, dtype=dtype, steps=3))
+
+
+@pytest.mark.timeout(60)
+def test_threads_end_when_optimizer_and_model_are_gone():
+    import gc
+    import threading
+
+    def names():
+        return sum(t.name.startswith(("offload-cpu-step", "offload-fake")) for t in threading.enumerate())
+    gc.collect()
+    before = names()
+    train(ours(), steps=2)
+    gc.collect()
+    deadline = __import__("time").time() + 10
+    while names() > before and __import__("time").time() < deadline:
+        __import__("time").sleep(0.05)
+    assert names() <= before
