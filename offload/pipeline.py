@@ -566,7 +566,10 @@ class GpuOffloadEngine:
         else:
             self._await_uploads(None)
             self.device.synchronize()
-        self._blocked(time.perf_counter() - t_start, stats)
+        t_end = time.perf_counter()
+        self._blocked(t_end - t_start, stats)
+        if self.trace is not None:
+            self.trace.span(f"step() {stats.step}", "training thread", (t_start, t_end))
 
     # ================================================================== forward: H2D waits
     def _observe_order(self, module, args) -> None:
@@ -604,7 +607,10 @@ class GpuOffloadEngine:
         if last is not None:
             t0 = time.perf_counter()
             self._wait_host(last.h2d_issued, "upload")
-            blocked = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            blocked = t1 - t0
+            if self.trace is not None and count:
+                self.trace.span(f"wait weights b{last.index}", "training thread", (t0, t1))
             stall = self.device.timed_wait(last.h2d_ev)
             if count and self._seq_stats is not None:
                 self._blocked(blocked, self._seq_stats)
