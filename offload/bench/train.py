@@ -166,7 +166,8 @@ def run(args) -> dict:
         rows.append(run_variant(v, cfg, device, dtype, args))
     return {"device": str(device), "fake_device": device.type != "cuda", "params": nparams,
             "config": cfg.__dict__, "dtype": args.dtype, "batch": args.batch, "bucket_mb": args.bucket_mb,
-            "steps": args.steps, "reps": args.reps, "probe_gbps": probe, "results": rows}
+            "steps": args.steps, "reps": args.reps, "probe_gbps": probe, "results": rows,
+            "torch_threads": torch.get_num_threads()}
 
 
 def _fmt(x, spec):
@@ -182,7 +183,8 @@ def print_table(out: dict, file=sys.stdout) -> None:
         "CPU-only machine: fake device (copies are host memcpy on threads, not PCIe; times show pipeline overhead)"
     print(f"train benchmark on {where}", file=file)
     print(f"GPT {out['params'] / 1e6:.1f}M params {out['config']}, {out['dtype']}, batch {out['batch']}, "
-          f"bucket {out['bucket_mb']} MB, {out['steps']} steps x {out['reps']} reps (median)", file=file)
+          f"bucket {out['bucket_mb']} MB, {out['steps']} steps x {out['reps']} reps (median), "
+          f"torch threads {out.get('torch_threads')}", file=file)
     if out["fake_device"]:
         print(f"host memcpy probe ({out['bucket_mb']} MB): {p['d2h']:.1f} GB/s (no PCIe here: %probe not shown)",
               file=file)
@@ -225,6 +227,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--variants", default="torch-fused,offload-overlap,offload-clip,offload-sync,offload-nvme")
+    p.add_argument("--torch-threads", dest="torch_threads", type=int, default=None,
+                   help="torch intra-op threads (a busy small host runs steadier with 1)")
     p.add_argument("--trace", default=None, help="write Chrome traces to PATH.<variant>.json")
     p.add_argument("--json", default=None, help="write the results as JSON")
 
@@ -241,6 +245,8 @@ def _defaults(args) -> None:
 
 def _cmd(args) -> int:
     _defaults(args)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     out = run(args)
     print_table(out)
     if args.json:
