@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from . import _C, _kernels
 from ._kernels import (COL_G, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
                        COL_GD, DTYPE_CODES, TASK_COLS, check_tensor)
+from .gpu import GpuOffloadMixin, split_params, start_engine  # GPU-offload mode (offload/pipeline.py)
 
 __all__ = ["Adam", "AdamW"]
 
@@ -34,10 +35,13 @@ def _scalar(x) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
-def _check_param(p: torch.Tensor, where: str) -> None:
+def _check_param(p: torch.Tensor, where: str, gpu_mode: bool = False) -> None:
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{where}: expected a torch.Tensor, got {type(p).__name__}")
-    if p.device.type == "cuda" or p.device.type not in ("cpu",):
+    if gpu_mode:  # GPU offload: parameters on the device (or CPU tensors driven by a test device)
+        if p.device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"{where} is on {p.device}: GPU offload supports CUDA parameters")
+    elif p.device.type == "cuda" or p.device.type not in ("cpu",):
         raise RuntimeError(
             f"{where} is on {p.device}: this build steps CPU parameters only. GPU offload "
             "(parameters on the GPU, state in host RAM) is a separate mode that is not available yet.")
@@ -92,13 +96,13 @@ class _GroupPlan:
         return len(params) == len(self.ids) and all(id(p) == i for p, i in zip(params, self.ids))
 
 
-class _AdamBase(Optimizer):
+class _AdamBase(GpuOffloadMixin, Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None,
                  decoupled_weight_decay: bool = False, threads: Optional[int] = None,
                  state: str = "ram", nvme_dir=None, host_budget="2GiB", keep_files: bool = False,
-                 nvme_options: Optional[dict] = None):
+                 nvme_options: Optional[dict] = None, offload_device=None, **gpu_options):
         _check_hyper(lr, betas, eps, weight_decay)
         # --- NVMe/mmap state (offload/store.py): validated before anything is allocated
         if state not in ("ram", "nvme", "mmap"):
@@ -123,7 +127,15 @@ class _AdamBase(Optimizer):
         self._threads = threads
         self._plans: dict = {}
         self._pending_multiplier = 1.0
+        # --- GPU offload: the mode follows from where the parameters are (offload/gpu.py) ---
+        params, self._gpu_device = split_params(params, offload_device, gpu_options)
+        if state != "ram" and self._gpu_device is not None:  # (NVMe/mmap state)
+            raise ValueError(f"state={state!r} cannot be combined with GPU offload (parameters on "
+                             f"{self._gpu_device}) yet: use state='ram'")
+        self._gpu = None
         super().__init__(params, defaults)
+        self._gpu = start_engine(self, self._gpu_device, gpu_options)
+        # --- end GPU offload ---
         # --- NVMe/mmap state: one store for all groups, created after the groups exist
         if state != "ram":
             from .store import StateStore
@@ -136,7 +148,9 @@ class _AdamBase(Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for i, p in enumerate(params):
-            _check_param(p, f"parameter {i} of group {len(self.param_groups)}")
+            _check_param(p, f"parameter {i} of group {len(self.param_groups)}", self._gpu_device is not None)
+        if self._gpu is not None:
+            raise NotImplementedError("add_param_group after construction is not supported in GPU-offload mode")
         if getattr(self, "_store", None) is not None:
             raise NotImplementedError("add_param_group after construction is not supported with NVMe/mmap state "
                                       "(the state file is laid out and reserved at construction)")
@@ -156,6 +170,8 @@ class _AdamBase(Optimizer):
         self.__dict__.setdefault("_threads", None)
         self.__dict__.setdefault("_pending_multiplier", 1.0)
         self.__dict__.setdefault("_store", None)
+        self.__dict__.setdefault("_gpu", None)
+        self.__dict__.setdefault("_gpu_device", None)
         self._plans = {}
 
     def __getstate__(self):
@@ -165,6 +181,8 @@ class _AdamBase(Optimizer):
         d = super().__getstate__()
         d = dict(d)
         d.pop("_plans", None)
+        d.pop("_gpu", None)
+        d.pop("_gpu_device", None)
         return d
 
     def _plan(self, gi: int, group: dict) -> _GroupPlan:
@@ -309,6 +327,9 @@ class _AdamBase(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._gpu is not None:
+            self._gpu.step(grad_multiplier)
+            return loss
         mult = self._pending_multiplier * (1.0 if grad_multiplier is None else float(grad_multiplier))
         self._pending_multiplier = 1.0
         if not math.isfinite(mult):
@@ -345,6 +366,8 @@ class _AdamBase(Optimizer):
         ``min(1, max_norm / (norm + 1e-6))`` and the next :meth:`step` applies it inside the Adam
         kernel (one pass over memory instead of three). The gradients themselves are not modified.
         """
+        if self._gpu is not None:
+            return self._gpu.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         if float(norm_type) != 2.0:
             raise ValueError("offload's fused clipping supports norm_type=2.0 only")
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
@@ -358,6 +381,8 @@ class _AdamBase(Optimizer):
 
     # ------------------------------------------------------------------ state_dict
     def state_dict(self) -> dict:
+        if self._gpu is not None:
+            self._gpu.synchronize()
         if self._store is not None:
             tensors = self._store.state_tensors()  # views of the mapped state file, not copies
         sd = super().state_dict()
@@ -428,6 +453,8 @@ class _AdamBase(Optimizer):
             sg["params"] = g["params"]
             if "param_names" in g and "param_names" not in sg:
                 sg["param_names"] = g["param_names"]
+        if self._gpu is not None:
+            self._gpu.synchronize()
         if self._store is not None:  # NVMe/mmap state: write tensors to the file, keep only 'step' in RAM
             where = {id(p): (gi, i) for gi, g in enumerate(groups) for i, p in enumerate(g["params"])}
             entries = {where[id(p)]: st for p, st in new_state.items() if isinstance(p, torch.Tensor)}
@@ -437,6 +464,8 @@ class _AdamBase(Optimizer):
                     gi, i = where[id(p)]
                     new_state[p] = {"step": self._store.steps[gi][i]}
         self.__setstate__({"state": new_state, "param_groups": saved_groups})
+        if self._gpu is not None:
+            self._gpu.load_state()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -454,12 +483,12 @@ class Adam(_AdamBase):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  decoupled_weight_decay=False, threads=None, state="ram", nvme_dir=None, host_budget="2GiB",
-                 keep_files=False, nvme_options=None):
+                 keep_files=False, nvme_options=None, offload_device=None, **gpu_options):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=decoupled_weight_decay, threads=threads, state=state,
                          nvme_dir=nvme_dir, host_budget=host_budget, keep_files=keep_files,
-                         nvme_options=nvme_options)
+                         nvme_options=nvme_options, offload_device=offload_device, **gpu_options)
 
 
 class AdamW(_AdamBase):
@@ -473,8 +502,10 @@ class AdamW(_AdamBase):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None, threads=None,
-                 state="ram", nvme_dir=None, host_budget="2GiB", keep_files=False, nvme_options=None):
+                 state="ram", nvme_dir=None, host_budget="2GiB", keep_files=False, nvme_options=None,
+                 offload_device=None, **gpu_options):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, threads=threads, state=state, nvme_dir=nvme_dir,
-                         host_budget=host_budget, keep_files=keep_files, nvme_options=nvme_options)
+                         host_budget=host_budget, keep_files=keep_files, nvme_options=nvme_options,
+                         offload_device=offload_device, **gpu_options)
