@@ -21,6 +21,8 @@
 namespace py = pybind11;
 using namespace offload;
 
+void register_aio(py::module_& m);  // csrc/aio_bindings.cpp (NVMe state I/O engine)
+
 namespace {
 
 // A C-contiguous int64 table of shape (rows, cols); returns its rows as T*.
@@ -151,4 +153,6 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("n"), py::arg("threads") = 0,
       "Memory-bandwidth probe with Adam's access pattern (reads 4, writes 3 fp32 streams).");
+
+  register_aio(m);  // csrc/aio_bindings.cpp
 }

@@ -23,6 +23,7 @@ from . import _C, _kernels
 from ._dist import is_dtensor, like, local  # DTensor (FSDP2): step the local shard
 from ._kernels import (COL_G, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
                        COL_GD, DTYPE_CODES, TASK_COLS, check_tensor)
+from .gpu import GpuOffloadMixin, split_params, start_engine  # GPU-offload mode (offload/pipeline.py)
 
 __all__ = ["Adam", "AdamW"]
 
@@ -35,11 +36,14 @@ def _scalar(x) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
-def _check_param(p: torch.Tensor, where: str) -> None:
+def _check_param(p: torch.Tensor, where: str, gpu_mode: bool = False) -> None:
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{where}: expected a torch.Tensor, got {type(p).__name__}")
-    p = local(p)
-    if p.device.type == "cuda" or p.device.type not in ("cpu",):
+    p = local(p)  # DTensor (FSDP2): check the local shard
+    if gpu_mode:  # GPU offload: parameters on the device (or CPU tensors driven by a test device)
+        if p.device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"{where} is on {p.device}: GPU offload supports CUDA parameters")
+    elif p.device.type == "cuda" or p.device.type not in ("cpu",):
         raise RuntimeError(
             f"{where} is on {p.device}: this build steps CPU parameters only. GPU offload "
             "(parameters on the GPU, state in host RAM) is a separate mode that is not available yet.")
@@ -94,12 +98,21 @@ class _GroupPlan:
         return len(params) == len(self.ids) and all(id(p) == i for p, i in zip(params, self.ids))
 
 
-class _AdamBase(Optimizer):
+class _AdamBase(GpuOffloadMixin, Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None,
-                 decoupled_weight_decay: bool = False, threads: Optional[int] = None):
+                 decoupled_weight_decay: bool = False, threads: Optional[int] = None,
+                 state: str = "ram", nvme_dir=None, host_budget="2GiB", keep_files: bool = False,
+                 nvme_options: Optional[dict] = None, offload_device=None, **gpu_options):
         _check_hyper(lr, betas, eps, weight_decay)
+        # --- NVMe/mmap state (offload/store.py): validated before anything is allocated
+        if state not in ("ram", "nvme", "mmap"):
+            raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {state!r}")
+        if state == "ram" and (nvme_dir is not None or nvme_options):
+            raise ValueError("nvme_dir/nvme_options only apply to state='nvme' or state='mmap'")
+        self._store = None
+        # ---
         if capturable:
             raise ValueError("capturable=True is not supported by offload (the step runs on the CPU)")
         if differentiable:
@@ -116,15 +129,34 @@ class _AdamBase(Optimizer):
         self._threads = threads
         self._plans: dict = {}
         self._pending_multiplier = 1.0
+        # --- GPU offload: the mode follows from where the parameters are (offload/gpu.py) ---
+        params, self._gpu_device = split_params(params, offload_device, gpu_options)
+        if state != "ram" and self._gpu_device is not None:  # (NVMe/mmap state)
+            raise ValueError(f"state={state!r} cannot be combined with GPU offload (parameters on "
+                             f"{self._gpu_device}) yet: use state='ram'")
+        self._gpu = None
         super().__init__(params, defaults)
+        self._gpu = start_engine(self, self._gpu_device, gpu_options)
+        # --- end GPU offload ---
+        # --- NVMe/mmap state: one store for all groups, created after the groups exist
+        if state != "ram":
+            from .store import StateStore
+            self._store = StateStore(self.param_groups, mode=state, nvme_dir=nvme_dir, host_budget=host_budget,
+                                     keep=keep_files, **(nvme_options or {}))
+        # ---
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for i, p in enumerate(params):
-            _check_param(p, f"parameter {i} of group {len(self.param_groups)}")
+            _check_param(p, f"parameter {i} of group {len(self.param_groups)}", self._gpu_device is not None)
         param_group["params"] = params  # a generator was consumed by the check above
+        if self._gpu is not None:
+            raise NotImplementedError("add_param_group after construction is not supported in GPU-offload mode")
+        if getattr(self, "_store", None) is not None:
+            raise NotImplementedError("add_param_group after construction is not supported with NVMe/mmap state "
+                                      "(the state file is laid out and reserved at construction)")
         super().add_param_group(param_group)
         self._plans.clear()
 
@@ -140,12 +172,20 @@ class _AdamBase(Optimizer):
             group.setdefault("decoupled_weight_decay", False)
         self.__dict__.setdefault("_threads", None)
         self.__dict__.setdefault("_pending_multiplier", 1.0)
+        self.__dict__.setdefault("_store", None)
+        self.__dict__.setdefault("_gpu", None)
+        self.__dict__.setdefault("_gpu_device", None)
         self._plans = {}
 
     def __getstate__(self):
+        if getattr(self, "_store", None) is not None:
+            raise TypeError("an optimizer with NVMe/mmap state cannot be pickled or deep-copied; "
+                            "use state_dict() / load_state_dict()")
         d = super().__getstate__()
         d = dict(d)
         d.pop("_plans", None)
+        d.pop("_gpu", None)
+        d.pop("_gpu_device", None)
         return d
 
     def _plan(self, gi: int, group: dict) -> _GroupPlan:
@@ -299,11 +339,17 @@ class _AdamBase(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._gpu is not None:
+            self._gpu.step(grad_multiplier)
+            return loss
         mult = self._pending_multiplier * (1.0 if grad_multiplier is None else float(grad_multiplier))
         self._pending_multiplier = 1.0
         if not math.isfinite(mult):
             raise ValueError(f"grad_multiplier must be finite, got {mult}")
         threads = self._threads or 0
+        if self._store is not None:  # NVMe/mmap state: the store pipelines all groups (offload/store.py)
+            self._store.step(self, mult, threads)
+            return loss
         for gi, group in enumerate(self.param_groups):
             plan = self._plan(gi, group)
             rows = self._collect(plan, group)
@@ -332,6 +378,8 @@ class _AdamBase(Optimizer):
         ``min(1, max_norm / (norm + 1e-6))`` and the next :meth:`step` applies it inside the Adam
         kernel (one pass over memory instead of three). The gradients themselves are not modified.
         """
+        if self._gpu is not None:
+            return self._gpu.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         if float(norm_type) != 2.0:
             raise ValueError("offload's fused clipping supports norm_type=2.0 only")
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
@@ -357,11 +405,31 @@ class _AdamBase(Optimizer):
 
     # ------------------------------------------------------------------ state_dict
     def state_dict(self) -> dict:
+        if self._gpu is not None:
+            self._gpu.synchronize()
+        if self._store is not None:
+            tensors = self._store.state_tensors()  # views of the mapped state file, not copies
         sd = super().state_dict()
         # hand out copies of step counters: ours are views into one shared buffer
         sd["state"] = {k: {kk: (vv.clone() if kk == "step" and isinstance(vv, torch.Tensor) else vv)
                            for kk, vv in v.items()} for k, v in sd["state"].items()}
+        if self._store is not None:
+            index = 0
+            for gi, g in enumerate(self.param_groups):
+                for i, _ in enumerate(g["params"]):
+                    if index in sd["state"] and (gi, i) in tensors:
+                        sd["state"][index].update(tensors[(gi, i)])
+                    index += 1
         return sd
+
+    def close(self) -> None:
+        """Release NVMe/mmap state (waits for I/O, deletes the state file unless keep_files). No-op for RAM state."""
+        if self._store is not None:
+            self._store.close()
+
+    def storage_info(self) -> dict:
+        """Telemetry of NVMe/mmap state (bytes moved, I/O wait, kernel time, O_DIRECT or not); {} for RAM state."""
+        return self._store.info() if self._store is not None else {}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state saved by this class or by ``torch.optim.Adam/AdamW``.
@@ -398,7 +466,10 @@ class _AdamBase(Optimizer):
                         raise ValueError(f"state '{key}' of saved parameter {k} has shape {tuple(val.shape)}, "
                                          f"but the parameter has shape {tuple(p.shape)}")
                     dtype = torch.float32 if val.is_floating_point() else val.dtype
-                    st[key] = val.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+                    if self._store is not None:
+                        st[key] = val  # streamed into the state file below, one bucket at a time
+                    else:
+                        st[key] = val.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
                 else:
                     st[key] = deepcopy(val)
             new_state[p] = st
@@ -406,7 +477,19 @@ class _AdamBase(Optimizer):
             sg["params"] = g["params"]
             if "param_names" in g and "param_names" not in sg:
                 sg["param_names"] = g["param_names"]
+        if self._gpu is not None:
+            self._gpu.synchronize()
+        if self._store is not None:  # NVMe/mmap state: write tensors to the file, keep only 'step' in RAM
+            where = {id(p): (gi, i) for gi, g in enumerate(groups) for i, p in enumerate(g["params"])}
+            entries = {where[id(p)]: st for p, st in new_state.items() if isinstance(p, torch.Tensor)}
+            self._store.load(entries)
+            for p, st in list(new_state.items()):
+                if isinstance(p, torch.Tensor):
+                    gi, i = where[id(p)]
+                    new_state[p] = {"step": self._store.steps[gi][i]}
         self.__setstate__({"state": new_state, "param_groups": saved_groups})
+        if self._gpu is not None:
+            self._gpu.load_state()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -417,23 +500,36 @@ class Adam(_AdamBase):
     """Adam (L2 weight decay added to the gradient), same signature and defaults as torch.optim.Adam.
 
     Extra keyword: ``threads`` (native threads per step; default: CPUs in the affinity mask).
+    State on disk: ``state="nvme"|"mmap"``, ``nvme_dir``, ``host_budget``, ``keep_files``,
+    ``nvme_options`` (see docs/nvme.md and offload/store.py).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=False, threads=None):
+                 decoupled_weight_decay=False, threads=None, state="ram", nvme_dir=None, host_budget="2GiB",
+                 keep_files=False, nvme_options=None, offload_device=None, **gpu_options):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=decoupled_weight_decay, threads=threads)
+                         decoupled_weight_decay=decoupled_weight_decay, threads=threads, state=state,
+                         nvme_dir=nvme_dir, host_budget=host_budget, keep_files=keep_files,
+                         nvme_options=nvme_options, offload_device=offload_device, **gpu_options)
 
 
 class AdamW(_AdamBase):
-    """AdamW (decoupled weight decay), same signature and defaults as torch.optim.AdamW."""
+    """AdamW (decoupled weight decay), same signature and defaults as torch.optim.AdamW.
+
+    Extra keywords as for :class:`Adam` (``threads``; ``state``, ``nvme_dir``, ``host_budget``,
+    ``keep_files``, ``nvme_options`` for optimizer state on disk).
+    """
 
     _decoupled = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None, threads=None):
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None, threads=None,
+                 state="ram", nvme_dir=None, host_budget="2GiB", keep_files=False, nvme_options=None,
+                 offload_device=None, **gpu_options):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True, threads=threads)
+                         decoupled_weight_decay=True, threads=threads, state=state, nvme_dir=nvme_dir,
+                         host_budget=host_budget, keep_files=keep_files, nvme_options=nvme_options,
+                         offload_device=offload_device, **gpu_options)

@@ -11,13 +11,8 @@ from offload import _C, kernels
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 SIZES = [0, 1, 15, 16, 17, 63, 4097]
-VARIANTS = [  # (decoupled, amsgrad, maximize, weight_decay)
-    (True, False, False, 0.1),
-    (False, False, False, 0.1),
-    (True, True, False, 0.0),
-    (False, True, True, 0.05),
-    (True, False, True, 0.0),
-]
+# (decoupled, amsgrad, maximize, weight_decay): Adam and AdamW x every flag combination
+VARIANTS = [(d, a, m, wd) for d in (True, False) for a in (False, True) for m in (False, True) for wd in (0.0, 0.1)]
 
 
 def make_state(n, gdtype, odtype, seed):
@@ -64,13 +59,13 @@ def test_isa_matches_reference_bitwise(isa, n, gd, od):
         assert_bitwise(state, ref)
 
 
-@pytest.mark.parametrize("gd", ["f32", "bf16"])
-def test_large_odd_size_matches_reference(isa, gd):
+@pytest.mark.parametrize("gd,od,vi", [("f32", None, 1), ("bf16", "bf16", 6), ("f16", "f16", 11)])
+def test_large_odd_size_matches_reference(isa, gd, od, vi):
     n = (1 << 20) + 3
-    state = make_state(n, DTYPES[gd], torch.bfloat16, seed=7)
+    state = make_state(n, DTYPES[gd], DTYPES.get(od), seed=7)
     ref = clone(state)
-    run(state, VARIANTS[0], step=1)
-    run(ref, VARIANTS[0], step=1, reference=True)
+    run(state, VARIANTS[vi], step=1, mult=0.25)
+    run(ref, VARIANTS[vi], step=1, mult=0.25, reference=True)
     assert_bitwise(state, ref)
 
 
@@ -268,3 +263,55 @@ def test_isa_selection():
             assert kernels.get_isa() == name
     finally:
         kernels.set_isa(prev)
+
+
+# ---- environment and process handling ----
+import os
+import subprocess
+import sys
+
+
+def _py(code, env=None):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
+
+
+def test_offload_isa_env_forces_path():
+    for name in kernels.available_isas():
+        r = _py("import offload; print(offload.build_info()['isa'])", {"OFFLOAD_ISA": name})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == name
+    r = _py("import offload", {"OFFLOAD_ISA": "neon9"})
+    assert r.returncode != 0 and "OFFLOAD_ISA" in r.stderr
+
+
+def test_default_threads_follow_affinity_mask():
+    code = ("import os; os.sched_setaffinity(0, {0}); import offload; "
+            "print(offload.build_info()['threads'], offload.build_info()['affinity_cpus'])")
+    r = _py(code, {"OFFLOAD_NUM_THREADS": ""})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1", "1"]
+
+
+@pytest.mark.timeout(60)
+def test_kernel_works_in_forked_child():
+    """The pool is recreated after fork(); a child must not wait for workers it does not have.
+
+    The child touches torch only through .numpy() views: torch's own OpenMP pool is not
+    fork-safe (a forked child hangs in any parallel torch op), which is not ours to test.
+    """
+    base = make_state(200_003, torch.float32, None, seed=2)
+    expect, got = clone(base), clone(base)
+    run(expect, VARIANTS[0], threads=2)  # parent pool is running
+    views = [t.numpy() for t in expect[:4]], [t.numpy() for t in got[:4]]
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 4
+        try:
+            run(got, VARIANTS[0], threads=2)
+            code = 0 if all(np.array_equal(x, y) for x, y in zip(*views)) else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

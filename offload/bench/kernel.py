@@ -24,9 +24,16 @@ from .common import Progress, format_table, machine_info, median, write_json
 BYTES_PER_PARAM = 28  # read g, p, m, v (16 B) + write p, m, v (12 B); bf16 case: 2+12 read, 12+2 written
 
 
+def _human(n: int) -> str:
+    for unit, div in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= div and n % (div // 16 or 1) == 0:
+            return f"{n / div:g}{unit}"
+    return str(n)
+
+
 @dataclass
 class Case:
-    name: str
+    key: str  # flat | multi | small | bf16 (what check_targets looks up)
     sizes: list
     lowp: bool = False  # bf16 grads in, bf16 weights out, fp32 master/moments
     results: dict = field(default_factory=dict)
@@ -35,18 +42,24 @@ class Case:
     def numel(self) -> int:
         return sum(self.sizes)
 
+    @property
+    def name(self) -> str:
+        n = self.sizes[0]
+        shape = f"flat {_human(n)}" if len(self.sizes) == 1 else f"{len(self.sizes)}x{n}"
+        return f"bf16 grad+out, {shape}" if self.lowp else f"fp32 {shape}"
+
 
 def make_cases(scale: float, only) -> list:
     flat = max(16, int(128 * 2**20 * scale))
     cases = [
-        Case("fp32 flat 128M", [flat]),
-        Case("fp32 1000x131072", [max(1, int(131072 * scale))] * 1000),
-        Case("fp32 10000x1024", [1024] * max(1, int(10000 * min(1.0, scale * 8)))),
-        Case("bf16 grad+out, flat 128M", [flat], lowp=True),
+        Case("flat", [flat]),
+        Case("multi", [max(1, int(131072 * scale))] * 1000),
+        Case("small", [1024] * max(1, int(10000 * min(1.0, scale * 8)))),
+        Case("bf16", [flat], lowp=True),
     ]
     if only:
         keys = [k.strip() for k in only.split(",")]
-        cases = [c for c in cases if any(k in c.name for k in keys)]
+        cases = [c for c in cases if c.key in keys]
     return cases
 
 
@@ -234,36 +247,37 @@ def summarize(cases: list, thread_counts: list) -> tuple:
 def check_targets(cases: list, thread_counts: list) -> list:
     """The issue's targets, evaluated on this run (at the largest thread count)."""
     t = max(thread_counts)
-    by = {c.name: c.results[t] for c in cases}
+    res = {c.key: c.results[t] for c in cases}
+    numel = {c.key: c.numel for c in cases}
+    probe = "bandwidth probe (ceiling)"
+    impls = ("offload.AdamW.step", "offload kernel call")
     out = []
 
     def add(label, value, ok):
         out.append(f"{'PASS' if ok else 'MISS'}  {label}: {value}")
 
-    flat = by.get("fp32 flat 128M")
-    if flat:
-        for impl in ("offload.AdamW.step", "offload kernel call"):
-            pct = flat["bandwidth probe (ceiling)"] / flat[impl] * 100
-            add(f"fp32 flat {impl} >= 97% of probe", f"{pct:.1f}%", pct >= 97)
+    if "flat" in res:
+        flat = res["flat"]
+        for impl in impls:
+            pct = flat[probe] / flat[impl] * 100
+            add(f"fp32 flat, {impl} >= 97% of probe", f"{pct:.1f}%", pct >= 97)
         r = flat["torch AdamW(fused=True)"] / flat["offload.AdamW.step"]
         add("fp32 flat >= 1.05x torch fused", f"{r:.2f}x", r >= 1.05)
-    multi = by.get("fp32 1000x131072")
-    if flat and multi:
-        per_flat = flat["offload.AdamW.step"] / sum(c.numel for c in cases if c.name == "fp32 flat 128M")
-        per_multi = multi["offload.AdamW.step"] / next(c.numel for c in cases if c.name == "fp32 1000x131072")
-        add("1000x131072 >= 95% of our flat throughput", f"{per_flat / per_multi * 100:.1f}%", per_flat / per_multi >= 0.95)
-    small = by.get("fp32 10000x1024")
-    if flat and small:
-        n_small = next(c.numel for c in cases if c.name == "fp32 10000x1024")
-        n_flat = next(c.numel for c in cases if c.name == "fp32 flat 128M")
-        for impl in ("offload.AdamW.step", "offload kernel call"):
-            r = (small[impl] / n_small) / (flat[impl] / n_flat)
-            add(f"10000x1024 per-element time <= 1.2x flat ({impl})", f"{r:.2f}x", r <= 1.2)
-    lowp = by.get("bf16 grad+out, flat 128M")
-    if lowp:
+    for key, label, limit in (("multi", "1000x131072 throughput >= 95% of our flat", None),
+                              ("small", "10000x1024 per-element time <= 1.2x our flat", 1.2)):
+        if "flat" not in res or key not in res:
+            continue
+        for impl in impls:
+            ratio = (res[key][impl] / numel[key]) / (res["flat"][impl] / numel["flat"])
+            if limit is None:
+                add(f"{label} ({impl})", f"{100 / ratio:.1f}%", 1 / ratio >= 0.95)
+            else:
+                add(f"{label} ({impl})", f"{ratio:.2f}x", ratio <= limit)
+    if "bf16" in res:
+        lowp = res["bf16"]
         r = lowp["torch AdamW(fused=True) +casts"] / lowp["offload.AdamW.step"]
         add("bf16 grad+out >= 1.8x torch composite", f"{r:.2f}x", r >= 1.8)
-        pct = lowp["bandwidth probe (ceiling)"] / lowp["offload.AdamW.step"] * 100
+        pct = lowp[probe] / lowp["offload.AdamW.step"] * 100
         add("bf16 grad+out >= 90% of probe", f"{pct:.1f}%", pct >= 90)
     return out
 
@@ -330,7 +344,7 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", default="1,all", help="comma-separated thread counts ('all' = affinity CPUs)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per contender (median reported)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply tensor sizes (e.g. 0.05 for a quick run)")
-    p.add_argument("--cases", default="", help="substring filter, e.g. 'flat,bf16'")
+    p.add_argument("--cases", default="", help="subset of flat,multi,small,bf16 (default: all)")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam even if importable")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", metavar="PATH", help="write results as JSON")

@@ -1,0 +1,336 @@
+"""bench/io.py: ``python -m offload.bench io``: sequential write and read throughput of a
+state-sized region, our async engine against the peers and the disk ceiling, in one run.
+
+Measured on the directory the user names (default: a temp dir on the current filesystem):
+  ours        offload.aio.AioEngine, O_DIRECT, aligned buffers, requests of --request bytes
+  fio         O_DIRECT + libaio, 1 MiB blocks, several queue depths (the disk ceiling), if installed
+  pwrite      plain buffered os.pwrite + fsync / os.preadv after dropping the file's cached pages
+  memmap      numpy.memmap copy + flush / copy out after dropping cached pages
+  aiofiles    aiofiles (thread-pool buffered I/O) if installed
+  deepspeed   DeepSpeed's AIO handle (libaio, O_DIRECT) with its page-locked buffer, if importable
+              and its op builds (pip install deepspeed; apt-get install libaio-dev)
+Every method overwrites the same, already written file (as the state store rewrites its file every
+step; on ext4 a direct write that extends a file or fills unwritten extents holds the inode lock
+for its whole duration, so first writes to a fresh file run one at a time whatever the queue
+depth, for fio as for us). Buffered peers drop the page cache for the file (fsync + posix_fadvise DONTNEED) before reading,
+so every read comes from the disk. Each figure is the median of --reps repetitions; ratios are to
+fio's best queue depth for the same direction.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from ..aio import AioEngine
+from ..buffers import aligned_empty
+from ..store import parse_size
+
+GB = 1e9
+
+
+def _drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _fill(buf: torch.Tensor) -> None:
+    buf.view(torch.int32)[:] = torch.randint(-2**31, 2**31 - 1, (buf.numel() // 4,), dtype=torch.int32)
+
+
+# ------------------------------------------------------------------------------ ours
+def bench_ours(path: str, size: int, buf: torch.Tensor, request: int, qd: int, block: int, inflight: int):
+    """Write then read ``size`` bytes with up to ``inflight`` requests of ``request`` bytes queued."""
+    out = {}
+    with AioEngine(queue_depth=qd, block_size=block) as eng:
+        f = eng.open(path)
+        nbuf = buf.numel() // request
+        for op in ("write", "read"):
+            fn = eng.write if op == "write" else eng.read
+            t = time.perf_counter()
+            pending = []
+            for k, off in enumerate(range(0, size, request)):
+                if len(pending) >= inflight:
+                    pending.pop(0).wait()
+                slot = buf[(k % nbuf) * request:(k % nbuf + 1) * request]
+                pending.append(fn(f, slot, off, min(request, size - off)))
+            for r in pending:
+                r.wait()
+            if op == "write":
+                os.fsync(f.fd)
+            out[op] = size / (time.perf_counter() - t)
+        out["direct"] = f.direct
+        f.close()
+    return out
+
+
+# ------------------------------------------------------------------------------ fio
+def bench_fio(path: str, size: int, configs: list) -> dict:
+    """{(op, iodepth, jobs): bytes/s} from fio (O_DIRECT, libaio, 1 MiB blocks). With several
+    jobs each covers its own slice of the region (several submitting threads, like our workers)."""
+    res = {}
+    for op in ("write", "read"):
+        for qd, jobs in configs:
+            cmd = ["fio", "--name=offload-io", f"--filename={path}", f"--size={size // jobs}", "--bs=1M",
+                   f"--rw={op}", "--direct=1", "--ioengine=libaio", f"--iodepth={qd}", f"--numjobs={jobs}",
+                   f"--offset_increment={size // jobs}", "--group_reporting", "--end_fsync=1",
+                   "--output-format=json"]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"fio failed: {r.stderr.strip()[:500]}")
+            js = json.loads(r.stdout[r.stdout.index("{"):])
+            job = js["jobs"][0]
+            res[(op, qd, jobs)] = float(job[op]["bw_bytes"])
+    return res
+
+
+# ------------------------------------------------------------------------------ peers
+def bench_pwrite(path: str, size: int, buf: torch.Tensor, chunk: int = 1 << 20) -> dict:
+    out = {}
+    mv = memoryview(buf.numpy())
+    nbuf = buf.numel() // chunk
+    fd = os.open(path, os.O_RDWR)
+    try:
+        t = time.perf_counter()
+        for k, off in enumerate(range(0, size, chunk)):
+            s = (k % nbuf) * chunk
+            os.pwrite(fd, mv[s:s + min(chunk, size - off)], off)
+        os.fsync(fd)
+        out["write"] = size / (time.perf_counter() - t)
+        _drop_cache(path)
+        t = time.perf_counter()
+        for k, off in enumerate(range(0, size, chunk)):
+            s = (k % nbuf) * chunk
+            os.preadv(fd, [mv[s:s + min(chunk, size - off)]], off)
+        out["read"] = size / (time.perf_counter() - t)
+    finally:
+        os.close(fd)
+    return out
+
+
+def bench_memmap(path: str, size: int, buf: torch.Tensor) -> dict:
+    out = {}
+    src = buf.numpy()
+    n = src.size
+    t = time.perf_counter()
+    mm = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
+    for off in range(0, size, n):
+        k = min(n, size - off)
+        mm[off:off + k] = src[:k]
+    mm.flush()
+    del mm
+    _drop_cache(path)
+    out["write"] = size / (time.perf_counter() - t)
+    t = time.perf_counter()
+    mm = np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
+    for off in range(0, size, n):
+        k = min(n, size - off)
+        src[:k] = mm[off:off + k]
+    del mm
+    out["read"] = size / (time.perf_counter() - t)
+    return out
+
+
+def bench_aiofiles(path: str, size: int, buf: torch.Tensor, chunk: int = 1 << 20):
+    try:
+        import aiofiles
+    except ImportError:
+        return None
+    mv = memoryview(buf.numpy())
+    nbuf = buf.numel() // chunk
+
+    async def run():
+        out = {}
+        async with aiofiles.open(path, "r+b") as f:
+            t = time.perf_counter()
+            for k, off in enumerate(range(0, size, chunk)):
+                s = (k % nbuf) * chunk
+                await f.write(mv[s:s + min(chunk, size - off)])
+            await f.flush()
+            os.fsync(f.fileno())
+            out["write"] = size / (time.perf_counter() - t)
+        _drop_cache(path)
+        async with aiofiles.open(path, "rb") as f:
+            t = time.perf_counter()
+            k = 0
+            while True:
+                s = (k % nbuf) * chunk
+                n = await f.readinto(mv[s:s + chunk])
+                if not n:
+                    break
+                k += 1
+            out["read"] = size / (time.perf_counter() - t)
+        return out
+
+    return asyncio.run(run())
+
+
+def bench_deepspeed(path: str, size: int, request: int, qd: int, block: int, inflight: int, threads: int):
+    """DeepSpeed's AIO handle (libaio, O_DIRECT) on its own page-locked buffer: batches of
+    ``inflight`` async requests of ``request`` bytes, then wait(). None if DeepSpeed is not usable."""
+    try:
+        import logging
+        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        builder = AsyncIOBuilder()
+        if not builder.is_compatible(verbose=False):
+            return None
+        ds = builder.load(verbose=False)
+    except Exception:
+        return None
+    h = ds.aio_handle(block, qd, False, True, threads)
+    locked = h.new_cpu_locked_tensor(request * inflight, torch.empty(0, dtype=torch.uint8))
+    out = {}
+    try:
+        for op in ("write", "read"):
+            fn = h.async_pwrite if op == "write" else h.async_pread
+            t = time.perf_counter()
+            queued = 0
+            for off in range(0, size, request):
+                n = min(request, size - off)
+                fn(locked[queued * request:queued * request + n], path, off)
+                queued += 1
+                if queued == inflight:
+                    h.wait()
+                    queued = 0
+            if queued:
+                h.wait()
+            if op == "write":
+                fd = os.open(path, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+            out[op] = size / (time.perf_counter() - t)
+    finally:
+        h.free_cpu_locked_tensor(locked)
+    return out
+
+
+# ------------------------------------------------------------------------------ driver
+def run(args) -> int:
+    measure(args)
+    return 0
+
+
+def measure(args) -> dict:
+    size = parse_size(args.size)
+    request = parse_size(args.request)
+    block = parse_size(args.block_size)
+    if size % 4096 or request % 4096 or block % 4096:
+        raise SystemExit("--size, --request and --block-size must be multiples of 4 KiB")
+    base = args.dir or os.getcwd()
+    work = tempfile.mkdtemp(prefix="offload-io-bench-", dir=base)
+    configs = [(int(x), 1) for x in args.fio_depths.split(",")] + \
+        [(int(x), int(j)) for x, j in (c.split("x") for c in args.fio_jobs.split(",") if c)]
+    buf = aligned_empty(max(request * args.inflight, 64 << 20))
+    _fill(buf)
+    results: dict = {k: {"write": [], "read": []} for k in ("ours", "deepspeed", "pwrite", "memmap", "aiofiles")}
+    fio_all: dict = {}
+    has_fio = shutil.which("fio") is not None and not args.no_fio
+    notes = []
+    p = os.path.join(work, "region")
+    try:
+        # lay the region out once (untimed); every method then overwrites and reads it back
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        bench_ours(p, size, buf, request, args.queue_depth, block, args.inflight)
+        for rep in range(args.reps):
+            r = bench_ours(p, size, buf, request, args.queue_depth, block, args.inflight)
+            if not r["direct"]:
+                notes.append("our engine fell back to buffered I/O (O_DIRECT refused)")
+            for op in ("write", "read"):
+                results["ours"][op].append(r[op])
+            if has_fio:
+                for key, v in bench_fio(p, size, configs).items():
+                    fio_all.setdefault(key, []).append(v)
+            for name, fn in (("pwrite", lambda p: bench_pwrite(p, size, buf)),
+                             ("memmap", lambda p: bench_memmap(p, size, buf)),
+                             ("aiofiles", lambda p: bench_aiofiles(p, size, buf)),
+                             ("deepspeed", lambda p: bench_deepspeed(p, size, request, args.queue_depth, block,
+                                                                     args.inflight, args.ds_threads))):
+                if name in args.skip.split(","):
+                    continue
+                r = fn(p)
+                if r is not None:
+                    for op in ("write", "read"):
+                        results[name][op].append(r[op])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    med = {k: {op: statistics.median(v) for op, v in d.items() if v} for k, d in results.items()}
+    med = {k: v for k, v in med.items() if v}
+    fio_med = {f"{op}_qd{qd}_x{j}": statistics.median(v) for (op, qd, j), v in fio_all.items()}
+    ceiling = {}
+    if fio_med:
+        for op in ("write", "read"):
+            qd, j = max(configs, key=lambda c: fio_med[f"{op}_qd{c[0]}_x{c[1]}"])
+            ceiling[op] = {"bytes_per_s": fio_med[f"{op}_qd{qd}_x{j}"], "iodepth": qd, "jobs": j}
+    report = dict(bench="io", dir=base, size=size, request=request, block_size=block, queue_depth=args.queue_depth,
+                  inflight=args.inflight, reps=args.reps, results=med, fio=fio_med, fio_best=ceiling,
+                  notes=sorted(set(notes)), missing=[k for k in results if k not in med])
+    _print(report)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+    return report
+
+
+def _print(r: dict) -> None:
+    print(f"io benchmark: {r['size'] / GB:.2f} GB region in {r['dir']}, median of {r['reps']} runs "
+          f"(ours: {r['request'] >> 20} MiB requests, {r['inflight']} queued, queue depth {r['queue_depth']}, "
+          f"{r['block_size'] >> 10} KiB blocks)")
+    best = r["fio_best"]
+    hdr = f"{'method':<22}{'write GB/s':>12}{'vs fio':>9}{'read GB/s':>12}{'vs fio':>9}"
+    print(hdr)
+    print("-" * len(hdr))
+
+    def ratio(op, v):
+        return f"{v / best[op]['bytes_per_s']:.2f}" if op in best else "-"
+
+    for k, v in r["results"].items():
+        w, rd = v.get("write"), v.get("read")
+        print(f"{k:<22}{w / GB:>12.2f}{ratio('write', w):>9}{rd / GB:>12.2f}{ratio('read', rd):>9}")
+    for key, v in r["fio"].items():
+        op, qd, j = key.split("_")
+        print(f"{'fio ' + op + ' ' + qd + ' ' + j.replace('x', 'jobs '):<22}" + (f"{v / GB:>12.2f}{'':>9}" if op == "write" else
+                                                  f"{'':>21}{v / GB:>12.2f}"))
+    if best:
+        print("fio best (disk ceiling): write {:.2f} GB/s (iodepth {} x {} jobs), read {:.2f} GB/s (iodepth {} x {} "
+              "jobs)".format(best["write"]["bytes_per_s"] / GB, best["write"]["iodepth"], best["write"]["jobs"],
+                             best["read"]["bytes_per_s"] / GB, best["read"]["iodepth"], best["read"]["jobs"]))
+    else:
+        print("fio not installed: no disk ceiling measured (apt-get install fio)")
+    if r["missing"]:
+        print("not measured (not installed or skipped): " + ", ".join(r["missing"]))
+    for n in r["notes"]:
+        print("note: " + n)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("io", help="NVMe read/write throughput: our engine vs fio, DeepSpeed AIO and buffered peers",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", default=None, help="directory on the disk to measure (default: current directory)")
+    p.add_argument("--size", default="2GiB", help="bytes written then read per method (default 2GiB)")
+    p.add_argument("--request", default="64MiB", help="our request size, like one state bucket (default 64MiB)")
+    p.add_argument("--inflight", type=int, default=4, help="our requests queued at once (default 4)")
+    p.add_argument("--queue-depth", type=int, default=8, help="our engine's worker threads (default 8)")
+    p.add_argument("--block-size", default="1MiB", help="our engine's piece size (default 1MiB)")
+    p.add_argument("--fio-depths", default="1,4,16,32", help="fio iodepths to try, one job (default 1,4,16,32)")
+    p.add_argument("--fio-jobs", default="8x2,4x4", help="extra fio configs iodepth x jobs (default 8x2,4x4)")
+    p.add_argument("--no-fio", action="store_true", help="skip fio")
+    p.add_argument("--skip", default="", help="comma-separated peers to skip: pwrite,memmap,aiofiles,deepspeed")
+    p.add_argument("--ds-threads", type=int, default=2, help="DeepSpeed intra_op_parallelism (default 2)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions (median reported; default 3)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.set_defaults(func=run)

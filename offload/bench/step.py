@@ -1,0 +1,196 @@
+"""bench/step.py: ``python -m offload.bench step --state nvme``: optimizer steps with state on
+disk, and how well the pipeline overlaps I/O with the kernel.
+
+Reported, as medians over --steps steps (the first step, which only writes freshly created
+state, is reported apart):
+  step        wall time of ``opt.step()`` with NVMe (or mmap) state
+  io          the same pipeline reading and writing every bucket without computing (I/O only)
+  kernel      an in-RAM ``offload.AdamW`` step on a copy of the same parameters (the kernel alone;
+              skipped with --no-ram or when the state would not fit, then the kernel time measured
+              inside the NVMe step is used)
+  overlap     step / max(io, kernel): 1.0 is perfect overlap, 2.0 is no overlap at all
+  peak RSS    the process's peak resident memory, and its growth once parameters and gradients
+              exist (what the optimizer itself costs: bounded by --budget)
+Parameters are bf16 by default (fp32 master|m|v on disk: 12 B/param); gradients are created
+once and reused.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from .. import AdamW
+from ..store import parse_size
+
+GB = 1e9
+
+
+def _status(key: str, path: str = "/proc/self/status") -> int:
+    with open(path) as fh:
+        for line in fh:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _make(n: int, dtype: torch.dtype, chunk: int = 1 << 26) -> torch.Tensor:
+    t = torch.empty(n, dtype=dtype)
+    for s in range(0, n, chunk):  # in place, chunk by chunk: no full-size temporary
+        t[s:s + chunk].uniform_(-1, 1)
+    return t
+
+
+def _split(n: int, tensors: int) -> list:
+    base = n // tensors
+    return [base + (1 if i < n % tensors else 0) for i in range(tensors)]
+
+
+def measure(args) -> dict:
+    n = int(float(args.params))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    budget = parse_size(args.budget)
+    base = args.dir or os.getcwd()
+    work = tempfile.mkdtemp(prefix="offload-step-bench-", dir=base)
+    sizes = _split(n, args.tensors)
+    t0 = time.perf_counter()
+    params = [_make(k, dtype) for k in sizes]
+    for p in params:
+        p.grad = _make(p.numel(), dtype)
+    setup_s = time.perf_counter() - t0
+    model_bytes = sum(p.numel() * p.element_size() * 2 for p in params)
+    per_param = (12 if dtype != torch.float32 else 8)
+    report = dict(bench="step", state=args.state, params=n, tensors=args.tensors, dtype=args.dtype,
+                  host_budget=budget, dir=base, params_and_grads_bytes=model_bytes, state_bytes=n * per_param,
+                  command="python -m offload.bench step " + " ".join(args.argv))
+    try:
+        # ------------------------------------------------ kernel alone: in-RAM step on a copy
+        kernel_s = None
+        avail = _status("MemAvailable:", "/proc/meminfo")
+        if not args.no_ram and n * (per_param + 2 * dtype.itemsize) < 0.5 * avail:
+            cp = [p.detach().clone() for p in params]
+            for c, p in zip(cp, params):
+                c.grad = p.grad
+            ram = AdamW(cp, lr=1e-4)
+            times = []
+            for _ in range(args.steps + 1):
+                t = time.perf_counter()
+                ram.step()
+                times.append(time.perf_counter() - t)
+            kernel_s = statistics.median(times[1:])
+            del ram, cp
+        # ------------------------------------------------ NVMe / mmap state
+        AdamW([torch.zeros(1)])  # torch's first Optimizer() imports ~70 MB of modules: not ours to count
+        base_rss = _status("VmRSS:")
+        reset = _reset_peak()
+        opts = {} if args.state == "mmap" else dict(depth=args.depth, queue_depth=args.queue_depth,
+                                                     block_size=parse_size(args.block_size))
+        t = time.perf_counter()
+        opt = AdamW(params, lr=1e-4, state=args.state, nvme_dir=work, host_budget=budget, nvme_options=opts)
+        ctor_s = time.perf_counter() - t
+        info = opt.storage_info()
+        t = time.perf_counter()
+        opt.step()
+        first_s = time.perf_counter() - t
+        steps, tel = [], []
+        for _ in range(args.steps):
+            before = dict(opt.storage_info())
+            t = time.perf_counter()
+            opt.step()
+            steps.append(time.perf_counter() - t)
+            after = opt.storage_info()
+            tel.append({k: after[k] - before[k] for k in ("read_wait_s", "write_wait_s", "kernel_s", "bytes_read",
+                                                           "bytes_written")})
+        io_s = None
+        if args.state == "nvme":
+            io_s = statistics.median(opt._store.io_pass() for _ in range(max(1, min(3, args.steps))))
+        peak = _status("VmHWM:") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        in_step_kernel = statistics.median(x["kernel_s"] for x in tel)
+        k = kernel_s if kernel_s is not None else in_step_kernel
+        step = statistics.median(steps)
+        report.update(
+            file_bytes=info["file_bytes"], buckets=info["buckets"], slot_bytes=info["slot_bytes"], slots=info["slots"],
+            direct=info["direct"], setup_s=setup_s, ctor_s=ctor_s, first_step_s=first_s, step_s=step,
+            step_all_s=steps, io_s=io_s, kernel_s=k,
+            kernel_source="in-RAM step" if kernel_s is not None else "kernel time inside the NVMe step",
+            kernel_in_step_s=in_step_kernel,
+            read_wait_s=statistics.median(x["read_wait_s"] for x in tel),
+            write_wait_s=statistics.median(x["write_wait_s"] for x in tel),
+            bytes_per_step=statistics.median(x["bytes_read"] + x["bytes_written"] for x in tel),
+            overlap=step / max(io_s, k) if io_s is not None else None, peak_rss=peak, rss_before_optimizer=base_rss,
+            rss_growth=peak - base_rss, peak_rss_exact=reset)
+        opt.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _print(report)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+    return report
+
+
+def _print(r: dict) -> None:
+    gib = 2 ** 30
+    print(f"step benchmark: {r['params'] / 1e9:.3f} G {r['dtype']} params in {r['tensors']} tensors, state={r['state']}"
+          f" ({r['file_bytes'] / GB:.2f} GB file, {r['buckets']} buckets, O_DIRECT={r['direct']}) in {r['dir']}; "
+          f"host_budget {r['host_budget'] / gib:.2f} GiB = {r['slots']} x {r['slot_bytes'] / 2**20:.0f} MiB buffers")
+    print(f"  {'step (median of ' + str(len(r['step_all_s'])) + ')':<34}{r['step_s']:9.3f} s   "
+          f"(first step, state creation only: {r['first_step_s']:.3f} s)")
+    if r["io_s"] is not None:
+        print(f"  {'io only (read+write all buckets)':<34}{r['io_s']:9.3f} s   "
+              f"{r['bytes_per_step'] / r['io_s'] / GB:.2f} GB/s")
+    print(f"  {'kernel (' + r['kernel_source'] + ')':<34}{r['kernel_s']:9.3f} s   "
+          f"(kernel time inside the NVMe step: {r['kernel_in_step_s']:.3f} s)")
+    print(f"  {'waits inside the step':<34}read {r['read_wait_s']:.3f} s, write {r['write_wait_s']:.3f} s")
+    if r["overlap"] is not None:
+        print(f"  {'overlap = step / max(io, kernel)':<34}{r['overlap']:9.2f}     (1.00 = perfect overlap)")
+    else:
+        print(f"  {'step / kernel':<34}{r['step_s'] / r['kernel_s']:9.2f}     (mmap: the page cache does the "
+              "I/O inside the kernel's page faults; no separate I/O time)")
+    print(f"  {'peak RSS':<34}{r['peak_rss'] / gib:9.2f} GiB (params+grads {r['params_and_grads_bytes'] / gib:.2f} GiB; "
+          f"growth once they existed {r['rss_growth'] / gib:.3f} GiB vs budget {r['host_budget'] / gib:.2f} GiB)")
+
+
+def run(args) -> int:
+    measure(args)
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("step", help="optimizer steps with NVMe/mmap state: step vs I/O vs kernel time",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--state", choices=("nvme", "mmap"), default="nvme")
+    p.add_argument("--params", default="2e8", help="number of parameters (default 2e8)")
+    p.add_argument("--tensors", type=int, default=16, help="parameter tensors they are split into (default 16)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument("--budget", default="512MiB", help="host_budget (default 512MiB)")
+    p.add_argument("--depth", type=int, default=2, help="buckets read ahead (default 2)")
+    p.add_argument("--queue-depth", type=int, default=8, help="I/O worker threads (default 8)")
+    p.add_argument("--block-size", default="1MiB", help="I/O piece size (default 1MiB)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps after the first (default 5)")
+    p.add_argument("--dir", default=None, help="directory for the state file (default: current directory)")
+    p.add_argument("--no-ram", action="store_true", help="skip the in-RAM kernel-only step")
+    p.add_argument("--json", default=None, metavar="PATH")
+
+    def _run(args):
+        import sys
+        args.argv = sys.argv[2:] if len(sys.argv) > 2 else []
+        return run(args)
+
+    p.set_defaults(func=_run)

@@ -1,0 +1,98 @@
+"""gpu.py: the GPU-offload face of ``offload.Adam``/``offload.AdamW``.
+
+``GpuOffloadMixin`` adds the methods that only mean something when parameters live on a GPU
+(accumulation boundary, synchronize, telemetry); ``start_engine`` decides the mode from where the
+parameters are (or an explicit ``offload_device=``) and builds the scheduler of offload/pipeline.py.
+Kept apart from optim.py so that the optimizer class only delegates.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from .device import Device, resolve_device
+from .pipeline import GPU_OPTIONS, GpuOffloadEngine
+
+__all__ = ["GpuOffloadMixin", "split_params", "start_engine"]
+
+
+def _flat(params: list) -> list:
+    out = []
+    for item in params:
+        if isinstance(item, dict):
+            ps = item["params"]
+            out.extend([ps] if isinstance(ps, torch.Tensor) else list(ps))
+        else:
+            out.append(item)
+    # named parameters come as (name, tensor) pairs
+    out = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in out]
+    return [p for p in out if isinstance(p, torch.Tensor)]
+
+
+def split_params(params, offload_device, gpu_options: dict):
+    """Materialize ``params`` and return (params, Device or None for the CPU mode)."""
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    unknown = sorted(set(gpu_options) - set(GPU_OPTIONS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {unknown}; GPU-offload options are {list(GPU_OPTIONS)}")
+    device = resolve_device(offload_device, _flat(params))
+    if device is not None and device is not offload_device:
+        device._created_by_offload = True   # made here, not passed in: the engine closes it
+    if device is None and gpu_options:
+        raise TypeError(f"{sorted(gpu_options)} only apply to GPU offload (parameters on a GPU or offload_device=...)")
+    return params, device
+
+
+def start_engine(opt, device: Optional[Device], gpu_options: dict) -> Optional[GpuOffloadEngine]:
+    if device is None:
+        return None
+    opt._step_supports_amp_scaling = True   # GradScaler hands us grad_scale / found_inf instead of unscaling
+    engine = GpuOffloadEngine(opt, device, **gpu_options)
+    engine.owns_device = getattr(device, "_created_by_offload", False)
+    return engine
+
+
+class GpuOffloadMixin:
+    """Methods of the GPU-offload mode; in CPU mode they are harmless no-ops where that makes sense."""
+
+    _gpu: Optional[GpuOffloadEngine] = None
+
+    def _gpu_engine(self, what: str) -> GpuOffloadEngine:
+        if self._gpu is None:
+            raise RuntimeError(f"{what} is only available in GPU-offload mode (parameters on a GPU)")
+        return self._gpu
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside this block only accumulate gradients on the device (no transfer);
+        the first backward outside it is the accumulation boundary. No-op in CPU mode."""
+        if self._gpu is None:
+            yield
+        else:
+            with self._gpu.no_sync():
+                yield
+
+    def set_accumulation_boundary(self, flag: bool) -> None:
+        """False: the following backward passes only accumulate; True: the next one sends gradients."""
+        if self._gpu is not None:
+            self._gpu.set_accumulation_boundary(flag)
+
+    def synchronize(self) -> None:
+        """Wait until the last step is fully applied and the new weights are on the device."""
+        if self._gpu is not None:
+            self._gpu.synchronize()
+
+    def reload_params(self) -> None:
+        """Re-read the fp32 master weights from the device parameters after changing them in place."""
+        self._gpu_engine("reload_params").reload_params()
+
+    def last_step_stats(self, wait: bool = False) -> Optional[dict]:
+        """Seconds in D2H, CPU kernel, H2D, NVMe I/O and exposed (training thread blocked) of the latest
+        finished step, with bytes moved and whether the step was skipped."""
+        return self._gpu_engine("last_step_stats").last_step_stats(wait)
+
+    def export_chrome_trace(self, path: str) -> int:
+        """Write the recorded timeline (needs trace=True) as Chrome trace JSON; returns the span count."""
+        return self._gpu_engine("export_chrome_trace").export_chrome_trace(path)

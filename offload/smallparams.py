@@ -1,0 +1,87 @@
+"""smallparams.py: small parameters (norms, biases) kept and stepped on the device, as torchao does.
+
+Below a size threshold, sending a parameter's gradient down and its weight back up costs more in
+per-copy latency than the CPU step saves. ``DeviceSideAdam`` steps those parameters where they are
+with torch's own Adam/AdamW (fused on CUDA, foreach elsewhere), in the same ``step()`` and with the
+same hyperparameters, gradient multiplier (1/loss scale x clipping coefficient) and skip decision
+as the offloaded buckets. Their state is torch's (in the parameter dtype, on the device, no fp32
+master) and appears in the outer optimizer's ``state`` / ``state_dict`` under the same indices.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+__all__ = ["DeviceSideAdam"]
+
+_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+class DeviceSideAdam:
+    def __init__(self, opt, small: Dict[int, List[torch.Tensor]], decoupled: bool):
+        """``small``: outer group index -> its small parameters."""
+        self.opt = opt
+        self.group_of = []           # inner group index -> outer group index
+        groups = []
+        for gi, params in small.items():
+            if params:
+                g = opt.param_groups[gi]
+                groups.append({"params": params, **{k: g[k] for k in _HYPER}})
+                self.group_of.append(gi)
+        self.params = [p for g in groups for p in g["params"]]
+        self.inner = None
+        if groups:
+            fused = all(p.device.type == "cuda" for p in self.params)
+            cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+            kw = {"fused": True} if fused else {"foreach": True}
+            self.inner = cls(groups, **kw)
+
+    def __bool__(self) -> bool:
+        return self.inner is not None
+
+    def grads(self) -> List[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def sumsq(self) -> float:
+        """Sum of squared gradient elements, computed on the device; one scalar crosses."""
+        g = self.grads()
+        if not g:
+            return 0.0
+        norms = torch._foreach_norm(g, 2, dtype=torch.float32)
+        return float(torch.stack(norms).square().sum().item())
+
+    def step(self, mult: float) -> None:
+        if self.inner is None:
+            return
+        for ig, gi in enumerate(self.group_of):
+            outer = self.opt.param_groups[gi]
+            for k in _HYPER:
+                self.inner.param_groups[ig][k] = outer[k]
+        g = self.grads()
+        if not g:
+            return
+        if mult != 1.0:   # fold 1/loss scale and the clipping coefficient, as the CPU kernel does
+            torch._foreach_mul_(g, mult)
+        self.inner.step()
+        for p in self.params:
+            if p in self.inner.state:
+                self.opt.state[p] = self.inner.state[p]   # the same dict: state_dict sees it
+
+    def load(self) -> None:
+        """After the outer ``load_state_dict``: hand each small parameter's loaded state to torch."""
+        if self.inner is None:
+            return
+        sd = self.inner.state_dict()
+        state = {}
+        for i, p in enumerate(self.params):
+            st = self.opt.state.get(p)
+            if st:
+                state[i] = {k: v for k, v in st.items() if k != "master_param"}
+        sd["state"] = state
+        self.inner.load_state_dict(sd)   # torch casts to the parameter's device and dtype
+        for p in self.params:
+            if p in self.inner.state:
+                self.opt.state[p] = self.inner.state[p]
+            else:
+                self.opt.state.pop(p, None)

@@ -1,0 +1,40 @@
+# test_bench_nvme.py: the io and step benchmarks run end to end on tiny sizes and write the JSON
+# they promise. Speed is judged by the benchmarks themselves, never here.
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(args, timeout=240):
+    r = subprocess.run([sys.executable, "-m", "offload.bench"] + args, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.mark.timeout(300)
+def test_io_bench_tiny_run_writes_json(tmp_path):
+    out = tmp_path / "io.json"
+    stdout = _run(["io", "--dir", str(tmp_path), "--size", "8MiB", "--request", "1MiB", "--reps", "1",
+                   "--fio-depths", "1", "--fio-jobs", "", "--skip", "deepspeed", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["results"]["ours"]["write"] > 0 and data["results"]["ours"]["read"] > 0
+    assert {"pwrite", "memmap"} <= set(data["results"])
+    assert "ours" in stdout
+    assert [p for p in os.listdir(tmp_path) if p != "io.json"] == []  # work files removed
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("state", ["nvme", "mmap"])
+def test_step_bench_tiny_run_writes_json(tmp_path, state):
+    out = tmp_path / "step.json"
+    stdout = _run(["step", "--state", state, "--dir", str(tmp_path), "--params", "2e5", "--tensors", "3",
+                   "--budget", "256KiB", "--steps", "1", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["step_s"] > 0 and data["kernel_s"] > 0 and data["buckets"] > 1
+    assert (data["io_s"] is not None) == (state == "nvme")
+    assert "peak RSS" in stdout
+    assert [p for p in os.listdir(tmp_path) if p != "step.json"] == []

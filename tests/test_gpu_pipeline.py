@@ -1,0 +1,671 @@
+"""GPU-offload pipeline driven on CPU through the fake device (offload/device.py).
+
+Parameters are CPU tensors that the pipeline treats as device tensors: every gradient goes down
+and every weight goes up through background "streams" with random delays, and the fake device
+poisons copy destinations and checks copy sources, so an ordering bug shows up as NaNs or as a
+recorded hazard. Results are compared with torch.optim.AdamW (fp32), with the CPU mode of
+offload.AdamW (bitwise, same kernel) and between the overlapped and non-overlapped schedules.
+"""
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+from offload.bench.gpt import GPT, PRESETS, param_groups, random_batch
+from offload.device import FakeDevice
+
+CFG = PRESETS["tiny"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # the fake device's stream threads and the CPU worker run beside the "compute stream" (this
+    # thread): torch's spinning intra-op threads would oversubscribe a small machine
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+LR = 1e-2
+MODES = {  # name -> GPU-offload options
+    "eager": dict(overlap=True),
+    "deferred": dict(overlap=True, step_during_backward=False),
+    "sync": dict(overlap=False),
+}
+
+
+class Net(nn.Module):
+    """Tiny GPT (tied head, norms, biases) plus a layer used only on even steps (no grad otherwise)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = GPT(CFG)
+        self.aux = nn.Linear(CFG.d_model, CFG.d_model)
+
+    def forward(self, idx, tgt, use_aux):
+        loss = self.gpt(idx, tgt)
+        if use_aux:
+            loss = loss + self.aux(self.gpt.ln_f.weight.detach().float().to(self.aux.weight.dtype)).float().square().mean()
+        return loss
+
+
+def make_net(dtype):
+    torch.manual_seed(0)
+    return Net().to(dtype)
+
+
+def ours(dev_seed=0, max_delay=0.002, bucket_mb=0.004, **opts):
+    def factory(model):
+        dev = FakeDevice(max_delay=max_delay, seed=dev_seed)
+        return offload.AdamW(param_groups(model, 0.1), lr=LR, offload_device=dev, bucket_mb=bucket_mb, **opts)
+    return factory
+
+
+def torch_ref(model):
+    return torch.optim.AdamW(param_groups(model, 0.1), lr=LR)
+
+
+def cpu_mode(model):
+    return offload.AdamW(param_groups(model, 0.1), lr=LR)
+
+
+def train(factory, dtype=torch.float32, steps=6, accum=1, torch_clip=None, inf_step=None, scaler=None,
+          two_backwards=False, use_no_sync=True):
+    model = make_net(dtype)
+    opt = factory(model)
+    gen = torch.Generator().manual_seed(123)
+    for it in range(steps):
+        for micro in range(accum):
+            last = micro == accum - 1
+            ctx = opt.no_sync() if (use_no_sync and not last and hasattr(opt, "no_sync")) else contextlib.nullcontext()
+            idx, tgt = random_batch(CFG, 2, "cpu", gen)
+            with ctx:
+                loss = model(idx, tgt, use_aux=(it % 2 == 0))
+                if inf_step == it and last:
+                    loss = loss * float("inf")
+                if scaler is not None:
+                    loss = scaler.scale(loss)
+                loss.backward()
+                if two_backwards:
+                    model(idx, tgt, use_aux=False).backward()
+        if torch_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), torch_clip)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        elif inf_step == it and getattr(opt, "_gpu", None) is None:
+            pass  # the reference skips the step whose gradients are not finite
+        else:
+            opt.step()
+        opt.zero_grad()
+    if isinstance(opt, offload.AdamW):
+        opt.synchronize()
+        if opt._gpu is not None:
+            opt._gpu.device.check()
+    return model, opt
+
+
+def assert_same(a, b, exact=True, atol=1e-6, rtol=1e-5, state=True):
+    (ma, oa), (mb, ob) = a, b
+    for (name, pa), pb in zip(ma.named_parameters(), mb.parameters()):
+        assert torch.isfinite(pa).all(), name
+        if exact:
+            assert torch.equal(pa, pb), f"{name}: max diff {(pa.float() - pb.float()).abs().max().item()}"
+        else:
+            torch.testing.assert_close(pa, pb, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+    if not state:
+        return
+    sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+    assert sorted(sa) == sorted(sb)
+    assert sa, "no optimizer state to compare"
+    for k in sa:
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param", "step"):
+            # torch has no master_param; every other key must be on both sides
+            if key in sb[k] or (key in sa[k] and key != "master_param"):
+                ta = sa[k][key].float()
+                tb = sb[k][key].float().to(ta.device)
+                if exact:
+                    assert torch.equal(ta, tb), f"state {k} {key}"
+                else:
+                    torch.testing.assert_close(ta, tb, atol=atol, rtol=rtol)
+
+
+# ------------------------------------------------------------------------------------ results
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fp32_matches_torch_and_cpu_mode(mode):
+    got = train(ours(**MODES[mode]))
+    assert_same(got, train(cpu_mode))                      # same kernel: bitwise
+    assert_same(got, train(torch_ref), exact=False)        # torch's AdamW: rounding only
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_matches_cpu_mode_bitwise(mode, dtype):
+    got = train(ours(**MODES[mode]), dtype=dtype)
+    assert_same(got, train(cpu_mode, dtype=dtype))
+    assert "master_param" in next(iter(got[1].state_dict()["state"].values()))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_grad_accumulation_with_no_sync(mode):
+    got = train(ours(**MODES[mode]), accum=3)
+    assert_same(got, train(cpu_mode, accum=3))
+    assert_same(got, train(torch_ref, accum=3), exact=False)
+
+
+@pytest.mark.timeout(60)
+def test_accumulation_boundary_flag_equals_no_sync():
+    def factory(model):
+        opt = ours(**MODES["eager"])(model)
+        return opt
+    model = make_net(torch.float32)
+    opt = factory(model)
+    gen = torch.Generator().manual_seed(123)
+    for it in range(3):
+        opt.set_accumulation_boundary(False)
+        for micro in range(3):
+            if micro == 2:
+                opt.set_accumulation_boundary(True)
+            idx, tgt = random_batch(CFG, 2, "cpu", gen)
+            model(idx, tgt, use_aux=(it % 2 == 0)).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    assert_same((model, opt), train(cpu_mode, steps=3, accum=3))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["deferred", "sync"])
+def test_second_backward_without_no_sync_accumulates(mode):
+    assert_same(train(ours(**MODES[mode]), two_backwards=True), train(cpu_mode, two_backwards=True))
+
+
+@pytest.mark.timeout(60)
+def test_second_backward_in_eager_mode_raises():
+    with pytest.raises(RuntimeError, match="no_sync"):
+        train(ours(**MODES["eager"], bucket_mb=100), two_backwards=True)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["eager", "deferred", "sync"])
+def test_release_grads(mode):
+    model = make_net(torch.float32)
+    opt = ours(release_grads=True, **MODES[mode])(model)
+    idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(1))
+    model(idx, tgt, use_aux=True).backward()
+    if MODES[mode]["overlap"]:
+        assert all(p.grad is None for p in model.parameters())  # released as soon as copied
+    opt.step()
+    assert all(p.grad is None for p in model.parameters())
+    assert_same(train(ours(release_grads=True, **MODES[mode])), train(cpu_mode))
+
+
+# ------------------------------------------------------------------------------------ clipping
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_max_grad_norm_matches_torch_clipping(overlap):
+    got = train(ours(overlap=overlap, max_grad_norm=0.05))
+    assert not got[1]._gpu.eager
+    ref = train(torch_ref, torch_clip=0.05)
+    assert_same(got, ref, exact=False, atol=1e-5, rtol=1e-4)
+    unclipped = train(torch_ref)
+    assert not torch.allclose(ref[0].gpt.wte.weight, unclipped[0].gpt.wte.weight, atol=1e-4)  # clipping was active
+
+
+@pytest.mark.timeout(60)
+def test_clip_grad_norm_method_returns_total_norm_and_clips():
+    model = make_net(torch.float32)
+    opt = ours(step_during_backward=False)(model)
+    ref_model = make_net(torch.float32)
+    ref = torch_ref(ref_model)
+    idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(5))
+    for m in (model, ref_model):
+        m(idx, tgt, use_aux=True).backward()
+    n1 = opt.clip_grad_norm_(0.05)
+    n2 = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05)
+    torch.testing.assert_close(n1, n2, rtol=1e-5, atol=0)
+    opt.step()
+    ref.step()
+    opt.synchronize()
+    assert_same((model, opt), (ref_model, ref), exact=False)
+
+
+@pytest.mark.timeout(60)
+def test_torch_clip_on_device_grads_is_seen_in_deferred_mode():
+    # torch.nn.utils.clip_grad_norm_ rescales the device gradients after they were sent: recopied
+    got = train(ours(step_during_backward=False), torch_clip=0.05)
+    assert_same(got, train(torch_ref, torch_clip=0.05), exact=False, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["deferred", "sync"])
+def test_step_grad_multiplier(mode):
+    def run(factory):
+        model = make_net(torch.float32)
+        opt = factory(model)
+        gen = torch.Generator().manual_seed(4)
+        for it in range(3):
+            idx, tgt = random_batch(CFG, 2, "cpu", gen)
+            (model(idx, tgt, use_aux=True) * 8.0).backward()
+            opt.step(grad_multiplier=0.125)
+            opt.zero_grad()
+        opt.synchronize()
+        return model, opt
+    assert_same(run(ours(**MODES[mode])), run(cpu_mode))
+
+
+@pytest.mark.timeout(60)
+def test_eager_mode_refuses_grad_multiplier():
+    model = make_net(torch.float32)
+    opt = ours()(model)
+    idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(5))
+    model(idx, tgt, use_aux=True).backward()
+    with pytest.raises(RuntimeError, match="step_during_backward=False"):
+        opt.step(grad_multiplier=0.5)
+
+
+@pytest.mark.timeout(60)
+def test_eager_mode_refuses_late_clipping():
+    model = make_net(torch.float32)
+    opt = ours()(model)
+    idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(5))
+    model(idx, tgt, use_aux=True).backward()
+    with pytest.raises(RuntimeError, match="max_grad_norm"):
+        opt.clip_grad_norm_(1.0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="changed after they were sent"):
+        opt.step()
+
+
+# ------------------------------------------------------------------------------------ overflow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_overflow_step_is_skipped_exactly(overlap, dtype):
+    got = train(ours(overlap=overlap, check_overflow=True), dtype=dtype, inf_step=3)
+    ref = train(cpu_mode, dtype=dtype, inf_step=3)   # the reference never calls step() at step 3
+    assert_same(got, ref)
+    stats = got[1].last_step_stats(wait=True)
+    assert stats is not None and not stats["skipped"]
+
+
+@pytest.mark.timeout(60)
+def test_skipped_step_reports_skipped():
+    model = make_net(torch.float32)
+    opt = ours(check_overflow=True)(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(5))
+    (model(idx, tgt, use_aux=True) * float("inf")).backward()
+    opt.step()
+    opt.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert opt.state_dict()["state"] == {}
+    assert opt.last_step_stats(wait=True)["skipped"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("explicit_unscale", [False, True])
+def test_grad_scaler(explicit_unscale):
+    def run(factory):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2)
+        model = make_net(torch.float32)
+        opt = factory(model)
+        gen = torch.Generator().manual_seed(123)
+        for it in range(6):
+            idx, tgt = random_batch(CFG, 2, "cpu", gen)
+            loss = model(idx, tgt, use_aux=(it % 2 == 0))
+            if it == 2:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            if explicit_unscale:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        if isinstance(opt, offload.AdamW):
+            opt.synchronize()
+            opt._gpu.device.check()
+        return (model, opt), scaler.get_scale()
+
+    got, s1 = run(ours(check_overflow=True))
+    ref, s2 = run(torch_ref)
+    assert s1 == s2
+    assert_same(got, ref, exact=False)
+
+
+@pytest.mark.timeout(60)
+def test_grad_scaler_in_eager_mode_raises():
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    model = make_net(torch.float32)
+    opt = ours()(model)
+    idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(5))
+    scaler.scale(model(idx, tgt, use_aux=True)).backward()
+    with pytest.raises(RuntimeError, match="check_overflow"):
+        scaler.step(opt)
+
+
+# ------------------------------------------------------------------------------------ races
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_race_uneven_buckets_random_delays_many_steps(seed):
+    class Uneven(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(seed)
+            self.a = nn.Linear(3, 5)
+            self.b = nn.Linear(5, 400)
+            self.c = nn.Linear(400, 3)
+            self.d = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.d(torch.tanh(self.c(torch.relu(self.b(self.a(x)))))).square().mean()
+
+    def run(opts):
+        torch.manual_seed(seed)
+        model = Uneven().to(torch.bfloat16)
+        opt = offload.AdamW(model.parameters(), lr=1e-3, offload_device=FakeDevice(max_delay=0.004, seed=seed),
+                            bucket_mb=0.0005, **opts)
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(25):
+            model(torch.randn(4, 3, generator=gen).to(torch.bfloat16)).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        opt._gpu.device.check()
+        return model, opt
+
+    sizes = [b.param_bytes() for b in run({})[1]._gpu.buckets]
+    assert max(sizes) > 50 * min(sizes)
+    base = run(dict(overlap=False))
+    for opts in (dict(), dict(step_during_backward=False), dict(release_grads=True)):
+        assert_same(run(opts), base)
+
+
+def test_fake_device_detects_hazards():
+    dev = FakeDevice(max_delay=0.05)
+    src = torch.arange(8, dtype=torch.float32)
+    dst = torch.zeros(8)
+    ev = dev.copy_to_host([(dst, src)], None)
+    assert torch.isnan(dst).all()             # reading before the copy completed gives poison
+    src[0] = 100.0                            # overwritten while the copy is in flight
+    ev.synchronize()
+    with pytest.raises(AssertionError, match="overwritten while in use"):
+        dev.check()
+    dev.close()
+
+
+# ------------------------------------------------------------------------------------ state
+@pytest.mark.timeout(60)
+def test_state_dict_round_trip_with_torch():
+    model, opt = train(ours(), steps=3)
+    sd = opt.state_dict()
+    ref_model = make_net(torch.float32)
+    ref_model.load_state_dict(model.state_dict())
+    ref = torch_ref(ref_model)
+    ref.load_state_dict(sd)
+    # and back: a fresh offload optimizer loads torch's state
+    model2 = make_net(torch.float32)
+    model2.load_state_dict(model.state_dict())
+    opt2 = ours()(model2)
+    opt2.load_state_dict(ref.state_dict())
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(2):
+        idx, tgt = random_batch(CFG, 2, "cpu", gen)
+        for m, o in ((ref_model, ref), (model2, opt2)):
+            m(idx, tgt, use_aux=True).backward()
+            o.step()
+            o.zero_grad()
+    opt2.synchronize()
+    assert_same((model2, opt2), (ref_model, ref), exact=False)
+
+
+# ------------------------------------------------------------------------------------ telemetry / API
+@pytest.mark.timeout(60)
+def test_stats_and_chrome_trace(tmp_path):
+    model, opt = train(ours(trace=True), steps=3)
+    st = opt.last_step_stats()
+    assert st["step"] == 3 and st["buckets"] == len(opt._gpu.buckets)
+    assert st["d2h_bytes"] > 0 and st["h2d_bytes"] == sum(p.numel() * 4 for p in model.parameters())
+    assert st["d2h_s"] > 0 and st["kernel_s"] > 0 and st["h2d_s"] > 0 and st["nvme_s"] == 0
+    n = opt.export_chrome_trace(str(tmp_path / "t.json"))
+    assert n > 0 and (tmp_path / "t.json").stat().st_size > 100
+
+
+def test_options_are_validated():
+    model = make_net(torch.float32)
+    with pytest.raises(TypeError, match="bucket_size"):
+        offload.AdamW(model.parameters(), offload_device=FakeDevice(), bucket_size=3)
+    with pytest.raises(TypeError, match="only apply to GPU offload"):
+        offload.AdamW(model.parameters(), bucket_mb=3)
+    with pytest.raises(ValueError, match="step_during_backward"):
+        offload.AdamW(model.parameters(), offload_device=FakeDevice(), step_during_backward=True, max_grad_norm=1.0)
+    with pytest.raises(RuntimeError, match="only available in GPU-offload mode"):
+        offload.AdamW(model.parameters()).last_step_stats()
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_torch():
+    from offload.bench.gpucheck import run_checks
+    results = run_checks("cuda", steps=4, quick=True)
+    assert results and all(r["ok"] for r in results), results
+
+
+# ------------------------------------------------------------------------------------ bench / gpu_check
+@pytest.mark.timeout(120)
+def test_gpu_check_logic_on_fake_device():
+    from offload.bench.gpucheck import run_checks
+    res = run_checks("fake", steps=3, quick=True)
+    assert len(res) == 9 and all(r["ok"] for r in res), res
+    assert max(r["rel_diff"] for r in res if r["dtype"] == "float32") < 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_gpu_check_script_without_cuda_exits_cleanly():
+    import subprocess
+    import sys
+    from pathlib import Path
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the script would run the real check")
+    script = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0 and "no CUDA device" in r.stdout
+
+
+@pytest.mark.timeout(120)
+def test_train_bench_runs_on_cpu(tmp_path, capsys):
+    import json
+    from offload.bench import train
+    out = tmp_path / "t.json"
+    assert train.main(["--device", "cpu", "--preset", "tiny", "--steps", "2", "--reps", "1", "--warmup", "1",
+                       "--bucket-mb", "0.01", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fake device" in text and "offload-overlap" in text
+    res = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert res["offload-overlap"]["iter_s"] > 0 and res["offload-sync"]["exposed_s"] is not None
+    assert "skipped" in res["offload-nvme"]["error"]
+
+
+# ------------------------------------------------------------------------------------ small params
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("opts", [dict(), dict(max_grad_norm=0.05), dict(check_overflow=True, overlap=False)])
+def test_small_params_stepped_on_device(opts):
+    clip = opts.get("max_grad_norm")
+    inf = 3 if opts.get("check_overflow") else None
+    got = train(ours(small_param_numel=128, **opts), torch_clip=None, inf_step=inf)
+    eng = got[1]._gpu
+    n_small = len(eng.small.params)
+    assert n_small > 0 and all(p.numel() <= 128 for p in eng.small.params)
+    assert all(s.numel > 128 for b in eng.buckets for s in b.slots)
+    ref = train(torch_ref, torch_clip=clip, inf_step=inf)
+    assert_same(got, ref, exact=False, atol=1e-5, rtol=1e-4)   # state of small params included
+
+
+@pytest.mark.timeout(60)
+def test_small_params_state_dict_round_trip():
+    model, opt = train(ours(small_param_numel=128), steps=2)
+    sd = opt.state_dict()
+    model2 = make_net(torch.float32)
+    model2.load_state_dict(model.state_dict())
+    opt2 = ours(small_param_numel=128)(model2)
+    opt2.load_state_dict(sd)
+    ref_model = make_net(torch.float32)
+    ref_model.load_state_dict(model.state_dict())
+    ref = torch_ref(ref_model)
+    ref.load_state_dict(sd)
+    idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(3))
+    for m, o in ((model2, opt2), (ref_model, ref)):
+        m(idx, tgt, use_aux=True).backward()
+        o.step()
+        o.zero_grad()
+    opt2.synchronize()
+    assert_same((model2, opt2), (ref_model, ref), exact=False)
+
+
+# ------------------------------------------------------------------------------------ variants
+@pytest.mark.timeout(60)
+def test_cpu_device_synchronous_copies():
+    from offload.device import CpuDevice
+
+    def factory(model):
+        return offload.AdamW(param_groups(model, 0.1), lr=LR, offload_device=CpuDevice(), bucket_mb=0.004)
+    assert_same(train(factory), train(cpu_mode))
+
+
+@pytest.mark.timeout(60)
+def test_adam_l2_and_amsgrad_match_torch():
+    def ours_adam(model):
+        return offload.Adam(param_groups(model, 0.1), lr=LR, amsgrad=True, offload_device=FakeDevice(seed=3),
+                            bucket_mb=0.004)
+
+    def ref_adam(model):
+        return torch.optim.Adam(param_groups(model, 0.1), lr=LR, amsgrad=True)
+    got = train(ours_adam)
+    assert "max_exp_avg_sq" in next(iter(got[1].state_dict()["state"].values()))
+    assert_same(got, train(ref_adam), exact=False)
+
+
+@pytest.mark.timeout(60)
+def test_worker_failure_surfaces_instead_of_hanging(monkeypatch):
+    from offload import pipeline
+    model = make_net(torch.float32)
+    opt = ours()(model)
+    def boom(*a, **k):
+        raise ValueError("injected kernel failure")
+    monkeypatch.setattr(pipeline, "_C", type("C", (), {"adam_step": staticmethod(boom)}))
+    idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(5))
+    with pytest.raises(RuntimeError, match="injected kernel failure"):
+        model(idx, tgt, use_aux=True).backward()
+        opt.step()
+        model(idx, tgt, use_aux=True)   # the next forward waits for uploads: must raise, not hang
+        opt.synchronize()
+
+
+# ------------------------------------------------------------------------------------ overlap is real
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: the early layers' backward takes long."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        import time
+        time.sleep(0.15)
+        return g
+
+
+class _Deep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+
+    def forward(self, x):
+        x = _SlowBackward.apply(self.layers[0](x))
+        for layer in self.layers[1:]:
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+@pytest.mark.timeout(60)
+def test_buckets_are_stepped_during_backward_and_uploads_overlap_next_forward():
+    import time
+    model = _Deep()
+    dev = FakeDevice(max_delay=0.0, seed=0)
+    opt = offload.AdamW(model.parameters(), lr=1e-3, offload_device=dev, bucket_mb=0.02, trace=True)
+    assert len(opt._gpu.buckets) >= 4
+    x = torch.randn(8, 64)
+    model(x).backward()
+    t_step = time.perf_counter()
+    opt.step()
+    spans = [(a, b) for name, lane, a, b in opt._gpu.trace._spans if lane == "cpu step"]
+    # the last layers' buckets were stepped while the first layer's backward was still running
+    assert sum(a < t_step for a, _ in spans) >= 2
+    opt.zero_grad()
+    # uploads: with slow copies, step() returns before they are done; forward waits bucket by bucket
+    dev.max_delay = 0.05
+    model(x).backward()
+    opt.step()
+    for b in opt._gpu.buckets:
+        assert b.h2d_issued.wait(10)
+    evs = [b.h2d_ev for b in opt._gpu.buckets]
+    assert not all(e.query() for e in evs)
+    model.layers[0](x)                      # the first layer needs only the first bucket(s)
+    assert not all(e.query() for e in evs)  # the last buckets are still in flight
+    model(x)
+    assert all(e.query() for e in evs)
+    opt.synchronize()
+    dev.check()
+
+
+@pytest.mark.timeout(60)
+def test_bookkeeping_stays_bounded_without_reading_stats():
+    model, opt = train(ours(), steps=12)
+    assert len(opt._gpu._events) <= 4 * len(opt._gpu.buckets)
+    assert len(opt._gpu._done_stats) <= 9
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["eager", "sync"])
+def test_parameters_written_after_construction_are_picked_up(dtype, mode):
+    # e.g. model.load_state_dict(pretrained) after the optimizer was built
+    torch.manual_seed(7)
+    pretrained = Net().to(dtype).state_dict()
+
+    def factory_then_load(opts):
+        def factory(model):
+            opt = ours(**opts)(model)
+            model.load_state_dict(pretrained)
+            return opt
+        return factory
+
+    def load_then_cpu(model):
+        model.load_state_dict(pretrained)
+        return cpu_mode(model)
+    got = train(factory_then_load(MODES[mode]), dtype=dtype, steps=3)
+    assert_same(got, train(load_then_cpu, dtype=dtype, steps=3))
+
+
+@pytest.mark.timeout(60)
+def test_threads_end_when_optimizer_and_model_are_gone():
+    import gc
+    import threading
+
+    def names():
+        return sum(t.name.startswith(("offload-cpu-step", "offload-fake")) for t in threading.enumerate())
+    gc.collect()
+    before = names()
+    train(ours(), steps=2)
+    gc.collect()
+    deadline = __import__("time").time() + 10
+    while names() > before and __import__("time").time() < deadline:
+        __import__("time").sleep(0.05)
+    assert names() <= before

@@ -1,0 +1,436 @@
+"""Tests of NVMe and mmap optimizer state (offload/store.py through offload.Adam/AdamW): bitwise
+identity with in-RAM state over many steps and small budgets, state_dict round trips (also with
+torch.optim.AdamW), file lifecycle and permissions, bounded host memory, injected and real faults."""
+import errno
+import gc
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import offload
+from offload import aio, store as store_mod
+from offload.store import StoreFailedError, parse_size
+
+MODES = ["nvme", "mmap"]
+
+
+def make_params(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1000, generator=g), torch.randn(37, 5, generator=g).bfloat16(),
+            torch.randn(4099, generator=g).half(), torch.randn(3, generator=g), torch.randn(0, generator=g),
+            torch.randn(2500, generator=g).bfloat16(), torch.randn(7, 11, generator=g)]
+
+
+def make_opt(ps, cls=offload.AdamW, **kw):
+    groups = [{"params": ps[:2]},
+              {"params": ps[2:5], "amsgrad": True, "lr": 1e-2, "weight_decay": 0.1},
+              {"params": ps[5:], "maximize": True, "betas": (0.8, 0.9)}]
+    return cls(groups, **kw)
+
+
+def run_steps(ps, opt, steps, seed=100, start=0):
+    for s in range(start, start + steps):
+        g = torch.Generator().manual_seed(seed + s)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        if s % 3 == 2:
+            ps[3].grad = None  # a parameter without gradient this step keeps its state and step count
+        if s % 4 == 1:
+            opt.clip_grad_norm_(0.5)  # folded into the next step's multiplier
+        opt.step()
+
+
+def assert_same(ps_a, sd_a, ps_b, sd_b):
+    for a, b in zip(ps_a, ps_b):
+        assert torch.equal(a, b)
+    assert sd_a["state"].keys() == sd_b["state"].keys()
+    for k, st in sd_a["state"].items():
+        assert st.keys() == sd_b["state"][k].keys()
+        for key, v in st.items():
+            assert torch.equal(v, sd_b["state"][k][key]), (k, key)
+    assert sd_a["param_groups"] == sd_b["param_groups"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ps = make_params()
+    opt = make_opt(ps)
+    run_steps(ps, opt, 12)
+    return ps, opt.state_dict()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("budget,depth", [(16384, 1), (64 * 1024, 3), ("2GiB", 2)])
+def test_bitwise_identical_to_ram(tmp_path, reference, mode, budget, depth):
+    ps = make_params()
+    opts = {"depth": depth} if mode == "nvme" else {}
+    opt = make_opt(ps, state=mode, nvme_dir=tmp_path, host_budget=budget, nvme_options=opts)
+    info = opt.storage_info()
+    if budget != "2GiB":  # budget below the state size: many buckets, several in flight
+        assert info["buckets"] > 4 and info["slot_bytes"] * info["slots"] <= parse_size(budget)
+    elif mode == "nvme":  # a big budget is not allocated beyond the largest bucket
+        assert opt._store.arena.nbytes < 1 << 20
+    run_steps(ps, opt, 12)
+    assert_same(*reference, ps, opt.state_dict())
+    if mode == "nvme":
+        assert opt.storage_info()["engine"]["errors"] == 0
+    opt.close()
+
+
+@pytest.mark.timeout(60)
+def test_adam_class_and_buffered_io(tmp_path):
+    ps_r, ps_n = make_params(2), make_params(2)
+    ram, nv = make_opt(ps_r, offload.Adam), make_opt(ps_n, offload.Adam, state="nvme", nvme_dir=tmp_path,
+                                                     host_budget=32768, nvme_options={"direct": False})
+    run_steps(ps_r, ram, 6)
+    run_steps(ps_n, nv, 6)
+    assert_same(ps_r, ram.state_dict(), ps_n, nv.state_dict())
+    assert nv.storage_info()["direct"] is False
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_state_dict_round_trip_and_resume(tmp_path, mode):
+    ps_a, ps_r = make_params(3), make_params(3)
+    a = make_opt(ps_a, state=mode, nvme_dir=tmp_path, host_budget=20480)
+    r = make_opt(ps_r)
+    run_steps(ps_a, a, 4)
+    run_steps(ps_r, r, 4)
+    sd = a.state_dict()
+    torch.save(sd, tmp_path / "ckpt.pt")
+    loaded = torch.load(tmp_path / "ckpt.pt")
+    # resume into a fresh NVMe optimizer and into a RAM optimizer; both continue identically
+    ps_b = [p.clone() for p in ps_a]
+    b = make_opt(ps_b, state=mode, nvme_dir=tmp_path, host_budget=20480)
+    b.load_state_dict(loaded)
+    run_steps(ps_b, b, 5, start=4)
+    run_steps(ps_r, r, 5, start=4)
+    assert_same(ps_r, r.state_dict(), ps_b, b.state_dict())
+    for o in (a, b):
+        o.close()
+
+
+@pytest.mark.timeout(60)
+def test_state_loads_into_torch_adamw_and_back(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randn(300, generator=g), torch.randn(17, 3, generator=g)]
+    ps_t = [p.clone() for p in ps]
+    opt = offload.AdamW(ps, lr=1e-2, state="nvme", nvme_dir=tmp_path, host_budget=16384)
+    for s in range(3):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    sd = opt.state_dict()
+    t = torch.optim.AdamW(ps_t, lr=1e-2)
+    t.load_state_dict(sd)  # torch's own loader accepts the layout
+    assert torch.equal(t.state[ps_t[1]]["exp_avg_sq"], sd["state"][1]["exp_avg_sq"])
+    # and torch's state loads back into an NVMe optimizer
+    ps2 = [p.clone() for p in ps]
+    back = offload.AdamW(ps2, lr=1e-2, state="nvme", nvme_dir=tmp_path, host_budget=16384)
+    back.load_state_dict(t.state_dict())
+    sd2 = back.state_dict()
+    for k in (0, 1):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(sd2["state"][k][key], sd["state"][k][key])
+
+
+@pytest.mark.timeout(60)
+def test_large_param_split_over_buckets(tmp_path):
+    g = torch.Generator().manual_seed(6)
+    ps = [torch.randn(10007, generator=g).bfloat16(), torch.randn(5003, generator=g)]
+    ps_r = [p.clone() for p in ps]
+    nv = offload.AdamW(ps, state="nvme", nvme_dir=tmp_path, host_budget=4 * 4096)
+    ram = offload.AdamW(ps_r)
+    assert len(nv._store.pieces[(0, 0)]) > 10  # one parameter, many buckets
+    for s in range(4):
+        for a, b in zip(ps, ps_r):
+            a.grad = torch.randn(a.shape, generator=g).to(a.dtype)
+            b.grad = a.grad.clone()
+        nv.step()
+        ram.step()
+    assert_same(ps_r, ram.state_dict(), ps, nv.state_dict())
+
+
+# ---------------------------------------------------------------------------------- files
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_file_private_preallocated_and_removed(tmp_path, mode):
+    ps = make_params()
+    opt = make_opt(ps, state=mode, nvme_dir=tmp_path, host_budget=32768)
+    st = opt._store
+    d = st.directory
+    assert os.path.dirname(d) == str(tmp_path)
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(st.path).st_mode) == 0o600
+    assert os.stat(st.path).st_size == st.file_bytes
+    assert os.stat(st.path).st_blocks * 512 >= st.file_bytes  # reserved, not sparse
+    other = make_opt(make_params(), state=mode, nvme_dir=tmp_path, host_budget=32768)
+    assert other._store.directory != d  # every optimizer gets a new directory
+    opt.close()
+    assert not os.path.exists(d)
+    with pytest.raises(RuntimeError, match="closed"):
+        run_steps(ps, opt, 1)
+    d2 = other._store.directory
+    del other
+    gc.collect()
+    assert not os.path.exists(d2)  # removed on garbage collection too
+    kept = make_opt(make_params(), state=mode, nvme_dir=tmp_path, keep_files=True)
+    path = kept._store.path
+    kept.close()
+    assert os.path.exists(path)
+
+
+@pytest.mark.timeout(30)
+def test_constructor_validation(tmp_path):
+    ps = make_params()
+    with pytest.raises(ValueError, match="state must be"):
+        make_opt(ps, state="disk")
+    with pytest.raises(ValueError, match="needs nvme_dir"):
+        make_opt(ps, state="nvme")
+    with pytest.raises(ValueError, match="only apply"):
+        make_opt(ps, nvme_dir=tmp_path)
+    with pytest.raises(FileNotFoundError):
+        make_opt(ps, state="nvme", nvme_dir=tmp_path / "missing")
+    (tmp_path / "afile").write_bytes(b"x")
+    with pytest.raises(NotADirectoryError):
+        make_opt(ps, state="nvme", nvme_dir=tmp_path / "afile")
+    with pytest.raises(ValueError, match="too small"):
+        make_opt(ps, state="nvme", nvme_dir=tmp_path, host_budget=4096)
+    with pytest.raises(ValueError, match="cannot parse"):
+        make_opt(ps, state="nvme", nvme_dir=tmp_path, host_budget="lots")
+    assert os.listdir(tmp_path) == ["afile"]  # failed constructions leave nothing behind
+    opt = make_opt(ps, state="nvme", nvme_dir=tmp_path)
+    with pytest.raises(NotImplementedError):
+        opt.add_param_group({"params": [torch.zeros(3)]})
+    with pytest.raises(TypeError, match="pickled"):
+        import copy
+        copy.deepcopy(opt)
+    assert parse_size("2GiB") == 2 << 30 and parse_size("512MB") == 512 * 10**6 and parse_size("64M") == 64 << 20
+    assert parse_size(4096) == 4096
+
+
+@pytest.mark.timeout(30)
+def test_symlink_planted_where_state_file_goes(tmp_path, monkeypatch):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    real = store_mod._make_private_dir
+
+    def planted(parent):
+        d = real(parent)
+        os.symlink(victim, os.path.join(d, store_mod.STATE_FILE))
+        return d
+
+    monkeypatch.setattr(store_mod, "_make_private_dir", planted)
+    with pytest.raises(FileExistsError):
+        make_opt(make_params(), state="nvme", nvme_dir=tmp_path)
+    gc.collect()
+    assert victim.read_bytes() == b"precious"
+    assert sorted(os.listdir(tmp_path)) == ["victim"]
+
+
+def _mount_tmpfs(path, opts):
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()})")
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    mnt = tmp_path / "small"
+    _mount_tmpfs(mnt, "size=1M")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.fixture
+def readonly_fs(tmp_path):
+    mnt = tmp_path / "ro"
+    _mount_tmpfs(mnt, "ro,size=1M")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", MODES)
+def test_full_disk_fails_at_construction(small_fs, mode):
+    ps = [torch.zeros(1 << 20)]  # 8 MiB of state on a 1 MiB filesystem
+    with pytest.raises(OSError, match="not enough space") as ei:
+        offload.AdamW(ps, state=mode, nvme_dir=small_fs)
+    assert ei.value.errno == errno.ENOSPC
+    gc.collect()
+    assert os.listdir(small_fs) == []
+
+
+@pytest.mark.timeout(30)
+def test_unwritable_directory(readonly_fs):
+    with pytest.raises(OSError, match="cannot create the optimizer state directory") as ei:
+        offload.AdamW([torch.zeros(10)], state="nvme", nvme_dir=readonly_fs)
+    assert ei.value.errno == errno.EROFS
+
+
+# ---------------------------------------------------------------------------------- faults
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nth", [1, 5, 12])
+def test_injected_eio_poisons_optimizer(tmp_path, nth):
+    ps = make_params()
+    opt = make_opt(ps, state="nvme", nvme_dir=tmp_path, host_budget=16384)
+    run_steps(ps, opt, 2)
+    opt._store.engine._set_fault(aio.FAULT_EIO, nth)
+    with pytest.raises(OSError) as ei:
+        run_steps(ps, opt, 1, start=2)
+    assert ei.value.errno == errno.EIO and ei.value.filename == opt._store.path
+    assert opt._store.engine.outstanding() == 0  # nothing left in flight
+    with pytest.raises(StoreFailedError, match="earlier failure"):
+        run_steps(ps, opt, 1, start=3)
+    with pytest.raises(StoreFailedError):
+        opt.state_dict()
+    d = opt._store.directory
+    opt.close()
+    assert not os.path.exists(d)
+
+
+@pytest.mark.timeout(60)
+def test_injected_short_transfers_keep_results_exact(tmp_path, reference):
+    ps = make_params()
+    opt = make_opt(ps, state="nvme", nvme_dir=tmp_path, host_budget=128 * 1024)
+    for s in range(12):
+        opt._store.engine._set_fault(aio.FAULT_SHORT if s % 2 else aio.FAULT_EINTR, 1 + s)
+        run_steps(ps, opt, 1, start=s)
+    tel = opt.storage_info()["engine"]
+    # (a short transfer is only injected into pieces of 8 KiB or more: O_DIRECT keeps 4 KiB units)
+    assert tel["short_resumed"] >= 3 and tel["eintr_resumed"] >= 5
+    assert_same(*reference, ps, opt.state_dict())
+
+
+@pytest.mark.timeout(60)
+def test_real_error_truncated_state_file(tmp_path):
+    ps = make_params()
+    opt = make_opt(ps, state="nvme", nvme_dir=tmp_path, host_budget=16384)
+    run_steps(ps, opt, 1)
+    os.truncate(opt._store.path, 4096)  # e.g. someone else's mistake: the reads now hit end of file
+    with pytest.raises(OSError, match="unexpected end of file"):
+        run_steps(ps, opt, 1, start=1)
+    with pytest.raises(StoreFailedError):
+        run_steps(ps, opt, 1, start=2)
+
+
+@pytest.mark.timeout(30)
+def test_validation_errors_do_not_poison(tmp_path):
+    ps = make_params()
+    opt = make_opt(ps, state="nvme", nvme_dir=tmp_path, host_budget=16384)
+    run_steps(ps, opt, 1)
+    ps[0].grad = torch.zeros(2000)[::2]
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        opt.step()
+    ps[0].data = ps[0].data.bfloat16()  # a dtype change would change the bucket layout
+    ps[0].grad = None
+    with pytest.raises(RuntimeError, match="changed dtype"):
+        run_steps(ps, opt, 1, start=1)
+    ps[0].data = ps[0].data.float()
+    run_steps(ps, opt, 1, start=1)  # still usable: nothing was touched
+
+
+# ---------------------------------------------------------------------------------- memory
+RSS_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, offload
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    n = 22 * 2**20                  # 22M bf16 params: 264 MB of fp32 master|m|v state
+    p = torch.empty(n, dtype=torch.bfloat16).uniform_()
+    p.grad = torch.empty(n, dtype=torch.bfloat16).uniform_()
+    offload.AdamW([torch.zeros(1)])  # torch's first Optimizer() imports ~70 MB of modules: not ours
+    open("/proc/self/clear_refs", "w").write("5")   # reset VmHWM to the current RSS
+    base = status("VmRSS:")
+    opt = offload.AdamW([p], state=sys.argv[2], nvme_dir=sys.argv[1], host_budget="16MiB")
+    for _ in range(2):
+        opt.step()
+    print(status("VmHWM:") - base, opt.storage_info()["file_bytes"])
+""")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", MODES)
+def test_peak_rss_bounded_by_budget(tmp_path, mode):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path), mode], capture_output=True, text=True,
+                       env=env, timeout=110)
+    assert r.returncode == 0, r.stderr
+    growth, state_bytes = map(int, r.stdout.split())
+    # budget + fixed costs (torch's and our thread pools' first use: ~5-9 MiB), far below the state
+    assert state_bytes > 250 * 2**20
+    assert growth < 16 * 2**20 + 12 * 2**20, f"peak RSS grew by {growth / 2**20:.1f} MiB with a 16 MiB budget"
+
+
+@pytest.mark.timeout(30)
+def test_params_that_fit_a_bucket_are_not_split(tmp_path):
+    # 4 slots of 16 KiB: 1360 fp32 elements of master|m|v per bucket; each 1000-element param fits alone
+    ps = [torch.randn(1000).bfloat16() for _ in range(5)] + [torch.randn(3000).bfloat16()]
+    opt = offload.AdamW(ps, state="nvme", nvme_dir=tmp_path, host_budget=4 * 16384)
+    pieces = opt._store.pieces
+    assert all(len(pieces[(0, i)]) == 1 for i in range(5))
+    assert len(pieces[(0, 5)]) == 3  # larger than a bucket: split
+    for p in ps:
+        p.grad = torch.randn(p.shape).bfloat16()
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg"][:] = 7.0  # a view of the file (not a copy): the store sees the change
+    sd["state"][5]["exp_avg"][:] = 7.0  # split parameter: a copy
+    again = opt.state_dict()
+    assert (again["state"][0]["exp_avg"] == 7.0).all() and not (again["state"][5]["exp_avg"] == 7.0).any()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_load_partial_state_resets_the_others_like_ram(tmp_path, mode):
+    # a saved state without some parameters: those start afresh, exactly as in RAM mode
+    ps_r, ps_n = make_params(7), make_params(7)
+    ram = make_opt(ps_r)
+    nv = make_opt(ps_n, state=mode, nvme_dir=tmp_path, host_budget=20480)
+    run_steps(ps_r, ram, 3)
+    run_steps(ps_n, nv, 3)
+    sd = ram.state_dict()
+    for k in (1, 2, 5):
+        del sd["state"][k]
+    ram.load_state_dict(sd)
+    nv.load_state_dict(sd)
+    assert_same(ps_r, ram.state_dict(), ps_n, nv.state_dict())
+    run_steps(ps_r, ram, 3, start=3)
+    run_steps(ps_n, nv, 3, start=3)
+    assert_same(ps_r, ram.state_dict(), ps_n, nv.state_dict())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_hyperparameters_follow_loaded_groups_and_schedulers(tmp_path, mode):
+    # load_state_dict replaces the group dicts; the store must use the live ones (lr from the
+    # checkpoint, then from the scheduler)
+    ps_r, ps_n = make_params(8), make_params(8)
+    ram = make_opt(ps_r)
+    nv = make_opt(ps_n, state=mode, nvme_dir=tmp_path, host_budget=20480)
+    run_steps(ps_r, ram, 2)
+    run_steps(ps_n, nv, 2)
+    sd = ram.state_dict()
+    sd["param_groups"][0]["lr"] = 0.05
+    sd["param_groups"][2]["weight_decay"] = 0.3
+    ram.load_state_dict(sd)
+    nv.load_state_dict(sd)
+    sr = torch.optim.lr_scheduler.StepLR(ram, step_size=1, gamma=0.5)
+    sn = torch.optim.lr_scheduler.StepLR(nv, step_size=1, gamma=0.5)
+    for s in range(3):
+        run_steps(ps_r, ram, 1, start=2 + s)
+        run_steps(ps_n, nv, 1, start=2 + s)
+        sr.step()
+        sn.step()
+    assert_same(ps_r, ram.state_dict(), ps_n, nv.state_dict())
+    nv.param_groups[0]["params"] = nv.param_groups[0]["params"][:1]
+    with pytest.raises(RuntimeError, match="parameters changed"):
+        run_steps(ps_n, nv, 1, start=9)
