@@ -34,6 +34,10 @@ def _flat(params: list) -> list:
 def split_params(params, offload_device, gpu_options: dict):
     """Materialize ``params`` and return (params, Device or None for the CPU mode)."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
+    # a group's "params" may be a generator (model.parameters()): materialize it once, here,
+    # or _flat() below would consume it and the optimizer would get an empty group
+    params = [dict(g, params=[g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"]))
+              if isinstance(g, dict) else g for g in params]
     unknown = sorted(set(gpu_options) - set(GPU_OPTIONS))
     if unknown:
         raise TypeError(f"unexpected keyword argument(s) {unknown}; GPU-offload options are {list(GPU_OPTIONS)}")
