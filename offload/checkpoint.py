@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import mmap
 import os
 import secrets
 import struct
@@ -136,10 +137,36 @@ def _default_tensors(optimizer, create_from: Optional[dict] = None) -> List[Stat
     return refs
 
 
+def _store_tensors(optimizer) -> List[StateTensor]:
+    """StateTensors of an offload optimizer with NVMe/mmap state (offload/store.py): views of the
+    mapped state file, streamed chunk by chunk (a parameter split over buckets is joined)."""
+    tensors = optimizer._store.state_tensors()
+    refs, pidx = [], 0
+    for gi, g in enumerate(optimizer.param_groups):
+        for i in range(len(g["params"])):
+            for key, t in sorted((tensors.get((gi, i)) or {}).items()):
+                refs.append(_tensor_ref(f"state.{pidx}.{key}", pidx, key, t))
+            pidx += 1
+    return refs
+
+
+def _special_mode(optimizer) -> bool:
+    """State the optimizer must load itself (load_state_dict): NVMe/mmap store or GPU-offload engine."""
+    return getattr(optimizer, "_store", None) is not None or getattr(optimizer, "_gpu", None) is not None
+
+
+def _quiesce(optimizer) -> None:
+    gpu = getattr(optimizer, "_gpu", None)
+    if gpu is not None:
+        gpu.synchronize()  # queued CPU steps and uploads done: the host state is settled
+
+
 def _state_tensors(optimizer, create_from: Optional[dict] = None) -> List[StateTensor]:
     hook = getattr(optimizer, "checkpoint_tensors", None)
     if hook is not None:
         return list(hook(create_from))
+    if create_from is None and getattr(optimizer, "_store", None) is not None:
+        return _store_tensors(optimizer)
     return _default_tensors(optimizer, create_from)
 
 
@@ -297,6 +324,7 @@ class _Saver:
         self.progress = progress
         os.makedirs(self.dir, exist_ok=True)
         self.gen = self._generation()
+        _quiesce(self.opt)
         self.refs = _state_tensors(self.opt)
         self.desc = _describe(self.opt, self.refs)
         self.rank_index_crc = 0
@@ -504,6 +532,9 @@ def save_async(optimizer, directory, *, group=None, chunk_bytes: int = DEFAULT_C
     distributed ones commit in ``result()`` (called by that hook on every rank).
     """
     _wait_pending(optimizer)
+    if getattr(_resolve(optimizer, group)[0], "_gpu", None) is not None:
+        raise NotImplementedError("save_async with GPU offload: the engine may update the state during backward "
+                                  "(not only in step()), so a background save could mix two steps; use offload.save")
     saver = _Saver(optimizer, directory, group=group, chunk_bytes=chunk_bytes, progress=progress)
     handle = SaveHandle(saver, optimizer)
     target = saver.opt
@@ -625,6 +656,10 @@ def load(optimizer, directory, *, group=None, chunk_bytes: int = DEFAULT_CHUNK, 
         if verify:
             for rec in ridx["tensors"]:
                 _check_crc(dpath, f, rec, buf, base)
+        if _special_mode(opt):
+            _load_via_state_dict(opt, ridx, f, base)
+            _finish_load(optimizer, opt, ridx)
+            return
         # ---- from here on the optimizer is modified
         params = _params(opt)
         saved_keys: dict = {}
@@ -661,6 +696,34 @@ def load(optimizer, directory, *, group=None, chunk_bytes: int = DEFAULT_CHUNK, 
             g[k] = _unjson(v, g.get(k))
     # let the optimizer re-adopt its state (offload re-reads pointers and step counters here)
     opt.__setstate__({"state": opt.state, "param_groups": opt.param_groups})
+    _finish_load(optimizer, opt, ridx)
+
+
+def _load_via_state_dict(opt, ridx: dict, f, base: int) -> None:
+    """NVMe/mmap store or GPU engine: hand ``load_state_dict`` tensors that are views of a private
+    mapping of the (verified) checkpoint file, so the store streams them bucket by bucket into its
+    own file without the whole state ever being copied into RAM."""
+    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: nothing is written back
+    state: dict = {}
+    for i, prec in enumerate(ridx["params"]):
+        if prec["has_state"]:
+            st = {k: _unjson(v) for k, v in prec["extra"].items()}
+            if prec["step"] is not None:
+                st["step"] = torch.tensor(float(prec["step"]), dtype=torch.float32)
+            state[i] = st
+    for rec in ridx["tensors"]:
+        dtype, shape = _FROM_ST[rec["dtype"]], rec["shape"]
+        count = (rec["offsets"][1] - rec["offsets"][0]) // torch.empty((), dtype=dtype).element_size()
+        t = (torch.frombuffer(mm, dtype=dtype, count=count, offset=base + rec["offsets"][0]).view(shape)
+             if count else torch.empty(shape, dtype=dtype))
+        state.setdefault(rec["param"], {})[rec["key"]] = t
+    groups = [dict({k: _unjson(v, g.get(k)) for k, v in sg["hyper"].items()}, params=list(sg["params"]))
+              for g, sg in zip(opt.param_groups, ridx["param_groups"])]
+    opt.load_state_dict({"state": state, "param_groups": groups})
+    # the views die with ``state``; the mapping closes when the last one is gone
+
+
+def _finish_load(optimizer, opt, ridx: dict) -> None:
     if opt is not optimizer and hasattr(optimizer, "_sync_param_groups"):
         # ZeroRedundancyOptimizer copies its own groups' hyperparameters into the shard's at every
         # step: give it the loaded ones (groups correspond by index)

@@ -289,3 +289,55 @@ def test_load_never_unpickles(tmp_path, monkeypatch):
     _, opt2 = make()
     offload.load(opt2, tmp_path)
     state_equal(opt, opt2)
+
+
+def _mode_kwargs(mode, tmp_path):
+    if mode == "gpu-fake":  # GPU-offload engine driven on the CPU (offload/device.py)
+        from offload.device import CpuDevice
+        return {"offload_device": CpuDevice()}
+    os.makedirs(tmp_path, exist_ok=True)
+    return {"state": mode, "nvme_dir": str(tmp_path), "host_budget": 16384}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["nvme", "mmap", "gpu-fake"])
+def test_resume_with_nvme_state_or_gpu_engine(tmp_path, mode):
+    def build(seed=0):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+        model[2].to(torch.bfloat16)
+        opt = offload.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 3e-3}],
+                            lr=1e-2, **_mode_kwargs(mode, tmp_path / f"s{seed}"))
+        return model, opt
+
+    def run(model, opt, steps, start):
+        for s in range(start, start + steps):
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1000 + s))
+            model[2](model[1](model[0](x)).to(torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    ref_model, ref_opt = build(seed=0)
+    run(ref_model, ref_opt, 6, 0)
+    model, opt = build(seed=0)
+    run(model, opt, 3, 0)
+    offload.save(opt, tmp_path / "ck")
+    if hasattr(opt, "synchronize"):
+        opt.synchronize()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    model2, opt2 = build(seed=7)
+    model2.load_state_dict(weights)
+    offload.load(opt2, tmp_path / "ck")
+    state_equal(opt, opt2)
+    run(model2, opt2, 3, 3)
+    for o in (ref_opt, opt2):
+        if hasattr(o, "synchronize"):
+            o.synchronize()  # GPU mode: new weights go up asynchronously
+    for a, b in zip(ref_model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    state_equal(ref_opt, opt2)
+    if mode == "gpu-fake":
+        with pytest.raises(NotImplementedError, match="save_async with GPU offload"):
+            offload.save_async(opt2, tmp_path / "ck2")
+    for o in (ref_opt, opt, opt2):
+        o.close()
