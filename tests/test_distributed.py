@@ -79,13 +79,22 @@ def _close(a, b, what):
 
 # ---------------------------------------------------------------------------- ZeRO-1
 def _zero1(rank, outdir):
+    _zero1_run(rank, os.path.join(outdir, "ram"), {})
+    # the same with each rank's shard of the state in its own NVMe store file
+    _zero1_run(rank, os.path.join(outdir, "nvme"), {"state": "nvme", "host_budget": 16384})
+
+
+def _zero1_run(rank, outdir, state_kw):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
+    os.makedirs(outdir, exist_ok=True)
+    if state_kw:
+        state_kw = dict(state_kw, nvme_dir=outdir)
 
     def build(lr=1e-2):
         model = DDP(_model())
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=offload.AdamW, lr=lr,
-                                      weight_decay=0.1, threads=1)
+                                      weight_decay=0.1, threads=1, **state_kw)
         return model, opt
 
     model, opt = build()
@@ -102,7 +111,7 @@ def _zero1(rank, outdir):
             handle = offload.save_async(opt, os.path.join(outdir, "zero1"))
             saved = [p.detach().clone() for p in model.parameters()]
     assert handle.done() and handle.result() == os.path.join(outdir, "zero1")
-    assert len(opt.optim.state) == len(owned)  # state only for this rank's shard
+    assert sum(bool(st) for st in opt.optim.state.values()) == len(owned)  # state only for this rank's shard
     ref, _ = _reference(STEPS)
     for i, (p, r) in enumerate(zip(model.parameters(), ref)):
         _close(p.detach(), r, f"ZeRO-1 parameter {i}")
