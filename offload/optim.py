@@ -140,6 +140,8 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         # --- end GPU offload ---
         # --- NVMe/mmap state: one store for all groups, created after the groups exist
         if state != "ram":
+            if any(is_dtensor(p) for g in self.param_groups for p in g["params"]):  # (FSDP2)
+                raise ValueError(f"state={state!r} does not support DTensor (FSDP2) parameters yet: use state='ram'")
             from .store import StateStore
             self._store = StateStore(self.param_groups, mode=state, nvme_dir=nvme_dir, host_budget=host_budget,
                                      keep=keep_files, **(nvme_options or {}))
