@@ -8,9 +8,10 @@ what the machine has (host RAM from /proc/meminfo, GPU memory from CUDA, free di
 The optimizer-state figures are exactly what ``offload.Adam/AdamW`` allocate (fp32 exp_avg and
 exp_avg_sq, + max_exp_avg_sq with amsgrad, + an fp32 master copy for bf16/fp16 parameters, each
 padded to 64 bytes inside one arena, + one fp32 step counter per parameter tensor); a test checks
-them against the storages a real optimizer allocates. Staging
-and NVMe-buffer figures follow the pipeline design (buckets of ``bucket_bytes`` parameters,
-``depth`` buckets in flight) and are estimates of those buffers, not measurements.
+them against the storages a real optimizer allocates. With ``state='nvme'`` the state file and
+the host bucket buffers come from the NVMe store's own layout code (exact for one param group,
+also tested). GPU staging follows the pipeline design (``depth`` buckets of ``bucket_bytes``) and
+is an estimate.
 """
 from __future__ import annotations
 
@@ -144,13 +145,15 @@ def _inventory(model_or_params, param_dtype):
 def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Optional[str] = None,
          param_dtype=None, grad_dtype=None, state: str = "ram", amsgrad: bool = False,
          world_size: int = 1, sharding: str = "none", bucket_bytes: int = 32 << 20, depth: int = 2,
+         host_budget="2GiB",
          nvme_path: Optional[str] = None, activation_bytes: Optional[int] = None,
          verbose: bool = False) -> MemoryPlan:
     """Bytes each place will hold for this configuration, and whether it fits this machine.
 
     ``device``: where forward/backward run ('cpu' or 'cuda'; default: cuda if available).
     ``param_dtype``/``grad_dtype``: override the model's dtypes ('bf16', torch.bfloat16, ...).
-    ``state``: 'ram' or 'nvme'. ``sharding``: 'none', 'zero1' (state split across ``world_size``
+    ``state``: 'ram' or 'nvme' (``host_budget``, ``depth``: as given to the optimizer's store).
+    ``sharding``: 'none', 'zero1' (state split across ``world_size``
     ranks) or 'fsdp' (weights, gradients and state split). ``activation_bytes``: your estimate,
     added to the GPU (or host, in CPU mode) total if given. ``verbose``: print the report.
     """
@@ -196,13 +199,13 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
         if master:
             rows.append(Row("host", "optimizer state: fp32 master weights (bf16/fp16 params)", master))
     else:
+        # the NVMe store's own layout (offload/store.py), computed without creating any file
+        file_bytes, slots, slot_bytes = _nvme_layout(inv, shard, amsgrad, host_budget, depth)
         rows.append(Row("host", "optimizer state: step counters", steps))
-        rows.append(Row("nvme", state_what.replace(", steps", ""), moments))
-        if master:
-            rows.append(Row("nvme", "optimizer state: fp32 master weights (bf16/fp16 params)", master))
-        per_param = 4 * (3 if amsgrad else 2) + (4 if master else 0)
-        stream = depth * 2 * min(bucket_bytes // 4 * per_param, moments + master)  # read ahead + write back
-        rows.append(Row("host", f"NVMe stream buffers ({depth} buckets in, {depth} out)", stream))
+        rows.append(Row("nvme", state_what.replace(", steps", "")
+                        + (", fp32 master" if master else "") + " (state file, 4 KiB-aligned buckets)", file_bytes))
+        rows.append(Row("host", f"NVMe bucket buffers ({slots} x {_fmt(slot_bytes)}, host_budget "
+                                f"{_fmt(parse_size(host_budget))})", slots * slot_bytes))
     if device == "cuda":
         gsize = max(_size(grad_dtype or dt) for _, dt in inv)
         psize = max(_size(dt) for _, dt in inv)
@@ -242,6 +245,39 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     if verbose:
         print(mp)
     return mp
+
+
+class _Shape:
+    """Stands in for a parameter in the store's layout computation (numel and dtype only)."""
+
+    def __init__(self, n: int, dtype: torch.dtype):
+        self.n, self.dtype = n, dtype
+
+    def numel(self) -> int:
+        return self.n
+
+
+def parse_size(x) -> int:
+    from .store import parse_size as _parse
+    return _parse(x)
+
+
+def _nvme_layout(inv, shard: int, amsgrad: bool, host_budget, depth: int) -> tuple:
+    """(state file bytes, host buffers, bytes per buffer) exactly as ``StateStore`` lays them out
+    for one param group (its ``_layout`` runs on stand-ins; no file is created)."""
+    from .buffers import ALIGN
+    from .store import StateStore
+    nslots = depth + 2
+    slot_bytes = parse_size(host_budget) // nslots // ALIGN * ALIGN
+    if slot_bytes < ALIGN:
+        raise ValueError(f"host_budget={host_budget!r} is too small: need at least {nslots} buffers of {ALIGN} bytes")
+    s = StateStore.__new__(StateStore)
+    s._params = [[_Shape(-(-n // shard), dt) for n, dt in inv]]
+    s.amsgrad = [amsgrad]
+    s.buckets, s.pieces = [], {}
+    s._layout(slot_bytes)
+    file_bytes = max(ALIGN, sum(b.nbytes for b in s.buckets))
+    return file_bytes, nslots, max([b.nbytes for b in s.buckets] + [ALIGN])
 
 
 def _dtype_names(inv, override) -> str:

@@ -1,5 +1,6 @@
 """offload.plan: its figures equal what the optimizer really allocates; the CLI prints and exits."""
 import json
+import os
 
 import pytest
 import torch
@@ -42,7 +43,9 @@ def test_host_state_matches_allocation(amsgrad):
 @pytest.mark.timeout(30)
 def test_nvme_sharding_and_warning():
     p = offload.plan(10_000_000, device="cuda", param_dtype="bf16", state="nvme", world_size=4, sharding="zero1")
-    assert p.bytes_of("nvme", "optimizer state") == 10_000_000 // 4 * (8 + 4)  # 2.5M: a multiple of 16  # m, v + fp32 master
+    one = offload.plan(2_500_000, device="cuda", param_dtype="bf16", state="nvme")  # one rank's quarter
+    assert p.bytes_of("nvme", "optimizer state") == one.bytes_of("nvme", "optimizer state")
+    assert 2_500_000 * 12 <= one.bytes_of("nvme", "optimizer state") < 2_500_000 * 12 * 1.01  # m, v, master
     assert p.bytes_of("gpu", "weights") == 20_000_000  # ZeRO-1 does not shard weights
     assert any("does not make weights" in w for w in p.warnings)
     f = offload.plan(10_000_000, device="cuda", param_dtype="bf16", world_size=4, sharding="fsdp")
@@ -56,3 +59,17 @@ def test_cli(tmp_path, capsys):
     assert rc == 0 and "optimizer state" in out and "fits" in out
     assert json.loads((tmp_path / "p.json").read_text())["rows"][0]["bytes"] == 4_000_000  # bf16 weights
     assert bench_main(["plan", "--params", "900T", "--device", "cpu"]) == 1  # does not fit: exit 1
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("amsgrad,budget", [(False, 65536), (True, 1 << 20)])
+def test_nvme_figures_match_the_store(tmp_path, amsgrad, budget):
+    model = _model()
+    p = offload.plan(model, device="cpu", state="nvme", amsgrad=amsgrad, host_budget=budget)
+    opt = offload.AdamW(model.parameters(), amsgrad=amsgrad, state="nvme", nvme_dir=tmp_path, host_budget=budget)
+    try:
+        info = opt.storage_info()
+        assert p.bytes_of("nvme", "optimizer state") == info["file_bytes"] == os.path.getsize(info["path"])
+        assert p.bytes_of("host", "NVMe bucket buffers") == info["slots"] * info["slot_bytes"]
+    finally:
+        opt.close()

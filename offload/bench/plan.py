@@ -37,7 +37,8 @@ def run(args) -> int:
     n = args.params if args.params is not None else parse_transformer(args.transformer)
     p = plan(n, device=args.device, param_dtype=args.param_dtype, grad_dtype=args.grad_dtype, state=args.state,
              amsgrad=args.amsgrad, world_size=args.world_size, sharding=args.sharding,
-             bucket_bytes=int(args.bucket_mb * (1 << 20)), depth=args.depth, nvme_path=args.nvme_path,
+             bucket_bytes=int(args.bucket_mb * (1 << 20)), depth=args.depth, host_budget=args.host_budget,
+             nvme_path=args.nvme_path,
              activation_bytes=int(args.activations_gb * (1 << 30)) if args.activations_gb else None)
     print(p)
     if args.json:
@@ -61,6 +62,7 @@ def add_parser(subparsers) -> None:
     sp.add_argument("--sharding", default="none", choices=["none", "zero1", "fsdp"])
     sp.add_argument("--bucket-mb", type=float, default=32.0)
     sp.add_argument("--depth", type=int, default=2, help="buckets in flight per direction")
+    sp.add_argument("--host-budget", default="2GiB", help="NVMe store host budget (as the optimizer's host_budget)")
     sp.add_argument("--nvme-path", default=None, help="where NVMe state would live (free space check)")
     sp.add_argument("--activations-gb", type=float, default=None, help="your activation memory estimate")
     sp.add_argument("--json", default=None, help="also write the plan as JSON")
