@@ -202,8 +202,8 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
         # the NVMe store's own layout (offload/store.py), computed without creating any file
         file_bytes, slots, slot_bytes = _nvme_layout(inv, shard, amsgrad, host_budget, depth)
         rows.append(Row("host", "optimizer state: step counters", steps))
-        rows.append(Row("nvme", state_what.replace(", steps", "")
-                        + (", fp32 master" if master else "") + " (state file, 4 KiB-aligned buckets)", file_bytes))
+        rows.append(Row("nvme", "optimizer state file (m, v" + (", vmax" if amsgrad else "")
+                        + (", fp32 master" if master else "") + "; 4 KiB-aligned buckets)", file_bytes))
         rows.append(Row("host", f"NVMe bucket buffers ({slots} x {_fmt(slot_bytes)}, host_budget "
                                 f"{_fmt(parse_size(host_budget))})", slots * slot_bytes))
     if device == "cuda":

@@ -44,8 +44,8 @@ def test_host_state_matches_allocation(amsgrad):
 def test_nvme_sharding_and_warning():
     p = offload.plan(10_000_000, device="cuda", param_dtype="bf16", state="nvme", world_size=4, sharding="zero1")
     one = offload.plan(2_500_000, device="cuda", param_dtype="bf16", state="nvme")  # one rank's quarter
-    assert p.bytes_of("nvme", "optimizer state") == one.bytes_of("nvme", "optimizer state")
-    assert 2_500_000 * 12 <= one.bytes_of("nvme", "optimizer state") < 2_500_000 * 12 * 1.01  # m, v, master
+    assert p.bytes_of("nvme", "optimizer state file") == one.bytes_of("nvme", "optimizer state file")
+    assert 2_500_000 * 12 <= one.bytes_of("nvme", "optimizer state file") < 2_500_000 * 12 * 1.01  # m, v, master
     assert p.bytes_of("gpu", "weights") == 20_000_000  # ZeRO-1 does not shard weights
     assert any("does not make weights" in w for w in p.warnings)
     f = offload.plan(10_000_000, device="cuda", param_dtype="bf16", world_size=4, sharding="fsdp")
@@ -69,7 +69,7 @@ def test_nvme_figures_match_the_store(tmp_path, amsgrad, budget):
     opt = offload.AdamW(model.parameters(), amsgrad=amsgrad, state="nvme", nvme_dir=tmp_path, host_budget=budget)
     try:
         info = opt.storage_info()
-        assert p.bytes_of("nvme", "optimizer state") == info["file_bytes"] == os.path.getsize(info["path"])
+        assert p.bytes_of("nvme", "optimizer state file") == info["file_bytes"] == os.path.getsize(info["path"])
         assert p.bytes_of("host", "NVMe bucket buffers") == info["slots"] * info["slot_bytes"]
     finally:
         opt.close()
