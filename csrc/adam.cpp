@@ -36,21 +36,6 @@ void check_finite(double x, const char* name) {
   if (!std::isfinite(x)) throw std::invalid_argument(std::string("Invalid ") + name + ": " + std::to_string(x));
 }
 
-// Many small tensors: hardware prefetchers stop at page boundaries and restart cold on every new
-// tensor. Touching the first lines of the next tensor's streams while this one is processed hides
-// that restart (costs nothing measurable on large tensors).
-inline void prefetch_head(const AdamTask& t) {
-  constexpr int kLines = 4;
-  for (int l = 0; l < kLines; ++l) {
-    const int64_t off = l * 16;  // 64 B = 16 floats
-    if (off >= t.n) break;
-    __builtin_prefetch(t.p + off, 1);
-    __builtin_prefetch(t.m + off, 1);
-    __builtin_prefetch(t.v + off, 1);
-    __builtin_prefetch(static_cast<const char*>(t.g) + off * (t.gdtype == kF32 ? 4 : 2), 0);
-  }
-}
-
 int threads_for(int64_t total, int nthreads) {
   const int64_t by_size = std::max<int64_t>(1, total / kMinPerThread);
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, by_size)));
@@ -116,7 +101,6 @@ void adam_multi(const AdamTask* tasks, int64_t ntasks, const AdamHyper& h, int n
       if (t.step != last_step) { s = make_scalars(h, t.step); last_step = t.step; }
       const int64_t lo = std::max(b, start[i]) - start[i];
       const int64_t hi = std::min(e, start[i + 1]) - start[i];
-      if (i + 1 < ntasks && start[i + 1] < e) prefetch_head(tasks[i + 1]);
       k.adam_range(t, s, lo, hi);
     }
   };

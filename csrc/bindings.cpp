@@ -44,9 +44,9 @@ AdamHyper hyper(double lr, double beta1, double beta2, double eps, double wd, bo
   return AdamHyper{lr, beta1, beta2, eps, wd, grad_multiplier, decoupled, amsgrad, maximize};
 }
 
-// tensor.data_ptr() through the vectorcall protocol (no bound-method object per call).
-int64_t data_ptr(PyObject* tensor, PyObject* name) {
-  PyObject* r = PyObject_CallMethodNoArgs(tensor, name);
+// fn(tensor) where fn is the unbound TensorBase.data_ptr (vectorcall, no attribute lookup).
+int64_t data_ptr(PyObject* tensor, PyObject* fn) {
+  PyObject* r = PyObject_CallOneArg(fn, tensor);
   if (r == nullptr) throw py::error_already_set();
   const long long v = PyLong_AsLongLong(r);
   Py_DECREF(r);
@@ -101,33 +101,40 @@ PYBIND11_MODULE(_C, m) {
 
   // Per-step gather for the optimizer (offload/optim.py, _GroupPlan): one C loop instead of a
   // Python loop over every parameter. Holds the GIL (it calls into Python objects).
+  // Per-step gather for the optimizer (offload/optim.py, _GroupPlan): one C loop instead of a
+  // Python loop over every parameter. Holds the GIL (it calls into Python objects). The `grad`
+  // getset descriptor and the unbound `data_ptr` of torch's tensor base class are passed in, so
+  // each access is a direct C call rather than an attribute lookup through the subclass MRO.
   m.def(
       "collect_grads",
-      [](const py::list& params, py::list& cached_grads, py::array_t<int64_t> p_ptrs,
-         py::array_t<int64_t> g_ptrs) {
+      [](const py::list& params, const py::list& cached_grads, py::array_t<int64_t> p_ptrs,
+         py::array_t<int64_t> g_ptrs, const py::object& grad_descr, const py::object& data_ptr_fn) {
         const py::ssize_t n = static_cast<py::ssize_t>(params.size());
         if (static_cast<py::ssize_t>(cached_grads.size()) != n || p_ptrs.ndim() != 1 || g_ptrs.ndim() != 1 ||
             p_ptrs.shape(0) != n || g_ptrs.shape(0) != n)
           throw std::invalid_argument("collect_grads: lists and pointer arrays must have one entry per parameter");
+        descrgetfunc get = Py_TYPE(grad_descr.ptr())->tp_descr_get;
+        if (get == nullptr) throw std::invalid_argument("collect_grads: grad_descr is not a descriptor");
         auto pp = p_ptrs.unchecked<1>();
         auto gp = g_ptrs.unchecked<1>();
-        std::vector<int64_t> ready, changed;
+        std::vector<int64_t> ready;
+        py::list changed;
         ready.reserve(n);
-        static const py::str grad_name("grad"), data_ptr_name("data_ptr");
         for (py::ssize_t i = 0; i < n; ++i) {
-          py::handle p = params[i];
-          py::object g = py::reinterpret_steal<py::object>(PyObject_GetAttr(p.ptr(), grad_name.ptr()));
+          PyObject* p = PyList_GET_ITEM(params.ptr(), i);
+          py::object g = py::reinterpret_steal<py::object>(get(grad_descr.ptr(), p, reinterpret_cast<PyObject*>(Py_TYPE(p))));
           if (!g) throw py::error_already_set();
           if (g.is_none()) continue;
-          if (data_ptr(p.ptr(), data_ptr_name.ptr()) != pp(i) || !g.is(cached_grads[i]) ||
-              data_ptr(g.ptr(), data_ptr_name.ptr()) != gp(i))
-            changed.push_back(i);
+          if (data_ptr(p, data_ptr_fn.ptr()) != pp(i) || g.ptr() != PyList_GET_ITEM(cached_grads.ptr(), i) ||
+              data_ptr(g.ptr(), data_ptr_fn.ptr()) != gp(i))
+            changed.append(py::int_(i));
           else
             ready.push_back(i);
         }
         return py::make_tuple(py::array_t<int64_t>(ready.size(), ready.data()), changed);
       },
-      py::arg("params"), py::arg("cached_grads"), py::arg("p_ptrs"), py::arg("g_ptrs"),
+      py::arg("params"), py::arg("cached_grads"), py::arg("p_ptrs"), py::arg("g_ptrs"), py::arg("grad_descr"),
+      py::arg("data_ptr_fn"),
       "Indices of parameters whose grad is set and whose param/grad pointers and grad object are "
       "unchanged since cached (ready), and of those that need re-validation in Python (changed).");
 

@@ -28,6 +28,10 @@ from .gpu import GpuOffloadMixin, split_params, start_engine  # GPU-offload mode
 __all__ = ["Adam", "AdamW"]
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# torch's tensor base class: its `grad` descriptor and unbound `data_ptr`, for the native gather
+_TensorBase = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
+_GRAD_DESCR = _TensorBase.__dict__["grad"]
+_DATA_PTR = _TensorBase.data_ptr
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 
@@ -95,7 +99,7 @@ class _GroupPlan:
         self.g_obj: list = [None] * n                # gradient object last validated
 
     def matches(self, params: list) -> bool:
-        return len(params) == len(self.ids) and all(id(p) == i for p, i in zip(params, self.ids))
+        return len(params) == len(self.ids) and list(map(id, params)) == self.ids
 
 
 class _AdamBase(GpuOffloadMixin, Optimizer):
@@ -309,7 +313,7 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         The native gather returns the rows whose param pointer, grad object and grad pointer are
         unchanged (already validated); the rest are (re)validated here.
         """
-        ready, changed = _C.collect_grads(plan.params, plan.g_obj, plan.p_ptr, plan.g_ptr)
+        ready, changed = _C.collect_grads(plan.params, plan.g_obj, plan.p_ptr, plan.g_ptr, _GRAD_DESCR, _DATA_PTR)
         if not changed:
             return ready
         table, state = plan.table, self.state
