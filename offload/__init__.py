@@ -1,7 +1,11 @@
 """offload: optimizer-state offload for PyTorch with a vectorized native Adam kernel.
 
-Public API: ``Adam``, ``AdamW`` (drop-in ``torch.optim`` optimizers), ``build_info()``, and the
-validated kernel entry points in ``offload.kernels``.
+Public API:
+- ``Adam``, ``AdamW``: drop-in ``torch.optim`` optimizers. State in host RAM (default), in a file on
+  NVMe (``state="nvme"``) or mapped (``state="mmap"``); CUDA parameters switch to GPU offload.
+- ``save``, ``load``, ``save_async``: streaming, atomic, checksummed checkpoints (safetensors).
+- ``plan``: the memory planner (bytes per place before training).
+- ``build_info()``; the validated kernel entry points in ``offload.kernels``.
 """
 from __future__ import annotations
 
@@ -9,8 +13,12 @@ from ._version import __version__
 from . import _C
 from . import _kernels as kernels
 from .optim import Adam, AdamW
+from .store import StoreFailedError
+from .checkpoint import CheckpointError, load, save, save_async
+from .planner import MemoryPlan, plan
 
-__all__ = ["Adam", "AdamW", "build_info", "kernels", "__version__"]
+__all__ = ["Adam", "AdamW", "build_info", "kernels", "__version__", "StoreFailedError",
+           "save", "load", "save_async", "CheckpointError", "plan", "MemoryPlan"]
 
 
 def build_info() -> dict:
@@ -23,11 +31,3 @@ def build_info() -> dict:
         "threads": _C.get_num_threads(),
         "affinity_cpus": _C.affinity_cpu_count(),
     }
-
-# --- checkpoints (issue 5) ---
-from .checkpoint import CheckpointError, load, save, save_async  # noqa: E402
-__all__ += ["save", "load", "save_async", "CheckpointError"]
-
-# --- memory planner (issue 5) ---
-from .planner import MemoryPlan, plan  # noqa: E402
-__all__ += ["plan", "MemoryPlan"]
