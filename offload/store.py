@@ -25,7 +25,6 @@ partially updated, so continuing would silently train on garbage.
 from __future__ import annotations
 
 import errno
-import math
 import mmap
 import os
 import re

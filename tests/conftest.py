@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-import offload
 from offload import kernels
 
 ISAS = kernels.available_isas()

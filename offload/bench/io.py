@@ -34,6 +34,7 @@ import torch
 from ..aio import AioEngine
 from ..buffers import aligned_empty
 from ..store import parse_size
+from .common import write_json
 
 GB = 1e9
 
@@ -280,9 +281,7 @@ def measure(args) -> dict:
                   inflight=args.inflight, reps=args.reps, results=med, fio=fio_med, fio_best=ceiling,
                   notes=sorted(set(notes)), missing=[k for k in results if k not in med])
     _print(report)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2)
+    write_json(args.json, report)
     return report
 
 

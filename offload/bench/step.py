@@ -17,7 +17,6 @@ once and reused.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -29,6 +28,7 @@ import torch
 
 from .. import AdamW
 from ..store import parse_size
+from .common import write_json
 
 GB = 1e9
 
@@ -139,9 +139,7 @@ def measure(args) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _print(report)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2)
+    write_json(args.json, report)
     return report
 
 
