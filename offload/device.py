@@ -356,8 +356,10 @@ class FakeDevice(Device):
 
     name = "fake"
 
-    def __init__(self, max_delay: float = 0.002, seed: int = 0, poison: bool = True, check: bool = True):
+    def __init__(self, max_delay: float = 0.002, seed: int = 0, poison: bool = True, check: bool = True,
+                 min_delay: float = 0.0):
         self.max_delay = float(max_delay)
+        self.min_delay = float(min_delay)  # lower bound of the random delay (tests that need slow copies)
         self.poison = poison
         self.check_sources = check
         self._rng = random.Random(seed)
@@ -379,7 +381,7 @@ class FakeDevice(Device):
 
     def _copy(self, stream: _FakeStream, pairs: Pairs, after: Optional[Event]) -> Event:
         with self._lock:
-            delay = self._rng.uniform(0.0, self.max_delay)
+            delay = self._rng.uniform(min(self.min_delay, self.max_delay), self.max_delay)
             self.copies += 1
         pairs = [(d, s) for d, s in pairs]
         snaps = [s.detach().clone() if self.check_sources else None for _, s in pairs]

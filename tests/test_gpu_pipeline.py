@@ -610,7 +610,8 @@ def test_buckets_are_stepped_during_backward_and_uploads_overlap_next_forward():
     assert sum(a < t_step for a, _ in spans) >= 2
     opt.zero_grad()
     # uploads: with slow copies, step() returns before they are done; forward waits bucket by bucket
-    dev.max_delay = 0.05
+    # (every copy takes 30-50 ms, so the last buckets are surely in flight when the first layer ran)
+    dev.min_delay, dev.max_delay = 0.03, 0.05
     model(x).backward()
     opt.step()
     for b in opt._gpu.buckets:
