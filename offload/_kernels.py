@@ -15,7 +15,7 @@ import torch
 from . import _C
 
 __all__ = [
-    "DTYPE_CODES", "TASK_COLS", "adam_step", "grad_sumsq", "check_tensor",
+    "DTYPE_CODES", "TASK_COLS", "adam_step", "step_table", "grad_sumsq", "check_tensor",
     "set_isa", "get_isa", "available_isas", "get_num_threads", "set_num_threads",
 ]
 
@@ -92,6 +92,17 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp
     _C.adam_step(table, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
                  bool(decoupled), bool(amsgrad), bool(maximize), float(grad_multiplier), int(threads),
                  bool(reference))
+
+
+def step_table(table: np.ndarray, hyper: dict, grad_multiplier: float, threads: int) -> None:
+    """Run the native Adam step over a prebuilt task table (rows as in ``TASK_COLS``).
+
+    ``hyper`` holds lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad and maximize, as
+    ``offload.optim._AdamBase._group_hyper`` returns them. The native layer re-checks the table.
+    """
+    _C.adam_step(table, hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"], hyper["weight_decay"],
+                 hyper["decoupled"], hyper["amsgrad"], hyper["maximize"], float(grad_multiplier), int(threads),
+                 False)
 
 
 def grad_sumsq(grads: Sequence[torch.Tensor], threads: int = 0) -> float:

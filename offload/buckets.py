@@ -18,15 +18,12 @@ import torch
 
 from ._kernels import (COL_G, COL_GD, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
                        DTYPE_CODES, TASK_COLS, _ptr)
+from .buffers import round_up
 from .device import Device
 
 __all__ = ["Slot", "Bucket", "build_buckets"]
 
 _ALIGN = 64  # bytes: every tensor view starts on a cache line
-
-
-def _round_up(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
 
 
 class Slot:
@@ -55,8 +52,8 @@ class Bucket:
         off = boff = 0
         for k, p in enumerate(params):
             self.slots.append(Slot(p, group, first_index + k, self, k, off, boff))
-            off += _round_up(p.numel(), _ALIGN // 4)
-            boff += _round_up(p.numel() * p.element_size(), _ALIGN)
+            off += round_up(p.numel(), _ALIGN // 4)
+            boff += round_up(p.numel() * p.element_size(), _ALIGN)
         self.numel = off
         self.nbytes = boff
         n = off

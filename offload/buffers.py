@@ -12,9 +12,14 @@ import warnings
 
 import torch
 
-__all__ = ["ALIGN", "aligned_empty", "HostArena"]
+__all__ = ["ALIGN", "aligned_empty", "HostArena", "round_up"]
 
 ALIGN = 4096
+
+
+def round_up(x: int, a: int) -> int:
+    """Smallest multiple of ``a`` that is >= ``x``."""
+    return (x + a - 1) // a * a
 
 
 def aligned_empty(nbytes: int, align: int = ALIGN) -> torch.Tensor:

@@ -23,6 +23,7 @@ from . import _C, _kernels
 from ._dist import is_dtensor, like, local  # DTensor (FSDP2): step the local shard
 from ._kernels import (COL_G, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
                        COL_GD, DTYPE_CODES, TASK_COLS, check_tensor)
+from .buffers import round_up
 from .gpu import GpuOffloadMixin, split_params, start_engine  # GPU-offload mode (offload/pipeline.py)
 
 __all__ = ["Adam", "AdamW"]
@@ -47,10 +48,9 @@ def _check_param(p: torch.Tensor, where: str, gpu_mode: bool = False) -> None:
     if gpu_mode:  # GPU offload: parameters on the device (or CPU tensors driven by a test device)
         if p.device.type not in ("cpu", "cuda"):
             raise RuntimeError(f"{where} is on {p.device}: GPU offload supports CUDA parameters")
-    elif p.device.type == "cuda" or p.device.type not in ("cpu",):
-        raise RuntimeError(
-            f"{where} is on {p.device}: this build steps CPU parameters only. GPU offload "
-            "(parameters on the GPU, state in host RAM) is a separate mode that is not available yet.")
+    elif p.device.type != "cpu":
+        raise RuntimeError(f"{where} is on {p.device}: offload steps CPU parameters, or CUDA parameters "
+                           "in GPU-offload mode (all parameters on one CUDA device, or offload_device=...)")
     if p.layout is not torch.strided:
         raise RuntimeError(f"{where} is a sparse ({p.layout}) tensor: not supported")
     if p.is_complex():
@@ -220,7 +220,7 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             _check_param(p, f"parameter {i}")
         params = [local(p) for p in dparams]  # DTensor (FSDP2): state of the local shard
         kinds = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-        padded = [(p.numel() + 15) // 16 * 16 for p in params]
+        padded = [round_up(p.numel(), 16) for p in params]  # 64-byte aligned fp32
         lowp = [p.dtype in _LOW_PRECISION for p in params]
         per_kind = sum(padded)
         total = per_kind * len(kinds) + sum(n for n, lp in zip(padded, lowp) if lp)
@@ -361,17 +361,15 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             rows = self._collect(plan, group)
             if len(rows) == 0:
                 continue
-            h = self._group_hyper(group)
-            if len(rows) == len(plan.params):
+            if len(rows) == len(plan.params):  # every parameter has a gradient: no row selection
                 plan.steps_np += 1
                 table = plan.table
+                table[:, COL_STEP] = plan.steps_np
             else:
-                idx = rows
-                plan.steps_np[idx] += 1
-                table = plan.table[idx]
-            table[:, COL_STEP] = plan.steps_np if table is plan.table else plan.steps_np[idx]
-            _C.adam_step(table, h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["decoupled"],
-                         h["amsgrad"], h["maximize"], mult, threads, False)
+                plan.steps_np[rows] += 1
+                table = plan.table[rows]
+                table[:, COL_STEP] = plan.steps_np[rows]
+            _kernels.step_table(table, self._group_hyper(group), mult, threads)
         return loss
 
     # ------------------------------------------------------------------ clipping

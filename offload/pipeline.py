@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from . import _C
+from ._kernels import step_table
 from .buckets import Bucket, Slot, build_buckets
 from .device import Device, Event
 from .smallparams import DeviceSideAdam
@@ -367,9 +367,7 @@ class GpuOffloadEngine:
                 b.h2d_ev.synchronize()
             table = b.task_table(positions)
             t0 = time.perf_counter()
-            _C.adam_step(table, hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"],
-                         hyper["weight_decay"], hyper["decoupled"], hyper["amsgrad"], hyper["maximize"],
-                         float(mult), self.opt._threads or 0, False)
+            step_table(table, hyper, mult, self.opt._threads or 0)
             t1 = time.perf_counter()
             idx = np.asarray(positions, dtype=np.int64)
             b.steps.numpy()[idx] += 1

@@ -38,10 +38,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import _C
-from ._kernels import DTYPE_CODES, TASK_COLS, check_tensor
+from ._kernels import DTYPE_CODES, TASK_COLS, check_tensor, step_table
 from .aio import AioEngine
-from .buffers import ALIGN, HostArena
+from .buffers import ALIGN, HostArena, round_up
 
 __all__ = ["StateStore", "parse_size", "StoreFailedError"]
 
@@ -74,10 +73,6 @@ def parse_size(x) -> int:
     if v <= 0:
         raise ValueError(f"size must be positive, got {x!r}")
     return v
-
-
-def _round_up(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
 
 
 def _human(n: int) -> str:
@@ -163,7 +158,7 @@ class StateStore:
         slot_bytes = self.budget // nslots // ALIGN * ALIGN
         self.amsgrad = [bool(g["amsgrad"]) for g in param_groups]
         min_bytes = 4 * 4 * _ELEM  # one 16-element piece of four sections
-        if mode == "nvme" and slot_bytes < _round_up(min_bytes, ALIGN):
+        if mode == "nvme" and slot_bytes < round_up(min_bytes, ALIGN):
             raise ValueError(f"host_budget={host_budget!r} is too small: need at least {nslots} buffers of "
                              f"{ALIGN} bytes ({nslots * ALIGN} bytes)")
         if mode == "mmap":
@@ -221,7 +216,7 @@ class StateStore:
             nonlocal offset
             if not b.pieces:
                 return
-            b.nbytes = _round_up(b.nsec * b.cap * 4, ALIGN)
+            b.nbytes = round_up(b.nsec * b.cap * 4, ALIGN)
             b.offset = offset
             offset += b.nbytes
             self.buckets.append(b)
@@ -248,7 +243,7 @@ class StateStore:
                     piece = (i, start, take, b.cap)
                     b.pieces.append(piece)
                     self.pieces[(gi, i)].append((b, start, take, b.cap))
-                    b.cap += _round_up(take, _ELEM)
+                    b.cap += round_up(take, _ELEM)
                     start += take
             for b in open_b.values():
                 close(b)
@@ -400,8 +395,7 @@ class StateStore:
         h = info[b.gi][1]
         table = self._table(b, act, base)
         t = time.perf_counter()
-        _C.adam_step(table, h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["decoupled"],
-                     h["amsgrad"], h["maximize"], mult, threads, False)
+        step_table(table, h, mult, threads)
         self.telemetry["kernel_s"] += time.perf_counter() - t
 
     def io_pass(self) -> float:

@@ -557,7 +557,7 @@ def test_worker_failure_surfaces_instead_of_hanging(monkeypatch):
     opt = ours()(model)
     def boom(*a, **k):
         raise ValueError("injected kernel failure")
-    monkeypatch.setattr(pipeline, "_C", type("C", (), {"adam_step": staticmethod(boom)}))
+    monkeypatch.setattr(pipeline, "step_table", boom)  # the worker's kernel call
     idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(5))
     with pytest.raises(RuntimeError, match="injected kernel failure"):
         model(idx, tgt, use_aux=True).backward()
