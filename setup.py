@@ -1,6 +1,6 @@
-# setup.py: builds offload._C with pybind11 against no torch headers, no OpenMP and no
-# -march=native. kernels_<isa>.cpp files get that ISA's flags and nothing else does; the best
-# ISA the CPU supports is chosen at import (csrc/cpu_features.cpp).
+# setup.py: builds offload._C with pybind11 against no torch headers, no OpenMP runtime and no
+# host-specific architecture flag. kernels_<isa>.cpp files get that ISA's flags and nothing else
+# does; the best ISA the CPU supports is chosen at import (csrc/cpu_features.cpp).
 import os
 import re
 from glob import glob

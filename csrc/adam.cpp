@@ -36,6 +36,12 @@ void check_finite(double x, const char* name) {
   if (!std::isfinite(x)) throw std::invalid_argument(std::string("Invalid ") + name + ": " + std::to_string(x));
 }
 
+// Thread tid's share [*b, *e) of [0, total) split T ways, boundaries on kAlign multiples.
+void thread_range(int64_t total, int tid, int T, int64_t* b, int64_t* e) {
+  *b = (total * tid / T) / kAlign * kAlign;
+  *e = tid + 1 == T ? total : (total * (tid + 1) / T) / kAlign * kAlign;
+}
+
 int threads_for(int64_t total, int nthreads) {
   const int64_t by_size = std::max<int64_t>(1, total / kMinPerThread);
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, by_size)));
@@ -88,8 +94,8 @@ void adam_multi(const AdamTask* tasks, int64_t ntasks, const AdamHyper& h, int n
   const IsaKernels& k = active_kernels();
 
   auto work = [&](int tid) {
-    int64_t b = (total * tid / T) / kAlign * kAlign;
-    int64_t e = tid + 1 == T ? total : (total * (tid + 1) / T) / kAlign * kAlign;
+    int64_t b, e;
+    thread_range(total, tid, T, &b, &e);
     if (b >= e) return;
     // first tensor whose range contains b
     int64_t i = std::upper_bound(start.begin(), start.end(), b) - start.begin() - 1;
@@ -152,8 +158,8 @@ void bandwidth_probe(float* p, float* m, float* v, const float* g, int64_t n, in
   const IsaKernels& k = active_kernels();
   const int T = threads_for(n, nthreads);
   parallel_run(T, [&](int tid) {
-    const int64_t b = (n * tid / T) / kAlign * kAlign;
-    const int64_t e = tid + 1 == T ? n : (n * (tid + 1) / T) / kAlign * kAlign;
+    int64_t b, e;
+    thread_range(n, tid, T, &b, &e);
     if (b < e) k.probe(p, m, v, g, b, e);
   });
 }

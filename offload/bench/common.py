@@ -6,19 +6,7 @@ import os
 import platform
 import statistics
 import sys
-import time
-from typing import Callable, Iterable, Optional
-
-
-def median_time(fn: Callable[[], None], reps: int, warmup: int = 1) -> list:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
+from typing import Iterable, Optional
 
 
 def median(xs: Iterable[float]) -> float:
