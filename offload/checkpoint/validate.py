@@ -21,7 +21,7 @@ import torch
 from .._dist import is_dtensor, local
 from . import adapter
 from .format import (DTYPES, FORMAT, INDEX, MAX_JSON, VERSION, CheckpointError, GEN_RE, check_compatible,
-                     TAGS, decode_json, decode_value, element_size, file_layout, is_int, is_number, open_regular,
+                     TAGS, check_plain_name, decode_json, decode_value, element_size, file_layout, is_int, is_number, open_regular,
                      rank_name, read_json)
 
 _MAX_DIMS = 64
@@ -95,8 +95,11 @@ def read_index(directory: str, rank: int, world_size: int) -> dict:
     ranks = _field(index, "ranks", lambda v: isinstance(v, list) and len(v) == ws, what)
     entry = ranks[rank]
     ew = f"{what} rank {rank}"
-    _field(entry, "index", lambda v: v == rank_name(rank, ws, gen, "json"), ew)
-    _field(entry, "data", lambda v: v == rank_name(rank, ws, gen, "safetensors"), ew)
+    for key, ext in (("index", "json"), ("data", "safetensors")):
+        name = check_plain_name(_field(entry, key, lambda v: True, ew), f"{ew} '{key}'")
+        _need(name == rank_name(rank, ws, gen, ext),
+              f"{ew} '{key}' names {name!r}, not the file name offload gives generation {gen} "
+              f"({rank_name(rank, ws, gen, ext)}): refusing to follow it (the index is corrupted or crafted)")
     _field(entry, "index_crc32", lambda v: is_int(v) and 0 <= v < 1 << 32, ew)
     _field(entry, "data_bytes", lambda v: is_int(v) and 0 <= v < 1 << 62, ew)
     return dict(entry, generation=gen)
