@@ -20,7 +20,7 @@ returning :class:`StateTensor` objects (see docs/checkpoints.md).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List
 
 import torch
 
@@ -91,8 +91,8 @@ def kind(opt) -> str:
     offload.AdamW and torch.optim.AdamW are both 'AdamW'; a user subclass keeps its base's)."""
     for cls in type(opt).__mro__:
         mod = cls.__module__ or ""
-        if (mod.startswith("torch.optim") or mod.startswith("offload")) and not cls.__name__.startswith("_") \
-                and cls is not torch.optim.Optimizer:
+        ours = any(mod == m or mod.startswith(m + ".") for m in ("torch.optim", "offload"))
+        if ours and not cls.__name__.startswith("_") and cls is not torch.optim.Optimizer:
             return cls.__name__
     return type(opt).__qualname__
 
@@ -165,7 +165,7 @@ def destinations(opt, plan_tensors: list, like_fn) -> List[StateTensor]:
     """RAM state: the StateTensors to load into, allocating missing/mismatching ones (the
     optimizer is being modified: call only after everything was validated)."""
     hook = getattr(opt, "checkpoint_tensors", None)
-    if hook is not None:
+    if hook is not None:  # create_from: what the loader will write (validated), torch dtypes
         return list(hook({"tensors": [dict(param=t.param, key=t.key, shape=list(t.shape),
                                            dtype=t.dtype) for t in plan_tensors]}))
     ps = params(opt)

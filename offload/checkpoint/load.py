@@ -100,7 +100,7 @@ def _load_in_place(opt, plan: Plan, f, base: int, dpath: str, chunk: int, verify
         f.seek(base + t.offsets[0])
         crc = 0
         for dst in ref.write_chunks(chunk):
-            mv = _view_bytes(dst) if dst.dtype != torch.uint8 else memoryview(dst.numpy())
+            mv = _view_bytes(dst)
             got = f.readinto(mv) if len(mv) else 0
             if got != len(mv):
                 raise CheckpointError(f"{dpath} is truncated (tensor {t.name}); optimizer state is now partial")

@@ -23,7 +23,7 @@ import torch
 
 from .._dist import is_dtensor, local, world
 from . import adapter
-from .format import (FORMAT, INDEX, INTENT_RE, RANK_RE, TMP_RE, VERSION, CheckpointError, GEN_RE,
+from .format import (DEFAULT_CHUNK, FORMAT, INDEX, INTENT_RE, RANK_RE, TMP_RE, VERSION, CheckpointError, GEN_RE,
                      atomic_write_bytes, create_new, dtype_tag, fsync_dir, generation_of, intent_name,
                      jsonable, rank_name, read_json, safetensors_header, tmp_name, unlink, write_all)
 
@@ -176,6 +176,9 @@ class Saver:
 
     def write_rank_files(self) -> None:
         d = self.dir
+        # again, under the directory lock: the generation to delete after the commit is the one
+        # committed when this save really starts (another save into d may have run meanwhile)
+        self.previous = previous_index(d)
         recs = self.desc["tensors"]
         for rec, ref in zip(recs, self.refs):
             rec["nbytes"] = ref.nbytes
@@ -298,7 +301,8 @@ def _remove_listed(directory: str, intent: str, gen: str, skip_gen: Optional[str
     unlink(os.path.join(directory, intent))
 
 
-def save(optimizer, directory, *, group=None, chunk_bytes: int = 16 << 20, progress: Optional[bool] = None) -> str:
+def save(optimizer, directory, *, group=None, chunk_bytes: int = DEFAULT_CHUNK,
+         progress: Optional[bool] = None) -> str:
     """Save ``optimizer``'s state into ``directory`` atomically; returns the directory.
 
     Works for ``offload.Adam/AdamW``, any ``torch.optim`` optimizer with tensor state, and

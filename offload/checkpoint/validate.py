@@ -20,9 +20,9 @@ import torch
 
 from .._dist import is_dtensor, local
 from . import adapter
-from .format import (DTYPES, FORMAT, INDEX, MAX_JSON, VERSION, CheckpointError, GEN_RE, check_compatible,
-                     TAGS, check_plain_name, decode_json, decode_value, element_size, file_layout, is_int, is_number, open_regular,
-                     rank_name, read_json)
+from .format import (DTYPES, FORMAT, GEN_RE, INDEX, MAX_JSON, TAGS, VERSION, CheckpointError, check_compatible,
+                     check_plain_name, decode_json, decode_value, element_size, file_layout, is_int, is_number,
+                     open_regular, rank_name, read_json)
 
 _MAX_DIMS = 64
 _KEY_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}\Z")
