@@ -405,11 +405,14 @@ def rewrite_header(d, old, new):
         f.write(head2.encode())
 
 
-def _saved(tmp_path):
+def _saved(tmp_path, mode="ram"):
     model, opt = make()
     train(model, opt, 2, 0)
     offload.save(opt, tmp_path)
     model2, opt2 = make(seed=3)
+    if mode != "ram":  # the same optimizer with its state in an NVMe/mmap store
+        opt2 = offload.AdamW([{"params": model2[0].parameters()}, {"params": model2[2].parameters(), "lr": 3e-3}],
+                             lr=1e-2, amsgrad=True, **_mode_kwargs(mode, str(tmp_path) + "-state"))
     train(model2, opt2, 1, 0)
     return opt, opt2
 
@@ -623,9 +626,10 @@ MALFORMED = {
 
 
 @pytest.mark.timeout(60)
-def test_malformed_rank_index_never_changes_the_optimizer(tmp_path):
+@pytest.mark.parametrize("mode", ["ram", "nvme"])
+def test_malformed_rank_index_never_changes_the_optimizer(tmp_path, mode):
     d = tmp_path / "ck"
-    opt, opt2 = _saved(d)
+    opt, opt2 = _saved(d, mode)
     pristine = {n: (d / n).read_bytes() for n in os.listdir(d)}
     for case, mutate in MALFORMED.items():
         for n, b in pristine.items():
