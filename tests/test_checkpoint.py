@@ -442,7 +442,7 @@ EXIT_CHILD = textwrap.dedent("""
 
 @pytest.mark.timeout(60)
 def test_save_async_as_last_line_is_committed_at_exit(tmp_path):
-    for trial in range(2):
+    for trial in range(1):
         d = tmp_path / f"ck{trial}"
         r = subprocess.run([sys.executable, "-c", EXIT_CHILD, str(d), "ok"], env=ENV, capture_output=True,
                            text=True, timeout=50)
@@ -796,3 +796,17 @@ def test_interleaved_saves_into_one_directory_leave_one_generation(tmp_path):
     _, fresh = make()
     offload.load(fresh, tmp_path)
     state_equal(other, fresh)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"format": "offload-checkpoint", "version": 1}', "\xff\xfe",
+                                  '{"format": "offload-checkpoint", "version": 1, "world_size": 1, "generation": '
+                                  '"0123456789abcdef", "ranks": [7]}', "1e999999", "9" * 5000, "null", ""])
+def test_malformed_index_json_is_a_checkpoint_error(tmp_path, text):
+    d = tmp_path / "ck"
+    _, opt2 = _saved(d)
+    (d / "index.json").write_bytes(text.encode("utf-8", "surrogateescape") if text != "\xff\xfe" else b"\xff\xfe")
+    before = snapshot(opt2)
+    with pytest.raises(CheckpointError):
+        offload.load(opt2, d)
+    assert_unchanged(before, opt2)
