@@ -237,7 +237,8 @@ FORK_SETUP = """
 def test_fork_with_a_live_engine():
     # Child 1 only exits (atexit finalizers and the engine destructor run there: they used to join
     # worker threads that do not exist in the child and hang). Child 2 tries the parent's engine
-    # (clear RuntimeError, nothing locked) and makes its own. The parent's engine keeps working.
+    # (clear RuntimeError, nothing locked) and makes its own. Child 3 steps with the native thread
+    # pool the parent had started. The parent's engine keeps working.
     r = _run(FORK_SETUP + """
     pid = os.fork()
     if pid == 0:
@@ -259,11 +260,32 @@ def test_fork_with_a_live_engine():
             g.close()
         sys.exit(0)
     print("child 2:", reap(pid), flush=True)
+    # the native thread pool (csrc/threadpool.cpp) starts afresh in a child: a 2-thread step works.
+    # numpy-backed tensors and no torch ops in the child: torch's own OpenMP pool is not fork-safe
+    # (a large torch op in a forked child hangs in libgomp, with or without offload).
+    import numpy as np
+    from offload import kernels
+    def step(ref):
+        n = 1 << 17
+        a = [np.zeros(n, np.float32) for _ in range(4)]
+        a[0][:] = np.linspace(-1, 1, n)
+        a[3][:] = np.linspace(1, -1, n)
+        p, m, v, g = (torch.from_numpy(x) for x in a)
+        kernels.adam_step([p], [g], [m], [v], None, [1], lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
+                          weight_decay=0.0, decoupled=True, threads=2, reference=ref)
+        return a[0]
+    step(False)  # the parent's pool is running
+    pid = os.fork()
+    if pid == 0:
+        print("child pool:", np.array_equal(step(False), step(True)), flush=True)
+        os._exit(0)
+    print("child 3:", reap(pid), flush=True)
     print("parent busy:", busy.wait(timeout=30))
     print("parent ok:", eng.write(f, buf).wait(timeout=10))
     """)
     out = r.stdout
-    assert "child 1: 0" in out and "child 2: 0" in out, out + r.stderr
+    assert "child 1: 0" in out and "child 2: 0" in out and "child 3: 0" in out, out + r.stderr
+    assert "child pool: True" in out
     assert out.count("refused:") == 3 and "accepted" not in out, out
     assert "cannot be used after fork" in out and "create the optimizer in the child" in out
     assert "child engine: 65536" in out and f"parent busy: {16 << 20}" in out and "parent ok: 65536" in out
