@@ -330,7 +330,10 @@ class StateStore:
             raise RuntimeError("the optimizer's state store is closed")
 
     def _fail(self, exc: BaseException) -> None:
-        self._failed = exc
+        try:  # a copy without the traceback: its frames would keep the step's gradients alive
+            self._failed = type(exc)(*exc.args)
+        except Exception:
+            self._failed = RuntimeError(f"{type(exc).__name__}: {exc}")
         if self.engine is not None:
             self.engine.wait_all()  # nothing may still write into buffers or the file
 

@@ -732,6 +732,17 @@ def test_gradients_not_kept_after_step(tmp_path, mode):
     opt.zero_grad(set_to_none=True)
     gc.collect()
     assert all(r() is None for r in refs)
+    if mode == "nvme":  # also not by the error a failed step leaves behind
+        run_steps(ps, opt, 1, start=2)
+        refs = [weakref.ref(p.grad) for p in ps if p.grad is not None]
+        opt._store.engine._set_fault(aio.FAULT_EIO, 1)
+        with pytest.raises(OSError):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        assert all(r() is None for r in refs)
+        with pytest.raises(StoreFailedError, match="OSError: .*Input/output error"):
+            opt.step()
 
 
 KILLED_SCRIPT = """
