@@ -20,11 +20,18 @@ model size. State is created lazily at a parameter's first step exactly like the
 the I/O); pages of a bucket are released from this process after its update.
 
 After any failure inside a step the store refuses further use: parameters and state may be
-partially updated, so continuing would silently train on garbage.
+partially updated, so continuing would silently train on garbage. Validation (gradients, sizes,
+memory shared between gradients and parameters: offload/guards.py) happens before any I/O and
+leaves the store usable.
+
+Safety. step, state access and close() take one lock (close waits for a running step).
+Tensors handed out by ``state_tensors()`` keep their mapping alive, also after close(). The
+state belongs to the creating process: in a fork()ed child every use raises and the finalizer
+touches nothing on disk. bf16/fp16 parameters written by the user between steps are re-read
+into the master (guards.WriteTracker). The directory and its leftovers: offload/statedir.py.
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
 import errno
 import math
@@ -44,6 +51,7 @@ from ._kernels import DTYPE_CODES, TASK_COLS, check_tensor, step_table
 from .aio import AioEngine
 from .buffers import ALIGN, HostArena, round_up
 from . import statedir
+from .guards import WriteTracker, check_overlaps, resync_master
 from .statedir import STATE_FILE, find_stale_state, remove_stale_state
 
 __all__ = ["StateStore", "parse_size", "StoreFailedError", "find_stale_state", "remove_stale_state"]
@@ -158,7 +166,7 @@ class StateStore:
         self._dtypes = [[p.dtype for p in ps] for ps in self._params]
         self.arena = None
         self._mapping = None
-        self._check_overlaps([])  # one parameter listed twice, or overlapping views: refused before any file exists
+        check_overlaps(self._params, (), None, mode)  # a parameter listed twice...: refused before any file exists
         self._failed: Optional[BaseException] = None
         self._pid = os.getpid()  # the state (file, I/O threads, mapping) belongs to this process only
         self._lock = threading.RLock()  # step / state access / close never overlap (close waits)
@@ -186,9 +194,8 @@ class StateStore:
         # step counts (fp32 like torch's), one vector per group; state['step'] are 0-dim views
         self.steps = [torch.zeros(len(ps), dtype=torch.float32) for ps in self._params]
         self.ready = [np.zeros(len(ps), dtype=bool) for ps in self._params]
-        # bf16/fp16 params: (version counter, data pointer) when the master on disk last matched the
-        # parameter; a user's in-place write (or p.data = ...) in between changes one of them
-        self._seen = [np.full((len(ps), 2), -1, dtype=np.int64) for ps in self._params]
+        # bf16/fp16 params written by the user since their master on disk last matched them
+        self._writes = WriteTracker(self._params)
         self.telemetry = dict(steps=0, bytes_read=0, bytes_written=0, read_wait_s=0.0, write_wait_s=0.0,
                               kernel_s=0.0, step_s=0.0, buckets=len(self.buckets), file_bytes=self.file_bytes,
                               slot_bytes=slot_bytes, slots=nslots, direct=None)
@@ -375,49 +382,12 @@ class StateStore:
                     if not math.isfinite(h[k]):
                         raise ValueError(f"group {gi}: {k} = {h[k]} is not finite")
             info.append((active, h, grads))
-        self._check_overlaps([(gi, i, g) for gi, (_, _, gs) in enumerate(info) for i, g in enumerate(gs)
-                              if g is not None])
+        check_overlaps(self._params, [(gi, i, g) for gi, (_, _, gs) in enumerate(info) for i, g in enumerate(gs)
+                                      if g is not None], self._own_memory(), self.mode)
         return info
 
-    def _spans(self) -> list:
-        """Sorted (start, end, name) of the memory the kernel writes: parameters and state buffers."""
-        spans = []
-        for gi, params in enumerate(self._params):
-            for i, p in enumerate(params):
-                if p.numel():
-                    a = p.data_ptr()
-                    spans.append((a, a + p.numel() * p.element_size(), f"parameter {i} of group {gi}"))
-        own = self.arena.memory if self.arena is not None else (self._mapping[1] if self._mapping else None)
-        if own is not None and own.numel():
-            spans.append((own.data_ptr(), own.data_ptr() + own.numel(), "the optimizer's state buffers"))
-        spans.sort()
-        return spans
-
-    def _check_overlaps(self, grads: list) -> None:
-        """Refuse, by name and before any I/O, parameters that share memory (one listed twice, or
-        overlapping views of one tensor) and gradients that share memory with a parameter (e.g.
-        ``p.grad = p.data``): the kernel would write them while reading them."""
-        spans = self._spans()
-        reach, prefix = -1, []  # prefix[k]: (largest end among spans[:k+1], its name)
-        for s, e, name in spans:
-            if s < reach:
-                raise ValueError(f"{name} shares memory with {prefix[-1][1]} (a parameter listed twice, or "
-                                 f"overlapping views of one tensor): with state={self.mode!r} every parameter "
-                                 "needs its own memory")
-            if e > reach:
-                reach, owner = e, name
-            prefix.append((reach, owner))
-        starts = [s for s, _, _ in spans]
-        for gi, i, g in grads:
-            if not g.numel():
-                continue
-            a = g.data_ptr()
-            k = bisect.bisect_left(starts, a + g.numel() * g.element_size())  # spans starting before g ends
-            if k and prefix[k - 1][0] > a:
-                other = next(name for s, e, name in spans[:k] if e > a)
-                raise ValueError(f"the gradient of parameter {i} of group {gi} shares memory with {other} (e.g. "
-                                 "p.grad = p.data): the step overwrites that memory while it reads the gradient. "
-                                 "Give the parameter a gradient of its own (p.grad = g.clone())")
+    def _own_memory(self) -> Optional[torch.Tensor]:
+        return self.arena.memory if self.arena is not None else (self._mapping[1] if self._mapping else None)
 
     def step(self, opt, grad_multiplier: float, threads: int) -> None:
         self._check_process()
@@ -435,7 +405,7 @@ class StateStore:
             if act:
                 ready = self.ready[b.gi]
                 jobs.append((b, act, any(ready[pc[0]] for pc in b.pieces)))
-        resync = self._written_since()
+        resync = self._writes.written(self.ready)
         try:
             for gi, (active, h, _) in enumerate(info):
                 if active.any():
@@ -451,33 +421,12 @@ class StateStore:
                 self._run_mapped(jobs, info, grad_multiplier, threads, resync)
             for gi, (active, h, _) in enumerate(info):
                 self.ready[gi] |= active
-                self._record_seen(gi, np.flatnonzero(active))
+                self._writes.record(gi, np.flatnonzero(active))
         except BaseException as e:
             self._fail(e)
             raise
         self.telemetry["steps"] += 1
         self.telemetry["step_s"] += time.perf_counter() - t0
-
-    # ------------------------------------------------------------------ user writes to bf16/fp16 params
-    def _record_seen(self, gi: int, rows) -> None:
-        """The master of these params matches the parameter now (the kernel writes the parameter
-        through a raw pointer, which does not bump its version counter)."""
-        seen, params = self._seen[gi], self._params[gi]
-        for i in rows:
-            p = params[i]
-            if p.dtype in _LOW:
-                seen[i] = (p._version, p.data_ptr())
-
-    def _written_since(self) -> set:
-        """(gi, i) of bf16/fp16 params with state whose tensor was written (in place, copy_, or
-        ``p.data = ...``) since their master was last in sync: the master must be re-read from them."""
-        out = set()
-        for gi, params in enumerate(self._params):
-            seen, ready = self._seen[gi], self.ready[gi]
-            for i, p in enumerate(params):
-                if ready[i] and p.dtype in _LOW and (seen[i, 0] != p._version or seen[i, 1] != p.data_ptr()):
-                    out.add((gi, i))
-        return out
 
     def _prepare(self, b: _Bucket, act: list, buf: torch.Tensor, resync=()) -> None:
         """First step of a parameter: create its state in the buffer as the in-RAM mode would.
@@ -490,11 +439,7 @@ class StateStore:
         if b.low and resync:
             for (i, start, n, pos) in act:
                 if (b.gi, i) in resync:
-                    master = f32[pos:pos + n]
-                    cur = params[i].detach().reshape(-1)[start:start + n]
-                    changed = master.to(cur.dtype) != cur
-                    if changed.any():
-                        master[changed] = cur[changed].float()
+                    resync_master(f32[pos:pos + n], params[i].detach().reshape(-1)[start:start + n])
         for (i, start, n, pos) in b.pieces:
             if ready[i]:
                 continue
@@ -708,7 +653,7 @@ class StateStore:
                 v = st.get("step", 0.0)
                 self.steps[gi][i] = float(v.item() if isinstance(v, torch.Tensor) else v)
                 self.ready[gi][i] = True
-                self._record_seen(gi, [i])  # the loaded master is the truth for the parameter as it is now
+                self._writes.record(gi, [i])  # the loaded master is the truth for the parameter as it is now
         except BaseException as e:
             self._fail(e)
             raise
