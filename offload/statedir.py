@@ -237,5 +237,5 @@ def warn_stale(nvme_dir: str) -> List[StaleState]:
                       f"processes that no longer run {'is' if len(stale) == 1 else 'are'} left in {nvme_dir}, "
                       f"holding {_human(total)}:\n" + "\n".join(lines)
                       + f"\nRemove them with: offload.store.remove_stale_state({nvme_dir!r})",
-                      RuntimeWarning, stacklevel=4)
+                      RuntimeWarning, stacklevel=5)  # the line that constructs the optimizer
     return stale
