@@ -228,6 +228,7 @@ def _human(n: float) -> str:
 
 def warn_stale(nvme_dir: str) -> List[StaleState]:
     """Warn (RuntimeWarning) about leftovers of dead processes in ``nvme_dir``: paths, sizes, the call to remove them."""
+    nvme_dir = os.path.abspath(nvme_dir)  # the call in the message works from any directory
     stale = find_stale_state(nvme_dir)
     if stale:
         lines = [f"  {s.path}: {_human(s.nbytes)}, process {s.pid}, created {s.created}"
