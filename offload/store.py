@@ -20,16 +20,25 @@ model size. State is created lazily at a parameter's first step exactly like the
 the I/O); pages of a bucket are released from this process after its update.
 
 After any failure inside a step the store refuses further use: parameters and state may be
-partially updated, so continuing would silently train on garbage.
+partially updated, so continuing would silently train on garbage. Validation (gradients, sizes,
+memory shared between gradients and parameters: offload/guards.py) happens before any I/O and
+leaves the store usable.
+
+Safety. step, state access and close() take one lock (close waits for a running step).
+Tensors handed out by ``state_tensors()`` keep their mapping alive, also after close(). The
+state belongs to the creating process: in a fork()ed child every use raises and the finalizer
+touches nothing on disk. bf16/fp16 parameters written by the user between steps are re-read
+into the master (guards.WriteTracker). The directory and its leftovers: offload/statedir.py.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import math
 import mmap
 import os
 import re
-import shutil
-import tempfile
+import threading
 import time
 import weakref
 from collections import deque
@@ -41,12 +50,14 @@ import torch
 from ._kernels import DTYPE_CODES, TASK_COLS, check_tensor, step_table
 from .aio import AioEngine
 from .buffers import ALIGN, HostArena, round_up
+from . import statedir
+from .guards import WriteTracker, check_overlaps, resync_master
+from .statedir import STATE_FILE, find_stale_state, remove_stale_state
 
-__all__ = ["StateStore", "parse_size", "StoreFailedError"]
+__all__ = ["StateStore", "parse_size", "StoreFailedError", "find_stale_state", "remove_stale_state"]
 
 _LOW = (torch.bfloat16, torch.float16)
 _ELEM = 16  # pieces start on 16-element (64-byte) boundaries inside a section
-STATE_FILE = "state.bin"
 
 
 class StoreFailedError(RuntimeError):
@@ -100,25 +111,32 @@ class _Bucket:
 
 def _make_private_dir(parent: str) -> str:
     """A new directory, mode 0700, only this process knows about (never an existing one)."""
-    return tempfile.mkdtemp(prefix="offload-state-", dir=parent)
+    return statedir.make_private_dir(parent)
 
 
-def _cleanup(engine, file, mapping, arena, directory: Optional[str], keep: bool) -> None:
+def _cleanup(engine, file, mapping, arena, directory: Optional[str], keep: bool, pid: int) -> None:
+    if os.getpid() != pid:
+        # a fork()ed child: the I/O threads, the file and the directory are the parent's. Only this
+        # process's own copies of the descriptors are closed; nothing on disk is touched.
+        if file is not None:
+            file.close()
+        return
     # Order matters: no transfer may be in flight when buffers or descriptors go away.
     if engine is not None:
         engine.close()
     if mapping is not None:
-        mapping[1] = None  # the base tensor; users' state_dict views keep the map alive if they exist
-        try:
-            mapping[0].close()
-        except BufferError:
-            pass  # still exported to live tensors; the mapping is freed with them
+        # never munmap here: state_dict() tensors are views of the mapping and keep the mmap object
+        # alive (torch.frombuffer holds a reference); it is unmapped when the last of them dies
+        mapping.clear()
     if file is not None:
         file.close()
     if arena is not None:
         arena.close()
-    if directory and not keep:
-        shutil.rmtree(directory, ignore_errors=True)
+    if directory:
+        if keep:
+            statedir.mark_kept(directory)
+        else:
+            statedir.remove_own(directory)
 
 
 class StateStore:
@@ -146,7 +164,12 @@ class StateStore:
         # the parameters as laid out; hyperparameters are read from the optimizer's groups each step
         self._params = [list(g["params"]) for g in param_groups]
         self._dtypes = [[p.dtype for p in ps] for ps in self._params]
+        self.arena = None
+        self._mapping = None
+        check_overlaps(self._params, (), None, mode)  # a parameter listed twice...: refused before any file exists
         self._failed: Optional[BaseException] = None
+        self._pid = os.getpid()  # the state (file, I/O threads, mapping) belongs to this process only
+        self._lock = threading.RLock()  # step / state access / close never overlap (close waits)
         self.engine = None
         self.file = None
         self.arena = None
@@ -171,17 +194,22 @@ class StateStore:
         # step counts (fp32 like torch's), one vector per group; state['step'] are 0-dim views
         self.steps = [torch.zeros(len(ps), dtype=torch.float32) for ps in self._params]
         self.ready = [np.zeros(len(ps), dtype=bool) for ps in self._params]
+        # bf16/fp16 params written by the user since their master on disk last matched them
+        self._writes = WriteTracker(self._params)
         self.telemetry = dict(steps=0, bytes_read=0, bytes_written=0, read_wait_s=0.0, write_wait_s=0.0,
                               kernel_s=0.0, step_s=0.0, buckets=len(self.buckets), file_bytes=self.file_bytes,
                               slot_bytes=slot_bytes, slots=nslots, direct=None)
 
         # ---- file
+        statedir.warn_stale(nvme_dir)  # leftovers of killed runs: say where, how big, how to remove them
         try:
             self.directory = _make_private_dir(nvme_dir)
         except OSError as e:
             raise OSError(e.errno, f"cannot create the optimizer state directory in {nvme_dir}: "
                                    f"{os.strerror(e.errno)}", nvme_dir) from e
-        self._finalizer = weakref.finalize(self, _cleanup, None, None, None, None, self.directory, self.keep)
+        self._finalizer = weakref.finalize(self, _cleanup, None, None, None, None, self.directory, self.keep,
+                                           self._pid)
+        statedir.write_marker(self.directory)
         self.path = os.path.join(self.directory, STATE_FILE)
         if mode == "nvme":
             self.engine = AioEngine(queue_depth=queue_depth, block_size=block_size)
@@ -193,7 +221,7 @@ class StateStore:
         self.telemetry["direct"] = bool(self.file.direct)
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _cleanup, self.engine, self.file, None, None, self.directory,
-                                           self.keep)
+                                           self.keep, self._pid)
         self._reserve()
         if mode == "nvme":
             # no larger than the largest bucket: a small model under a big budget allocates (and,
@@ -206,7 +234,7 @@ class StateStore:
             self._mapping = [mm, torch.frombuffer(mm, dtype=torch.uint8)]
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _cleanup, self.engine, self.file, self._mapping, self.arena,
-                                           self.directory, self.keep)
+                                           self.directory, self.keep, self._pid)
 
     # ------------------------------------------------------------------ construction
     def _layout(self, slot_bytes: int) -> None:
@@ -271,10 +299,35 @@ class StateStore:
         return not self._finalizer.alive
 
     def close(self) -> None:
-        """Wait for outstanding I/O, release buffers and delete the state (unless ``keep``)."""
-        self._finalizer()
+        """Wait for outstanding I/O, release buffers and delete the state (unless ``keep``).
+
+        A step (or state access) running in another thread finishes first. Tensors handed out by
+        ``state_tensors()`` stay valid: they keep the memory they view alive. In a fork()ed child
+        this only closes the child's copies of the descriptors (the state stays the parent's).
+        """
+        if os.getpid() != self._pid:
+            self._finalizer()
+            return
+        with self._lock:
+            self._finalizer()
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"the {self.mode} optimizer state of process {self._pid} cannot be used after fork() (this is "
+                f"process {os.getpid()}): its state file, mapping and I/O threads belong to the parent. Create "
+                "the optimizer in the child (or start it with the 'spawn' method)")
+
+    @contextlib.contextmanager
+    def _using(self):
+        """Exclusive use of the store: right process, not closed, not failed; close() waits for it."""
+        self._check_process()
+        with self._lock:
+            self._check_usable()
+            yield
 
     def _check_usable(self) -> None:
+        self._check_process()
         if self._failed is not None:
             raise StoreFailedError(
                 f"the {self.mode} optimizer state in {self.path} is unusable after an earlier failure "
@@ -284,7 +337,10 @@ class StateStore:
             raise RuntimeError("the optimizer's state store is closed")
 
     def _fail(self, exc: BaseException) -> None:
-        self._failed = exc
+        try:  # a copy without the traceback: its frames would keep the step's gradients alive
+            self._failed = type(exc)(*exc.args)
+        except Exception:
+            self._failed = RuntimeError(f"{type(exc).__name__}: {exc}")
         if self.engine is not None:
             self.engine.wait_all()  # nothing may still write into buffers or the file
 
@@ -297,7 +353,8 @@ class StateStore:
                                "(the state file is laid out for the original parameter list)")
 
     def _collect(self, opt) -> tuple:
-        """Validate grads/params of every group (before any I/O) and return per-group info."""
+        """Validate grads/params of every group (before any I/O) and return per-group
+        (active mask, hyperparameters, gradients): the step uses exactly the tensors checked here."""
         info = []
         self._check_groups(opt.param_groups)
         for gi, group in enumerate(opt.param_groups):
@@ -305,8 +362,10 @@ class StateStore:
                 raise ValueError(f"group {gi}: amsgrad cannot change after construction with state={self.mode!r}")
             params = self._params[gi]
             active = np.zeros(len(params), dtype=bool)
+            grads = [None] * len(params)
             for i, p in enumerate(params):
-                if p.grad is None:
+                g = p.grad
+                if g is None:
                     continue
                 if p.numel() != sum(pc[2] for pc in self.pieces[(gi, i)]):
                     raise RuntimeError(f"parameter {i} of group {gi} changed size since the optimizer was created")
@@ -314,25 +373,41 @@ class StateStore:
                     raise RuntimeError(f"parameter {i} of group {gi} changed dtype ({self._dtypes[gi][i]} -> "
                                        f"{p.dtype}) since the optimizer was created with state={self.mode!r}")
                 check_tensor(p, f"parameter {i}", dtypes=(torch.float32,) + _LOW)
-                check_tensor(p.grad, f"gradient of parameter {i}", dtypes=(p.dtype,), shape=p.shape)
+                check_tensor(g, f"gradient of parameter {i}", dtypes=(p.dtype,), shape=p.shape)
                 active[i] = True
+                grads[i] = g
             h = opt._group_hyper(group) if active.any() else None
-            info.append((active, h))
+            if h is not None:  # the native kernel refuses these too, but only after I/O has started
+                for k in ("lr", "eps", "weight_decay", "beta1", "beta2"):
+                    if not math.isfinite(h[k]):
+                        raise ValueError(f"group {gi}: {k} = {h[k]} is not finite")
+            info.append((active, h, grads))
+        check_overlaps(self._params, [(gi, i, g) for gi, (_, _, gs) in enumerate(info) for i, g in enumerate(gs)
+                                      if g is not None], self._own_memory(), self.mode)
         return info
 
+    def _own_memory(self) -> Optional[torch.Tensor]:
+        return self.arena.memory if self.arena is not None else (self._mapping[1] if self._mapping else None)
+
     def step(self, opt, grad_multiplier: float, threads: int) -> None:
+        self._check_process()
+        with self._lock:
+            self._step(opt, grad_multiplier, threads)
+
+    def _step(self, opt, grad_multiplier: float, threads: int) -> None:
         self._check_usable()
         info = self._collect(opt)
         t0 = time.perf_counter()
         jobs = []
         for b in self.buckets:
-            active, h = info[b.gi]
+            active = info[b.gi][0]
             act = [pc for pc in b.pieces if active[pc[0]]]
             if act:
                 ready = self.ready[b.gi]
                 jobs.append((b, act, any(ready[pc[0]] for pc in b.pieces)))
+        resync = self._writes.written(self.ready)
         try:
-            for gi, (active, h) in enumerate(info):
+            for gi, (active, h, _) in enumerate(info):
                 if active.any():
                     self.steps[gi][torch.from_numpy(active)] += 1
                     for i in np.flatnonzero(active):
@@ -341,22 +416,30 @@ class StateStore:
                         if "step" not in st:
                             st["step"] = self.steps[gi][int(i)]
             if self.mode == "nvme":
-                self._run_pipeline(jobs, info, grad_multiplier, threads)
+                self._run_pipeline(jobs, info, grad_multiplier, threads, resync=resync)
             else:
-                self._run_mapped(jobs, info, grad_multiplier, threads)
-            for gi, (active, h) in enumerate(info):
+                self._run_mapped(jobs, info, grad_multiplier, threads, resync)
+            for gi, (active, h, _) in enumerate(info):
                 self.ready[gi] |= active
+                self._writes.record(gi, np.flatnonzero(active))
         except BaseException as e:
             self._fail(e)
             raise
         self.telemetry["steps"] += 1
         self.telemetry["step_s"] += time.perf_counter() - t0
 
-    def _prepare(self, b: _Bucket, act: list, buf: torch.Tensor) -> None:
-        """First step of a parameter: create its state in the buffer as the in-RAM mode would."""
+    def _prepare(self, b: _Bucket, act: list, buf: torch.Tensor, resync=()) -> None:
+        """First step of a parameter: create its state in the buffer as the in-RAM mode would.
+        A bf16/fp16 parameter written by the user since the last step (``resync``): take the new
+        value into the master, only where the parameter no longer equals the rounded master (the
+        other elements keep their fp32 precision)."""
         ready = self.ready[b.gi]
         f32 = buf.view(torch.float32)
         params = self._params[b.gi]
+        if b.low and resync:
+            for (i, start, n, pos) in act:
+                if (b.gi, i) in resync:
+                    resync_master(f32[pos:pos + n], params[i].detach().reshape(-1)[start:start + n])
         for (i, start, n, pos) in b.pieces:
             if ready[i]:
                 continue
@@ -367,14 +450,14 @@ class StateStore:
                 else:
                     sec.zero_()
 
-    def _table(self, b: _Bucket, act: list, base: int) -> np.ndarray:
+    def _table(self, b: _Bucket, act: list, base: int, grads: list) -> np.ndarray:
         t = np.zeros((len(act), TASK_COLS), dtype=np.int64)
         params = self._params[b.gi]
         steps = self.steps[b.gi].numpy()
         off = 1 if b.low else 0
         for r, (i, start, n, pos) in enumerate(act):
             p = params[i]
-            g = p.grad
+            g = grads[i]
             row = t[r]
             if b.low:
                 row[0] = base + pos * 4
@@ -392,8 +475,8 @@ class StateStore:
         return t
 
     def _kernel(self, b: _Bucket, act: list, base: int, info, mult: float, threads: int) -> None:
-        h = info[b.gi][1]
-        table = self._table(b, act, base)
+        _, h, grads = info[b.gi]
+        table = self._table(b, act, base, grads)
         t = time.perf_counter()
         step_table(table, h, mult, threads)
         self.telemetry["kernel_s"] += time.perf_counter() - t
@@ -401,21 +484,22 @@ class StateStore:
     def io_pass(self) -> float:
         """Benchmark helper: read and write back every bucket through the step's pipeline without
         computing (data unchanged). Returns the seconds it took: the I/O-only time of a full step."""
-        self._check_usable()
-        if self.mode != "nvme":
-            raise RuntimeError("io_pass() measures the nvme pipeline")
-        saved = dict(self.telemetry)
-        t = time.perf_counter()
-        try:
-            self._run_pipeline([(b, b.pieces, True) for b in self.buckets], None, 1.0, 0, compute=False)
-        except BaseException as e:
-            self._fail(e)
-            raise
-        dt = time.perf_counter() - t
+        with self._using():
+            if self.mode != "nvme":
+                raise RuntimeError("io_pass() measures the nvme pipeline")
+            saved = dict(self.telemetry)
+            t = time.perf_counter()
+            try:
+                self._run_pipeline([(b, b.pieces, True) for b in self.buckets], None, 1.0, 0, compute=False)
+            except BaseException as e:
+                self._fail(e)
+                raise
+            dt = time.perf_counter() - t
         self.telemetry = saved
         return dt
 
-    def _run_pipeline(self, jobs: list, info, mult: float, threads: int, compute: bool = True) -> None:
+    def _run_pipeline(self, jobs: list, info, mult: float, threads: int, compute: bool = True,
+                      resync=()) -> None:
         eng, f, slots = self.engine, self.file, self.arena.slots
         free = list(range(len(slots)))[::-1]
         reads: deque = deque()
@@ -447,18 +531,18 @@ class StateStore:
                 tel["read_wait_s"] += time.perf_counter() - t
             buf = slots[s]
             if compute:
-                self._prepare(b, act, buf)
+                self._prepare(b, act, buf, resync)
                 self._kernel(b, act, buf.data_ptr(), info, mult, threads)
             writes.append((s, eng.write(f, buf, b.offset, b.nbytes)))
         while writes:
             retire_write()
 
-    def _run_mapped(self, jobs: list, info, mult: float, threads: int) -> None:
+    def _run_mapped(self, jobs: list, info, mult: float, threads: int, resync=()) -> None:
         mm, base_t = self._mapping
         base = base_t.data_ptr()
         for b, act, _ in jobs:
             view = base_t[b.offset:b.offset + b.nbytes]
-            self._prepare(b, act, view)
+            self._prepare(b, act, view, resync)
             self._kernel(b, act, base + b.offset, info, mult, threads)
             if hasattr(mmap, "MADV_DONTNEED") and b.nbytes >= mmap.PAGESIZE:
                 # dirty pages stay in the page cache (written back by the kernel); only our RSS drops
@@ -481,9 +565,13 @@ class StateStore:
 
         Tensors are views of a shared mapping of the state file (no copy; like torch's state_dict
         they alias the live state), except for a parameter split over several buckets, whose
-        pieces are concatenated into one tensor.
+        pieces are concatenated into one tensor. Every tensor keeps the memory it views alive, also
+        after ``close()`` (the state file's disk space is released when the last of them is gone).
         """
-        self._check_usable()
+        with self._using():
+            return self._state_tensors()
+
+    def _state_tensors(self) -> dict:
         if self.engine is not None:
             self.engine.wait_all()
         mm = self._state_mapping()
@@ -516,7 +604,10 @@ class StateStore:
         Missing 'master_param' of a bf16/fp16 parameter is taken from the parameter (a state
         saved by torch.optim). Sizes are checked before anything is written.
         """
-        self._check_usable()
+        with self._using():
+            self._load(entries)
+
+    def _load(self, entries: dict) -> None:
         for (gi, i), st in entries.items():
             p = self._params[gi][i]
             for key in self._keys(gi, p.dtype in _LOW):
@@ -562,6 +653,7 @@ class StateStore:
                 v = st.get("step", 0.0)
                 self.steps[gi][i] = float(v.item() if isinstance(v, torch.Tensor) else v)
                 self.ready[gi][i] = True
+                self._writes.record(gi, [i])  # the loaded master is the truth for the parameter as it is now
         except BaseException as e:
             self._fail(e)
             raise
