@@ -143,6 +143,11 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
         _check_hyper(lr, betas, eps, weight_decay)
         _check_init(params, betas, foreach, capturable)
+        params = list(params)
+        for g in params:  # torch's add_param_group check, before split_params turns a set into a list
+            if isinstance(g, dict) and isinstance(g.get("params"), set):
+                raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering "
+                                "of tensors in sets will change between runs. Please use a list instead.")
         # --- NVMe/mmap state (offload/store.py): validated before anything is allocated
         if state not in ("ram", "nvme", "mmap"):
             raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {state!r}")
@@ -578,6 +583,16 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             post_hook(self)
 
     _decoupled: Optional[bool] = None
+
+
+# Entry points run eagerly even when called from a torch.compile'd function: dynamo must not trace
+# the native calls, the cached task tables or the NVMe store (its weakref.finalize breaks guards,
+# and side effects on optimizer attributes would be replayed out of order). Wrapped here, once,
+# rather than at each definition; torch.optim.Optimizer._patch_step_function wraps on top.
+for _name in ("step", "clip_grad_norm_", "zero_grad", "state_dict", "load_state_dict", "add_param_group",
+              "close", "storage_info"):
+    setattr(_AdamBase, _name, torch.compiler.disable(getattr(_AdamBase, _name), recursive=True))
+del _name
 
 
 class Adam(_AdamBase):
