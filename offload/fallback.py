@@ -14,6 +14,7 @@ fp32/bf16/fp16 tensors) and in GPU-offload mode such parameters are refused by n
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -50,7 +51,7 @@ class Router:
 
     A parameter goes to the fallback when :func:`reason` says so, or when it is listed more than
     once anywhere in the groups (torch steps it once per listing, in group order). The split is
-    recomputed whenever the list of parameters of any group changes (compared by identity);
+    recomputed whenever the list of parameters of any group changes (compared by identity every step);
     a dtype or layout change of a parameter already stepped natively is refused by the native
     revalidation, as torch itself fails on a moment/parameter dtype mismatch. Only parameter
     lists are cached: hyperparameters are always read from the live group dicts.
@@ -60,15 +61,23 @@ class Router:
         self._key: Optional[list] = None
         self._native: list = []      # per group: None (all native) or the list of native params
         self._fallback: list = []    # per group: [] or the fallback params in order, duplicates included
+        self._ids: set = set()
+        self._any = False
+
+    def _same(self, groups: list) -> bool:
+        key = self._key
+        return (key is not None and len(key) == len(groups)
+                and all(len(ps) == len(g["params"]) and all(map(operator.is_, ps, g["params"]))
+                        for ps, g in zip(key, groups)))
 
     def _split(self, groups: list) -> None:
-        key = [list(map(id, g["params"])) for g in groups]
-        if key == self._key:
+        if self._same(groups):  # identity, element by element, in C: no per-parameter Python work
             return
+        key = [list(g["params"]) for g in groups]
         seen: dict = {}
-        for ids in key:
-            for i in ids:
-                seen[i] = seen.get(i, 0) + 1
+        for ps in key:
+            for p in ps:
+                seen[id(p)] = seen.get(id(p), 0) + 1
         self._native, self._fallback = [], []
         for g in groups:
             ps = g["params"]
@@ -76,23 +85,21 @@ class Router:
             out_ids = set(map(id, out))
             self._native.append([p for p in ps if id(p) not in out_ids] if out else None)
             self._fallback.append(out)
+        self._ids = {id(p) for f in self._fallback for p in f}
+        self._any = bool(self._ids)
         self._key = key
 
-    def native_groups(self, groups: list) -> list:
-        """The groups as the native path sees them (fallback parameters left out)."""
+    def split(self, groups: list) -> tuple:
+        """(the groups as the native path sees them, [(group, fallback params)]), one pass."""
         self._split(groups)
-        if not any(f for f in self._fallback):
-            return groups
-        return [g if n is None else dict(g, params=n) for g, n in zip(groups, self._native)]
-
-    def fallback(self, groups: list) -> list:
-        """[(group, params)] of the groups that have fallback parameters."""
-        self._split(groups)
-        return [(g, f) for g, f in zip(groups, self._fallback) if f]
+        if not self._any:
+            return groups, []
+        return ([g if n is None else dict(g, params=n) for g, n in zip(groups, self._native)],
+                [(g, f) for g, f in zip(groups, self._fallback) if f])
 
     def is_fallback(self, groups: list, p: torch.Tensor) -> bool:
         self._split(groups)
-        return any(any(q is p for q in f) for f in self._fallback)
+        return id(p) in self._ids
 
 
 def _init_state(p: torch.Tensor, amsgrad: bool) -> dict:
@@ -106,7 +113,7 @@ def _init_state(p: torch.Tensor, amsgrad: bool) -> dict:
 
 
 def step(opt, fallback: list, mult: float, decoupled_override: Optional[bool]) -> None:
-    """One torch Adam/AdamW step of the fallback parameters (``Router.fallback(groups)``)."""
+    """One torch Adam/AdamW step of the fallback parameters (second item of ``Router.split``)."""
     for group, params in fallback:
         plist, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
         has_complex = False

@@ -424,10 +424,10 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         if self._store is not None:  # NVMe/mmap state: the store pipelines all groups (offload/store.py)
             self._store.step(self, mult, threads)
             return loss
-        fb = self._router.fallback(self.param_groups)  # stepped by torch's code below (offload/fallback.py)
+        native, fb = self._router.split(self.param_groups)  # fb: stepped by torch's code (offload/fallback.py)
         for group, _ in fb:
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        for gi, group in enumerate(self._router.native_groups(self.param_groups)):
+        for gi, group in enumerate(native):
             plan = self._plan(gi, group)
             rows = self._collect(plan, group)
             if len(rows) == 0:
@@ -459,10 +459,10 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             return self._gpu.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         if float(norm_type) != 2.0:
             raise ValueError("offload's fused clipping supports norm_type=2.0 only")
-        groups = self._router.native_groups(self.param_groups)
-        grads = list({id(p): p.grad for g in groups for p in g["params"] if p.grad is not None}.values())
-        fb = list({id(p): p.grad for _, ps in self._router.fallback(self.param_groups) for p in ps
-                   if p.grad is not None}.values())  # (offload/fallback.py; each parameter counted once)
+        groups, fbg = self._router.split(self.param_groups)
+        grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
+        fb = list({id(p): p.grad for _, ps in fbg for p in ps
+                   if p.grad is not None}.values())  # (offload/fallback.py; a repeated parameter counted once)
         total = math.sqrt(self._grad_sumsq(grads) + (fallback.grad_sumsq(fb) if fb else 0.0))
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total}), so it cannot be clipped")
