@@ -536,11 +536,17 @@ def test_bad_input_matrix(matrix_results, name, code, expect):
     _check(name, matrix_results[name], expect)
 
 
+# Each case in its own `python -c` (no fork, ~3-6 s of interpreter start each on 2 cores): a sample by
+# default, every case with OFFLOAD_FULL_MATRIX=1 (the full audit; too slow for the CI budget).
+_FRESH_SAMPLE = {"bare_tensor", "float64", "dup_in_group", "named", "storage_resized"}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name,code,expect", _params())
+@pytest.mark.parametrize("name,code,expect", [p for p in _params() if os.environ.get("OFFLOAD_FULL_MATRIX")
+                                              or p.values[0] in _FRESH_SAMPLE])
 def test_bad_input_matrix_fresh_interpreter(name, code, expect):
-    """The same cases, each in its own `python -c` (no fork): slow, for the full audit."""
+    """The same cases, each in its own `python -c` (no fork)."""
     proc = subprocess.run([sys.executable, "-c", _PRELUDE + "\nexec(" + repr(code) + ")"],
                           capture_output=True, text=True, timeout=110, env=_env(), cwd=ROOT)
     if proc.returncode < 0:

@@ -13,9 +13,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-FAST = settings(max_examples=40, deadline=None, derandomize=True,
+FAST = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
-SLOW = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 hyper = st.fixed_dictionaries({
     "lr": st.floats(1e-5, 1.0),
