@@ -5,7 +5,8 @@ keeps torch's constructor signature, defaults, validation messages and ``state_d
 (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so a state saved here loads into
 ``torch.optim.AdamW`` and back. bf16/fp16 parameters get an fp32 master copy (state key
 ``master_param``, the one addition to torch's layout); the kernel writes the rounded new weight
-straight into the parameter in the same pass.
+straight into the parameter in the same pass. Parameters the kernel cannot take but torch steps
+(float64, complex, non-contiguous, listed twice) go through torch's own Adam code (offload/fallback.py).
 """
 from __future__ import annotations
 
