@@ -208,7 +208,7 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             self.state = state = wrapped
         if d.get("_state_seen") == epoch[0]:
             return
-        for gi, plan in self._plans.items():
+        for gi, plan in list(self._plans.items()):
             if not isinstance(gi, int):
                 continue
             group = self.param_groups[gi] if gi < len(self.param_groups) else None
@@ -369,11 +369,15 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         cached = list(map(operator.call, plan.g_ref))  # strong references for this step only
         ready, changed = _C.collect_grads(plan.params, cached, plan.p_ptr, plan.g_ptr, _GRAD_DESCR, _DATA_PTR)
         if len(ready):
-            gs = cached if len(ready) == len(cached) else list(map(cached.__getitem__, ready.tolist()))
-            moved = np.fromiter(map(get_version, gs), dtype=np.int64, count=len(gs)) != plan.g_ver[ready]
-            if moved.any():
-                changed = list(changed) + ready[moved].tolist()
-                ready = ready[~moved]
+            if len(ready) == len(cached):  # every row has its validated gradient
+                vers = list(map(get_version, cached))
+                moved = [] if vers == plan.g_ver else [i for i, (a, b) in enumerate(zip(vers, plan.g_ver)) if a != b]
+            else:
+                idx = ready.tolist()
+                moved = [i for i, v in zip(idx, map(get_version, map(cached.__getitem__, idx))) if v != plan.g_ver[i]]
+            if moved:
+                changed = list(changed) + moved
+                ready = ready[~np.isin(ready, moved)]
             lowp = ready[plan.lowp[ready]]
             if len(lowp):
                 vers = np.fromiter((local(plan.params[i])._version for i in lowp), dtype=np.int64, count=len(lowp))
