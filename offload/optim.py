@@ -439,7 +439,7 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             return mult
         params, refs, vers = rec
         grads = [p.grad for p in params]
-        same = list(map(operator.is_, grads, map(operator.call, refs)))
+        same = [g is not None and g is r() for g, r in zip(grads, refs)]
         if not any(same):  # every gradient is new (or gone): the clipped ones were discarded
             return 1.0
         moved = [i for i, s in enumerate(same) if s and grads[i]._version != vers[i]]
