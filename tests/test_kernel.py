@@ -315,3 +315,53 @@ def test_kernel_works_in_forked_child():
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+# ---- threads above the pool size (issue 10 item 1): the work must still be covered in full ----
+
+@pytest.fixture
+def pool_of_two():
+    prev = kernels.get_num_threads()
+    kernels.set_num_threads(2)
+    try:
+        yield 2
+    finally:
+        kernels.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("extra", [1, 5])
+def test_threads_above_pool_size_update_every_element(pool_of_two, extra):
+    import offload
+    n = 1 << 20
+    assert offload.build_info()["threads"] == pool_of_two
+    gen = torch.Generator().manual_seed(8)
+    p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    results = []
+    for threads in (1, pool_of_two + extra):
+        p = torch.nn.Parameter(p0.clone())
+        p.grad = g.clone()
+        opt = offload.AdamW([p], lr=1e-2, threads=threads)
+        opt.step()
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+        results.append(p.detach().clone())
+    assert not torch.equal(results[0], p0)
+    assert torch.equal(results[1].view(torch.int32), results[0].view(torch.int32))
+
+
+@pytest.mark.parametrize("extra", [1, 5])
+def test_raw_entry_points_cover_all_work_above_pool_size(pool_of_two, extra):
+    threads = pool_of_two + extra
+    n = 300_007
+    base = make_state(n, torch.bfloat16, torch.bfloat16, seed=4)
+    one, many = clone(base), clone(base)
+    run(one, VARIANTS[0], threads=1)
+    run(many, VARIANTS[0], threads=threads)
+    assert_bitwise(many, one)
+    grads = [torch.ones(n), torch.ones(70_001, dtype=torch.bfloat16)] + [torch.ones(1 << 16)] * 9
+    expect = float(n + 70_001 + 9 * (1 << 16))
+    assert kernels.grad_sumsq(grads, threads=threads) == expect == kernels.grad_sumsq(grads, threads=1)
+    bufs = [torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.ones(n)]
+    _C.bandwidth_probe(*(b.data_ptr() for b in bufs), n, threads)
+    assert torch.equal(bufs[0], torch.full((n,), 0.5)) and torch.equal(bufs[1], torch.ones(n))
+    assert torch.equal(bufs[2], -torch.ones(n))
