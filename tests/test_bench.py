@@ -38,8 +38,12 @@ def test_kernel_bench_rejects_unknown_case():
 
 def test_io_bench_takes_the_common_options():
     """--reps/--json/--no-progress mean the same in every subcommand (io refused --no-progress)."""
-    from offload.bench.__main__ import build_parser
-    parser = build_parser()
+    import argparse
+    from offload.bench import io as bench_io, kernel as bench_kernel  # not train: it binds sys.stdout at import
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    bench_kernel.add_parser(sub)
+    bench_io.add_parser(sub)
     for cmd in ("kernel", "io"):
         args = parser.parse_args([cmd, "--no-progress", "--reps", "2", "--json", "x.json"])
         assert args.no_progress and args.reps == 2 and args.json == "x.json"
