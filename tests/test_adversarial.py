@@ -449,7 +449,6 @@ MATRIX = [
 
 # Cases that currently fail because of another helper's item of issue 10; strict, so that a fix shows.
 XFAIL = {  # cases still failing on main, with the issue item and the owner; empty when all are fixed
-    "threads_above_pool": "issue 10 item 1 (kernel: threads above the native pool size)",
 }
 
 # Runs every case in a forked child of one fresh interpreter: torch is imported once, each case is
