@@ -453,7 +453,16 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             else:
                 idx = ready.tolist()
                 moved = [i for i, v in zip(idx, map(get_version, map(cached.__getitem__, idx))) if v != plan.g_ver[i]]
+            # `p.data = <view with the same data pointer>` (t(), a prefix slice, reshape, a dtype view)
+            # changes no pointer the native gather compares: rows whose shape, strides or dtype moved
+            # are re-validated too (fingerprint()[1:]; the pointer was compared natively)
+            params, metas = plan.params, plan.p_meta
+            for i in ready.tolist():
+                t, m = params[i], metas[i]
+                if m is None or t.shape != m[1] or t.stride() != m[2] or t.dtype is not m[3]:
+                    moved.append(i)
             if moved:
+                moved = sorted(set(moved))  # a row may have moved both ways: re-validated (and stepped) once
                 changed = list(changed) + moved
                 ready = ready[~np.isin(ready, moved)]
             lowp = ready[plan.lowp[ready]]
