@@ -41,6 +41,11 @@ _GRAD_DESCR = _TensorBase.__dict__["grad"]
 _DATA_PTR = _TensorBase.data_ptr
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _ARENA_STAGGER = 16400  # floats (64 KiB + 64 B) between state streams of one arena: see _init_states
+
+
+def arena_gap(per_kind: int) -> int:
+    """Floats left after each state stream of an arena whose streams hold per_kind floats."""
+    return _ARENA_STAGGER if per_kind >= (1 << 18) else 16
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 
 
@@ -316,7 +321,7 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         # 512 MiB), and then contend for the same cache sets / DRAM banks (measured on an AVX2
         # EPYC: a 128M step 250 ms instead of 134 ms; issue 11). Small arenas fit the caches:
         # one cache line of gap is enough there.
-        gap = _ARENA_STAGGER if per_kind >= (1 << 18) else 16
+        gap = arena_gap(per_kind)
         total = (per_kind * len(kinds) + sum(n for n, lp in zip(padded, lowp) if lp)
                  + gap * len(kinds))
         arena = torch.from_numpy(np.zeros(total, dtype=np.float32))  # numpy-owned: cannot be resized under the kernel

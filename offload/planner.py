@@ -183,6 +183,8 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     # the optimizer state of this rank (exactly what offload.Adam/AdamW allocate)
     # state tensors are views of one arena, each padded to 16 floats (64 bytes), see optim.py
     moments = sum(_pad(per_rank(n, shard)) * 4 * (3 if amsgrad else 2) for n, _ in inv)
+    from .optim import arena_gap  # the gap after each stream of the (one) arena
+    moments += arena_gap(sum(_pad(per_rank(n, shard)) for n, _ in inv)) * 4 * (3 if amsgrad else 2)
     master = sum(_pad(per_rank(n, shard)) * 4 for n, dt in inv if dt in _LOW)
     steps = STEP_BYTES * (len(inv) if shard == 1 else -(-len(inv) // shard))
     state_what = f"optimizer state: fp32 exp_avg, exp_avg_sq{', max_exp_avg_sq' if amsgrad else ''}, steps"
