@@ -18,7 +18,7 @@ void register_moments(py::module_& m) {
   m.attr("MOMENT_TASK_COLS") = kQTaskCols;
   m.attr("MOMENT_BLOCK") = kQBlock;
   m.def(
-      "adam_step_moments",
+      "_adam_step_moments",
       [](const py::array& table, double lr, double beta1, double beta2, double eps, double wd, bool decoupled,
          bool amsgrad, bool maximize, double grad_multiplier, int threads, bool reference) {
         static_assert(sizeof(AdamQTask) == kQTaskCols * sizeof(int64_t), "table row layout");

@@ -93,7 +93,7 @@ def step_moment_table(table: np.ndarray, hyper: dict, grad_multiplier: float = 1
     """Run the compressed-moment step over a prebuilt table (``hyper`` as for ``step_table``:
     lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize). The native layer
     re-checks the table; amsgrad=True is refused."""
-    _C.adam_step_moments(table, float(hyper["lr"]), float(hyper["beta1"]), float(hyper["beta2"]),
+    _C._adam_step_moments(table, float(hyper["lr"]), float(hyper["beta1"]), float(hyper["beta2"]),
                          float(hyper["eps"]), float(hyper["weight_decay"]), bool(hyper["decoupled"]),
                          bool(hyper["amsgrad"]), bool(hyper["maximize"]), float(grad_multiplier), int(threads),
                          bool(reference))

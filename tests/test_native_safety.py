@@ -198,10 +198,10 @@ def test_bandwidth_probe_takes_tensors():
 
 def test_raw_address_entries_are_private():
     # Entries that dereference integer addresses are underscore-private; the public API takes tensors.
-    for name in ("adam_step", "grad_sumsq", "bandwidth_probe"):
+    for name in ("adam_step", "grad_sumsq", "bandwidth_probe", "adam_step_moments"):
         assert not hasattr(_C, name), name
         assert hasattr(_C, "_" + name)
-    assert not hasattr(kernels, "step_table")  # internal (offload._kernels._step_table... callers only)
+    assert not hasattr(kernels, "step_table") and not hasattr(kernels, "step_moment_table")  # internal (offload._kernels._step_table... callers only)
     public = set(kernels.__all__)
     assert {"adam_step", "grad_sumsq", "check_tensor", "tensor_signature", "bandwidth_probe"} <= public
     assert offload.kernels is kernels
