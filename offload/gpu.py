@@ -15,7 +15,7 @@ import torch
 from .device import Device, resolve_device
 from .pipeline import GPU_OPTIONS, GpuOffloadEngine
 
-__all__ = ["GpuOffloadMixin", "split_params", "start_engine"]
+__all__ = ["GpuOffloadMixin", "make_state_engine", "split_params", "start_engine"]
 
 
 def _flat(params: list) -> list:
@@ -49,11 +49,26 @@ def split_params(params, offload_device, gpu_options: dict):
     return params, device
 
 
-def start_engine(opt, device: Optional[Device], gpu_options: dict) -> Optional[GpuOffloadEngine]:
+def make_state_engine(param_groups: list, state: str, *, nvme_dir, host_budget, keep: bool, nvme_options,
+                      device: Optional[Device], gpu_options: dict):
+    """The NVMe/mmap state engine (offload/step/engine.py) for host or device parameters."""
+    from .step.engine import StateEngine
+    opts = dict(nvme_options or {})
+    if device is not None:
+        opts.setdefault("bucket_bytes", int(float(gpu_options.get("bucket_mb", 32.0)) * 2 ** 20))
+    return StateEngine([g["params"] for g in param_groups], [g["amsgrad"] for g in param_groups], mode=state,
+                       nvme_dir=nvme_dir, host_budget=host_budget, keep=keep, device=device, **opts)
+
+
+def start_engine(opt, device: Optional[Device], gpu_options: dict, store=None):
     if device is None:
         return None
     opt._step_supports_amp_scaling = True   # GradScaler hands us grad_scale / found_inf instead of unscaling
-    engine = GpuOffloadEngine(opt, device, **gpu_options)
+    if store is not None:   # state in a tier: the step streams buckets through a staging ring
+        from .step.device_step import DeviceStep
+        engine = DeviceStep(opt, store, device, **gpu_options)
+    else:
+        engine = GpuOffloadEngine(opt, device, **gpu_options)
     engine.owns_device = getattr(device, "_created_by_offload", False)
     return engine
 

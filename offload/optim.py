@@ -24,7 +24,7 @@ from ._dist import is_dtensor, like, local  # DTensor (FSDP2): step the local sh
 from ._kernels import (COL_G, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
                        COL_GD, DTYPE_CODES, TASK_COLS, check_tensor)
 from .buffers import round_up
-from .gpu import GpuOffloadMixin, split_params, start_engine  # GPU-offload mode (offload/pipeline.py)
+from .gpu import GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
 
 __all__ = ["Adam", "AdamW"]
 
@@ -135,21 +135,15 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         self._pending_multiplier = 1.0
         # --- GPU offload: the mode follows from where the parameters are (offload/gpu.py) ---
         params, self._gpu_device = split_params(params, offload_device, gpu_options)
-        if state != "ram" and self._gpu_device is not None:  # (NVMe/mmap state)
-            raise ValueError(f"state={state!r} cannot be combined with GPU offload (parameters on "
-                             f"{self._gpu_device}) yet: use state='ram'")
         self._gpu = None
         super().__init__(params, defaults)
-        self._gpu = start_engine(self, self._gpu_device, gpu_options)
-        # --- end GPU offload ---
-        # --- NVMe/mmap state: one store for all groups, created after the groups exist
+        # --- NVMe/mmap state (offload/step/engine.py): one engine for all groups, any parameter side
         if state != "ram":
-            if any(is_dtensor(p) for g in self.param_groups for p in g["params"]):  # (FSDP2)
-                raise ValueError(f"state={state!r} does not support DTensor (FSDP2) parameters yet: use state='ram'")
-            from .store import StateStore
-            self._store = StateStore(self.param_groups, mode=state, nvme_dir=nvme_dir, host_budget=host_budget,
-                                     keep=keep_files, **(nvme_options or {}))
-        # ---
+            self._store = make_state_engine(self.param_groups, state, nvme_dir=nvme_dir, host_budget=host_budget,
+                                            keep=keep_files, nvme_options=nvme_options,
+                                            device=self._gpu_device, gpu_options=gpu_options)
+        self._gpu = start_engine(self, self._gpu_device, gpu_options, self._store)
+        # --- end GPU offload ---
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict) -> None:
@@ -158,13 +152,16 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         for i, p in enumerate(params):
             _check_param(p, f"parameter {i} of group {len(self.param_groups)}", self._gpu_device is not None)
         param_group["params"] = params  # a generator was consumed by the check above
-        if self._gpu is not None:
-            raise NotImplementedError("add_param_group after construction is not supported in GPU-offload mode")
-        if getattr(self, "_store", None) is not None:
-            raise NotImplementedError("add_param_group after construction is not supported with NVMe/mmap state "
-                                      "(the state file is laid out and reserved at construction)")
+        store = getattr(self, "_store", None)
+        if self._gpu is not None and store is None:
+            raise NotImplementedError("add_param_group after construction is not supported in GPU-offload mode "
+                                      "with state='ram' (it is with state='nvme' or 'mmap')")
         super().add_param_group(param_group)
         self._plans.clear()
+        if store is not None:  # NVMe/mmap state: the new group is laid out after the existing state
+            store.add_group(self.param_groups[-1]["params"], self.param_groups[-1]["amsgrad"])
+            if self._gpu is not None:
+                self._gpu.load_state()
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -354,7 +351,8 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             raise ValueError(f"grad_multiplier must be finite, got {mult}")
         threads = self._threads or 0
         if self._store is not None:  # NVMe/mmap state: the store pipelines all groups (offload/store.py)
-            self._store.step(self, mult, threads)
+            self._store.step(self.param_groups, lambda gi: self._group_hyper(self.param_groups[gi]), self.state,
+                             mult, threads)
             return loss
         for gi, group in enumerate(self.param_groups):
             plan = self._plan(gi, group)
@@ -490,7 +488,7 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             for p, st in list(new_state.items()):
                 if isinstance(p, torch.Tensor):
                     gi, i = where[id(p)]
-                    new_state[p] = {"step": self._store.steps[gi][i]}
+                    new_state[p] = self._store.torch_state(gi, i)  # step counter + views of the moments
         self.__setstate__({"state": new_state, "param_groups": saved_groups})
         if self._gpu is not None:
             self._gpu.load_state()

@@ -1,0 +1,337 @@
+"""step/engine.py: StateEngine, the composition root: one layout, one state tier, one parameter side.
+
+It is what ``offload.Adam/AdamW`` hold for ``state="nvme"|"mmap"`` (host or device parameters,
+FSDP2 local shards): it validates a step's gradients before any I/O, runs the pipeline
+(step/pipeline.py) over the buckets that have gradients, installs torch-layout views of the state
+in ``opt.state`` and serves ``state_dict`` / ``load_state_dict`` bucket by bucket. It never reads
+the optimizer's private attributes: hyperparameters come through ``hyper(group)``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from .._dist import like, local
+from ..layout import ALIGN, build_layout
+from ..params.base import check_grad, shapes_of
+from ..params.host import HostParams
+from ..state.tier import make_tier, split_budget
+from ..units import parse_size
+from . import pipeline
+from .registry import Registry
+from .views import param_views
+
+__all__ = ["StateEngine"]
+
+
+class StateEngine:
+    def __init__(self, groups: list, amsgrad: list, *, mode: str, nvme_dir=None, host_budget="2GiB",
+                 keep: bool = False, device=None, staging_slots: int = 2, bucket_bytes: Optional[int] = None,
+                 depth: int = 2, queue_depth: int = 8, block_size: int = 1 << 20, direct: bool = True):
+        self.mode = mode
+        self.budget = parse_size(host_budget)
+        self.depth = depth
+        self.groups = [list(g) for g in groups]
+        self.amsgrad = [bool(a) for a in amsgrad]
+        self.dtypes = [[local(p).dtype for p in ps] for ps in self.groups]
+        self.numels = [[local(p).numel() for p in ps] for ps in self.groups]
+        self.device = device
+        if device is not None:
+            from ..params.device import DeviceParams
+            self.side = DeviceParams(self.groups, device, staging_slots)
+        else:
+            self.side = HostParams(self.groups)
+        if not isinstance(depth, int) or not 1 <= depth <= 64:
+            raise ValueError(f"depth (buckets read ahead) must be an int in [1, 64], got {depth!r}")
+        self.state_cap, self.stage_cap = split_budget(mode, self.budget, depth,
+                                                      staging_slots if device is not None else 0)
+        if mode == "nvme" and self.state_cap < ALIGN:
+            n = depth + 2 + (2 * staging_slots if device is not None else 0)
+            raise ValueError(f"host_budget={host_budget!r} is too small: need at least {n} buffers of "
+                             f"{ALIGN} bytes ({n * ALIGN} bytes)")
+        if device is not None and bucket_bytes:
+            self.stage_cap = min(self.stage_cap or bucket_bytes, bucket_bytes)
+        self.layout = self._lay(self.groups, 0)
+        self.registry = Registry([len(g) for g in self.groups])
+        self.tier = make_tier(mode, nvme_dir=nvme_dir, keep=keep, depth=depth, queue_depth=queue_depth,
+                              block_size=block_size, direct=direct)
+        self.tier.allocate(self.layout)
+        if device is not None:
+            self.side.allocate(self.layout)
+        self.telemetry = dict(steps=0, kernel_s=0.0, step_s=0.0)
+        self.last_stats: Optional[dict] = None
+
+    def _lay(self, groups, first_group: int):
+        shapes = shapes_of(groups, self.device is not None, first_group)
+        return build_layout(shapes, amsgrad=self.amsgrad, max_state_bytes=self.state_cap,
+                            max_param_bytes=self.stage_cap)
+
+    # ------------------------------------------------------------------ shape of the engine
+    def add_group(self, params: list, amsgrad: bool) -> None:
+        """``add_param_group``: lay the new group out after the existing state and grow the file."""
+        self.tier.check_usable()
+        gi = len(self.groups)
+        self.groups.append(list(params))
+        self.amsgrad.append(bool(amsgrad))
+        self.dtypes.append([local(p).dtype for p in params])
+        self.numels.append([local(p).numel() for p in params])
+        self.layout.extend(self._lay([self.groups[gi]], gi))
+        self.registry.grow([len(g) for g in self.groups])
+        self.tier.allocate(self.layout)
+        if self.device is not None:
+            self.side.allocate(self.layout)
+        self.side.extend(self.groups)
+
+    @property
+    def pieces(self) -> dict:
+        return {k: [(self.layout.buckets[bi], pc) for bi, pc in v] for k, v in self.layout.of_param.items()}
+
+    @property
+    def closed(self) -> bool:
+        return self.tier.closed
+
+    def __getattr__(self, name):   # path, directory, engine, arena, file, slot_bytes ... of the tier
+        if name in ("tier", "__setstate__") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.tier, name)
+
+    # ------------------------------------------------------------------ step
+    def _check_groups(self, groups: list) -> None:
+        if len(groups) != len(self.groups) or any(
+                len(g["params"]) != len(ps) or any(a is not b for a, b in zip(g["params"], ps))
+                for g, ps in zip(groups, self.groups)):
+            raise RuntimeError(f"the optimizer's parameters changed since it was created with state={self.mode!r} "
+                               "(the state file is laid out for the original parameter list)")
+
+    def _collect(self, param_groups: list) -> list:
+        """Validate grads/params of every group (before any I/O); per group: bool mask of active params."""
+        self._check_groups(param_groups)
+        active = []
+        for gi, group in enumerate(param_groups):
+            if bool(group["amsgrad"]) != self.amsgrad[gi]:
+                raise ValueError(f"group {gi}: amsgrad cannot change after construction with state={self.mode!r}")
+            params = self.groups[gi]
+            a = np.zeros(len(params), dtype=bool)
+            for i, p in enumerate(params):
+                if p.grad is None:
+                    continue
+                check_grad(p, p.grad, gi, i, self.dtypes[gi][i], self.numels[gi][i], self.mode,
+                           self.device is not None)
+                a[i] = True
+            active.append(a)
+        late = [(gi, int(i)) for gi, a in enumerate(active) for i in np.flatnonzero(a)
+                if self.numels[gi][i] and not self.layout.of_param.get((gi, int(i)))]
+        if late:
+            self._lay_out_late(late)
+        return active
+
+    def _lay_out_late(self, late: list) -> None:
+        """Parameters frozen (requires_grad=False) at construction reserved nothing; the first time one
+        has a gradient its state is laid out after the existing state (the file grows)."""
+        from ..layout import Shape
+        from ..params.base import LOW_PRECISION
+        shapes = []
+        for gi, i in sorted(late):
+            lp = local(self.groups[gi][i])
+            shapes.append(Shape(gi, i, lp.numel(), lp.element_size(),
+                                master=self.device is not None or lp.dtype in LOW_PRECISION))
+        new = build_layout(shapes, amsgrad=self.amsgrad, max_state_bytes=self.state_cap,
+                           max_param_bytes=self.stage_cap)
+        self.layout.extend(new)
+        self.tier.allocate(self.layout)
+        if self.device is not None:
+            self.side.allocate(self.layout)
+
+    def _jobs(self, active: list, order=None) -> list:
+        jobs = []
+        buckets = self.layout.buckets if order is None else order
+        for b in buckets:
+            a = active[b.group]
+            act = [pc for pc in b.pieces if a[pc.param]]
+            if act:
+                jobs.append((b, act, self.registry.has_state(b)))
+        return jobs
+
+    def step(self, param_groups: list, hyper: Callable[[int], dict], state: dict, mult: float, threads: int,
+             active: Optional[list] = None) -> None:
+        self.tier.check_usable()
+        if active is None:
+            active = self._collect(param_groups)
+        hypers = {gi: hyper(gi) for gi, a in enumerate(active) if a.any()}   # validated before any change
+        t0 = time.perf_counter()
+        tel = self.tier.telemetry
+        io0 = tel["read_wait_s"] + tel["write_wait_s"]
+        k0 = self.telemetry["kernel_s"]
+        jobs = self._jobs(active)
+        try:
+            self.registry.advance(active)
+            if self.device is not None:
+                self.side.begin()
+            pipeline.run(jobs, tier=self.tier, side=self.side, registry=self.registry, hyper=hypers.__getitem__,
+                         mult=mult, threads=threads, depth=self.depth, ahead=getattr(self.side, "nslots", 1),
+                         timing=self.telemetry)
+            fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~self.registry.ready[gi])]
+            self.registry.commit(active)
+        except BaseException as e:
+            self.tier.fail(e)
+            raise
+        self._install(fresh, state)
+        dt = time.perf_counter() - t0
+        self.telemetry["steps"] += 1
+        self.telemetry["step_s"] += dt
+        stats = dict(step=self.telemetry["steps"], kernel_s=self.telemetry["kernel_s"] - k0,
+                     nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - io0, step_s=dt, buckets=len(jobs),
+                     skipped=False, grad_multiplier=mult)
+        self.last_stats = stats
+
+    def io_pass(self) -> float:
+        """Benchmark helper: read and write back every bucket through the step's pipeline without
+        computing (data unchanged). Returns the seconds it took: the I/O-only time of a full step."""
+        self.tier.check_usable()
+        if self.mode != "nvme":
+            raise RuntimeError("io_pass() measures the nvme pipeline")
+        saved = dict(self.tier.telemetry)
+        t = time.perf_counter()
+        try:
+            pipeline.run([(b, b.pieces, True) for b in self.layout.buckets], tier=self.tier, side=self.side,
+                         registry=self.registry, hyper=None, mult=1.0, threads=0, depth=self.depth, ahead=1,
+                         timing={}, compute=False)
+        except BaseException as e:
+            self.tier.fail(e)
+            raise
+        dt = time.perf_counter() - t
+        self.tier.telemetry.clear()
+        self.tier.telemetry.update(saved)
+        return dt
+
+    # ------------------------------------------------------------------ torch-layout views
+    def _install(self, fresh: list, state: dict) -> None:
+        """Give ``state[p]`` its step counter and moments (views of the tier) when its state was created."""
+        if not fresh:
+            return
+        view, fd = self.tier.mapping()
+        for gi, i in fresh:
+            p = self.groups[gi][int(i)]
+            st = state[p]
+            st["step"] = self.registry.steps[gi][int(i)]
+            for k, v in self._views(gi, int(i), view, fd).items():
+                st[k] = v
+
+    def _views(self, gi: int, i: int, view, fd) -> dict:
+        p = self.groups[gi][i]
+        lp = local(p)
+        if lp.numel() == 0:
+            keys = (["master_param"] if (self.device is not None or lp.dtype in (torch.bfloat16, torch.float16))
+                    else []) + ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad[gi] else [])
+            return {k: like(p, torch.zeros(lp.shape, dtype=torch.float32)) for k in keys}
+        out = param_views(self.tier, self.layout, gi, i, lp.shape, view, fd)
+        if self.device is not None and lp.dtype == torch.float32:
+            out.pop("master_param", None)   # torch's layout: an fp32 parameter is its own master
+        return {k: like(p, v) for k, v in out.items()}
+
+    def torch_state(self, gi: int, i: int) -> dict:
+        """``state[p]`` for parameter ``i`` of group ``gi``: step counter and views of the moments."""
+        view, fd = self.tier.mapping()
+        st = {"step": self.registry.steps[gi][i]}
+        if self.registry.ready[gi][i]:
+            st.update(self._views(gi, i, view, fd))
+        return st
+
+    def state_tensors(self) -> dict:
+        """(gi, i) -> {key: fp32 tensor} for every parameter that has state (views, never copies)."""
+        self.tier.check_usable()
+        view, fd = self.tier.mapping()
+        out = {}
+        for gi, params in enumerate(self.groups):
+            for i in range(len(params)):
+                if self.registry.ready[gi][i] or self.numels[gi][i] == 0:
+                    out[(gi, i)] = self._views(gi, i, view, fd)
+        return out
+
+    def reload_masters(self, which: set) -> None:
+        """Re-read the fp32 master of the parameters ``which`` ({(gi, i)}) that have state, from the parameters."""
+        self.tier.check_usable()
+        try:
+            for b in self.layout.buckets:
+                hit = [pc for pc in b.pieces if (b.group, pc.param) in which and self.registry.ready[b.group][pc.param]]
+                if not hit or not b.master:
+                    continue
+                blk = self.tier.acquire(b, True)
+                f32 = blk.data[:b.nbytes].view(torch.float32)
+                for pc in hit:
+                    sec = b.section("master_param") // 4 + pc.pos
+                    self.side.read_master(b.group, pc.param, pc.start, pc.n, f32[sec:sec + pc.n])
+                self.tier.release(b, blk)
+            self.tier.drain()
+        except BaseException as e:
+            self.tier.fail(e)
+            raise
+
+    @property
+    def steps(self) -> list:
+        return self.registry.steps
+
+    def load(self, entries: dict) -> None:
+        """Replace the whole state by ``entries`` ((gi, i) -> state dict), bucket by bucket.
+        Parameters without an entry start afresh at their next step (as with torch's loader).
+        A missing 'master_param' is taken from the parameter (a state saved by torch.optim)."""
+        self.tier.check_usable()
+        for (gi, i), st in entries.items():
+            n = self.numels[gi][i]
+            has_layout = bool(self.layout.of_param.get((gi, i)))
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key not in st:
+                    raise KeyError(f"state of parameter {i} of group {gi} has no '{key}'")
+            for key, t in st.items():
+                if key == "step" or not isinstance(t, torch.Tensor):
+                    continue
+                if local(t).numel() != n:
+                    raise ValueError(f"state '{key}' of parameter {i} of group {gi} does not match the "
+                                     f"parameter's {n} elements")
+            if n and not has_layout:
+                raise ValueError(f"state of parameter {i} of group {gi}: the parameter had requires_grad=False when "
+                                 f"the optimizer was created with state={self.mode!r}, so it has no room for state")
+        try:
+            for b in self.layout.buckets:
+                hit = [pc for pc in b.pieces if (b.group, pc.param) in entries]
+                if not hit:
+                    continue
+                data = torch.zeros(b.nbytes, dtype=torch.uint8)
+                f32 = data.view(torch.float32)
+                for pc in hit:
+                    st = entries[(b.group, pc.param)]
+                    for key, _size in b.keys:
+                        sec = b.section(key) // 4 + pc.pos
+                        dst = f32[sec:sec + pc.n]
+                        src = st.get(key)
+                        if src is None and key == "master_param":
+                            self.side.read_master(b.group, pc.param, pc.start, pc.n, dst)
+                        elif src is not None:
+                            dst.copy_(local(src).detach().reshape(-1)[pc.start:pc.start + pc.n])
+                self.tier.write(b, data)
+            self.registry.reset()
+            for (gi, i), st in entries.items():
+                v = st.get("step", 0.0)
+                self.registry.steps[gi][i] = float(v.item() if isinstance(v, torch.Tensor) else v)
+                self.registry.ready[gi][i] = True
+        except BaseException as e:
+            self.tier.fail(e)
+            raise
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Wait for outstanding I/O, release buffers and delete the state (unless ``keep``)."""
+        self.side.close()
+        self.tier.close()
+
+    def info(self) -> dict:
+        d = dict(self.tier.info())
+        d.update(self.telemetry)
+        d.update(mode=self.mode, depth=self.depth, host_budget=self.budget, buckets=len(self.layout.buckets),
+                 file_bytes=getattr(self.tier, "file_bytes", self.layout.nbytes))
+        if self.device is not None:
+            d.update(staging_slots=self.side.nslots, staging_bytes=self.side.pinned_bytes)
+        return d
