@@ -425,7 +425,11 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         return sd
 
     def close(self) -> None:
-        """Release NVMe/mmap state (waits for I/O, deletes the state file unless keep_files). No-op for RAM state."""
+        """Release NVMe/mmap state (waits for I/O, deletes the state file unless keep_files) and the
+        GPU-offload machinery (hooks, worker thread, a device the optimizer created). No-op otherwise."""
+        if getattr(self, "_gpu", None) is not None:
+            self._gpu.synchronize()
+            self._gpu.close()
         if self._store is not None:
             self._store.close()
 

@@ -444,7 +444,25 @@ def test_options_are_validated():
     with pytest.raises(ValueError, match="step_during_backward"):
         offload.AdamW(model.parameters(), offload_device=FakeDevice(), step_during_backward=True, max_grad_norm=1.0)
     with pytest.raises(RuntimeError, match="only available in GPU-offload mode"):
-        offload.AdamW(model.parameters()).last_step_stats()
+        offload.AdamW(model.parameters()).reload_params()
+
+
+def test_last_step_stats_in_every_mode(tmp_path):
+    """Host params with RAM or NVMe state report the same keys as GPU offload; nvme_s is filled."""
+    for kw in ({}, dict(state="nvme", nvme_dir=tmp_path), dict(state="mmap", nvme_dir=tmp_path),
+               dict(offload_device=FakeDevice(), state="nvme", nvme_dir=tmp_path)):
+        p = torch.nn.Parameter(torch.randn(5000))
+        opt = offload.AdamW([p], **kw)
+        assert opt.last_step_stats() is None
+        for _ in range(2):
+            p.grad = torch.randn(5000)
+            opt.step()
+        st = opt.last_step_stats(wait=True)
+        assert set(st) >= {"step", "d2h_s", "kernel_s", "h2d_s", "nvme_s", "exposed_s", "skipped"}, (kw, st)
+        assert st["step"] == 2 and st["kernel_s"] > 0 and not st["skipped"], kw
+        if kw.get("state") == "nvme":
+            assert st["nvme_s"] > 0, kw
+        opt.close()
 
 
 @pytest.mark.cuda

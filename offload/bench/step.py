@@ -119,7 +119,7 @@ def measure(args) -> dict:
                                                            "bytes_written")})
         io_s = None
         if args.state == "nvme":
-            io_s = statistics.median(opt._store.io_pass() for _ in range(max(1, min(3, args.steps))))
+            io_s = statistics.median(opt.io_only_pass() for _ in range(max(1, min(3, args.steps))))
         peak = _status("VmHWM:") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         in_step_kernel = statistics.median(x["kernel_s"] for x in tel)
         k = kernel_s if kernel_s is not None else in_step_kernel

@@ -29,7 +29,7 @@ __all__ = ["StateEngine"]
 
 class StateEngine:
     def __init__(self, groups: list, amsgrad: list, *, mode: str, nvme_dir=None, host_budget="2GiB",
-                 keep: bool = False, device=None, staging_slots: int = 2, bucket_bytes: Optional[int] = None,
+                 keep: bool = False, device=None, staging_slots: int = 3, bucket_bytes: Optional[int] = None,
                  depth: int = 2, queue_depth: int = 8, block_size: int = 1 << 20, direct: bool = True):
         self.mode = mode
         self.budget = parse_size(host_budget)
