@@ -237,3 +237,52 @@ def test_host_memory_bounded_by_budget(tmp_path, side):
     file_bytes, growth = map(int, out.stdout.split())
     assert file_bytes > 450 * 2**20
     assert growth < (32 + 150) * 2**20, f"anonymous RSS grew by {growth / 2**20:.0f} MiB with a 32 MiB budget"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("tier", ("nvme", "mmap"))
+def test_fake_device_clip_scaler_and_slow_copies(tmp_path, tier, slots):
+    """Device params + NVMe/mmap state with a 1-2 slot staging ring and slow, random copies (hazard
+    checks on): clipping (max_grad_norm= and clip_grad_norm_) and GradScaler's skip of a non-finite
+    step give bitwise the host/RAM results."""
+    dtype = torch.float32
+    ps_r = make_params(dtype)
+    ref = offload.AdamW(groups(ps_r), lr=1e-2)
+    ps = make_params(dtype)
+    dev = FakeDevice(max_delay=0.006, min_delay=0.001, seed=slots)
+    opt = offload.AdamW(groups(ps), lr=1e-2, state=tier, nvme_dir=tmp_path, host_budget=96 * 1024,
+                        offload_device=dev, bucket_mb=0.004, max_grad_norm=0.5, check_overflow=True,
+                        nvme_options={"staging_slots": slots})
+    for s in range(4):
+        grads(ps_r, s, dtype)
+        grads(ps, s, dtype)
+        if s == 2:   # an overflow: check_overflow skips the step (the reference does not step)
+            ps[0].grad[0] = float("inf")
+            opt.step()
+            assert opt.last_step_stats()["skipped"]
+            continue
+        ref.clip_grad_norm_(0.5)
+        opt.step()
+        ref.step()
+        assert opt.last_step_stats()["buckets"] > 2 and not opt.last_step_stats()["skipped"]
+    # GradScaler: scaled gradients, 1/scale folded into the kernel; a non-finite step is skipped
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler.scale(torch.ones(()))   # (what scaler.scale(loss) does first: create the scale)
+    for s in range(4, 7):
+        grads(ps_r, s, dtype)
+        grads(ps, s, dtype)
+        for p in ps:
+            p.grad.mul_(2.0 ** 10)
+        if s == 5:
+            ps[1].grad[0] = float("nan")
+        else:
+            ref.clip_grad_norm_(0.5)
+            ref.step()
+        scaler.step(opt)
+        scaler.update(2.0 ** 10)   # keep the scale (the reference sees unscaled gradients)
+        assert opt.last_step_stats()["skipped"] == (s == 5)
+    opt.synchronize()
+    dev.check()
+    assert_same(ps_r, ref, ps, opt)
+    opt.close()
