@@ -506,7 +506,13 @@ def test_train_bench_runs_on_cpu(tmp_path, capsys):
     assert "fake device" in text and "offload-overlap" in text
     res = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     assert res["offload-overlap"]["iter_s"] > 0 and res["offload-sync"]["exposed_s"] is not None
-    assert "skipped" in res["offload-nvme"]["error"]
+    assert "offload-nvme" not in res   # only with --state nvme|mmap
+    assert train.main(["--device", "cpu", "--preset", "tiny", "--steps", "2", "--reps", "1", "--warmup", "1",
+                       "--bucket-mb", "0.01", "--state", "nvme", "--nvme-dir", str(tmp_path), "--host-budget", "1MiB",
+                       "--variants", "offload-nvme", "--json", str(out)]) == 0
+    nv = json.loads(out.read_text())["results"][0]
+    assert nv["variant"] == "offload-nvme" and nv["bound"] > 0 and nv["io_s"] > 0 and nv["host_bytes"] <= 2**20
+    assert "target <= 1.15" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------ small params
