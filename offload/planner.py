@@ -207,14 +207,14 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
         rows.append(Row(compute, "activations (your estimate)", int(activation_bytes)))
     rows.append(Row("host", "optimizer state: step counters", steps))
     if state == "ram":
-        rows.append(Row("host", state_what + (" (GPU mode: pinned bucket arenas)" if on_gpu else ""),
+        rows.append(Row("host", state_what + (" (pinned)" if on_gpu else ""),
                         in_sections - master))
         if master:
             rows.append(Row("host", "optimizer state: fp32 master weights" +
                             (" (pinned)" if on_gpu else " (bf16/fp16 params)"), master))
         if on_gpu:   # offload/buckets.py: grad + weight staging per bucket, pinned
             stage = sum(b.stage_bytes for b in lay.buckets)
-            rows.append(Row("host", f"pinned staging (grads down, weights up; {len(lay.buckets)} buckets)",
+            rows.append(Row("host", f"pinned staging (grads down, weights up; {len(lay.buckets)} bucket(s))",
                             2 * stage))
     else:
         rows.append(Row("nvme", f"optimizer state file ({state}: m, v" + (", vmax" if amsgrad else "")
