@@ -1,6 +1,27 @@
 // bindings.cpp: the Python module offload._C. Thin: converts the int64 task tables built by
 // offload/_kernels.py into native structs, checks their shape, releases the GIL around every
 // call that does real work, and maps std::invalid_argument to ValueError.
+//
+// What each Python-reachable entry trusts, and why (issue 10, item 14):
+// - _adam_step, _grad_sumsq, _bandwidth_probe: take raw addresses (int64 tables / ints) and
+//   dereference them. The native layer cannot know the extent of torch memory, so it checks only
+//   what a table can tell (shape, dtype codes, lengths, nulls, overlap within a row) and TRUSTS
+//   that every address range lies inside live memory. Hence they are private (underscore, not
+//   documented) and called only from offload/_kernels.py: adam_step / grad_sumsq /
+//   bandwidth_probe there validate each tensor first (CPU, dtype, contiguous, storage bounds,
+//   no neg/conj bit, no overlap between written buffers); _step_table runs tables that the
+//   optimizer, the NVMe store and the GPU pipeline build from tensors they validated and keep
+//   alive (their job to revalidate on change, e.g. with _kernels.tensor_signature).
+// - collect_grads: reads the lists and arrays it is given and compares pointers as integers; it
+//   never dereferences an address. It holds strong references across every call into Python
+//   (the descriptor and data_ptr callbacks may run arbitrary code) and re-checks the list sizes
+//   after each such call, raising RuntimeError if they changed. Public, but still only called by
+//   offload (_kernels.collect_grads).
+// - AioEngine / AioFile (aio_bindings.cpp): no raw addresses: buffers come as buffer-protocol
+//   objects whose export (pointer and length) is held until the transfer is waited for; files are
+//   handles owning their descriptors. Usable only in the process that created the engine.
+// - available_isas, get_isa, set_isa, affinity_cpu_count, get/set_num_threads: plain values,
+//   range-checked.
 #include <pybind11/pybind11.h>
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
@@ -54,6 +75,9 @@ int64_t data_ptr(PyObject* tensor, PyObject* fn) {
   return static_cast<int64_t>(v);
 }
 
+// 1-D pointer arrays: forced to C-contiguous int64 (a strided or other-typed array is copied).
+using IntArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
 int check_threads(int threads) {
   if (threads < 0 || threads > 1024) throw std::invalid_argument("threads must be in [0, 1024] (0 = pool size)");
   return threads == 0 ? pool_size() : threads;
@@ -81,7 +105,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_num_threads", &set_pool_size, py::arg("n"), "Resize the native thread pool.");
 
   m.def(
-      "adam_step",
+      "_adam_step",
       [](const py::array& table, double lr, double beta1, double beta2, double eps, double wd,
          bool decoupled, bool amsgrad, bool maximize, double grad_multiplier, int threads,
          bool reference) {
@@ -100,46 +124,58 @@ PYBIND11_MODULE(_C, m) {
       "(p, m, v, vmax, g, out, n, step, gdtype, odtype). Internal: use offload._kernels.");
 
   // Per-step gather for the optimizer (offload/optim.py, _GroupPlan): one C loop instead of a
-  // Python loop over every parameter. Holds the GIL (it calls into Python objects).
-  // Per-step gather for the optimizer (offload/optim.py, _GroupPlan): one C loop instead of a
   // Python loop over every parameter. Holds the GIL (it calls into Python objects). The `grad`
   // getset descriptor and the unbound `data_ptr` of torch's tensor base class are passed in, so
   // each access is a direct C call rather than an attribute lookup through the subclass MRO.
+  // Both may run Python code (a tensor subclass's __torch_function__, or any callable passed
+  // here) that mutates the lists: every object used across such a call is held by a strong
+  // reference, and the list sizes are re-checked after each call before any slot is read.
   m.def(
       "collect_grads",
-      [](const py::list& params, const py::list& cached_grads, py::array_t<int64_t> p_ptrs,
-         py::array_t<int64_t> g_ptrs, const py::object& grad_descr, const py::object& data_ptr_fn) {
-        const py::ssize_t n = static_cast<py::ssize_t>(params.size());
-        if (static_cast<py::ssize_t>(cached_grads.size()) != n || p_ptrs.ndim() != 1 || g_ptrs.ndim() != 1 ||
+      [](const py::list& params, const py::list& cached_grads, const IntArray& p_ptrs, const IntArray& g_ptrs,
+         const py::object& grad_descr, const py::object& data_ptr_fn) {
+        const py::ssize_t n = PyList_GET_SIZE(params.ptr());
+        if (PyList_GET_SIZE(cached_grads.ptr()) != n || p_ptrs.ndim() != 1 || g_ptrs.ndim() != 1 ||
             p_ptrs.shape(0) != n || g_ptrs.shape(0) != n)
           throw std::invalid_argument("collect_grads: lists and pointer arrays must have one entry per parameter");
         descrgetfunc get = Py_TYPE(grad_descr.ptr())->tp_descr_get;
         if (get == nullptr) throw std::invalid_argument("collect_grads: grad_descr is not a descriptor");
-        auto pp = p_ptrs.unchecked<1>();
-        auto gp = g_ptrs.unchecked<1>();
+        // Copies: a callback cannot resize or free what is read below.
+        std::vector<int64_t> pp(p_ptrs.data(), p_ptrs.data() + n), gp(g_ptrs.data(), g_ptrs.data() + n);
+        auto check_sizes = [&] {
+          if (PyList_GET_SIZE(params.ptr()) != n || PyList_GET_SIZE(cached_grads.ptr()) != n)
+            throw std::runtime_error("collect_grads: the parameter list changed size during the call (a grad or "
+                                     "data_ptr callback modified it)");
+        };
         std::vector<int64_t> ready;
         py::list changed;
-        ready.reserve(n);
+        ready.reserve(static_cast<size_t>(n));
         for (py::ssize_t i = 0; i < n; ++i) {
-          PyObject* p = PyList_GET_ITEM(params.ptr(), i);
-          py::object g = py::reinterpret_steal<py::object>(get(grad_descr.ptr(), p, reinterpret_cast<PyObject*>(Py_TYPE(p))));
+          check_sizes();
+          const py::object p = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(params.ptr(), i));
+          const py::object g = py::reinterpret_steal<py::object>(
+              get(grad_descr.ptr(), p.ptr(), reinterpret_cast<PyObject*>(Py_TYPE(p.ptr()))));
           if (!g) throw py::error_already_set();
           if (g.is_none()) continue;
-          if (data_ptr(p, data_ptr_fn.ptr()) != pp(i) || g.ptr() != PyList_GET_ITEM(cached_grads.ptr(), i) ||
-              data_ptr(g.ptr(), data_ptr_fn.ptr()) != gp(i))
-            changed.append(py::int_(i));
-          else
-            ready.push_back(i);
+          bool same = data_ptr(p.ptr(), data_ptr_fn.ptr()) == pp[i];
+          if (same) {
+            check_sizes();  // identity only: the slot is compared, never dereferenced
+            same = g.ptr() == PyList_GET_ITEM(cached_grads.ptr(), i) && data_ptr(g.ptr(), data_ptr_fn.ptr()) == gp[i];
+          }
+          if (same) ready.push_back(i);
+          else changed.append(py::int_(i));
         }
+        check_sizes();
         return py::make_tuple(py::array_t<int64_t>(ready.size(), ready.data()), changed);
       },
       py::arg("params"), py::arg("cached_grads"), py::arg("p_ptrs"), py::arg("g_ptrs"), py::arg("grad_descr"),
       py::arg("data_ptr_fn"),
       "Indices of parameters whose grad is set and whose param/grad pointers and grad object are "
-      "unchanged since cached (ready), and of those that need re-validation in Python (changed).");
+      "unchanged since cached (ready), and of those that need re-validation in Python (changed). "
+      "RuntimeError if a callback changes the size of either list.");
 
   m.def(
-      "grad_sumsq",
+      "_grad_sumsq",
       [](const py::array& table, int threads) {
         int64_t rows = 0;
         const GradTask* t = table_rows<GradTask, kGradCols>(table, &rows, "gradient");
@@ -151,7 +187,7 @@ PYBIND11_MODULE(_C, m) {
       "Sum of squares (float64) over gradients in an int64 table with rows (g, n, dtype).");
 
   m.def(
-      "bandwidth_probe",
+      "_bandwidth_probe",
       [](int64_t p, int64_t mm, int64_t v, int64_t g, int64_t n, int threads) {
         const int nt = check_threads(threads);
         py::gil_scoped_release nogil;

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ._version import __version__
 from . import _C
-from . import _kernels as kernels
+from . import kernels
 from .optim import Adam, AdamW
 from .store import StoreFailedError
 from .checkpoint import CheckpointError, load, save, save_async

@@ -1,8 +1,12 @@
-"""_kernels.py: the only caller of the native module ``offload._C``.
+"""_kernels.py: the only caller of the native kernels in ``offload._C``.
 
-It validates tensors (device, dtype, layout, sizes) before any pointer crosses into C++, and
-builds the int64 task tables the native multi-tensor entry points take. Everything above this
-file deals in tensors; everything below it in pointers and lengths.
+It validates tensors (device, dtype, layout, sizes, storage bounds, neg/conj bits, overlap)
+before any pointer crosses into C++, and builds the int64 task tables the private native
+multi-tensor entry points (``_C._adam_step``, ``_C._grad_sumsq``, ``_C._bandwidth_probe``) take.
+Everything above this file deals in tensors; everything below it in pointers and lengths. The
+public, validated subset is re-exported as ``offload.kernels`` (offload/kernels.py);
+``step_table`` and ``collect_grads`` are internal (tables built by the optimizer, the store and
+the GPU pipeline from tensors they validated; see the comment at the top of csrc/bindings.cpp).
 """
 from __future__ import annotations
 
@@ -15,9 +19,14 @@ import torch
 from . import _C
 
 __all__ = [
-    "DTYPE_CODES", "TASK_COLS", "adam_step", "step_table", "grad_sumsq", "check_tensor",
-    "set_isa", "get_isa", "available_isas", "get_num_threads", "set_num_threads",
+    "DTYPE_CODES", "TASK_COLS", "adam_step", "step_table", "grad_sumsq", "bandwidth_probe", "check_tensor",
+    "check_storage", "tensor_signature", "collect_grads", "set_isa", "get_isa", "available_isas",
+    "get_num_threads", "set_num_threads",
 ]
+
+_TensorBase = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
+_GRAD_DESCR = _TensorBase.__dict__["grad"]
+_DATA_PTR = _TensorBase.data_ptr
 
 # dtype codes shared with csrc/common.h
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -26,9 +35,52 @@ TASK_COLS = 10  # p, m, v, vmax, g, out, n, step, gdtype, odtype
 COL_P, COL_M, COL_V, COL_VMAX, COL_G, COL_OUT, COL_N, COL_STEP, COL_GD, COL_OD = range(TASK_COLS)
 
 
+def check_storage(t: torch.Tensor, name: str) -> None:
+    """Raise unless every element of the view ``t`` lies inside its storage.
+
+    A view can outgrow its storage: ``t.untyped_storage().resize_(16)``, or a storage shrunk
+    under a gradient. torch's own kernels check this; a raw pointer handed to C++ does not.
+    """
+    if t.numel() == 0:
+        return
+    try:
+        st = t.untyped_storage()
+        nbytes = st.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        raise RuntimeError(f"{name} has no accessible storage ({e}); offload needs plain CPU tensors") from None
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    need = (last + 1) * t.element_size()
+    if t.storage_offset() < 0 or min(t.stride(), default=0) < 0 or need > nbytes:
+        raise RuntimeError(f"{name} reaches byte {need} of its storage, but the storage holds only {nbytes} bytes "
+                           "(was its untyped_storage() resized or set_() to a smaller one?); the native kernel "
+                           "would read or write out of bounds. Give it a tensor whose storage covers the view.")
+
+
+def tensor_signature(t: torch.Tensor) -> tuple:
+    """Everything about ``t`` that a pointer table depends on, as a comparable tuple.
+
+    (data_ptr, storage data_ptr, storage nbytes, storage_offset, shape, strides, dtype, device,
+    neg bit, conj bit). Any change a user can make that matters to a cached table row
+    (``p.data = p.data[:1000]`` keeping the data pointer, ``t_()``, a reshape, a storage
+    ``resize_``/``set_``, a dtype view) changes the signature. In-place value writes do not
+    (see ``t._version`` for those).
+    """
+    try:
+        st = t.untyped_storage()
+        sptr, snb = st.data_ptr(), st.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        sptr, snb = -1, -1
+    return (t.data_ptr(), sptr, snb, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device,
+            t.is_neg(), t.is_conj())
+
+
 def check_tensor(t: torch.Tensor, name: str, *, dtypes=(torch.float32,), numel: Optional[int] = None,
                  shape: Optional[torch.Size] = None) -> torch.Tensor:
-    """Raise a clear exception unless ``t`` is a dense, contiguous CPU tensor we may hand to C++."""
+    """Raise a clear exception unless ``t`` is a dense, contiguous CPU tensor we may hand to C++.
+
+    Checks type, layout, device, dtype, contiguity, shape/numel, the neg/conj bits (their values
+    are not what the memory holds) and that the view lies inside its storage.
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout is not torch.strided:
@@ -41,11 +93,39 @@ def check_tensor(t: torch.Tensor, name: str, *, dtypes=(torch.float32,), numel: 
     if not t.is_contiguous():
         raise RuntimeError(f"{name} is not contiguous (strides {tuple(t.stride())}); "
                            "offload never updates a temporary copy: make it contiguous first")
+    if t.is_neg() or t.is_conj():
+        raise RuntimeError(f"{name} is a lazy {'negative' if t.is_neg() else 'conjugate'}-bit view: its memory does "
+                           "not hold its values; call .resolve_neg() / .resolve_conj() first")
     if shape is not None and t.shape != shape:
         raise RuntimeError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
     if numel is not None and t.numel() != numel:
         raise RuntimeError(f"{name} has {t.numel()} elements, expected {numel}")
+    check_storage(t, name)
     return t
+
+
+def _check_no_overlap(written, read=()) -> None:
+    """ValueError if a written tensor's bytes overlap any other tensor's (reads may share memory).
+
+    ``written``/``read``: (name, tensor) pairs of contiguous tensors.
+    """
+    spans = []
+    for is_written, seq in ((True, written), (False, read)):
+        for name, t in seq:
+            if t is not None and t.numel() > 0:
+                start = t.data_ptr()
+                spans.append((start, start + t.numel() * t.element_size(), is_written, name))
+    spans.sort(key=lambda x: x[0])
+    reach_any = reach_written = None  # (end, name) of the furthest-reaching span so far
+    for start, end, is_written, name in spans:
+        other = reach_any if is_written else reach_written
+        if other is not None and start < other[0]:
+            raise ValueError(f"{name} overlaps {other[1]} in memory and one of them is written by the update; "
+                             "give each parameter and state its own memory")
+        if reach_any is None or end > reach_any[0]:
+            reach_any = (end, name)
+        if is_written and (reach_written is None or end > reach_written[0]):
+            reach_written = (end, name)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
@@ -74,6 +154,7 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp
     if outs is not None and len(outs) != n:
         raise ValueError(f"outs has {len(outs)} entries, params has {n}")
     table = np.zeros((n, TASK_COLS), dtype=np.int64)
+    written, read = [], []
     for i in range(n):
         p = check_tensor(params[i], f"params[{i}]")
         k = p.numel()
@@ -87,20 +168,28 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp
         step = int(steps[i])
         if step < 1:
             raise ValueError(f"steps[{i}] must be >= 1, got {step}")
+        written += [(f"params[{i}]", p), (f"exp_avgs[{i}]", m), (f"exp_avg_sqs[{i}]", v),
+                    (f"max_exp_avg_sqs[{i}]", vm), (f"outs[{i}]", o)]
+        read.append((f"grads[{i}]", g))
         table[i] = (_ptr(p), _ptr(m), _ptr(v), _ptr(vm), _ptr(g), _ptr(o), k, step,
                     DTYPE_CODES[g.dtype], DTYPE_CODES[o.dtype] if o is not None else OUT_NONE)
-    _C.adam_step(table, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                 bool(decoupled), bool(amsgrad), bool(maximize), float(grad_multiplier), int(threads),
-                 bool(reference))
+    _check_no_overlap(written, read)
+    _C._adam_step(table, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                  bool(decoupled), bool(amsgrad), bool(maximize), float(grad_multiplier), int(threads),
+                  bool(reference))
 
 
 def step_table(table: np.ndarray, hyper: dict, grad_multiplier: float, threads: int) -> None:
-    """Run the native Adam step over a prebuilt task table (rows as in ``TASK_COLS``).
+    """Run the native Adam step over a prebuilt task table (rows as in ``TASK_COLS``). Internal.
 
     ``hyper`` holds lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad and maximize, as
-    ``offload.optim._AdamBase._group_hyper`` returns them. The native layer re-checks the table.
+    ``offload.optim._AdamBase._group_hyper`` returns them. The native layer re-checks the table's
+    shape, dtype codes, lengths and per-row overlap, but TRUSTS every address to be live memory
+    of the stated length: callers build rows only from tensors they validated with
+    ``check_tensor``, keep those tensors alive, and revalidate a row whenever
+    ``tensor_signature`` of its tensors changes. Not part of ``offload.kernels``.
     """
-    _C.adam_step(table, hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"], hyper["weight_decay"],
+    _C._adam_step(table, hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"], hyper["weight_decay"],
                  hyper["decoupled"], hyper["amsgrad"], hyper["maximize"], float(grad_multiplier), int(threads),
                  False)
 
@@ -114,7 +203,29 @@ def grad_sumsq(grads: Sequence[torch.Tensor], threads: int = 0) -> float:
     for i, g in enumerate(grads):
         check_tensor(g, f"grads[{i}]", dtypes=tuple(DTYPE_CODES))
         table[i] = (_ptr(g), g.numel(), DTYPE_CODES[g.dtype])
-    return _C.grad_sumsq(table, int(threads))
+    return _C._grad_sumsq(table, int(threads))
+
+
+def bandwidth_probe(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, threads: int = 0) -> None:
+    """Memory-bandwidth probe with Adam's access pattern (reads p, m, v, g; writes p, m, v).
+
+    All four fp32, contiguous, the same number of elements; p, m, v must not overlap anything.
+    """
+    n = check_tensor(p, "p").numel()
+    for name, t in (("m", m), ("v", v), ("g", g)):
+        check_tensor(t, name, numel=n)
+    _check_no_overlap([("p", p), ("m", m), ("v", v)], [("g", g)])
+    _C._bandwidth_probe(_ptr(p), _ptr(m), _ptr(v), _ptr(g), n, int(threads))
+
+
+def collect_grads(params: list, cached_grads: list, p_ptrs: np.ndarray, g_ptrs: np.ndarray):
+    """The optimizer's native per-step gather (see ``_C.collect_grads``). Internal.
+
+    Returns (ready, changed): indices whose grad is set and whose param pointer, grad object and
+    grad pointer equal the cached ones, and the indices that need revalidation. ``RuntimeError``
+    if a grad/data_ptr callback (a tensor subclass's ``__torch_function__``) resizes the lists.
+    """
+    return _C.collect_grads(params, cached_grads, p_ptrs, g_ptrs, _GRAD_DESCR, _DATA_PTR)
 
 
 def available_isas() -> list:

@@ -6,6 +6,13 @@ file and a host buffer (a CPU tensor or numpy array, kept alive until the reques
 return a ``Request`` to ``wait()`` on or ``done()``-poll. Failures surface as ``OSError`` with
 errno, path, offset and length. ``telemetry()`` reports bytes, resumed short transfers, errors
 and direct-I/O fallbacks.
+
+Safety: an ``AioFile`` owns its descriptors; ``close()`` refuses new transfers at once but the
+descriptors are closed only after the last queued transfer using them has finished, so a queued
+write can never land in another file that reuses the descriptor number. Buffers reach the native
+engine as buffer-protocol exports (never raw addresses), held until the transfer is waited for.
+An engine works only in the process that created it: after ``fork()`` the child gets a
+``RuntimeError`` on use, and exiting the child neither hangs nor touches the parent's transfers.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import numpy as np
 import torch
 
 from . import _C
+from ._kernels import check_storage
 
 __all__ = ["AioEngine", "AioFile", "Request", "DIRECT_ALIGN", "FAULT_EIO", "FAULT_SHORT", "FAULT_EINTR"]
 
@@ -28,38 +36,81 @@ FAULT_NONE, FAULT_EIO, FAULT_SHORT, FAULT_EINTR = 0, 1, 2, 3
 
 
 class AioFile:
-    """An open file: ``fd`` (O_DIRECT when ``direct``) plus a buffered ``tail_fd`` for unaligned tails."""
+    """An open file: ``fd`` (O_DIRECT when ``direct``) plus a buffered ``tail_fd`` for unaligned tails.
+
+    Takes ownership of both descriptors (``tail_fd`` -1: none). ``fd``/``tail_fd`` read -1 once
+    closed; the descriptors themselves close when no queued transfer uses them any more.
+    """
 
     def __init__(self, path: str, fd: int, tail_fd: int, direct: bool):
-        self.path, self.fd, self.tail_fd, self.direct = path, fd, tail_fd, direct
+        self.path = path
+        self._handle = _C.AioFile(int(fd), int(tail_fd))  # owns the descriptors from here on
+        if bool(direct) != self._handle.direct:
+            self._handle.close()
+            raise ValueError(f"{path}: direct={direct} but the descriptor was opened "
+                             f"{'with' if self._handle.direct else 'without'} O_DIRECT")
+
+    @property
+    def fd(self) -> int:
+        return self._handle.fd
+
+    @property
+    def tail_fd(self) -> int:
+        return self._handle.tail_fd
+
+    @property
+    def direct(self) -> bool:
+        return self._handle.direct
+
+    @property
+    def closed(self) -> bool:
+        return self._handle.closed
 
     def size(self) -> int:
+        if self.closed:
+            raise ValueError(f"{self.path} is closed")
         return os.fstat(self.fd).st_size
 
     def close(self) -> None:
-        for name in ("fd", "tail_fd"):
-            fd = getattr(self, name)
-            if fd >= 0:
-                setattr(self, name, -1)
-                os.close(fd)
+        """No new transfers; the descriptors close once the queued ones have finished. Idempotent."""
+        self._handle.close()
 
     def __repr__(self) -> str:
-        return f"AioFile({self.path!r}, direct={self.direct})"
+        return f"AioFile({self.path!r}, direct={self.direct}{', closed' if self.closed else ''})"
 
 
 def _buffer(buf, what: str):
-    """(address, nbytes) of a contiguous CPU tensor / numpy array."""
+    """(buffer-protocol object over the bytes, nbytes) of a contiguous CPU tensor / numpy array."""
     if isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu":
             raise RuntimeError(f"{what} is on {buf.device}: I/O buffers must be CPU tensors")
+        if buf.layout is not torch.strided:
+            raise RuntimeError(f"{what} is {buf.layout}: I/O buffers must be dense tensors")
         if not buf.is_contiguous():
             raise RuntimeError(f"{what} is not contiguous")
-        return buf.data_ptr(), buf.numel() * buf.element_size()
+        check_storage(buf, what)
+        nbytes = buf.numel() * buf.element_size()
+        try:
+            view = buf.detach().reshape(-1).view(torch.uint8).numpy()
+        except (RuntimeError, TypeError) as e:
+            raise RuntimeError(f"{what} cannot be used as an I/O buffer: {e}") from None
+        return view, nbytes
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise RuntimeError(f"{what} is not C-contiguous")
-        return buf.ctypes.data, buf.nbytes
+        return buf, buf.nbytes
     raise TypeError(f"{what} must be a CPU torch.Tensor or numpy array, got {type(buf).__name__}")
+
+
+def _timeout(timeout) -> Optional[float]:
+    """None (wait forever) or a non-negative float; inf also means forever."""
+    if timeout is None:
+        return None
+    t = float(timeout)
+    if t != t or t < 0:
+        raise ValueError(f"timeout must be a non-negative number of seconds, or None / inf to wait forever; "
+                         f"got {timeout!r}")
+    return t
 
 
 class Request:
@@ -79,9 +130,16 @@ class Request:
         self._buf = None
 
     def wait(self, timeout: Optional[float] = None) -> int:
-        """Block (GIL released) until finished; ``TimeoutError`` if ``timeout`` seconds pass first."""
+        """Block (GIL released) until finished; ``TimeoutError`` if ``timeout`` seconds pass first.
+
+        ``timeout`` None or ``inf``: wait forever; negative or NaN: ``ValueError``.
+        """
+        t = _timeout(timeout)
         if self._result is None:
-            r = self._engine._native.wait(self.id, -1.0 if timeout is None else float(timeout))
+            native = self._engine._native
+            if native is None:
+                raise RuntimeError("the AioEngine was closed before this request was waited for")
+            r = native.wait(self.id, t)
             if r is None:
                 raise TimeoutError(f"I/O request on {self.file.path} not finished after {timeout} s")
             self._result = r
@@ -101,9 +159,13 @@ class Request:
 def _drain(native, pending: dict) -> None:
     # Buffers must outlive the transfers that use them: wait for all before releasing anything.
     # Each finished request's outcome is handed to its Request object, if it still exists.
+    if os.getpid() != native.owner_pid:
+        # forked child: the parent's transfers run in the parent only; nothing here uses the buffers
+        pending.clear()
+        return
     for rid in list(pending):
         _buf, ref = pending.pop(rid)
-        r = native.wait(rid, -1.0)
+        r = native.wait(rid, None)
         req = ref()
         if req is not None:
             req._result = r
@@ -171,16 +233,16 @@ class AioEngine:
     def _submit(self, op: int, file: AioFile, buf, offset: int, length: Optional[int]) -> Request:
         if self._native is None:
             raise RuntimeError("AioEngine is closed")
-        addr, nbytes = _buffer(buf, "buffer")
+        view, nbytes = _buffer(buf, "buffer")
         if length is None:
             length = nbytes
         if not 0 <= length <= nbytes:
             raise ValueError(f"length {length} out of range for a buffer of {nbytes} bytes")
         if offset < 0:
             raise ValueError(f"negative file offset {offset}")
-        if file.fd < 0:
+        if file.closed:
             raise ValueError(f"{file.path} is closed")
-        rid = self._native.submit(op, file.fd, file.tail_fd, addr, int(length), int(offset))
+        rid = self._native.submit(op, file._handle, view, int(length), int(offset))
         req = Request(self, rid, file, op, offset, length, buf)
         self._pending[rid] = (buf, weakref.ref(req))
         return req

@@ -149,7 +149,7 @@ def test_argument_validation(tmp_path):
         with pytest.raises(ValueError, match="closed"):
             eng.read(ro, buf[:4096])
         with pytest.raises(ValueError, match="file descriptor"):
-            eng._native.submit(0, 10**6, -1, buf.data_ptr(), 4096, 0)
+            aio._C.AioFile(10**6, -1)
         with pytest.raises(ValueError, match="unknown request"):
             eng._native.wait(12345, 0.0)
         with pytest.raises(ValueError):
@@ -247,3 +247,82 @@ def test_wait_releases_the_gil(tmp_path):
         still_running = not req.done()
         t.join()
         assert still_running
+
+
+@pytest.mark.timeout(60)
+def test_close_with_queued_write_never_reaches_a_reused_fd(tmp_path):
+    # One worker, busy with a long transfer; a write to A is queued behind it; A is closed and B
+    # opened (closing A's descriptors at once would hand B the same numbers: without deferred
+    # close the queued write landed in B). The queued write must still land in A, never in B.
+    with aio.AioEngine(queue_depth=1, block_size=4096) as eng:
+        busy_file = eng.open(str(tmp_path / "busy"), create=True, direct=False)
+        busy = eng.write(busy_file, aligned_empty(64 << 20))  # 16384 one-page system calls
+        a = eng.open(str(tmp_path / "a"), create=True, direct=False)
+        src = _pattern(8192, 7)
+        queued = eng.write(a, src)
+        fds_a = {a.fd, a.tail_fd} - {-1}
+        a.close()
+        assert a.fd == -1
+        b = eng.open(str(tmp_path / "b"), create=True, direct=False)
+        assert not busy.done(), "the busy transfer ended too early for this test to mean anything"
+        assert not fds_a & {b.fd, b.tail_fd}  # A's descriptors stay open (and A's) while the write is queued
+        assert queued.wait(timeout=30) == 8192
+        busy.wait(timeout=60)
+        assert os.path.getsize(tmp_path / "b") == 0
+        assert (tmp_path / "a").read_bytes() == src.numpy().tobytes()
+        with pytest.raises(ValueError, match="closed"):
+            eng.write(a, src)
+        b.close()
+        busy_file.close()
+
+
+@pytest.mark.timeout(30)
+def test_closed_file_descriptors_are_released(tmp_path):
+    with aio.AioEngine(queue_depth=1, block_size=4096) as eng:
+        f = eng.open(str(tmp_path / "f"), create=True, direct=True)
+        fds = [x for x in (f.fd, f.tail_fd) if x >= 0]
+        eng.write(f, _pattern(4096, 1)).wait(timeout=10)
+        f.close()
+        f.close()  # idempotent
+        for fd in fds:
+            with pytest.raises(OSError):
+                os.fstat(fd)
+
+
+@pytest.mark.timeout(30)
+def test_wait_timeouts(tmp_path):
+    with aio.AioEngine(queue_depth=1, block_size=4096) as eng:
+        f = eng.open(str(tmp_path / "f"), create=True, direct=False)
+        for t in (float("inf"), None, 1e300, 30, 30.0):
+            assert eng.write(f, _pattern(4096, 2)).wait(timeout=t) == 4096
+        req = eng.write(f, _pattern(4096, 2))
+        for bad in (-1, -0.5, float("nan"), float("-inf")):
+            with pytest.raises(ValueError, match="timeout"):
+                req.wait(timeout=bad)
+            with pytest.raises(ValueError, match="timeout"):
+                eng._native.wait(req.id, bad)
+        assert req.wait() == 4096
+
+
+@pytest.mark.timeout(30)
+def test_native_submit_takes_buffers_not_addresses(tmp_path):
+    with aio.AioEngine(queue_depth=1, block_size=4096) as eng:
+        f = eng.open(str(tmp_path / "f"), create=True, direct=False)
+        buf = aligned_empty(4096)
+        with pytest.raises(TypeError):
+            eng._native.submit(1, f._handle, buf.data_ptr(), 4096, 0)  # an integer address
+        with pytest.raises(ValueError, match="length"):
+            eng._native.submit(1, f._handle, bytearray(100), 4096, 0)  # longer than the buffer
+        with pytest.raises(BufferError):
+            eng._native.submit(0, f._handle, b"read-only bytes", 4, 0)  # read into immutable memory
+        data = bytearray(b"x" * 4096)
+        rid = eng._native.submit(1, f._handle, data, 4096, 0)
+        with pytest.raises(BufferError):
+            data.extend(b"y")  # the engine holds the buffer until the request is waited for
+        assert eng._native.wait(rid, None)[0] == 4096
+        data.extend(b"y")
+        # a tensor whose storage shrank under its view is refused before anything is queued
+        t = aligned_empty(8192)
+        t.untyped_storage().resize_(16)
+        with pytest.raises(RuntimeError, match="storage"):
+            eng.write(f, t)

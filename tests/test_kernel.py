@@ -205,7 +205,7 @@ def _call(table, **kw):
     args = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, amsgrad=False,
                 maximize=False, grad_multiplier=1.0, threads=0, reference=False)
     args.update(kw)
-    _C.adam_step(table, **args)
+    _C._adam_step(table, **args)
 
 
 def test_native_rejects_bad_tables():

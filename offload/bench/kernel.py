@@ -120,7 +120,7 @@ class OursKernel(Contender):
         self.threads = threads
 
     def step(self) -> None:
-        _C.adam_step(self.table, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, False, 1.0, self.threads, False)
+        _C._adam_step(self.table, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, False, 1.0, self.threads, False)
 
 
 class TorchAdamW(Contender):
@@ -182,7 +182,7 @@ class Probe(Contender):
 
     def step(self) -> None:
         p, m, v, g = (b.data_ptr() for b in self.bufs)
-        _C.bandwidth_probe(p, m, v, g, self.numel, self.threads)
+        _C._bandwidth_probe(p, m, v, g, self.numel, self.threads)
 
 
 def deepspeed_available() -> bool:

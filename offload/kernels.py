@@ -1,0 +1,14 @@
+"""kernels.py: ``offload.kernels``, the public, validated entry points of the native kernels.
+
+Every function here takes tensors and checks them (CPU, dtype, contiguity, storage bounds, no
+neg/conj bit, no overlap between buffers the update writes) before a pointer reaches C++. The
+implementation and the internal table-level entries (``step_table``, ``collect_grads``) live in
+``offload/_kernels.py``; nothing that accepts a raw address is exported here.
+"""
+from __future__ import annotations
+
+from ._kernels import (DTYPE_CODES, adam_step, available_isas, bandwidth_probe, check_storage, check_tensor,
+                       get_isa, get_num_threads, grad_sumsq, set_isa, set_num_threads, tensor_signature)
+
+__all__ = ["DTYPE_CODES", "adam_step", "grad_sumsq", "bandwidth_probe", "check_tensor", "check_storage",
+           "tensor_signature", "set_isa", "get_isa", "available_isas", "get_num_threads", "set_num_threads"]

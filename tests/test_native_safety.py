@@ -1,0 +1,291 @@
+"""Memory safety of the native layer against ordinary Python (issue 10, items 10, 13, 14).
+
+Every case that could crash the interpreter runs in a subprocess (``_run``): a segfault or a hang
+is a failed test, not the end of the run. Covers: the native grad gather when a callback mutates
+its lists; tensors whose storage is smaller than their view (``untyped_storage().resize_``);
+negative/conjugate views; overlapping outputs; the raw-address entries being private; fork()
+with a live AioEngine (child submits and exits).
+"""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import offload
+from offload import _C, _kernels, kernels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(code: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter that imports this checkout; a crash or hang fails the test.
+
+    The snippet runs in its own session, so a hang kills it and anything it forked.
+    """
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"subprocess hung for {timeout} s; output so far:\n{out}\n{err}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # forked children left behind by a failed snippet
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, f"subprocess died with return code {proc.returncode}:\n{out}\n{err}"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+
+
+# ---------------------------------------------------------------- collect_grads (item 14)
+@pytest.mark.timeout(60)
+def test_collect_grads_survives_callbacks_that_shrink_the_lists():
+    # The grad descriptor and the data_ptr function may run Python (a tensor subclass's
+    # __torch_function__); here they shrink both lists mid-gather. Without strong references and
+    # size re-checks the gather read freed slots (use after free / segfault).
+    # Plain Python objects stand in for tensors (the gather only calls the two callbacks), and
+    # the extension is loaded without torch, so the subprocess starts in well under a second.
+    r = _run(f"""
+        import importlib.util, numpy as np
+        spec = importlib.util.spec_from_file_location("_C", {_C.__file__!r})
+        _C = importlib.util.module_from_spec(spec); spec.loader.exec_module(_C)
+
+        class T:  # a "tensor": its grad lives in __dict__, its address is id()
+            pass
+        for where in ("descriptor", "data_ptr"):
+            n = 256
+            params = [T() for _ in range(n)]
+            for p in params:
+                p.g = T()
+            cached = [p.g for p in params]
+            pp = np.array([id(p) for p in params], dtype=np.int64)
+            gp = np.array([id(p.g) for p in params], dtype=np.int64)
+            class Shrinking:
+                def __get__(self, obj, typ):
+                    g = obj.g
+                    if where == "descriptor":
+                        params.clear(); cached.clear()
+                    return g
+            def data_ptr(t):
+                if where == "data_ptr":
+                    del params[1:]; del cached[1:]
+                return id(t)
+            try:
+                _C.collect_grads(params, cached, pp, gp, Shrinking(), data_ptr)
+            except RuntimeError as e:
+                print(where, "refused:", e, flush=True)
+            else:
+                print(where, "no error", flush=True)
+    """)
+    for where in ("descriptor", "data_ptr"):
+        assert f"{where} refused: collect_grads: the parameter list changed size" in r.stdout, r.stdout
+
+
+def test_collect_grads_still_gathers():
+    import numpy as np
+    params = [torch.zeros(4, requires_grad=True) for _ in range(5)]
+    for i, p in enumerate(params):
+        if i != 2:
+            p.grad = torch.ones(4)
+    cached = [p.grad for p in params]
+    pp = np.array([p.data_ptr() for p in params], dtype=np.int64)
+    gp = np.array([p.grad.data_ptr() if p.grad is not None else -1 for p in params], dtype=np.int64)
+    cached[4] = None  # grad object changed since cached
+    descr = torch._C.TensorBase.__dict__["grad"]
+    ready, changed = _kernels.collect_grads(params, cached, pp, gp)
+    assert list(ready) == [0, 1, 3] and changed == [4]
+    with pytest.raises(ValueError, match="one entry per parameter"):
+        _C.collect_grads(params[:4], cached, pp, gp, descr, torch._C.TensorBase.data_ptr)
+
+
+# ---------------------------------------------------------------- storage bounds (item 10)
+@pytest.mark.timeout(60)
+def test_kernels_refuse_tensors_larger_than_their_storage():
+    # A view whose storage was shrunk under it (untyped_storage().resize_) must be refused by
+    # name; without the bounds check the kernel wrote 4 MiB past a 16-byte allocation.
+    r = _run(f"""
+        import torch, offload
+        n = 1 << 20
+        for victim in ("param", "grad", "exp_avg", "out", "sumsq"):
+            p, g, m, v = (torch.zeros(n) for _ in range(4))
+            out = torch.zeros(n, dtype=torch.bfloat16)
+            t = dict(param=p, grad=g, exp_avg=m, out=out, sumsq=g)[victim]
+            t.untyped_storage().resize_(16)
+            try:
+                if victim == "sumsq":
+                    offload.kernels.grad_sumsq([g])
+                else:
+                    offload.kernels.adam_step([p], [g], [m], [v], None, [1], outs=[out], **{ADAM!r})
+            except RuntimeError as e:
+                print(victim, "refused:", e, flush=True)
+            else:
+                print(victim, "no error", flush=True)
+    """)
+    for victim, name in (("param", "params[0]"), ("grad", "grads[0]"), ("exp_avg", "exp_avgs[0]"),
+                         ("out", "outs[0]"), ("sumsq", "grads[0]")):
+        assert f"{victim} refused: {name} reaches byte" in r.stdout and "storage holds only 16 bytes" in r.stdout, \
+            r.stdout
+
+
+def test_storage_bounds_with_offset_views():
+    base = torch.zeros(100)
+    view = base[90:]  # in bounds
+    kernels.check_tensor(view, "x")
+    base.untyped_storage().resize_(95 * 4)  # the view now reaches 5 elements past the storage
+    with pytest.raises(RuntimeError, match=r"x .*storage"):
+        kernels.check_tensor(view, "x")
+    empty = torch.zeros(0)
+    kernels.check_tensor(empty, "e")
+
+
+def test_tensor_signature_sees_every_change():
+    p = torch.zeros(2000)
+    sig = kernels.tensor_signature(p)
+    assert sig == kernels.tensor_signature(p)
+    changes = {
+        "same-pointer shrink": lambda t: setattr(t, "data", t.data[:1000]),
+        "transpose": lambda t: setattr(t, "data", t.data.view(40, 50).t()),
+        "reshape": lambda t: setattr(t, "data", t.data.view(40, 50)),
+        "storage resize": lambda t: t.untyped_storage().resize_(4000),
+        "dtype view": lambda t: setattr(t, "data", t.data.view(torch.int32)),
+    }
+    for what, change in changes.items():
+        q = torch.zeros(2000)
+        before = kernels.tensor_signature(q)
+        change(q)
+        assert kernels.tensor_signature(q) != before, what
+
+
+def test_neg_and_conj_views_are_refused():
+    p, g, m, v = (torch.zeros(8) for _ in range(4))
+    neg = torch._neg_view(torch.ones(8))
+    assert neg.is_neg()
+    with pytest.raises(RuntimeError, match="negative-bit"):
+        kernels.adam_step([p], [neg], [m], [v], None, [1], **ADAM)
+    with pytest.raises(RuntimeError, match="negative-bit"):
+        kernels.grad_sumsq([neg])
+
+
+def test_overlapping_outputs_across_tensors_are_refused():
+    buf = torch.zeros(64)
+    g = torch.ones(32)
+    m1, v1, m2, v2 = (torch.zeros(32) for _ in range(4))
+    with pytest.raises(ValueError, match="overlap"):
+        kernels.adam_step([buf[:32], buf[16:48]], [g, g], [m1, m2], [v1, v2], None, [1, 1], **ADAM)
+    with pytest.raises(ValueError, match="overlap"):
+        kernels.adam_step([buf[:32], buf[32:]], [g, g], [m1, m1], [v1, v2], None, [1, 1], **ADAM)
+    # adjacent, disjoint views are fine; a gradient shared by two params is only read
+    kernels.adam_step([buf[:32], buf[32:]], [g, g], [m1, m2], [v1, v2], None, [1, 1], **ADAM)
+    assert torch.all(buf != 0)
+
+
+def test_bandwidth_probe_takes_tensors():
+    p, m, v, g = (torch.zeros(1024) for _ in range(4))
+    kernels.bandwidth_probe(p, m, v, g)
+    with pytest.raises(RuntimeError, match="elements"):
+        kernels.bandwidth_probe(p, m, v, torch.zeros(10))
+
+
+def test_raw_address_entries_are_private():
+    # Entries that dereference integer addresses are underscore-private; the public API takes tensors.
+    for name in ("adam_step", "grad_sumsq", "bandwidth_probe"):
+        assert not hasattr(_C, name), name
+        assert hasattr(_C, "_" + name)
+    assert not hasattr(kernels, "step_table")  # internal (offload._kernels._step_table... callers only)
+    public = set(kernels.__all__)
+    assert {"adam_step", "grad_sumsq", "check_tensor", "tensor_signature", "bandwidth_probe"} <= public
+    assert offload.kernels is kernels
+
+
+# ---------------------------------------------------------------- fork (item 13)
+FORK_SETUP = """
+    import os, sys, tempfile, time, signal
+    import torch
+    from offload import aio
+    from offload.buffers import aligned_empty
+    d = tempfile.mkdtemp()
+    eng = aio.AioEngine(queue_depth=2, block_size=4096)
+    f = eng.open(os.path.join(d, "f"), create=True, direct=False)
+    buf = aligned_empty(1 << 16)
+    eng.write(f, buf).wait(timeout=10)
+    busy = eng.write(f, aligned_empty(16 << 20), offset=1 << 16)  # workers mid-transfer at fork time
+
+    def reap(pid, limit=8.0):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < limit:
+            got, status = os.waitpid(pid, os.WNOHANG)
+            if got:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return "hung"
+"""
+
+
+@pytest.mark.timeout(60)
+def test_fork_with_a_live_engine():
+    # Child 1 only exits (atexit finalizers and the engine destructor run there: they used to join
+    # worker threads that do not exist in the child and hang). Child 2 tries the parent's engine
+    # (clear RuntimeError, nothing locked) and makes its own. Child 3 steps with the native thread
+    # pool the parent had started. The parent's engine keeps working.
+    r = _run(FORK_SETUP + """
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)
+    print("child 1:", reap(pid), flush=True)
+    pid = os.fork()
+    if pid == 0:
+        for what, call in (("engine", lambda: eng.write(f, buf)),
+                           ("native", lambda: eng._native.submit(1, f._handle, buf.numpy(), 4096, 0)),
+                           ("native wait", lambda: eng._native.wait(busy.id, 0.0))):
+            try:
+                call()
+                print(what, "accepted", flush=True)
+            except RuntimeError as e:
+                print(what, "refused:", e, flush=True)
+        with aio.AioEngine(queue_depth=1, block_size=4096) as own:
+            g = own.open(os.path.join(d, "child"), create=True, direct=False)
+            print("child engine:", own.write(g, buf).wait(timeout=10), flush=True)
+            g.close()
+        sys.exit(0)
+    print("child 2:", reap(pid), flush=True)
+    # the native thread pool (csrc/threadpool.cpp) starts afresh in a child: a 2-thread step works.
+    # numpy-backed tensors and no torch ops in the child: torch's own OpenMP pool is not fork-safe
+    # (a large torch op in a forked child hangs in libgomp, with or without offload).
+    import numpy as np
+    from offload import kernels
+    def step(ref):
+        n = 1 << 17
+        a = [np.zeros(n, np.float32) for _ in range(4)]
+        a[0][:] = np.linspace(-1, 1, n)
+        a[3][:] = np.linspace(1, -1, n)
+        p, m, v, g = (torch.from_numpy(x) for x in a)
+        kernels.adam_step([p], [g], [m], [v], None, [1], lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
+                          weight_decay=0.0, decoupled=True, threads=2, reference=ref)
+        return a[0]
+    step(False)  # the parent's pool is running
+    pid = os.fork()
+    if pid == 0:
+        print("child pool:", np.array_equal(step(False), step(True)), flush=True)
+        os._exit(0)
+    print("child 3:", reap(pid), flush=True)
+    print("parent busy:", busy.wait(timeout=30))
+    print("parent ok:", eng.write(f, buf).wait(timeout=10))
+    """)
+    out = r.stdout
+    assert "child 1: 0" in out and "child 2: 0" in out and "child 3: 0" in out, out + r.stderr
+    assert "child pool: True" in out
+    assert out.count("refused:") == 3 and "accepted" not in out, out
+    assert "cannot be used after fork" in out and "create the optimizer in the child" in out
+    assert "child engine: 65536" in out and f"parent busy: {16 << 20}" in out and "parent ok: 65536" in out
