@@ -5,7 +5,8 @@ keeps torch's constructor signature, defaults, validation messages and ``state_d
 (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so a state saved here loads into
 ``torch.optim.AdamW`` and back. bf16/fp16 parameters get an fp32 master copy (state key
 ``master_param``, the one addition to torch's layout); the kernel writes the rounded new weight
-straight into the parameter in the same pass.
+straight into the parameter in the same pass. Parameters the kernel cannot take but torch steps
+(float64, complex, non-contiguous, listed twice) go through torch's own Adam code (offload/fallback.py).
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 from torch.optim import Optimizer
+from torch.optim.optimizer import _to_scalar
 
-from . import _C, _kernels
+from . import _C, _kernels, fallback
 from ._dist import is_dtensor, like, local  # DTensor (FSDP2): step the local shard
 from ._kernels import (COL_G, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
                        COL_GD, DTYPE_CODES, TASK_COLS, check_tensor)
@@ -62,6 +64,9 @@ def _check_param(p: torch.Tensor, where: str, gpu_mode: bool = False) -> None:
                            "parameters in place and never a temporary copy; make it contiguous first")
 
 
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def _check_hyper(lr, betas, eps, weight_decay) -> None:
     # Same checks and messages as torch.optim.Adam.
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
@@ -76,6 +81,32 @@ def _check_hyper(lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    # Beyond torch: torch.optim.AdamW raises "value cannot be converted to type float without
+    # overflow" at its first step for lr/eps above the float32 range and silently gives inf/NaN
+    # weights for lr=inf or a huge weight_decay; the native kernel computes in float32, so refuse.
+    for name, v in (("lr", _scalar(lr)), ("eps", float(eps)), ("weight_decay", float(weight_decay))):
+        if not v <= _F32_MAX:
+            raise ValueError(f"{name}={v} overflows float32 (max {_F32_MAX:.4g}), the precision the optimizer "
+                             "computes in: every weight would become inf/NaN; use a finite value in range")
+    if not _scalar(lr) * float(weight_decay) <= _F32_MAX:
+        raise ValueError(f"lr * weight_decay = {_scalar(lr) * float(weight_decay)} overflows float32: the decay "
+                         "factor 1 - lr*weight_decay would turn every weight into inf; use smaller values")
+
+
+def _check_init(params, betas, foreach, capturable) -> None:
+    """The constructor-only checks of torch.optim.Adam/Optimizer after the value checks, in torch's order."""
+    if not ((isinstance(betas[0], float) and isinstance(betas[1], float))
+            or (isinstance(betas[0], torch.Tensor) and isinstance(betas[1], torch.Tensor))):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i in (0, 1):
+        if isinstance(betas[i], torch.Tensor):
+            if not capturable and foreach:
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
+            if betas[i].numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element")
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                        "but got " + torch.typename(params))
 
 
 class _GroupPlan:
@@ -109,7 +140,15 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
                  decoupled_weight_decay: bool = False, threads: Optional[int] = None,
                  state: str = "ram", nvme_dir=None, host_budget="2GiB", keep_files: bool = False,
                  nvme_options: Optional[dict] = None, offload_device=None, **gpu_options):
+        if isinstance(lr, torch.Tensor) and foreach and not capturable:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
         _check_hyper(lr, betas, eps, weight_decay)
+        _check_init(params, betas, foreach, capturable)
+        params = list(params)
+        for g in params:  # torch's add_param_group check, before split_params turns a set into a list
+            if isinstance(g, dict) and isinstance(g.get("params"), set):
+                raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering "
+                                "of tensors in sets will change between runs. Please use a list instead.")
         # --- NVMe/mmap state (offload/store.py): validated before anything is allocated
         if state not in ("ram", "nvme", "mmap"):
             raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {state!r}")
@@ -125,14 +164,15 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             raise ValueError("fused=True selects torch's own kernel; offload always uses its native kernel")
         if threads is not None and not (isinstance(threads, int) and 1 <= threads <= 1024):
             raise ValueError(f"threads must be an int in [1, 1024] or None, got {threads!r}")
-        if isinstance(betas[0], torch.Tensor) or isinstance(betas[1], torch.Tensor):
-            betas = (_scalar(betas[0]), _scalar(betas[1]))
+        betas = tuple(map(_to_scalar, betas))  # as torch: 1-element tensors become 0-dim tensors
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=False, differentiable=False,
                         fused=fused, decoupled_weight_decay=decoupled_weight_decay)
         self._threads = threads
         self._plans: dict = {}
         self._pending_multiplier = 1.0
+        self._state_mode = state
+        self._router = fallback.Router()  # float64/complex/strided/duplicate params: torch's code (fallback.py)
         # --- GPU offload: the mode follows from where the parameters are (offload/gpu.py) ---
         params, self._gpu_device = split_params(params, offload_device, gpu_options)
         self._gpu = None
@@ -147,21 +187,49 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict) -> None:
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for i, p in enumerate(params):
-            _check_param(p, f"parameter {i} of group {len(self.param_groups)}", self._gpu_device is not None)
-        param_group["params"] = params  # a generator was consumed by the check above
+        """torch's add_param_group (named parameters, duplicate warning, its checks and messages),
+        then offload's own checks of every parameter; the group is not added if one fails.
+        With NVMe/mmap state the new group is laid out after the existing state (the file grows)."""
         store = getattr(self, "_store", None)
         if self._gpu is not None and store is None:
             raise NotImplementedError("add_param_group after construction is not supported in GPU-offload mode "
                                       "with state='ram' (it is with state='nvme' or 'mmap')")
+        n = len(self.param_groups)
         super().add_param_group(param_group)
+        try:
+            self._check_group(self.param_groups[n], n)
+        except BaseException:
+            del self.param_groups[n:]
+            raise
         self._plans.clear()
         if store is not None:  # NVMe/mmap state: the new group is laid out after the existing state
-            store.add_group(self.param_groups[-1]["params"], self.param_groups[-1]["amsgrad"])
+            try:
+                store.add_group(self.param_groups[n]["params"], self.param_groups[n]["amsgrad"])
+            except BaseException:
+                del self.param_groups[n:]
+                raise
             if self._gpu is not None:
                 self._gpu.load_state()
+
+    def _check_group(self, group: dict, gi: int) -> None:
+        gpu = self._gpu_device is not None
+        mode = getattr(self, "_state_mode", "ram")
+        params = group["params"]
+        names = group.get("param_names")
+        for i, p in enumerate(params):
+            where = f"parameter {i} of group {gi}" + (f" ({names[i]!r})" if names else "")
+            why = fallback.reason(p)
+            if why is None or gpu:
+                _check_param(p, where, gpu)
+            elif mode != "ram":
+                raise ValueError(f"{where} is {why}: with state={mode!r} offload steps dense float32/bfloat16/"
+                                 "float16 parameters only; use state='ram' (such parameters are then stepped by "
+                                 "torch's own Adam code) or make the parameter a contiguous float32 tensor")
+        if mode != "ram" and len(set(map(id, params))) != len(params):
+            i = next(i for i, p in enumerate(params) if any(q is p for q in params[:i]))
+            raise ValueError(f"parameter {i} of group {gi} is listed twice: with state={mode!r} every parameter "
+                             "must appear once (torch.optim.AdamW steps a repeated parameter once per listing, "
+                             "state='ram' does the same); remove the duplicate")
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -178,7 +246,12 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         self.__dict__.setdefault("_store", None)
         self.__dict__.setdefault("_gpu", None)
         self.__dict__.setdefault("_gpu_device", None)
+        self.__dict__.setdefault("_state_mode", "ram")
         self._plans = {}
+        self._router = fallback.Router()
+        if self._decoupled is not None:  # AdamW: torch forces decoupled weight decay for any loaded state
+            for group in self.param_groups:
+                group["decoupled_weight_decay"] = self._decoupled
 
     def __getstate__(self):
         if getattr(self, "_store", None) is not None:
@@ -187,6 +260,7 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         d = super().__getstate__()
         d = dict(d)
         d.pop("_plans", None)
+        d.pop("_router", None)
         d.pop("_gpu", None)
         d.pop("_gpu_device", None)
         return d
@@ -354,7 +428,10 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             self._store.step(self.param_groups, lambda gi: self._group_hyper(self.param_groups[gi]), self.state,
                              mult, threads)
             return loss
-        for gi, group in enumerate(self.param_groups):
+        native, fb = self._router.split(self.param_groups)  # fb: stepped by torch's code (offload/fallback.py)
+        for group, _ in fb:
+            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        for gi, group in enumerate(native):
             plan = self._plan(gi, group)
             rows = self._collect(plan, group)
             if len(rows) == 0:
@@ -368,6 +445,8 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
                 table = plan.table[rows]
                 table[:, COL_STEP] = plan.steps_np[rows]
             _kernels.step_table(table, self._group_hyper(group), mult, threads)
+        if fb:
+            fallback.step(self, fb, mult, self._decoupled)
         return loss
 
     # ------------------------------------------------------------------ clipping
@@ -384,8 +463,11 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             return self._gpu.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         if float(norm_type) != 2.0:
             raise ValueError("offload's fused clipping supports norm_type=2.0 only")
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        total = math.sqrt(self._grad_sumsq(grads))
+        groups, fbg = self._router.split(self.param_groups)
+        grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
+        fb = list({id(p): p.grad for _, ps in fbg for p in ps
+                   if p.grad is not None}.values())  # (offload/fallback.py; a repeated parameter counted once)
+        total = math.sqrt(self._grad_sumsq(grads) + (fallback.grad_sumsq(fb) if fb else 0.0))
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total}), so it cannot be clipped")
         coef = float(max_norm) / (total + 1e-6)
@@ -413,8 +495,9 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             tensors = self._store.state_tensors()  # views of the mapped state file, not copies
         sd = super().state_dict()
         # hand out copies of step counters: ours are views into one shared buffer
-        sd["state"] = {k: {kk: (vv.clone() if kk == "step" and isinstance(vv, torch.Tensor) else vv)
-                           for kk, vv in v.items()} for k, v in sd["state"].items()}
+        sd["state"] = {k: ({kk: (vv.clone() if kk == "step" and isinstance(vv, torch.Tensor) else vv)
+                            for kk, vv in v.items()} if isinstance(k, int) and isinstance(v, dict) else v)
+                       for k, v in sd["state"].items()}  # a non-parameter key (user data) is kept as is
         if self._store is not None:
             index = 0
             for gi, g in enumerate(self.param_groups):
@@ -458,11 +541,19 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
                           chain.from_iterable(g["params"] for g in groups)))
         new_state: defaultdict = defaultdict(dict)
+        router = fallback.Router()
         for k, v in state_dict["state"].items():
             if k not in id_map:
                 new_state[k] = v
                 continue
             p = id_map[k]
+            if self._store is None and router.is_fallback(groups, p):  # torch's layout (offload/fallback.py)
+                for key, val in v.items():
+                    if isinstance(val, torch.Tensor) and key != "step" and val.shape != p.shape:
+                        raise ValueError(f"state '{key}' of saved parameter {k} has shape {tuple(val.shape)}, "
+                                         f"but the parameter has shape {tuple(p.shape)}")
+                new_state[p] = fallback.cast_state(p, deepcopy(v))
+                continue
             st = {}
             for key, val in v.items():
                 if key == "step":
@@ -500,6 +591,16 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             post_hook(self)
 
     _decoupled: Optional[bool] = None
+
+
+# Entry points run eagerly even when called from a torch.compile'd function: dynamo must not trace
+# the native calls, the cached task tables or the NVMe store (its weakref.finalize breaks guards,
+# and side effects on optimizer attributes would be replayed out of order). Wrapped here, once,
+# rather than at each definition; torch.optim.Optimizer._patch_step_function wraps on top.
+for _name in ("step", "clip_grad_norm_", "zero_grad", "state_dict", "load_state_dict", "add_param_group",
+              "close", "storage_info"):
+    setattr(_AdamBase, _name, torch.compiler.disable(getattr(_AdamBase, _name), recursive=True))
+del _name
 
 
 class Adam(_AdamBase):

@@ -248,6 +248,23 @@ def test_sigkill_mid_save_leaves_a_loadable_consistent_checkpoint(tmp_path):
         assert len(os.listdir(d)) == 3 and not any(".tmp-" in f for f in os.listdir(d))
 
 
+def test_save_killed_between_commit_and_cleanup_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A kill right after index.json is committed, before the superseded generation is deleted:
+    the next save must still remove that generation (its manifest names what it supersedes)."""
+    import importlib
+    save_mod = importlib.import_module("offload.checkpoint.save")
+    model, opt = make()
+    train(model, opt, 1, 0)
+    offload.save(opt, tmp_path)                                   # generation A, committed
+    with monkeypatch.context() as mp:
+        mp.setattr(save_mod.Saver, "cleanup", lambda self: None)  # generation B: "killed" after its commit
+        offload.save(opt, tmp_path)
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) == 2
+    offload.save(opt, tmp_path)                                   # generation C removes A and B
+    names = os.listdir(tmp_path)
+    assert len(names) == 3 and sum(f.endswith(".safetensors") for f in names) == 1, names
+
+
 @pytest.mark.timeout(30)
 def test_progress_bar(tmp_path, capsys):
     pytest.importorskip("tqdm")

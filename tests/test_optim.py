@@ -305,12 +305,7 @@ def test_rejects_bad_hyperparameters_like_torch():
 
 
 def test_rejects_bad_params():
-    with pytest.raises(TypeError, match="float64"):
-        offload.AdamW([torch.zeros(3, dtype=torch.float64, requires_grad=True)])
-    with pytest.raises(TypeError, match="complex"):
-        offload.AdamW([torch.zeros(3, dtype=torch.complex64, requires_grad=True)])
-    with pytest.raises(RuntimeError, match="contiguous"):
-        offload.AdamW([torch.zeros(4, 4).t().requires_grad_()])
+    # float64/complex/non-contiguous parameters are stepped by torch's code: tests/test_adversarial.py
     with pytest.raises(RuntimeError, match="sparse"):
         offload.AdamW([torch.zeros(4, 4).to_sparse().requires_grad_()])
     meta = torch.zeros(3, device="meta", requires_grad=True)

@@ -164,8 +164,12 @@ class Saver:
 
     def _write_intent(self) -> None:
         files = [self.intent, self.data_name, self.index_name] + list(self.tmps.values())
+        # the generation this save supersedes is named too: a save killed after its commit but
+        # before it deleted that generation leaves it to the next save to remove
+        old_gen, old_files = self._superseded()
         raw = json.dumps({"format": INTENT_FORMAT, "version": VERSION, "rank": self.rank,
-                          "world_size": self.world, "generation": self.gen, "files": files}).encode()
+                          "world_size": self.world, "generation": self.gen, "files": files,
+                          "supersedes": {"generation": old_gen, "files": old_files}}).encode()
         fd = create_new(self.dir, self.intent)
         try:
             write_all(fd, raw)
@@ -251,35 +255,46 @@ class Saver:
     def abandon(self) -> None:
         """A failed, uncommitted save: remove what it created (all named by its own intent)."""
         if self.world == 1:
-            _remove_listed(self.dir, self.intent, self.gen, skip_gen=None)
+            _remove_listed(self.dir, self.intent, self.gen, skip_gen=None, superseded=False)
+
+    def _superseded(self) -> tuple:
+        """(generation, file names) of this rank's files in the previous committed index, if any:
+        only names that match our exact patterns and carry that index's generation."""
+        prev = self.previous
+        if not (isinstance(prev, dict) and isinstance(prev.get("ranks"), list) and
+                isinstance(prev.get("generation"), str) and GEN_RE.match(prev["generation"]) and
+                prev["generation"] != self.gen):
+            return None, []
+        pw, names = prev.get("world_size"), []
+        for r, entry in enumerate(prev["ranks"]):
+            if not isinstance(entry, dict) or not (r == self.rank and pw == self.world or self.rank == 0
+                                                   and pw != self.world):
+                continue
+            for key in ("index", "data"):
+                name = entry.get(key)
+                if isinstance(name, str) and RANK_RE.match(name) and generation_of(name) == prev["generation"]:
+                    names.append(name)
+        return prev["generation"], names
 
     def cleanup(self) -> None:
         """After the commit: delete files of other generations, but only names that match our exact
         patterns and that the previous index or an intent manifest lists."""
-        prev = self.previous
-        if isinstance(prev, dict) and isinstance(prev.get("ranks"), list) and \
-                isinstance(prev.get("generation"), str) and prev["generation"] != self.gen:
-            pw = prev.get("world_size")
-            for r, entry in enumerate(prev["ranks"]):
-                if not isinstance(entry, dict) or not (r == self.rank and pw == self.world or self.rank == 0
-                                                       and pw != self.world):
-                    continue
-                for key in ("index", "data"):
-                    name = entry.get(key)
-                    if isinstance(name, str) and RANK_RE.match(name) and generation_of(name) == prev["generation"]:
-                        unlink(os.path.join(self.dir, name))
+        for name in self._superseded()[1]:
+            unlink(os.path.join(self.dir, name))
         for name in os.listdir(self.dir):
             m = INTENT_RE.match(name)
             if not m or m.group(3) == self.gen:
                 continue
             r, w = int(m.group(1)), int(m.group(2))
             if (r == self.rank and w == self.world) or (self.rank == 0 and w != self.world):
-                _remove_listed(self.dir, name, m.group(3), skip_gen=self.gen)
+                _remove_listed(self.dir, name, m.group(3), skip_gen=self.gen, superseded=True)
         unlink(os.path.join(self.dir, self.intent))  # this generation is committed: nothing left to undo
 
 
-def _remove_listed(directory: str, intent: str, gen: str, skip_gen: Optional[str]) -> None:
-    """Delete the files an intent manifest of generation ``gen`` lists, then the manifest."""
+def _remove_listed(directory: str, intent: str, gen: str, skip_gen: Optional[str], superseded: bool) -> None:
+    """Delete the files an intent manifest of generation ``gen`` lists, then the manifest. With
+    ``superseded`` (only after a newer generation is committed) also the generation it superseded;
+    never when abandoning a failed save, whose superseded generation is still the committed one."""
     try:
         man, _ = read_json(directory, intent, "save manifest", limit=1 << 20)
     except CheckpointError:
@@ -287,13 +302,18 @@ def _remove_listed(directory: str, intent: str, gen: str, skip_gen: Optional[str
     if not (isinstance(man, dict) and man.get("format") == INTENT_FORMAT and man.get("generation") == gen
             and isinstance(man.get("files"), list) and GEN_RE.match(gen)):
         return
-    for name in man["files"]:
+    listed = [(name, gen) for name in man["files"]]
+    old = man.get("supersedes") if superseded else None
+    if isinstance(old, dict) and isinstance(old.get("generation"), str) and GEN_RE.match(old["generation"]) \
+            and isinstance(old.get("files"), list):
+        listed += [(name, old["generation"]) for name in old["files"]]
+    for name, want in listed:
         if not isinstance(name, str) or name == intent:
             continue
         if not (RANK_RE.match(name) or TMP_RE.match(name)):
             continue
         g = generation_of(name)
-        if g is not None and g != gen:
+        if g is not None and g != want:
             continue
         if skip_gen is not None and g == skip_gen:
             continue

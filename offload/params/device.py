@@ -33,6 +33,7 @@ class DeviceParams:
         if not (isinstance(slots, int) and 1 <= slots <= 64):
             raise ValueError(f"staging_slots must be an int in [1, 64], got {slots!r}")
         self.groups = groups
+        self.grads = None             # this step's validated gradients, set by the engine
         self.device = device
         self.nslots = slots
         self.slot_bytes = 0
@@ -80,7 +81,7 @@ class DeviceParams:
         params = self.groups[b.group]
         pairs = []
         for pc in pieces:
-            g = local(params[pc.param].grad)
+            g = self.grads[b.group][pc.param]
             pairs.append((self._piece(self.grad_bufs[s], pc, g.dtype), g.reshape(-1)[pc.start:pc.start + pc.n]))
         ev = self.device.copy_to_host(pairs, self._after)
         self._events.append(("d2h", ev))

@@ -20,6 +20,7 @@ class HostParams:
 
     def __init__(self, groups):
         self.groups = groups          # list of lists of parameters (the layout's order)
+        self.grads = None             # this step's validated gradients (local shards), set by the engine
 
     def extend(self, groups) -> None:
         self.groups = groups
@@ -29,7 +30,7 @@ class HostParams:
         params = self.groups[b.group]
         for pc in pieces:
             p = local(params[pc.param])
-            g = local(params[pc.param].grad)
+            g = self.grads[b.group][pc.param]
             isz = p.element_size()
             ga = g.data_ptr() + pc.start * g.element_size()
             if p.dtype in LOW_PRECISION:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
-import tempfile
 
-__all__ = ["STATE_FILE", "make_private_dir", "open_exclusive", "reserve", "remove_dir", "human"]
+from .. import statedir
 
-STATE_FILE = "state.bin"
+__all__ = ["STATE_FILE", "make_private_dir", "new_state_dir", "open_exclusive", "reserve", "remove_dir", "human"]
+
+STATE_FILE = statedir.STATE_FILE
 
 
 def human(n: float) -> str:
@@ -38,11 +38,19 @@ def check_dir(nvme_dir, mode: str) -> str:
 
 def make_private_dir(parent: str) -> str:
     """A new directory, mode 0700, only this process knows about (never an existing one)."""
+    return statedir.make_private_dir(parent)
+
+
+def new_state_dir(parent: str) -> str:
+    """Report leftovers of killed runs, then a new private directory with this process's owner marker."""
+    statedir.warn_stale(parent)
     try:
-        return tempfile.mkdtemp(prefix="offload-state-", dir=parent)
+        d = make_private_dir(parent)
     except OSError as e:
         raise OSError(e.errno, f"cannot create the optimizer state directory in {parent}: "
                                f"{os.strerror(e.errno)}", parent) from e
+    statedir.write_marker(d)
+    return d
 
 
 def open_exclusive(path: str) -> int:
@@ -68,6 +76,10 @@ def reserve(fd: int, start: int, nbytes: int, directory: str, nvme_dir: str, pat
                                f"{os.strerror(e.errno)}", path) from None
 
 
-def remove_dir(directory) -> None:
+def remove_dir(directory, keep: bool) -> None:
+    """Our own directory at close: kept (marked so) or removed file by file (only names offload wrote)."""
     if directory:
-        shutil.rmtree(directory, ignore_errors=True)
+        if keep:
+            statedir.mark_kept(directory)
+        else:
+            statedir.remove_own(directory)

@@ -19,13 +19,13 @@ from .tier import Block, StateTier
 __all__ = ["MmapTier"]
 
 
-def _cleanup(maps, fd_box, directory, keep: bool) -> None:
+def _cleanup(maps, fd_box, directory, keep: bool, pid: int) -> None:
     maps.clear()   # never close(): views handed out keep their mapping alive and valid
     if fd_box and fd_box[0] >= 0:
         os.close(fd_box[0])
         fd_box[0] = -1
-    if not keep:
-        files.remove_dir(directory)
+    if os.getpid() == pid:   # a fork()ed child never touches the parent's directory
+        files.remove_dir(directory, keep)
 
 
 class MmapTier(StateTier):
@@ -36,11 +36,12 @@ class MmapTier(StateTier):
         super().__init__()
         self.keep = bool(keep)
         self.nvme_dir = files.check_dir(nvme_dir, "mmap")
-        self.directory = files.make_private_dir(self.nvme_dir)
+        self.directory = files.new_state_dir(self.nvme_dir)
         self.path = os.path.join(self.directory, files.STATE_FILE)
         self._maps: list = []
         self._fd = [-1]
-        self._finalizer = weakref.finalize(self, _cleanup, self._maps, self._fd, self.directory, self.keep)
+        self._finalizer = weakref.finalize(self, _cleanup, self._maps, self._fd, self.directory, self.keep,
+                                           os.getpid())
         self._fd[0] = files.open_exclusive(self.path)
         self.file_bytes = 0
         self._base = None
@@ -66,6 +67,9 @@ class MmapTier(StateTier):
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self._base[offset:offset + nbytes]
+
+    def own_memory(self):
+        return self._base
 
     def mapping(self):
         return self.view, self._fd[0]

@@ -24,14 +24,19 @@ from .tier import Block, StateTier
 __all__ = ["NvmeTier"]
 
 
-def _cleanup(engine, file, directory, keep: bool) -> None:
+def _cleanup(engine, file, directory, keep: bool, pid: int) -> None:
+    if os.getpid() != pid:
+        # a fork()ed child: the I/O threads, the file and the directory are the parent's; only this
+        # process's copies of the descriptors are closed, nothing on disk is touched
+        if file is not None:
+            file.close()
+        return
     # order matters: no transfer may be in flight when descriptors or buffers go away
     if engine is not None:
         engine.close()
     if file is not None:
         file.close()
-    if not keep:
-        files.remove_dir(directory)
+    files.remove_dir(directory, keep)
 
 
 class NvmeTier(StateTier):
@@ -45,15 +50,16 @@ class NvmeTier(StateTier):
         self.depth = depth
         self.keep = bool(keep)
         self.nvme_dir = files.check_dir(nvme_dir, "nvme")
-        self.directory = files.make_private_dir(self.nvme_dir)
+        self.directory = files.new_state_dir(self.nvme_dir)
         self.path = os.path.join(self.directory, files.STATE_FILE)
-        self._finalizer = weakref.finalize(self, _cleanup, None, None, self.directory, self.keep)
+        pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _cleanup, None, None, self.directory, self.keep, pid)
         self.engine = AioEngine(queue_depth=queue_depth, block_size=block_size)
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _cleanup, self.engine, None, self.directory, self.keep)
+        self._finalizer = weakref.finalize(self, _cleanup, self.engine, None, self.directory, self.keep, pid)
         self.file = self.engine.open(self.path, create=True, direct=direct, mode=0o600)
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _cleanup, self.engine, self.file, self.directory, self.keep)
+        self._finalizer = weakref.finalize(self, _cleanup, self.engine, self.file, self.directory, self.keep, pid)
         self.file_bytes = 0
         self.arena = None
         self.slots: list = []
@@ -150,6 +156,9 @@ class NvmeTier(StateTier):
         self._reads.clear()
         if err is not None:
             raise err
+
+    def own_memory(self):
+        return self.arena.memory if self.arena is not None else None
 
     def fail(self, exc: BaseException) -> None:
         super().fail(exc)

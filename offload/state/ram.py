@@ -34,6 +34,9 @@ class RamTier(StateTier):
                 return arena[offset - start:offset - start + nbytes]
         raise IndexError(offset)
 
+    def own_memory(self):
+        return self.arenas[0][1] if len(self.arenas) == 1 else None
+
     def mapping(self):
         return self.view, None
 

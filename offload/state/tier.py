@@ -90,7 +90,14 @@ class StateTier:
             raise RuntimeError("the optimizer's state store is closed")
 
     def fail(self, exc: BaseException) -> None:
-        self.failed = exc
+        try:  # a copy without the traceback: its frames would keep the step's gradients alive
+            self.failed = type(exc)(*exc.args)
+        except Exception:
+            self.failed = RuntimeError(f"{type(exc).__name__}: {exc}")
+
+    def own_memory(self):
+        """The host memory the tier writes (for the gradient-aliasing check), or None."""
+        return None
 
 
 def split_budget(kind: str, budget: int, depth: int, staging_slots: int) -> tuple:

@@ -8,6 +8,10 @@ the optimizer's private attributes: hyperparameters come through ``hyper(group)`
 """
 from __future__ import annotations
 
+import contextlib
+import math
+import os
+import threading
 import time
 from typing import Callable, Optional
 
@@ -15,6 +19,7 @@ import numpy as np
 import torch
 
 from .._dist import like, local
+from ..guards import WriteTracker, check_overlaps, resync_master
 from ..layout import ALIGN, build_layout
 from ..params.base import check_grad, shapes_of
 from ..params.host import HostParams
@@ -39,6 +44,11 @@ class StateEngine:
         self.dtypes = [[local(p).dtype for p in ps] for ps in self.groups]
         self.numels = [[local(p).numel() for p in ps] for ps in self.groups]
         self.device = device
+        self.local_groups = [[local(p) for p in ps] for ps in self.groups]
+        check_overlaps(self.local_groups, (), None, mode)   # a parameter listed twice...: before any file exists
+        self._pid = os.getpid()            # the state (file, I/O threads, mapping) belongs to this process
+        self._lock = threading.RLock()     # step / state access / close never overlap (close waits)
+        self.tracker = WriteTracker(self.local_groups)   # bf16/fp16 params written by the user between steps
         if device is not None:
             from ..params.device import DeviceParams
             self.side = DeviceParams(self.groups, device, staging_slots)
@@ -72,9 +82,15 @@ class StateEngine:
     # ------------------------------------------------------------------ shape of the engine
     def add_group(self, params: list, amsgrad: bool) -> None:
         """``add_param_group``: lay the new group out after the existing state and grow the file."""
-        self.tier.check_usable()
+        with self._using():
+            self._add_group(params, amsgrad)
+
+    def _add_group(self, params: list, amsgrad: bool) -> None:
         gi = len(self.groups)
+        check_overlaps(self.local_groups + [[local(p) for p in params]], (), None, self.mode)
         self.groups.append(list(params))
+        self.local_groups.append([local(p) for p in params])
+        self.tracker.seen.append(np.full((len(params), 2), -1, dtype=np.int64))
         self.amsgrad.append(bool(amsgrad))
         self.dtypes.append([local(p).dtype for p in params])
         self.numels.append([local(p).numel() for p in params])
@@ -84,6 +100,21 @@ class StateEngine:
         if self.device is not None:
             self.side.allocate(self.layout)
         self.side.extend(self.groups)
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"the {self.mode} optimizer state of process {self._pid} cannot be used after fork() (this is "
+                f"process {os.getpid()}): its state file, mapping and I/O threads belong to the parent. Create "
+                "the optimizer in the child (or start it with the 'spawn' method)")
+
+    @contextlib.contextmanager
+    def _using(self):
+        """Exclusive use: the right process, not closed, not failed; close() waits for it."""
+        self._check_process()
+        with self._lock:
+            self.tier.check_usable()
+            yield
 
     @property
     def pieces(self) -> dict:
@@ -109,19 +140,26 @@ class StateEngine:
     def _collect(self, param_groups: list) -> list:
         """Validate grads/params of every group (before any I/O); per group: bool mask of active params."""
         self._check_groups(param_groups)
-        active = []
+        active, grads = [], []
         for gi, group in enumerate(param_groups):
             if bool(group["amsgrad"]) != self.amsgrad[gi]:
                 raise ValueError(f"group {gi}: amsgrad cannot change after construction with state={self.mode!r}")
             params = self.groups[gi]
             a = np.zeros(len(params), dtype=bool)
+            gs = [None] * len(params)
             for i, p in enumerate(params):
-                if p.grad is None:
+                g = p.grad
+                if g is None:
                     continue
-                check_grad(p, p.grad, gi, i, self.dtypes[gi][i], self.numels[gi][i], self.mode,
+                check_grad(p, g, gi, i, self.dtypes[gi][i], self.numels[gi][i], self.mode,
                            self.device is not None)
                 a[i] = True
+                gs[i] = local(g)
             active.append(a)
+            grads.append(gs)
+        check_overlaps(self.local_groups, [(gi, i, g) for gi, gs in enumerate(grads) for i, g in enumerate(gs)
+                                           if g is not None], self.tier.own_memory(), self.mode)
+        self._grads = grads   # the step uses exactly the tensors checked here
         late = [(gi, int(i)) for gi, a in enumerate(active) for i in np.flatnonzero(a)
                 if self.numels[gi][i] and not self.layout.of_param.get((gi, int(i)))]
         if late:
@@ -157,10 +195,24 @@ class StateEngine:
 
     def step(self, param_groups: list, hyper: Callable[[int], dict], state: dict, mult: float, threads: int,
              active: Optional[list] = None) -> None:
+        self._check_process()
+        with self._lock:
+            try:
+                self._step(param_groups, hyper, state, mult, threads, active)
+            finally:
+                self._grads = self.side.grads = None   # no reference to this step's gradients survives it
+
+    def _step(self, param_groups, hyper, state, mult, threads, active) -> None:
         self.tier.check_usable()
         if active is None:
             active = self._collect(param_groups)
         hypers = {gi: hyper(gi) for gi, a in enumerate(active) if a.any()}   # validated before any change
+        for gi, h in hypers.items():   # the native kernel refuses these too, but only after I/O has started
+            for k in ("lr", "eps", "weight_decay", "beta1", "beta2"):
+                if not math.isfinite(h[k]):
+                    raise ValueError(f"group {gi}: {k} = {h[k]} is not finite")
+        self.side.grads = self._grads
+        resync = self.tracker.written(self.registry.ready) if self.device is None else set()
         t0 = time.perf_counter()
         tel = self.tier.telemetry
         io0 = tel["read_wait_s"] + tel["write_wait_s"]
@@ -172,9 +224,11 @@ class StateEngine:
                 self.side.begin()
             pipeline.run(jobs, tier=self.tier, side=self.side, registry=self.registry, hyper=hypers.__getitem__,
                          mult=mult, threads=threads, depth=self.depth, ahead=getattr(self.side, "nslots", 1),
-                         timing=self.telemetry)
+                         timing=self.telemetry, resync=resync and self._resync(resync))
             fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~self.registry.ready[gi])]
             self.registry.commit(active)
+            for gi, a in enumerate(active):
+                self.tracker.record(gi, np.flatnonzero(a))
         except BaseException as e:
             self.tier.fail(e)
             raise
@@ -182,15 +236,31 @@ class StateEngine:
         dt = time.perf_counter() - t0
         self.telemetry["steps"] += 1
         self.telemetry["step_s"] += dt
-        stats = dict(step=self.telemetry["steps"], kernel_s=self.telemetry["kernel_s"] - k0,
-                     nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - io0, step_s=dt, buckets=len(jobs),
-                     skipped=False, grad_multiplier=mult)
-        self.last_stats = stats
+        self.last_stats = dict(step=self.telemetry["steps"], kernel_s=self.telemetry["kernel_s"] - k0,
+                               nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - io0, step_s=dt, buckets=len(jobs),
+                               skipped=False, grad_multiplier=mult)
+
+    def _resync(self, which: set):
+        """A bf16/fp16 parameter written by the user since its last step: its new values go into the master
+        where they differ from the rounded master (offload/guards.py), before the kernel reads it."""
+        def apply(b, pieces, blk) -> None:
+            if not b.master:
+                return
+            f32 = blk.data[:b.nbytes].view(torch.float32)
+            for pc in pieces:
+                if (b.group, pc.param) in which:
+                    sec = b.section("master_param") // 4 + pc.pos
+                    resync_master(f32[sec:sec + pc.n],
+                                  self.local_groups[b.group][pc.param].detach().reshape(-1)[pc.start:pc.start + pc.n])
+        return apply
 
     def io_pass(self) -> float:
         """Benchmark helper: read and write back every bucket through the step's pipeline without
         computing (data unchanged). Returns the seconds it took: the I/O-only time of a full step."""
-        self.tier.check_usable()
+        with self._using():
+            return self._io_pass()
+
+    def _io_pass(self) -> float:
         if self.mode != "nvme":
             raise RuntimeError("io_pass() measures the nvme pipeline")
         saved = dict(self.tier.telemetry)
@@ -234,15 +304,20 @@ class StateEngine:
 
     def torch_state(self, gi: int, i: int) -> dict:
         """``state[p]`` for parameter ``i`` of group ``gi``: step counter and views of the moments."""
-        view, fd = self.tier.mapping()
-        st = {"step": self.registry.steps[gi][i]}
-        if self.registry.ready[gi][i]:
-            st.update(self._views(gi, i, view, fd))
-        return st
+        with self._using():
+            view, fd = self.tier.mapping()
+            st = {"step": self.registry.steps[gi][i]}
+            if self.registry.ready[gi][i]:
+                st.update(self._views(gi, i, view, fd))
+            return st
 
     def state_tensors(self) -> dict:
-        """(gi, i) -> {key: fp32 tensor} for every parameter that has state (views, never copies)."""
-        self.tier.check_usable()
+        """(gi, i) -> {key: fp32 tensor} for every parameter that has state (views, never copies).
+        Every tensor keeps the memory it views alive, also after ``close()``."""
+        with self._using():
+            return self._state_tensors()
+
+    def _state_tensors(self) -> dict:
         view, fd = self.tier.mapping()
         out = {}
         for gi, params in enumerate(self.groups):
@@ -253,7 +328,10 @@ class StateEngine:
 
     def reload_masters(self, which: set) -> None:
         """Re-read the fp32 master of the parameters ``which`` ({(gi, i)}) that have state, from the parameters."""
-        self.tier.check_usable()
+        with self._using():
+            self._reload_masters(which)
+
+    def _reload_masters(self, which: set) -> None:
         try:
             for b in self.layout.buckets:
                 hit = [pc for pc in b.pieces if (b.group, pc.param) in which and self.registry.ready[b.group][pc.param]]
@@ -278,7 +356,10 @@ class StateEngine:
         """Replace the whole state by ``entries`` ((gi, i) -> state dict), bucket by bucket.
         Parameters without an entry start afresh at their next step (as with torch's loader).
         A missing 'master_param' is taken from the parameter (a state saved by torch.optim)."""
-        self.tier.check_usable()
+        with self._using():
+            self._load(entries)
+
+    def _load(self, entries: dict) -> None:
         for (gi, i), st in entries.items():
             n = self.numels[gi][i]
             has_layout = bool(self.layout.of_param.get((gi, i)))
@@ -317,15 +398,21 @@ class StateEngine:
                 v = st.get("step", 0.0)
                 self.registry.steps[gi][i] = float(v.item() if isinstance(v, torch.Tensor) else v)
                 self.registry.ready[gi][i] = True
+                self.tracker.record(gi, [i])   # the loaded master is the truth for the parameter as it is now
         except BaseException as e:
             self.tier.fail(e)
             raise
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Wait for outstanding I/O, release buffers and delete the state (unless ``keep``)."""
-        self.side.close()
-        self.tier.close()
+        """Wait for outstanding I/O, release buffers and delete the state (unless ``keep``). A step in
+        another thread finishes first; in a fork()ed child only the child's descriptors are closed."""
+        if os.getpid() != self._pid:
+            self.tier.close()
+            return
+        with self._lock:
+            self.side.close()
+            self.tier.close()
 
     def info(self) -> dict:
         d = dict(self.tier.info())

@@ -23,8 +23,9 @@ __all__ = ["run"]
 
 
 def run(jobs: Sequence[tuple], *, tier, side, registry, hyper: Callable[[int], dict], mult: float,
-        threads: int, depth: int, ahead: int, timing: dict, compute: bool = True) -> None:
-    """``jobs``: (bucket, active pieces, read) in execution order; ``ahead``: buckets staged in advance."""
+        threads: int, depth: int, ahead: int, timing: dict, compute: bool = True, resync=None) -> None:
+    """``jobs``: (bucket, active pieces, read) in execution order; ``ahead``: buckets staged in advance;
+    ``resync(b, pieces, blk)``: take user writes to bf16/fp16 parameters into their masters first."""
     n = len(jobs)
     staged: deque = deque()
     nxt_read = nxt_arrive = 0
@@ -42,6 +43,8 @@ def run(jobs: Sequence[tuple], *, tier, side, registry, hyper: Callable[[int], d
         blk = tier.acquire(b, read)
         if compute:
             registry.init_fresh(b, act, blk, side.read_master)
+            if resync:
+                resync(b, act, blk)
             steps = registry.steps[b.group].numpy()
             table = bucket_rows(b, act, blk.base, side.ptrs(b, act, st), [steps[pc.param] for pc in act])
             t = time.perf_counter()

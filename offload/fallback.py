@@ -1,0 +1,169 @@
+"""fallback.py: the parameters offload's native kernel cannot step, stepped by torch's own Adam code.
+
+torch.optim.Adam/AdamW accept float64 and complex parameters, non-contiguous ones (a transposed
+weight, a strided view) and a parameter listed more than once (torch warns, then steps it once
+per listing). The native kernel takes dense fp32/bf16/fp16 tensors only, so these parameters go
+through ``torch.optim.adam.adam`` (the single-tensor for-loop implementation, the one torch uses
+for CPU tensors by default) with the group's hyperparameters, the fused clip multiplier applied
+to a copy of their gradients first. Their ``opt.state[p]`` has torch's layout (``step`` as a
+0-dim fp32 tensor, moments in the parameter's dtype and strides), so ``state_dict`` round-trips
+with ``torch.optim.AdamW`` and their results are torch's bit for bit.
+
+Only in RAM-state CPU mode: with ``state="nvme"|"mmap"`` (the state file is laid out for dense
+fp32/bf16/fp16 tensors) and in GPU-offload mode such parameters are refused by name.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+from torch.optim.adam import adam as _torch_adam
+from torch.optim.optimizer import _get_scalar_dtype
+
+from ._dist import is_dtensor
+
+__all__ = ["FALLBACK_DTYPES", "reason", "Router", "step", "grad_sumsq", "cast_state"]
+
+FALLBACK_DTYPES = (torch.float64, torch.complex64, torch.complex128)
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def reason(p: torch.Tensor) -> Optional[str]:
+    """Why ``p`` (alone) needs torch's implementation, or None when the native kernel steps it.
+
+    Tensors the fallback cannot take either (not CPU, sparse, DTensor, other dtypes) return None
+    so that the native checks refuse them with their own message.
+    """
+    if not isinstance(p, torch.Tensor) or is_dtensor(p):
+        return None
+    if p.device.type != "cpu" or p.layout is not torch.strided:
+        return None
+    if p.dtype in FALLBACK_DTYPES:
+        return f"dtype {p.dtype}"
+    if p.dtype in _NATIVE_DTYPES and not p.is_contiguous():
+        return f"non-contiguous (strides {tuple(p.stride())})"
+    return None
+
+
+class Router:
+    """Splits the param groups into the native part and the fallback part; cached per layout.
+
+    A parameter goes to the fallback when :func:`reason` says so, or when it is listed more than
+    once anywhere in the groups (torch steps it once per listing, in group order). The split is
+    recomputed whenever the list of parameters of any group changes (compared by identity every step);
+    a dtype or layout change of a parameter already stepped natively is refused by the native
+    revalidation, as torch itself fails on a moment/parameter dtype mismatch. Only parameter
+    lists are cached: hyperparameters are always read from the live group dicts.
+    """
+
+    def __init__(self):
+        self._key: Optional[list] = None
+        self._native: list = []      # per group: None (all native) or the list of native params
+        self._fallback: list = []    # per group: [] or the fallback params in order, duplicates included
+        self._ids: set = set()
+        self._any = False
+
+    def _same(self, groups: list) -> bool:
+        key = self._key
+        return (key is not None and len(key) == len(groups)
+                and all(len(ps) == len(g["params"]) and all(map(operator.is_, ps, g["params"]))
+                        for ps, g in zip(key, groups)))
+
+    def _split(self, groups: list) -> None:
+        if self._same(groups):  # identity, element by element, in C: no per-parameter Python work
+            return
+        key = [list(g["params"]) for g in groups]
+        seen: dict = {}
+        for ps in key:
+            for p in ps:
+                seen[id(p)] = seen.get(id(p), 0) + 1
+        self._native, self._fallback = [], []
+        for g in groups:
+            ps = g["params"]
+            out = [p for p in ps if seen[id(p)] > 1 or reason(p) is not None]
+            out_ids = set(map(id, out))
+            self._native.append([p for p in ps if id(p) not in out_ids] if out else None)
+            self._fallback.append(out)
+        self._ids = {id(p) for f in self._fallback for p in f}
+        self._any = bool(self._ids)
+        self._key = key
+
+    def split(self, groups: list) -> tuple:
+        """(the groups as the native path sees them, [(group, fallback params)]), one pass."""
+        self._split(groups)
+        if not self._any:
+            return groups, []
+        return ([g if n is None else dict(g, params=n) for g, n in zip(groups, self._native)],
+                [(g, f) for g, f in zip(groups, self._fallback) if f])
+
+    def is_fallback(self, groups: list, p: torch.Tensor) -> bool:
+        self._split(groups)
+        return id(p) in self._ids
+
+
+def _init_state(p: torch.Tensor, amsgrad: bool) -> dict:
+    # exactly torch.optim.Adam._init_group (capturable=False, fused=False)
+    st = {"step": torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"),
+          "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+          "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    if amsgrad:
+        st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return st
+
+
+def step(opt, fallback: list, mult: float, decoupled_override: Optional[bool]) -> None:
+    """One torch Adam/AdamW step of the fallback parameters (second item of ``Router.split``)."""
+    for group, params in fallback:
+        plist, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
+        has_complex = False
+        for p in params:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
+            st = opt.state[p]
+            if len(st) == 0:
+                st.update(_init_state(p, group["amsgrad"]))
+            elif group["amsgrad"] and "max_exp_avg_sq" not in st:
+                st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            has_complex |= torch.is_complex(p)
+            plist.append(p)
+            grads.append(p.grad if mult == 1.0 else p.grad * mult)  # never modifies the user's gradient
+            exp_avgs.append(st["exp_avg"])
+            exp_avg_sqs.append(st["exp_avg_sq"])
+            if group["amsgrad"]:
+                max_sqs.append(st["max_exp_avg_sq"])
+            steps.append(st["step"])
+        if not plist:
+            continue
+        beta1, beta2 = group["betas"]
+        decoupled = decoupled_override if decoupled_override is not None else bool(group["decoupled_weight_decay"])
+        _torch_adam(plist, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, foreach=False, capturable=False,
+                    differentiable=False, fused=None, grad_scale=None, found_inf=None, has_complex=has_complex,
+                    decoupled_weight_decay=decoupled, amsgrad=bool(group["amsgrad"]), beta1=beta1, beta2=beta2,
+                    lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                    maximize=bool(group["maximize"]))
+
+
+def grad_sumsq(grads: list) -> float:
+    """Sum of |g|^2 over gradients the native reduction does not take (float64, complex, strided)."""
+    total = 0.0
+    for g in grads:
+        g = g.detach()
+        if g.is_sparse:
+            g = g.coalesce().values()
+        total += float(g.abs().to(torch.float64).pow(2).sum()) if g.numel() else 0.0
+    return total
+
+
+def cast_state(p: torch.Tensor, st: dict) -> dict:
+    """A loaded state entry for a fallback parameter, cast as torch.optim.Optimizer.load_state_dict does."""
+    out = {}
+    for k, v in st.items():
+        if isinstance(v, torch.Tensor) and k != "step":
+            v = v.to(dtype=p.dtype, device=p.device) if p.is_floating_point() else v.to(device=p.device)
+        elif k == "step" and not isinstance(v, torch.Tensor):  # as torch.optim.Adam.__setstate__
+            v = torch.tensor(float(v), dtype=_get_scalar_dtype())
+        out[k] = v
+    return out

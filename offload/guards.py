@@ -1,0 +1,99 @@
+"""guards.py: checks that keep a step over raw pointers safe from what users do between steps.
+
+- ``check_overlaps``: parameters that share memory (one listed twice, overlapping views) and
+  gradients that share memory with a parameter or with the optimizer's own buffers (``p.grad =
+  p.data``) are refused by name, before anything is read or written: the native kernel writes
+  those bytes while it reads them.
+- ``WriteTracker``: a bf16/fp16 parameter's fp32 master lives apart from the parameter, and the
+  kernel writes the parameter through a raw pointer (which does not bump its version counter).
+  A user's write in between (``p.mul_(mask)``, ``clamp_``, ``copy_``, ``load_state_dict``,
+  ``p.data = ...``) changes the version counter or the data pointer; ``resync_master`` then takes
+  the parameter's new values into the master where they differ from the rounded master, so
+  unchanged elements keep their fp32 precision. (A write through ``p.data.mul_()`` bumps no
+  counter of ``p`` and is not seen.)
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["check_overlaps", "WriteTracker", "resync_master"]
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _spans(groups: Sequence[Sequence[torch.Tensor]], own: Optional[torch.Tensor]) -> list:
+    """Sorted (start, end, name) of the memory a step writes: parameters and the optimizer's buffers."""
+    spans = []
+    for gi, params in enumerate(groups):
+        for i, p in enumerate(params):
+            if p.numel():
+                a = p.data_ptr()
+                spans.append((a, a + p.numel() * p.element_size(), f"parameter {i} of group {gi}"))
+    if own is not None and own.numel():
+        a = own.data_ptr()
+        spans.append((a, a + own.numel() * own.element_size(), "the optimizer's state buffers"))
+    spans.sort()
+    return spans
+
+
+def check_overlaps(groups: Sequence[Sequence[torch.Tensor]], grads: Iterable, own: Optional[torch.Tensor],
+                   mode: str) -> None:
+    """Raise ValueError naming the first parameter that shares memory with another (or with ``own``),
+    or the first gradient in ``grads`` ((gi, i, grad) triples) that shares memory with either."""
+    spans = _spans(groups, own)
+    reach, owner, prefix = -1, "", []  # prefix[k]: (largest end among spans[:k+1], whose)
+    for s, e, name in spans:
+        if s < reach:
+            raise ValueError(f"{name} shares memory with {owner} (a parameter listed twice, or overlapping "
+                             f"views of one tensor): with state={mode!r} every parameter needs its own memory")
+        if e > reach:
+            reach, owner = e, name
+        prefix.append((reach, owner))
+    starts = [s for s, _, _ in spans]
+    for gi, i, g in grads:
+        if not g.numel():
+            continue
+        a = g.data_ptr()
+        k = bisect.bisect_left(starts, a + g.numel() * g.element_size())  # spans that start before g ends
+        if k and prefix[k - 1][0] > a:
+            other = next(name for s, e, name in spans[:k] if e > a)
+            raise ValueError(f"the gradient of parameter {i} of group {gi} shares memory with {other} (e.g. "
+                             "p.grad = p.data): the step overwrites that memory while it reads the gradient. "
+                             "Give the parameter a gradient of its own (p.grad = g.clone())")
+
+
+class WriteTracker:
+    """Per bf16/fp16 parameter: (version counter, data pointer) when its master last matched it."""
+
+    def __init__(self, groups: Sequence[Sequence[torch.Tensor]]):
+        self.groups = groups
+        self.seen = [np.full((len(ps), 2), -1, dtype=np.int64) for ps in groups]
+
+    def record(self, gi: int, rows: Iterable[int]) -> None:
+        """The masters of these parameters match the parameters now."""
+        seen, params = self.seen[gi], self.groups[gi]
+        for i in rows:
+            p = params[i]
+            if p.dtype in _LOW:
+                seen[i] = (p._version, p.data_ptr())
+
+    def written(self, ready: Sequence[np.ndarray]) -> set:
+        """(gi, i) of bf16/fp16 parameters with state (``ready``) written since ``record``."""
+        out = set()
+        for gi, params in enumerate(self.groups):
+            seen, rd = self.seen[gi], ready[gi]
+            for i, p in enumerate(params):
+                if rd[i] and p.dtype in _LOW and (seen[i, 0] != p._version or seen[i, 1] != p.data_ptr()):
+                    out.add((gi, i))
+        return out
+
+
+def resync_master(master: torch.Tensor, param: torch.Tensor) -> None:
+    """Take ``param``'s values into the fp32 ``master`` (same length) where they differ from the rounded master."""
+    changed = master.to(param.dtype) != param
+    if changed.any():
+        master[changed] = param[changed].float()

@@ -1,0 +1,169 @@
+# test_optim_db.py: offload.Adam/AdamW through PyTorch's own optimizer database
+# (torch.testing._internal.common_optimizers.optim_db, the inputs torch's test_optim.py runs):
+# every constructor input gives torch's results (RAM state; NVMe/mmap on a sample), its state_dict
+# continues in torch.optim, every error input raises torch's error type with a matching message, and
+# the flags torch's CPU tests exercise that offload does not implement are refused by name.
+import re
+import warnings
+
+import pytest
+import torch
+
+import offload
+
+cot = pytest.importorskip("torch.testing._internal.common_optimizers",
+                          reason="torch's optimizer database needs the `expecttest` package")
+OptimizerErrorEnum = cot.OptimizerErrorEnum
+
+INFOS = {info.optim_cls.__name__: info for info in cot.optim_db
+         if info.optim_cls in (torch.optim.Adam, torch.optim.AdamW)}
+OURS = {"Adam": offload.Adam, "AdamW": offload.AdamW}
+NAMES = sorted(INFOS)
+assert NAMES == ["Adam", "AdamW"], NAMES
+
+
+def _inputs(name, device="cpu"):
+    return [(name, oi) for oi in INFOS[name].optim_inputs_func(device=device)]
+
+
+CPU_INPUTS = [x for n in NAMES for x in _inputs(n)]
+# inputs torch only runs on CUDA (capturable, Tensor lr/betas with capturable): offload refuses capturable
+CUDA_ONLY = [x for n in NAMES for x in _inputs(n, "cuda")
+             if x[1].desc not in {oi.desc for _, oi in _inputs(n)}]
+
+
+def _ids(xs):
+    return [f"{n}-{oi.desc.replace(' ', '_')}" for n, oi in xs]
+
+
+def _model(dtype, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).to(dtype)
+
+
+def _train(model, opt, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    for _ in range(steps):
+        x = torch.randn(6, 5, generator=gen).to(dtype)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def _compare(name, kw, dtype, state="ram", tmp_path=None, steps=4, foreach=False):
+    m1, m2 = _model(dtype), _model(dtype)
+    extra = {} if state == "ram" else dict(state=state, nvme_dir=tmp_path)
+    o1 = OURS[name](m1.parameters(), **dict(_kwargs_dict(kw), foreach=foreach), **extra)
+    o2 = getattr(torch.optim, name)(m2.parameters(), **dict(_kwargs_dict(kw), foreach=foreach))
+    _train(m1, o1, steps)
+    _train(m2, o2, steps)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        if dtype == torch.float64 and state == "ram" and not foreach:
+            assert torch.equal(a, b)  # stepped by torch's own single-tensor code (offload/fallback.py)
+        else:
+            torch.testing.assert_close(a, b)
+    return m1, m2, o1, o2
+
+
+def _kwargs_dict(kw):
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else
+                tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in v) if isinstance(v, tuple) else v)
+            for k, v in kw.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("name,oi", CPU_INPUTS, ids=_ids(CPU_INPUTS))
+def test_optim_db_input_matches_torch(name, oi, dtype):
+    m1, m2, o1, o2 = _compare(name, oi.kwargs, dtype)
+    # the state continues in torch.optim (and torch's in offload) with the same results
+    t = getattr(torch.optim, name)(m1.parameters(), **_kwargs_dict(oi.kwargs))
+    t.load_state_dict(o1.state_dict())
+    o3 = OURS[name](m2.parameters(), **_kwargs_dict(oi.kwargs))
+    o3.load_state_dict(o2.state_dict())
+    _train(m1, t, 2, seed=7)
+    _train(m2, o3, 2, seed=7)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name,oi", CPU_INPUTS, ids=_ids(CPU_INPUTS))
+def test_optim_db_input_foreach_flag(name, oi):
+    # foreach is accepted and has no effect on the math (one native kernel): torch's foreach results
+    _compare(name, oi.kwargs, torch.float32, foreach=True)
+
+
+@pytest.mark.parametrize("name,oi", CPU_INPUTS, ids=_ids(CPU_INPUTS))
+@pytest.mark.parametrize("flag", ["fused", "differentiable", "capturable"])
+def test_optim_db_unsupported_impls_are_refused_by_name(name, oi, flag):
+    assert flag == "capturable" or flag in INFOS[name].supported_impls
+    with pytest.raises(ValueError, match=f"{flag}=True is not supported|{flag}=True selects"):
+        OURS[name](_model(torch.float32).parameters(), **_kwargs_dict(oi.kwargs), **{flag: True})
+
+
+@pytest.mark.parametrize("name,oi", CUDA_ONLY, ids=_ids(CUDA_ONLY))
+def test_optim_db_cuda_only_inputs(name, oi):
+    assert oi.kwargs.get("capturable")
+    with pytest.raises(ValueError, match="capturable=True is not supported"):
+        OURS[name](_model(torch.float32).parameters(), **_kwargs_dict(oi.kwargs))
+    # without capturable (Tensor lr / Tensor betas on CPU, which torch's for-loop path accepts): torch's results
+    kw = {k: v for k, v in oi.kwargs.items() if k != "capturable"}
+    _compare(name, kw, torch.float32)
+
+
+SAMPLE = [x for x in CPU_INPUTS if x[0] == "AdamW" and x[1].desc in ("default", "amsgrad", "maximize")]
+
+
+@pytest.mark.parametrize("state", ["nvme", "mmap"])
+@pytest.mark.parametrize("name,oi", SAMPLE, ids=_ids(SAMPLE))
+def test_optim_db_sample_disk_state(name, oi, state, tmp_path):
+    m1, m2, o1, o2 = _compare(name, oi.kwargs, torch.float32, state=state, tmp_path=tmp_path)
+    t = torch.optim.AdamW(m2.parameters(), **_kwargs_dict(oi.kwargs))
+    t.load_state_dict(o1.state_dict())
+    for k, v in o2.state_dict()["state"].items():
+        for key, val in v.items():
+            torch.testing.assert_close(t.state_dict()["state"][k][key], val)
+    o1.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state", ["nvme", "mmap"])
+@pytest.mark.parametrize("name,oi", CPU_INPUTS, ids=_ids(CPU_INPUTS))
+def test_optim_db_all_inputs_disk_state(name, oi, state, tmp_path):
+    _compare(name, oi.kwargs, torch.float32, state=state, tmp_path=tmp_path)[2].close()
+
+
+def _errors(dtype=torch.float32):
+    return [(n, e) for n in NAMES for e in INFOS[n].optim_error_inputs_func(device="cpu", dtype=dtype)]
+
+
+ERRORS = _errors()
+
+
+@pytest.mark.parametrize("name,ei", ERRORS, ids=[f"{n}-{e.optimizer_error_input.desc[:60].replace(' ', '_')}"
+                                                 for n, e in ERRORS])
+def test_optim_db_error_inputs(name, ei):
+    oi = ei.optimizer_error_input
+    # torch's test_errors: params=None means one sample parameter
+    params = oi.params if oi.params is not None else [torch.nn.Parameter(torch.randn(2, 3))]
+
+    def run():
+        opt = OURS[name](params, **_kwargs_dict(oi.kwargs))
+        if ei.error_on == OptimizerErrorEnum.STEP_ERROR:
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    p.grad = torch.zeros_like(p)
+            opt.step()
+
+    if issubclass(ei.error_type, Warning):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            run()
+        assert any(issubclass(x.category, ei.error_type) and re.search(ei.error_regex, str(x.message)) for x in w), \
+            [str(x.message) for x in w]
+    else:
+        with pytest.raises(ei.error_type, match=ei.error_regex):
+            run()
+        # and torch raises the same there (the database is the reference)
+        with pytest.raises(ei.error_type, match=ei.error_regex):
+            getattr(torch.optim, name)(params, **_kwargs_dict(oi.kwargs))
