@@ -37,6 +37,7 @@ void check_finite(double x, const char* name) {
 }
 
 // Thread tid's share [*b, *e) of [0, total) split T ways, boundaries on kAlign multiples.
+// T must be the thread count parallel_run passed to the worker, not the count requested.
 void thread_range(int64_t total, int tid, int T, int64_t* b, int64_t* e) {
   *b = (total * tid / T) / kAlign * kAlign;
   *e = tid + 1 == T ? total : (total * (tid + 1) / T) / kAlign * kAlign;
@@ -90,10 +91,9 @@ void adam_multi(const AdamTask* tasks, int64_t ntasks, const AdamHyper& h, int n
   for (int64_t i = 0; i < ntasks; ++i) start[i + 1] = start[i] + tasks[i].n;
   const int64_t total = start[ntasks];
   if (total == 0) return;
-  const int T = threads_for(total, nthreads);
   const IsaKernels& k = active_kernels();
 
-  auto work = [&](int tid) {
+  auto work = [&](int tid, int T) {
     int64_t b, e;
     thread_range(total, tid, T, &b, &e);
     if (b >= e) return;
@@ -110,7 +110,7 @@ void adam_multi(const AdamTask* tasks, int64_t ntasks, const AdamHyper& h, int n
       k.adam_range(t, s, lo, hi);
     }
   };
-  parallel_run(T, work);
+  parallel_run(threads_for(total, nthreads), work);
 }
 
 void adam_multi_reference(const AdamTask* tasks, int64_t ntasks, const AdamHyper& h) {
@@ -137,9 +137,8 @@ double grad_sumsq(const GradTask* tasks, int64_t ntasks, int nthreads) {
   if (blocks.empty()) return 0.0;
   std::vector<double> partial(blocks.size(), 0.0);
   const IsaKernels& k = active_kernels();
-  const int T = threads_for(total, nthreads);
   const int64_t nb = static_cast<int64_t>(blocks.size());
-  parallel_run(T, [&](int tid) {
+  parallel_run(threads_for(total, nthreads), [&](int tid, int T) {
     const int64_t lo = nb * tid / T, hi = nb * (tid + 1) / T;
     for (int64_t j = lo; j < hi; ++j) {
       const GradTask& t = tasks[blocks[j].task];
@@ -156,8 +155,7 @@ void bandwidth_probe(float* p, float* m, float* v, const float* g, int64_t n, in
   if (n > 0 && (!p || !m || !v || !g)) throw std::invalid_argument("null pointer");
   if (n == 0) return;
   const IsaKernels& k = active_kernels();
-  const int T = threads_for(n, nthreads);
-  parallel_run(T, [&](int tid) {
+  parallel_run(threads_for(n, nthreads), [&](int tid, int T) {
     int64_t b, e;
     thread_range(n, tid, T, &b, &e);
     if (b < e) k.probe(p, m, v, g, b, e);

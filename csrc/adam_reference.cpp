@@ -12,11 +12,12 @@ void adam_reference(const AdamTask& t, const AdamHyper& h) {
   const double bias_correction1 = 1.0 - std::pow(h.beta1, static_cast<double>(t.step));
   const double bias_correction2 = 1.0 - std::pow(h.beta2, static_cast<double>(t.step));
   const float step_size = static_cast<float>(h.lr / bias_correction1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  // reciprocal of sqrt(bias_correction2): the kernels multiply by it (see kernels_impl.h)
+  const float inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bias_correction2));
+  const float eps = static_cast<float>(h.eps);
   const float weight = static_cast<float>(1.0 - h.beta1);
   const float beta2 = static_cast<float>(h.beta2);
   const float one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-  const float eps = static_cast<float>(h.eps);
   const float wd = static_cast<float>(h.weight_decay);
   const float decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
   const float mult = static_cast<float>(h.grad_multiplier);
@@ -48,8 +49,9 @@ void adam_reference(const AdamTask& t, const AdamHyper& h) {
       else vv = old > v ? old : v;
       t.vmax[i] = vv;
     }
-    // denom = (v.sqrt() / bc2_sqrt).add_(eps); param.addcdiv_(exp_avg, denom, value=-step_size)
-    const float denom = std::sqrt(vv) / bc2_sqrt + eps;
+    // torch: denom = (v.sqrt() / bc2_sqrt).add_(eps); param.addcdiv_(exp_avg, denom, value=-step_size)
+    // here sqrt(v) * (1 / bc2_sqrt) instead of the division
+    const float denom = std::sqrt(vv) * inv_bc2_sqrt + eps;
     p = p + ((-step_size) * m) / denom;
     t.m[i] = m;
     t.v[i] = v;

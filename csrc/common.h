@@ -52,6 +52,7 @@ struct AdamScalars {
   float beta2;
   float one_minus_beta2;
   float bc2_sqrt;      // sqrt(1 - beta2^step)
+  float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^step), rounded once from double (the kernels multiply by it)
   float neg_step_size; // -lr / (1 - beta1^step)
   float eps;
   bool use_mult, use_wd, use_decay, lerp_low, amsgrad, maximize;
@@ -74,6 +75,7 @@ static inline AdamScalars make_scalars(const AdamHyper& h, int64_t step) {
   s.beta2 = static_cast<float>(h.beta2);
   s.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
   s.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  s.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   s.neg_step_size = static_cast<float>(-(h.lr / bc1));
   s.eps = static_cast<float>(h.eps);
   s.amsgrad = h.amsgrad;

@@ -41,10 +41,10 @@ class Pool {
     resize_locked(n);
   }
 
-  void run(int nthreads, const std::function<void(int)>& fn) {
+  void run(int nthreads, const std::function<void(int, int)>& fn) {
     std::lock_guard<std::mutex> run_lock(run_mu_);
-    nthreads = std::max(1, std::min(nthreads, static_cast<int>(workers_.size()) + 1));
-    if (nthreads == 1) { fn(0); return; }
+    nthreads = std::max(1, std::min({nthreads, size_.load(), static_cast<int>(workers_.size()) + 1}));
+    if (nthreads == 1) { fn(0, 1); return; }
     {
       std::lock_guard<std::mutex> lk(mu_);
       job_ = &fn;
@@ -53,7 +53,7 @@ class Pool {
       ++generation_;
     }
     cv_work_.notify_all();
-    fn(0);
+    fn(0, nthreads);
     std::unique_lock<std::mutex> lk(mu_);
     cv_done_.wait(lk, [&] { return pending_ == 0; });
     job_ = nullptr;
@@ -80,17 +80,17 @@ class Pool {
   // lock must still be seen as new, or run() would wait for it forever.
   void loop(int tid, uint64_t seen) {
     for (;;) {
-      const std::function<void(int)>* job;
-      bool mine;
+      const std::function<void(int, int)>* job;
+      int threads;
       {
         std::unique_lock<std::mutex> lk(mu_);
         cv_work_.wait(lk, [&] { return generation_ != seen; });
         seen = generation_;
         job = job_;
-        mine = tid < job_threads_;
+        threads = job_threads_;
       }
-      if (!mine) continue;
-      (*job)(tid);
+      if (tid >= threads) continue;
+      (*job)(tid, threads);
       {
         std::lock_guard<std::mutex> lk(mu_);
         if (--pending_ == 0) cv_done_.notify_one();
@@ -105,7 +105,7 @@ class Pool {
   std::vector<std::thread> workers_;
   std::atomic<int> size_{1};
   uint64_t generation_ = 0;
-  const std::function<void(int)>* job_ = nullptr;
+  const std::function<void(int, int)>* job_ = nullptr;
   int job_threads_ = 0;
   int pending_ = 0;
 };
@@ -128,9 +128,6 @@ void set_pool_size(int n) {
   pool().resize(n);
 }
 
-void parallel_run(int nthreads, const std::function<void(int)>& fn) {
-  Pool& p = pool();
-  p.run(std::min(nthreads, p.size()), fn);
-}
+void parallel_run(int nthreads, const std::function<void(int, int)>& fn) { pool().run(nthreads, fn); }
 
 }  // namespace offload

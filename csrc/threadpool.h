@@ -1,7 +1,10 @@
 // threadpool.h: a persistent pool of native worker threads (no OpenMP), shared by all kernels.
-// run(n, fn) executes fn(0..n-1) with the calling thread as worker 0 and returns when all are
-// done. Calls from several Python threads are serialised. Work is split statically by the
-// caller, so results never depend on scheduling.
+// parallel_run(n, fn) executes fn(tid, T) for tid in [0, T) with the calling thread as worker 0
+// and returns when all are done; T is the number of threads that actually run (n clamped to the
+// pool), and callers must split their work by T, never by the n they asked for (issue 10: a
+// split by n skipped the shares of the threads that never ran). Calls from several Python
+// threads are serialised. Work is split statically by the caller, so results never depend on
+// scheduling.
 #pragma once
 #include <functional>
 
@@ -14,7 +17,8 @@ int affinity_cpu_count();
 int pool_size();
 // Resize the pool (1..1024). Idle workers are kept blocked, not spinning.
 void set_pool_size(int n);
-// Run fn(tid) for tid in [0, nthreads) and wait. nthreads is clamped to [1, pool_size()].
-void parallel_run(int nthreads, const std::function<void(int)>& fn);
+// Run fn(tid, T) for tid in [0, T) and wait, where T = nthreads clamped to [1, pool size]
+// (decided under the pool's lock, so a concurrent resize cannot change it mid-call).
+void parallel_run(int nthreads, const std::function<void(int tid, int nthreads)>& fn);
 
 }  // namespace offload

@@ -11,6 +11,8 @@ straight into the parameter in the same pass. Parameters the kernel cannot take 
 from __future__ import annotations
 
 import math
+import operator
+import weakref
 from collections import defaultdict
 from copy import deepcopy
 from itertools import chain
@@ -26,6 +28,8 @@ from ._dist import is_dtensor, like, local  # DTensor (FSDP2): step the local sh
 from ._kernels import (COL_G, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
                        COL_GD, DTYPE_CODES, TASK_COLS, check_tensor)
 from .buffers import round_up
+from ._plan import (REC_KEYS, GroupPlan, OverlapIndex, ParamState, StateMap, check_storage, fingerprint,
+                    get_version, no_grad_ref, sync_master)
 from .gpu import GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
 
 __all__ = ["Adam", "AdamW"]
@@ -36,6 +40,7 @@ _TensorBase = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
 _GRAD_DESCR = _TensorBase.__dict__["grad"]
 _DATA_PTR = _TensorBase.data_ptr
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+_ARENA_STAGGER = 16400  # floats (64 KiB + 64 B) between state streams of one arena: see _init_states
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 
 
@@ -107,30 +112,6 @@ def _check_init(params, betas, foreach, capturable) -> None:
     if isinstance(params, torch.Tensor):
         raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
                         "but got " + torch.typename(params))
-
-
-class _GroupPlan:
-    """Cached native task table of one param group: one row per parameter.
-
-    Pointers of state tensors are fixed once allocated; parameter and gradient pointers are
-    re-read every step (a parameter may be re-assigned with ``p.data = ...``) and re-validated
-    whenever they change. ``steps`` holds every parameter's step count; ``state['step']`` is a
-    0-dim view into it, so one vectorised add advances all of them.
-    """
-
-    def __init__(self, params: list):
-        self.params = params
-        self.ids = [id(p) for p in params]
-        n = len(params)
-        self.table = np.zeros((n, TASK_COLS), dtype=np.int64)
-        self.steps = torch.zeros(n, dtype=torch.float32)
-        self.steps_np = self.steps.numpy()
-        self.p_ptr = np.full(n, -1, dtype=np.int64)  # param pointer the table row was built for
-        self.g_ptr = np.full(n, -1, dtype=np.int64)  # gradient pointer last validated
-        self.g_obj: list = [None] * n                # gradient object last validated
-
-    def matches(self, params: list) -> bool:
-        return len(params) == len(self.ids) and list(map(id, params)) == self.ids
 
 
 class _AdamBase(GpuOffloadMixin, Optimizer):
@@ -265,26 +246,64 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         d.pop("_gpu_device", None)
         return d
 
-    def _plan(self, gi: int, group: dict) -> _GroupPlan:
+    def _plan(self, gi: int, group: dict) -> GroupPlan:
         plan = self._plans.get(gi)
         params = group["params"]
         if plan is not None and plan.matches(params):
             return plan
-        plan = _GroupPlan(params)
+        plan = GroupPlan(params)
         for i, p in enumerate(params):
             st = self.state.get(p)
             if st:
                 self._adopt_state(plan, i, p, st, group)
         self._plans[gi] = plan
+        self._plans.pop("overlap", None)
         return plan
 
     # ------------------------------------------------------------------ state
-    def _init_states(self, plan: _GroupPlan, rows: list, group: dict) -> None:
+    def _track_state(self) -> None:
+        """Make ``self.state`` a mutation-counting map and re-check every row if anything in it changed.
+
+        ``opt.state = defaultdict(dict)``, ``opt.state.clear()``, ``del opt.state[p]`` and
+        ``opt.state[p] = {}`` give fresh state (step 0) as in torch; a replaced state tensor is
+        adopted (validated, converted to fp32 if needed) and the kernel writes into it from then on.
+        """
+        d = self.__dict__
+        epoch = d.get("_state_epoch")
+        if epoch is None:
+            epoch = d["_state_epoch"] = [0]
+        state = self.state
+        if type(state) is not StateMap or state._epoch is not epoch:
+            wrapped = StateMap(epoch=epoch)
+            for k, v in state.items():
+                wrapped[k] = v
+            self.state = state = wrapped
+        if d.get("_state_seen") == epoch[0]:
+            return
+        for gi, plan in list(self._plans.items()):
+            if not isinstance(gi, int):
+                continue
+            group = self.param_groups[gi] if gi < len(self.param_groups) else None
+            if group is None or not plan.matches(group["params"]):
+                continue  # rebuilt (and every state adopted) by _plan
+            for i, p in enumerate(plan.params):
+                st, rec = state.get(p), plan.rec[i]
+                if not st:
+                    if rec is not None:  # deleted or emptied: fresh state at step 0 on its next gradient
+                        plan.rec[i] = None
+                        plan.p_ptr[i] = -1
+                        plan.g_ref[i] = no_grad_ref
+                elif rec is None or st is not rec[0] or any(st.get(k) is not t for k, t in zip(REC_KEYS, rec[1:])):
+                    self._adopt_state(plan, i, p, st, group)
+        d["_state_seen"] = epoch[0]
+
+    def _init_states(self, plan: GroupPlan, rows: list, group: dict) -> None:
         """Create the state of several parameters at once, carved out of one zeroed fp32 arena.
 
         Each state kind is one contiguous stream (all exp_avg, then all exp_avg_sq, ...) with every
         tensor starting on a 64-byte boundary, so many small parameters still stream like one large
-        one (no page-sized hops, fewer TLB misses). ``state[p][key]`` are ordinary views of it.
+        one (no page-sized hops, fewer TLB misses). ``state[p][key]`` are ordinary views of it. The
+        arena is numpy-backed: its storage cannot be resized (freed) under the kernel.
         """
         dparams = [plan.params[i] for i in rows]
         for i, p in zip(rows, dparams):
@@ -294,29 +313,39 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         padded = [round_up(p.numel(), 16) for p in params]  # 64-byte aligned fp32
         lowp = [p.dtype in _LOW_PRECISION for p in params]
         per_kind = sum(padded)
-        total = per_kind * len(kinds) + sum(n for n, lp in zip(padded, lowp) if lp)
-        arena = torch.zeros(total, dtype=torch.float32)
+        # Each stream starts `gap` floats after the previous one ends: streams exactly per_kind
+        # apart are congruent modulo a large power of two whenever the sizes are (128M params:
+        # 512 MiB), and then contend for the same cache sets / DRAM banks (measured on an AVX2
+        # EPYC: a 128M step 250 ms instead of 134 ms; issue 11). Small arenas fit the caches:
+        # one cache line of gap is enough there.
+        gap = _ARENA_STAGGER if per_kind >= (1 << 18) else 16
+        total = (per_kind * len(kinds) + sum(n for n, lp in zip(padded, lowp) if lp)
+                 + gap * len(kinds))
+        arena = torch.from_numpy(np.zeros(total, dtype=np.float32))  # numpy-owned: cannot be resized under the kernel
         off = 0
-        views: list = [dict() for _ in params]
+        views: list = [ParamState() for _ in params]
         for key in kinds:
             for j, (p, n) in enumerate(zip(params, padded)):
                 views[j][key] = arena[off:off + p.numel()].view(p.shape)
                 off += n
+            off += gap
         for j, (p, n) in enumerate(zip(params, padded)):
             if lowp[j]:
                 master = arena[off:off + p.numel()].view(p.shape)
                 master.copy_(p.detach())
                 views[j]["master_param"] = master
                 off += n
-        for i, p, st in zip(rows, dparams, views):
+        for i, p, lp, st, low in zip(rows, dparams, params, views, lowp):
             if is_dtensor(p):
                 st.update({k: like(p, v) for k, v in st.items()})
             st["step"] = torch.tensor(0.0)
             self.state[p] = st
             self._adopt_state(plan, i, p, st, group)
+            if low:
+                plan.p_ver[i] = lp._version  # the master was just read from the parameter
 
-    def _adopt_state(self, plan: _GroupPlan, i: int, p: torch.Tensor, st: dict, group: dict) -> None:
-        """Make state[p] native-ready (fp32, contiguous, right sizes) and record its pointers."""
+    def _adopt_state(self, plan: GroupPlan, i: int, p: torch.Tensor, st: dict, group: dict) -> None:
+        """Make state[p] native-ready (fp32, contiguous, CPU, p's shape) and record its pointers and objects."""
         where = f"state of parameter {i}"
         for key in ("exp_avg", "exp_avg_sq"):
             if key not in st:
@@ -326,20 +355,27 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             st["max_exp_avg_sq"] = like(p, torch.zeros(lp.shape, dtype=torch.float32))
         if p.dtype in _LOW_PRECISION and "master_param" not in st:
             st["master_param"] = like(p, lp.detach().to(torch.float32, copy=True))
+            plan.p_ver[i] = lp._version
         for key in _STATE_KEYS:
             if key in st:
                 t = st[key]
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"{where}: '{key}' is not a tensor")
                 lt = local(t)
-                if lt.shape != lp.shape:
+                if lt.numel() != lp.numel():
                     raise ValueError(f"{where}: '{key}' has shape {tuple(lt.shape)} but the parameter has "
                                      f"shape {tuple(lp.shape)}")
                 if lt.dtype != torch.float32 or lt.device.type != "cpu" or not lt.is_contiguous():
-                    st[key] = like(p, lt.detach().to(device="cpu", dtype=torch.float32).contiguous())
+                    lt = lt.detach().to(device="cpu", dtype=torch.float32).contiguous()
+                    st[key] = like(p, lt.view(lp.shape))
+                elif lt.shape != lp.shape:  # same elements, the parameter was reshaped
+                    st[key] = like(p, lt.view(lp.shape))
                 elif is_dtensor(p) and not is_dtensor(t):
                     st[key] = like(p, lt)
+                check_storage(lt, f"{where}: '{key}'")
         step = st.get("step", 0.0)
+        if isinstance(step, torch.Tensor) and step.numel() != 1:
+            raise ValueError(f"{where}: 'step' must be a number or a 1-element tensor, got shape {tuple(step.shape)}")
         plan.steps[i] = _scalar(step)
         st["step"] = plan.steps[i]  # 0-dim view: one vectorised add advances every step
         row = plan.table[i]
@@ -347,27 +383,50 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         row[COL_V] = _kernels._ptr(local(st["exp_avg_sq"]))
         row[COL_VMAX] = _kernels._ptr(local(st.get("max_exp_avg_sq")))
         row[COL_N] = lp.numel()
+        plan.rec[i] = (st,) + tuple(st.get(k) for k in REC_KEYS)  # keeps what the kernel writes alive
         plan.p_ptr[i] = -1  # forces the param columns to be refreshed
-        plan.g_obj[i] = None
+        plan.p_meta[i] = None
+        plan.g_ref[i] = no_grad_ref
+        self._plans.pop("overlap", None)
 
-    def _refresh_param(self, plan: _GroupPlan, i: int, p: torch.Tensor, st: dict) -> None:
+    def _refresh_param(self, plan: GroupPlan, i: int, p: torch.Tensor, st: dict) -> None:
+        """Re-validate parameter i if anything a user can change on it differs from the last step."""
+        lp = local(p)
+        meta = fingerprint(lp)
+        if meta == plan.p_meta[i]:
+            if plan.lowp[i] and lp._version != plan.p_ver[i]:
+                sync_master(st["master_param"], lp)  # written in place since the last step
+                plan.p_ver[i] = lp._version
+            return
         _check_param(p, f"parameter {i}")
-        p = local(p)
-        if p.numel() != plan.table[i, COL_N]:
-            raise RuntimeError(f"parameter {i} changed size ({plan.table[i, COL_N]} -> {p.numel()} elements) "
+        check_storage(lp, f"parameter {i}")
+        if lp.numel() != plan.table[i, COL_N]:
+            raise RuntimeError(f"parameter {i} changed size ({plan.table[i, COL_N]} -> {lp.numel()} elements) "
                                "since its optimizer state was created")
+        if plan.rec[i] is not None and plan.rec[i][1] is not None and local(plan.rec[i][1]).shape != lp.shape:
+            for key in _STATE_KEYS:  # reshaped (same elements): the state follows the parameter's shape
+                if key in st:
+                    st[key] = like(p, local(st[key]).view(lp.shape))
+            plan.rec[i] = (st,) + tuple(st.get(k) for k in REC_KEYS)
         row = plan.table[i]
-        if p.dtype in _LOW_PRECISION:
+        if lp.dtype in _LOW_PRECISION:
             if "master_param" not in st:
-                st["master_param"] = p.detach().to(torch.float32, copy=True)
+                st["master_param"] = like(p, lp.detach().to(torch.float32, copy=True))
+                plan.rec[i] = (st,) + tuple(st.get(k) for k in REC_KEYS)
+            else:  # a new tensor (p.data = ...) or a write in place: re-read what differs
+                sync_master(st["master_param"], lp)
+            plan.p_ver[i] = lp._version
             row[COL_P] = _kernels._ptr(local(st["master_param"]))
-            row[COL_OUT] = _kernels._ptr(p)
-            row[COL_OD] = DTYPE_CODES[p.dtype]
+            row[COL_OUT] = _kernels._ptr(lp)
+            row[COL_OD] = DTYPE_CODES[lp.dtype]
         else:
-            row[COL_P] = _kernels._ptr(p)
+            row[COL_P] = _kernels._ptr(lp)
             row[COL_OUT] = 0
             row[COL_OD] = 0
-        plan.p_ptr[i] = p.data_ptr()
+        plan.lowp[i] = lp.dtype in _LOW_PRECISION
+        plan.p_ptr[i] = lp.data_ptr()
+        plan.p_meta[i] = meta
+        self._plans.pop("overlap", None)
 
     # ------------------------------------------------------------------ step
     def _group_hyper(self, group: dict) -> dict:
@@ -378,15 +437,36 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         return dict(lr=lr, beta1=_scalar(beta1), beta2=_scalar(beta2), eps=float(eps), weight_decay=float(wd),
                     decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]))
 
-    def _collect(self, plan: _GroupPlan, group: dict) -> np.ndarray:
-        """Rows of parameters with a gradient, in order; validates whatever changed since the last step.
+    def _collect(self, plan: GroupPlan, group: dict) -> tuple:
+        """Rows of parameters with a gradient, in order, and the rows whose gradient changed;
+        validates whatever changed since the last step.
 
         The native gather returns the rows whose param pointer, grad object and grad pointer are
-        unchanged (already validated); the rest are (re)validated here.
+        unchanged; of those, rows whose gradient version moved (in-place metadata changes such as
+        ``t_()``/``resize_()`` keep object and pointer) and bf16/fp16 rows whose parameter was written
+        in place are handled here too; the rest are (re)validated.
         """
-        ready, changed = _C.collect_grads(plan.params, plan.g_obj, plan.p_ptr, plan.g_ptr, _GRAD_DESCR, _DATA_PTR)
+        cached = list(map(operator.call, plan.g_ref))  # strong references for this step only
+        ready, changed = _C.collect_grads(plan.params, cached, plan.p_ptr, plan.g_ptr, _GRAD_DESCR, _DATA_PTR)
+        if len(ready):
+            if len(ready) == len(cached):  # every row has its validated gradient
+                vers = list(map(get_version, cached))
+                moved = [] if vers == plan.g_ver else [i for i, (a, b) in enumerate(zip(vers, plan.g_ver)) if a != b]
+            else:
+                idx = ready.tolist()
+                moved = [i for i, v in zip(idx, map(get_version, map(cached.__getitem__, idx))) if v != plan.g_ver[i]]
+            if moved:
+                changed = list(changed) + moved
+                ready = ready[~np.isin(ready, moved)]
+            lowp = ready[plan.lowp[ready]]
+            if len(lowp):
+                vers = np.fromiter((local(plan.params[i])._version for i in lowp), dtype=np.int64, count=len(lowp))
+                for i in lowp[vers != plan.p_ver[lowp]].tolist():  # written in place since the last step
+                    sync_master(self.state[plan.params[i]]["master_param"], plan.params[i])
+                    plan.p_ver[i] = int(vers[np.searchsorted(lowp, i)])
+        del cached
         if not changed:
-            return ready
+            return ready, ()
         table, state = plan.table, self.state
         fresh = [i for i in changed if not state.get(plan.params[i])]
         if fresh:
@@ -396,14 +476,61 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             st = state[p]
             # DTensor (FSDP2) rows always land here (the native gather sees the wrapper, not the shard)
             lp, g = local(p), local(p.grad)
-            if lp.data_ptr() != plan.p_ptr[i]:
-                self._refresh_param(plan, i, p, st)
+            self._refresh_param(plan, i, p, st)
             check_tensor(g, f"gradient of parameter {i}", dtypes=(p.dtype,), shape=lp.shape)
-            plan.g_obj[i] = g
+            check_storage(g, f"gradient of parameter {i}")
+            plan.g_ref[i] = weakref.ref(g)
+            plan.g_ver[i] = g._version
             plan.g_ptr[i] = g.data_ptr()
             table[i, COL_G] = _kernels._ptr(g)
             table[i, COL_GD] = DTYPE_CODES[g.dtype]
-        return np.sort(np.concatenate([ready, np.asarray(changed, dtype=np.int64)]))
+        return np.sort(np.concatenate([ready, np.asarray(changed, dtype=np.int64)])), changed
+
+    def _name(self, gi: int, i: int) -> str:
+        names = self.param_groups[gi].get("param_names") if gi < len(self.param_groups) else None
+        name = f" ({names[i]!r})" if names and i < len(names) else ""
+        return f"parameter {i}{name} of group {gi}"
+
+    def _check_overlap(self, work: list, changed: dict) -> None:
+        """Refuse rows about to be stepped that share memory, across all groups: what the kernel writes
+        must be disjoint, and no gradient may overlap a write. The write index is rebuilt only when a
+        row's parameter or state, or the set of stepped rows, changed; new gradients are checked
+        against it (binary search)."""
+        index = self._plans.get("overlap")
+        key = [(gi, rows) for gi, _, rows, _ in work]
+        if index is None or len(index.key) != len(key) or any(
+                a[0] != b[0] or not np.array_equal(a[1], b[1]) for a, b in zip(index.key, key)):
+            gis = [gi for gi, _, _, _ in work]
+            index = OverlapIndex([plan for _, plan, _, _ in work], [rows for _, _, rows, _ in work],
+                                 lambda pi, r: self._name(gis[pi], r))
+            index.key = key
+            self._plans["overlap"] = index
+            reads = {pi: rows for pi, (_, _, rows, _) in enumerate(work)}
+        else:
+            reads = {pi: changed[gi] for pi, (gi, _, _, _) in enumerate(work) if gi in changed}
+        if reads:
+            index.check_reads([plan for _, plan, _, _ in work], reads)
+
+    def _pending_coefficient(self) -> float:
+        """The clip coefficient left by clip_grad_norm_, if the gradients it was computed from are
+        still the ones about to be used; 1.0 if they were replaced (zero_grad/backward: stale)."""
+        mult, rec = self._pending_multiplier, self._plans.get("clip")
+        if rec is None:
+            return mult
+        params, refs, vers = rec
+        grads = [p.grad for p in params]
+        same = [g is not None and g is r() for g, r in zip(grads, refs)]
+        if not any(same):  # every gradient is new (or gone): the clipped ones were discarded
+            return 1.0
+        moved = [i for i, s in enumerate(same) if s and grads[i]._version != vers[i]]
+        if moved or not all(same):
+            i = moved[0] if moved else same.index(False)
+            raise RuntimeError(
+                f"the gradient of parameter {i} (in optimizer order) was {'modified' if moved else 'replaced'} after "
+                "clip_grad_norm_, whose coefficient offload applies inside the next step instead of scaling the "
+                "gradients in place (torch would now use clipped + new values): call opt.clip_grad_norm_ after the "
+                "last backward of the step, or opt.zero_grad() to discard the pending coefficient")
+        return mult
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_multiplier: Optional[float] = None):
@@ -411,6 +538,8 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
 
         ``grad_multiplier`` (keyword-only) scales every gradient inside the kernel pass (e.g. 1/loss
         scale); it is multiplied with the coefficient left by :meth:`clip_grad_norm_`, if any.
+        Everything is validated (hyperparameters of every group, every row) before any step count
+        advances: a step that raises changes nothing.
         """
         loss = None
         if closure is not None:
@@ -419,23 +548,32 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         if self._gpu is not None:
             self._gpu.step(grad_multiplier)
             return loss
-        mult = self._pending_multiplier * (1.0 if grad_multiplier is None else float(grad_multiplier))
-        self._pending_multiplier = 1.0
+        mult = self._pending_coefficient() * (1.0 if grad_multiplier is None else float(grad_multiplier))
         if not math.isfinite(mult):
             raise ValueError(f"grad_multiplier must be finite, got {mult}")
         threads = self._threads or 0
         if self._store is not None:  # NVMe/mmap state: the store pipelines all groups (offload/store.py)
             self._store.step(self.param_groups, lambda gi: self._group_hyper(self.param_groups[gi]), self.state,
                              mult, threads)
+            self._clear_pending()
             return loss
         native, fb = self._router.split(self.param_groups)  # fb: stepped by torch's code (offload/fallback.py)
         for group, _ in fb:
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        self._track_state()
+        work, changed = [], {}
         for gi, group in enumerate(native):
             plan = self._plan(gi, group)
-            rows = self._collect(plan, group)
-            if len(rows) == 0:
-                continue
+            rows, ch = self._collect(plan, group)
+            if ch:
+                changed[gi] = np.asarray(ch, dtype=np.int64)
+            if len(rows):
+                work.append((gi, plan, rows, self._group_hyper(group)))
+        self.__dict__["_state_seen"] = self._state_epoch[0]  # our own additions above
+        if changed or "overlap" not in self._plans:
+            self._check_overlap(work, changed)
+        self._clear_pending()
+        for _, plan, rows, hyper in work:
             if len(rows) == len(plan.params):  # every parameter has a gradient: no row selection
                 plan.steps_np += 1
                 table = plan.table
@@ -444,10 +582,19 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
                 plan.steps_np[rows] += 1
                 table = plan.table[rows]
                 table[:, COL_STEP] = plan.steps_np[rows]
-            _kernels.step_table(table, self._group_hyper(group), mult, threads)
+            _kernels.step_table(table, hyper, mult, threads)
         if fb:
             fallback.step(self, fb, mult, self._decoupled)
         return loss
+
+    def _clear_pending(self) -> None:
+        self._pending_multiplier = 1.0
+        self._plans.pop("clip", None)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad; also discards a clip coefficient computed from the discarded gradients."""
+        self._clear_pending()
+        super().zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ clipping
     @torch.no_grad()
@@ -458,21 +605,33 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         rescaling the gradients in a separate pass it records the coefficient
         ``min(1, max_norm / (norm + 1e-6))`` and the next :meth:`step` applies it inside the Adam
         kernel (one pass over memory instead of three). The gradients themselves are not modified.
+
+        The coefficient belongs to these gradients: ``zero_grad()`` or new gradients (a step that
+        GradScaler skipped, a skipped batch) discard it; modifying these gradients in place before
+        the step (another backward accumulating into them) makes the step raise, since torch would
+        have accumulated onto clipped values. A second call clips what the first call left.
         """
         if self._gpu is not None:
             return self._gpu.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         if float(norm_type) != 2.0:
             raise ValueError("offload's fused clipping supports norm_type=2.0 only")
+        pending = self._pending_coefficient()
         groups, fbg = self._router.split(self.param_groups)
-        grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
-        fb = list({id(p): p.grad for _, ps in fbg for p in ps
-                   if p.grad is not None}.values())  # (offload/fallback.py; a repeated parameter counted once)
-        total = math.sqrt(self._grad_sumsq(grads) + (fallback.grad_sumsq(fb) if fb else 0.0))
+        params = [p for g in groups for p in g["params"] if p.grad is not None]
+        fbp = list({id(p): p for _, ps in fbg for p in ps
+                    if p.grad is not None}.values())  # (offload/fallback.py; a repeated parameter counted once)
+        grads, fbgrads = [p.grad for p in params], [p.grad for p in fbp]
+        sumsq = self._grad_sumsq(grads) + (fallback.grad_sumsq(fbgrads) if fbgrads else 0.0)
+        total = math.sqrt(sumsq) * pending  # the norm of what the step would use
+        params, grads = params + fbp, grads + fbgrads
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total}), so it cannot be clipped")
         coef = float(max_norm) / (total + 1e-6)
-        if coef < 1.0:
-            self._pending_multiplier *= coef
+        self._pending_multiplier = pending * coef if coef < 1.0 else pending
+        if self._pending_multiplier != 1.0:  # tied to these gradients (weakly: zero_grad frees them)
+            self._plans["clip"] = (params, list(map(weakref.ref, grads)), list(map(get_version, grads)))
+        else:
+            self._plans.pop("clip", None)
         return torch.tensor(total, dtype=torch.float32)
 
     def _grad_sumsq(self, grads: list) -> float:

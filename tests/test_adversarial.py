@@ -448,15 +448,7 @@ MATRIX = [
 ]
 
 # Cases that currently fail because of another helper's item of issue 10; strict, so that a fix shows.
-XFAIL = {
-    "threads_above_pool": "issue 10 item 1 (optstate: threads above the native pool size)",
-    "clip_then_skipped_step": "issue 10 item 2 (optstate: fused clip coefficient survives a skipped step)",
-    "lr_negative_then_restored": "issue 10 item 5 (optstate: failed validation already advanced step)",
-    "bf16_inplace_write": "issue 10 item 3 (optstate: in-place writes to bf16 params reverted by the master)",
-    "replace_exp_avg": "issue 10 item 6 (optstate: replaced state tensors ignored)",
-    "data_transposed": "issue 10 item 7 (optstate: p.data = p.data.t() mis-paired)",
-    "state_clear_then_step": "issue 10 item 9 (optstate: opt.state.clear() then step)",
-    "storage_resized": "issue 10 item 10 (optstate/native: storage resize without bounds check)",
+XFAIL = {  # cases still failing on main, with the issue item and the owner; empty when all are fixed
 }
 
 # Runs every case in a forked child of one fresh interpreter: torch is imported once, each case is

@@ -11,15 +11,42 @@ def test_kernel_bench_tiny_run_writes_json(tmp_path):
                         "--threads", "1", "--no-deepspeed", "--no-progress", "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("CPU: ") and "kernel ISA: " in first  # machine class first (issue 11)
     assert "bandwidth probe (ceiling)" in r.stdout and "torch AdamW(fused=True)" in r.stdout
+    assert "targets (issue 11" in r.stdout
     data = json.loads(out.read_text())
     impls = {row["impl"] for row in data["results"]}
     assert {"offload.AdamW.step", "offload kernel call", "torch AdamW(fused=True)",
             "torch AdamW(foreach=True)", "bandwidth probe (ceiling)"} <= impls
     cases = {row["case"] for row in data["results"]}
-    assert len(cases) == 4
+    avx512 = "avx512" in data["build"]["available_isas"]
+    assert len(cases) == 4 + avx512
     assert all(row["seconds"] > 0 for row in data["results"])
-    assert data["targets"]
+    assert data["targets"] and data["target_definitions"]
+    if avx512:  # "is AVX-512 worth it?": forced avx2 vs native in the same run
+        assert {"offload kernel call [avx2]", "offload kernel call [avx512]"} <= impls
+    else:
+        assert "no AVX-512" in data["isa_case"] and "no AVX-512" in r.stdout
+
+
+def test_kernel_bench_rejects_unknown_case():
+    r = subprocess.run([sys.executable, "-m", "offload.bench", "kernel", "--cases", "flat,nope"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "nope" in r.stderr
+
+
+def test_io_bench_takes_the_common_options():
+    """--reps/--json/--no-progress mean the same in every subcommand (io refused --no-progress)."""
+    import argparse
+    from offload.bench import io as bench_io, kernel as bench_kernel  # not train: it binds sys.stdout at import
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    bench_kernel.add_parser(sub)
+    bench_io.add_parser(sub)
+    for cmd in ("kernel", "io"):
+        args = parser.parse_args([cmd, "--no-progress", "--reps", "2", "--json", "x.json"])
+        assert args.no_progress and args.reps == 2 and args.json == "x.json"
 
 
 def test_bench_default_subcommand_is_kernel():

@@ -151,11 +151,12 @@ def _float64_adam(p, grads, decoupled, amsgrad, wd, lr=1e-3, b1=0.9, b2=0.999, e
     return p
 
 
+@pytest.mark.parametrize("p_scale", [1.0, 1e-4])  # 1e-4: the update dominates p, so the denominator's rounding shows
 @pytest.mark.parametrize("decoupled,amsgrad,wd", [(True, False, 0.01), (False, True, 0.01), (True, True, 0.0)])
-def test_error_vs_float64_no_worse_than_torch(isa, decoupled, amsgrad, wd):
-    n, steps = 4097, 200
+def test_error_vs_float64_no_worse_than_torch(isa, decoupled, amsgrad, wd, p_scale):
+    n, steps = 65537, 200  # enough elements that the norm of the error is not one rounding's luck
     gen = torch.Generator().manual_seed(11)
-    p0 = torch.randn(n, generator=gen)
+    p0 = torch.randn(n, generator=gen) * p_scale
     grads = [torch.randn(n, generator=gen) * (1 + 0.01 * t) for t in range(steps)]
     exact = _float64_adam(p0, grads, decoupled, amsgrad, wd)
 
@@ -171,7 +172,8 @@ def test_error_vs_float64_no_worse_than_torch(isa, decoupled, amsgrad, wd):
         opt.step()
     err_ours = ((ours.double() - exact).norm() / exact.norm()).item()
     err_torch = ((tp.detach().double() - exact).norm() / exact.norm()).item()
-    assert err_ours <= err_torch * 1.05 + 1e-9, (err_ours, err_torch)
+    print(f"float64 error over {steps} steps: ours {err_ours:.3e}, torch {err_torch:.3e}")
+    assert err_ours <= err_torch * 1.01 + 1e-12, (err_ours, err_torch)  # measured 0.999-1.004x
 
 
 def test_grad_sumsq_matches_and_is_deterministic():
@@ -315,3 +317,71 @@ def test_kernel_works_in_forked_child():
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+# ---- threads above the pool size (issue 10 item 1): the work must still be covered in full ----
+
+@pytest.fixture
+def pool_of_two():
+    prev = kernels.get_num_threads()
+    kernels.set_num_threads(2)
+    try:
+        yield 2
+    finally:
+        kernels.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("extra", [1, 5])
+def test_threads_above_pool_size_update_every_element(pool_of_two, extra):
+    import offload
+    n = 1 << 20
+    assert offload.build_info()["threads"] == pool_of_two
+    gen = torch.Generator().manual_seed(8)
+    p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    results = []
+    for threads in (1, pool_of_two + extra):
+        p = torch.nn.Parameter(p0.clone())
+        p.grad = g.clone()
+        opt = offload.AdamW([p], lr=1e-2, threads=threads)
+        opt.step()
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+        results.append(p.detach().clone())
+    assert not torch.equal(results[0], p0)
+    assert torch.equal(results[1].view(torch.int32), results[0].view(torch.int32))
+
+
+@pytest.mark.parametrize("extra", [1, 5])
+def test_raw_entry_points_cover_all_work_above_pool_size(pool_of_two, extra):
+    threads = pool_of_two + extra
+    n = 300_007
+    base = make_state(n, torch.bfloat16, torch.bfloat16, seed=4)
+    one, many = clone(base), clone(base)
+    run(one, VARIANTS[0], threads=1)
+    run(many, VARIANTS[0], threads=threads)
+    assert_bitwise(many, one)
+    grads = [torch.ones(n), torch.ones(70_001, dtype=torch.bfloat16)] + [torch.ones(1 << 16)] * 9
+    expect = float(n + 70_001 + 9 * (1 << 16))
+    assert kernels.grad_sumsq(grads, threads=threads) == expect == kernels.grad_sumsq(grads, threads=1)
+    bufs = [torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.ones(n)]
+    _C.bandwidth_probe(*(b.data_ptr() for b in bufs), n, threads)
+    assert torch.equal(bufs[0], torch.full((n,), 0.5)) and torch.equal(bufs[1], torch.ones(n))
+    assert torch.equal(bufs[2], -torch.ones(n))
+
+
+def test_state_arena_streams_not_a_power_of_two_apart():
+    """exp_avg, exp_avg_sq and the fp32 master of one arena must not be congruent modulo 4 KiB:
+    streams a large power of two apart contend for the same cache sets and DRAM banks (a 128M
+    step took 1.9x as long on an AVX2 EPYC; issue 11)."""
+    import offload
+    ps = [torch.nn.Parameter(torch.zeros(1 << 16, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(1 << 12))]
+    for p in ps:
+        p.grad = torch.zeros_like(p)
+    opt = offload.AdamW(ps, amsgrad=True)
+    opt.step()
+    for p in ps:
+        st = opt.state[p]
+        ptrs = [st[k].data_ptr() for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param") if k in st]
+        assert len(ptrs) >= 3
+        for a, b in itertools.combinations(ptrs, 2):
+            assert (a - b) % 4096 != 0, (a, b)

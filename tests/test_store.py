@@ -697,7 +697,7 @@ def test_aliasing_gradients_refused_by_name_store_stays_usable(tmp_path, mode):
         assert all(torch.equal(a, b) for a, b in zip(ps, ref))  # nothing was touched
         target.grad = torch.zeros_like(target)
     opt.param_groups[0]["lr"] = float("inf")
-    with pytest.raises(ValueError, match="lr ?= ?inf (is not finite|overflows float32)"):  # (optim's check first)
+    with pytest.raises(ValueError, match="lr = inf is not finite|lr=inf overflows float32"):
         run_steps(ps, opt, 1, start=1)
     opt.param_groups[0]["lr"] = 1e-3
     run_steps(ps, opt, 1, start=1)  # the store is still usable

@@ -34,7 +34,7 @@ import torch
 from ..aio import AioEngine
 from ..buffers import aligned_empty
 from ..store import parse_size
-from .common import write_json
+from .common import add_common_options, write_json
 
 GB = 1e9
 
@@ -330,6 +330,5 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-fio", action="store_true", help="skip fio")
     p.add_argument("--skip", default="", help="comma-separated peers to skip: pwrite,memmap,aiofiles,deepspeed")
     p.add_argument("--ds-threads", type=int, default=2, help="DeepSpeed intra_op_parallelism (default 2)")
-    p.add_argument("--reps", type=int, default=3, help="repetitions (median reported; default 3)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    add_common_options(p, reps=3)  # --reps, --json, --no-progress (io prints no progress display)
     p.set_defaults(func=run)
