@@ -41,6 +41,11 @@ _GRAD_DESCR = _TensorBase.__dict__["grad"]
 _DATA_PTR = _TensorBase.data_ptr
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _ARENA_STAGGER = 16400  # floats (64 KiB + 64 B) between state streams of one arena: see _init_states
+
+
+def arena_gap(per_kind: int) -> int:
+    """Floats left after each state stream of an arena whose streams hold per_kind floats."""
+    return _ARENA_STAGGER if per_kind >= (1 << 18) else 16
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 
 
@@ -318,7 +323,7 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         # 512 MiB), and then contend for the same cache sets / DRAM banks (measured on an AVX2
         # EPYC: a 128M step 250 ms instead of 134 ms; issue 11). Small arenas fit the caches:
         # one cache line of gap is enough there.
-        gap = _ARENA_STAGGER if per_kind >= (1 << 18) else 16
+        gap = arena_gap(per_kind)
         total = (per_kind * len(kinds) + sum(n for n, lp in zip(padded, lowp) if lp)
                  + gap * len(kinds))
         arena = torch.from_numpy(np.zeros(total, dtype=np.float32))  # numpy-owned: cannot be resized under the kernel
@@ -455,7 +460,16 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             else:
                 idx = ready.tolist()
                 moved = [i for i, v in zip(idx, map(get_version, map(cached.__getitem__, idx))) if v != plan.g_ver[i]]
+            # `p.data = <view with the same data pointer>` (t(), a prefix slice, reshape, a dtype view)
+            # changes no pointer the native gather compares: rows whose shape, strides or dtype moved
+            # are re-validated too (fingerprint()[1:]; the pointer was compared natively)
+            params, metas = plan.params, plan.p_meta
+            for i in ready.tolist():
+                t, m = params[i], metas[i]
+                if m is None or t.shape != m[1] or t.stride() != m[2] or t.dtype is not m[3]:
+                    moved.append(i)
             if moved:
+                moved = sorted(set(moved))  # a row may have moved both ways: re-validated (and stepped) once
                 changed = list(changed) + moved
                 ready = ready[~np.isin(ready, moved)]
             lowp = ready[plan.lowp[ready]]

@@ -198,10 +198,8 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     in_sections = sum(b.state_bytes for b in lay.buckets)
     master = sum(b.cap * 4 for b in lay.buckets if b.master)
     if state == "ram" and not on_gpu:   # optim._init_states: streams of one arena staggered by a gap
-        from .optim import _ARENA_STAGGER
-        per_kind = sum(b.cap for b in lay.buckets)
-        gap = _ARENA_STAGGER if per_kind >= (1 << 18) else 16
-        in_sections += 4 * gap * (3 if amsgrad else 2) if lay.buckets else 0
+        from .optim import arena_gap   # the gap after each stream of the (one) arena
+        in_sections += 4 * arena_gap(sum(b.cap for b in lay.buckets)) * (3 if amsgrad else 2) if lay.buckets else 0
 
     rows: List[Row] = []
     warnings: List[str] = []

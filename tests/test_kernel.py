@@ -364,7 +364,7 @@ def test_raw_entry_points_cover_all_work_above_pool_size(pool_of_two, extra):
     expect = float(n + 70_001 + 9 * (1 << 16))
     assert kernels.grad_sumsq(grads, threads=threads) == expect == kernels.grad_sumsq(grads, threads=1)
     bufs = [torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.ones(n)]
-    _C.bandwidth_probe(*(b.data_ptr() for b in bufs), n, threads)
+    _C._bandwidth_probe(*(b.data_ptr() for b in bufs), n, threads)
     assert torch.equal(bufs[0], torch.full((n,), 0.5)) and torch.equal(bufs[1], torch.ones(n))
     assert torch.equal(bufs[2], -torch.ones(n))
 
