@@ -78,7 +78,6 @@ class DeviceParams:
         if ev is not None:        # the slot's previous upload still reads its out part
             ev.synchronize()
             self.slot_ev[s] = None
-        params = self.groups[b.group]
         pairs = []
         for pc in pieces:
             g = self.grads[b.group][pc.param]
