@@ -43,6 +43,7 @@ namespace py = pybind11;
 using namespace offload;
 
 void register_aio(py::module_& m);  // csrc/aio_bindings.cpp (NVMe state I/O engine)
+void register_moments(py::module_& m);  // csrc/moments_bindings.cpp (compressed moments)
 
 namespace {
 
@@ -198,4 +199,5 @@ PYBIND11_MODULE(_C, m) {
       "Memory-bandwidth probe with Adam's access pattern (reads 4, writes 3 fp32 streams).");
 
   register_aio(m);  // csrc/aio_bindings.cpp
+  register_moments(m);  // csrc/moments_bindings.cpp
 }

@@ -36,6 +36,7 @@ struct AdamTask {
   int64_t odtype;    // kNone | kBF16 | kF16 | kF32
 };
 constexpr int kTaskCols = 10;
+// Compressed (bf16 / 8-bit) moments use a second table layout and entry: AdamQTask in moments.h.
 
 // Hyperparameters of one call, as the user gave them (double precision).
 struct AdamHyper {

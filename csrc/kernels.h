@@ -2,6 +2,7 @@
 // Each kernels_<isa>.cpp fills one IsaKernels; select_isa() picks one at run time.
 #pragma once
 #include "common.h"
+#include "moments.h"
 #include <string>
 #include <vector>
 
@@ -15,6 +16,8 @@ struct IsaKernels {
   double (*sumsq)(const void* g, int64_t dtype, int64_t begin, int64_t end);
   // Bandwidth probe over [begin, end).
   void (*probe)(float* p, float* m, float* v, const float* g, int64_t begin, int64_t end);
+  // Adam update over compressed moments (moments.h), blocks [block_begin, block_end) of one tensor.
+  void (*adam_q_range)(const AdamQTask&, const AdamScalars&, int64_t block_begin, int64_t block_end);
 };
 
 extern const IsaKernels kernels_scalar;

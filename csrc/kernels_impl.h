@@ -210,8 +210,10 @@ static void probe_range(float* p, float* m, float* v, const float* g, int64_t b,
 
 }  // namespace offload
 
+#include "kernels_moments.h"  // compressed moments (issue 9): uses the helpers above
+
 #define OFFLOAD_DEFINE_ISA(NAME, ISA)                                                          \
   namespace offload {                                                                          \
   const IsaKernels kernels_##NAME = {                                                          \
-      #NAME, &adam_range<ISA>, &sumsq<ISA>, &probe_range<ISA>};                                \
+      #NAME, &adam_range<ISA>, &sumsq<ISA>, &probe_range<ISA>, &adam_q_range<ISA>};            \
   }

@@ -35,6 +35,21 @@ struct ScalarISA {
   static V neg(V a) { return -a; }
   // Sum of squares in double of W elements (used by grad_stats).
   static double sq(V a) { const double d = a; return d * d; }
+  // 8-bit moment codes (moments.h): widen exactly; store rounds to nearest even and clamps.
+  static V abs(V a) { return std::fabs(a); }
+  static V copysign(V mag, V sgn) { return std::copysign(mag, sgn); }  // mag >= +0
+  static V maxf(V a, V b) { return a > b ? a : b; }  // finite inputs only
+  static V load_i8(const int8_t* p) { return static_cast<float>(*p); }
+  static V load_u8(const uint8_t* p) { return static_cast<float>(*p); }
+  static void store_i8(int8_t* p, V x) {
+    const float r = std::nearbyint(x);
+    *p = static_cast<int8_t>(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
+  }
+  static void store_u8(uint8_t* p, V x) {
+    const float r = std::nearbyint(x);
+    *p = static_cast<uint8_t>(r > 255.0f ? 255.0f : (r < 0.0f ? 0.0f : r));
+  }
+  static void lanes(float* out, V a) { *out = a; }
 };
 
 #if defined(__AVX2__)
@@ -85,6 +100,29 @@ struct Avx2ISA {
     return _mm256_blendv_ps(_mm256_blendv_ps(m, b, bn), a, an);
   }
   static V neg(V a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+  static V abs(V a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+  static V copysign(V mag, V sgn) { return _mm256_or_ps(mag, _mm256_and_ps(sgn, _mm256_set1_ps(-0.0f))); }
+  static V maxf(V a, V b) { return _mm256_max_ps(a, b); }
+  static V load_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V load_u8(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static __m128i round_pack16(V x, int lo, int hi) {  // RNE (MXCSR default), clamp, 8 x int16
+    __m256i q = _mm256_cvtps_epi32(x);
+    q = _mm256_max_epi32(_mm256_min_epi32(q, _mm256_set1_epi32(hi)), _mm256_set1_epi32(lo));
+    return _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  }
+  static void store_i8(int8_t* p, V x) {
+    const __m128i h = round_pack16(x, -127, 127);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(h, h));
+  }
+  static void store_u8(uint8_t* p, V x) {
+    const __m128i h = round_pack16(x, 0, 255);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(h, h));
+  }
+  static void lanes(float* out, V a) { _mm256_storeu_ps(out, a); }
 };
 #endif
 
@@ -135,6 +173,31 @@ struct Avx512ISA {
   static V neg(V a) {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(int(0x80000000u))));
   }
+  static V abs(V a) {
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7FFFFFFF)));
+  }
+  static V copysign(V mag, V sgn) {
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag),
+        _mm512_and_si512(_mm512_castps_si512(sgn), _mm512_set1_epi32(int(0x80000000u)))));
+  }
+  static V maxf(V a, V b) { return _mm512_max_ps(a, b); }
+  static V load_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V load_u8(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static __m512i round_clamp(V x, int lo, int hi) {  // RNE (MXCSR default), clamp
+    const __m512i q = _mm512_cvtps_epi32(x);
+    return _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(hi)), _mm512_set1_epi32(lo));
+  }
+  static void store_i8(int8_t* p, V x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(round_clamp(x, -127, 127)));
+  }
+  static void store_u8(uint8_t* p, V x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(round_clamp(x, 0, 255)));
+  }
+  static void lanes(float* out, V a) { _mm512_storeu_ps(out, a); }
 };
 #endif
 

@@ -21,7 +21,8 @@ def test_kernel_bench_tiny_run_writes_json(tmp_path):
             "torch AdamW(foreach=True)", "bandwidth probe (ceiling)"} <= impls
     cases = {row["case"] for row in data["results"]}
     avx512 = "avx512" in data["build"]["available_isas"]
-    assert len(cases) == 4 + avx512
+    assert len(cases) == 5 + avx512  # flat, multi, small, bf16, compressed moments (+ avx2 vs avx512)
+    assert {"bf16 moments, fp32 grad", "8bit moments, bf16 grad+out"} <= impls
     assert all(row["seconds"] > 0 for row in data["results"])
     assert data["targets"] and data["target_definitions"]
     if avx512:  # "is AVX-512 worth it?": forced avx2 vs native in the same run

@@ -57,7 +57,7 @@ class Case:
         return f"bf16 grad+out, {shape}" if self.lowp else f"fp32 {shape}"
 
 
-CASE_KEYS = ("flat", "multi", "small", "bf16", "isa")
+CASE_KEYS = ("flat", "multi", "small", "bf16", "isa", "moments")
 DEFAULT_FLAT = 32 * 2**20  # 32M params: 900 MB moved per step, 28x a 32 MiB L3
 FULL_FLAT = 128 * 2**20    # the sizes of the targets of issue 11
 
@@ -71,6 +71,7 @@ def make_cases(scale: float, only, full: bool = False) -> list:
         Case("small", [1024] * max(1, int(10000 * min(1.0, scale * 8)))),
         Case("bf16", [flat], lowp=True),
         Case("isa", [flat]),
+        Case("moments", [flat]),  # compressed moments (offload/bench/moments.py)
     ]
     if only:
         keys = [k.strip() for k in only.split(",") if k.strip()]
@@ -395,16 +396,26 @@ def run(args) -> int:
     n_contenders = 6 + int(use_ds)
     progress = Progress(len(cases) * len(thread_counts) * (args.reps + 1) * n_contenders, "kernel bench",
                         enabled=not args.no_progress)
+    moments = next((c for c in cases if c.key == "moments"), None)
+    cases = [c for c in cases if c.key != "moments"]
     for case in cases:
         run_case(case, thread_counts, args.reps, use_ds, progress)
+    mom = None
+    if moments is not None:
+        from . import moments as bench_moments
+        mom = bench_moments.run(moments.numel, thread_counts, args.reps, Probe, progress)
     progress.close()
     table, records = summarize(cases, thread_counts)
     print(table)
+    if mom is not None:
+        print("\ncompressed moments (issue 9), kernel call only; B/param = bytes a single pass moves")
+        print(mom[0])
+        records += mom[1]
     isa = isa_summary(cases, thread_counts)
     if isa:
         print("\nis AVX-512 worth it? (same run, kernel call only)")
         print("\n".join("  " + line for line in isa))
-    targets = check_targets(cases, thread_counts)
+    targets = check_targets(cases, thread_counts) + (mom[2] if mom is not None else [])
     if targets:
         print("\ntargets (issue 11; medians of this run):")
         print("\n".join("  " + t for t in targets))

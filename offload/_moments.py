@@ -1,0 +1,131 @@
+"""_moments.py: validated tensor API of the compressed-moment Adam kernel (issue 9; formats in
+csrc/moments.h). Re-exported by ``offload.kernels``. Not wired into the optimizers yet.
+
+Formats: ``"bf16"`` (exp_avg/exp_avg_sq are bfloat16 tensors, round-to-nearest-even) and
+``"8bit"`` (exp_avg int8, exp_avg_sq uint8, blocks of 256 elements with one float32 scale per
+block and moment: m through its signed square root, v through its 4th root). Use :func:`moment_state` for zeroed
+buffers, :func:`adam_step_moments` for a validated call, :func:`moment_table` +
+:func:`step_moment_table` for a prebuilt table, :func:`decode_moments` to read fp32 values back.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import _C
+from ._kernels import DTYPE_CODES, OUT_NONE, _ptr, check_tensor
+
+__all__ = ["MOMENT_FORMATS", "MOMENT_BLOCK", "MOMENT_TASK_COLS", "moment_state", "moment_table",
+           "adam_step_moments", "step_moment_table", "decode_moments"]
+
+MOMENT_FORMATS = {"bf16": 2, "8bit": 8}  # codes of the mfmt column (csrc/moments.h)
+MOMENT_BLOCK = int(_C.MOMENT_BLOCK)  # 256
+MOMENT_TASK_COLS = int(_C.MOMENT_TASK_COLS)  # p, m, v, m_scale, v_scale, g, out, n, step, gdtype, odtype, mfmt
+_DTYPES = {"bf16": (torch.bfloat16, torch.bfloat16), "8bit": (torch.int8, torch.uint8)}
+
+
+def _fmt(fmt: str) -> str:
+    if fmt not in MOMENT_FORMATS:
+        raise ValueError(f"unknown moment format {fmt!r}: expected one of {', '.join(MOMENT_FORMATS)}")
+    return fmt
+
+
+def _nblocks(n: int) -> int:
+    return (n + MOMENT_BLOCK - 1) // MOMENT_BLOCK
+
+
+def moment_state(numel: int, fmt: str) -> dict:
+    """Zeroed compressed moments for ``numel`` elements: exp_avg, exp_avg_sq (+ the two scale
+    vectors for "8bit"; all-zero bytes and scales are the zero state)."""
+    md, vd = _DTYPES[_fmt(fmt)]
+    st = {"exp_avg": torch.zeros(numel, dtype=md), "exp_avg_sq": torch.zeros(numel, dtype=vd)}
+    if fmt == "8bit":
+        st["exp_avg_scale"] = torch.zeros(_nblocks(numel))
+        st["exp_avg_sq_scale"] = torch.zeros(_nblocks(numel))
+    return st
+
+
+def moment_table(params, grads, exp_avgs, exp_avg_sqs, steps, *, fmt: str, m_scales=None, v_scales=None,
+                 outs=None) -> np.ndarray:
+    """Validate the tensors and build the int64 table for :func:`step_moment_table`.
+
+    The table holds raw pointers: the tensors must stay alive (and unmoved) while it is used.
+    """
+    md, vd = _DTYPES[_fmt(fmt)]
+    q8 = fmt == "8bit"
+    n = len(params)
+    seqs = [("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("steps", steps)]
+    if q8:
+        if m_scales is None or v_scales is None:
+            raise ValueError('fmt="8bit" needs m_scales and v_scales (see moment_state)')
+        seqs += [("m_scales", m_scales), ("v_scales", v_scales)]
+    if outs is not None:
+        seqs.append(("outs", outs))
+    for name, seq in seqs:
+        if len(seq) != n:
+            raise ValueError(f"{name} has {len(seq)} entries, params has {n}")
+    table = np.zeros((n, MOMENT_TASK_COLS), dtype=np.int64)
+    for i in range(n):
+        p = check_tensor(params[i], f"params[{i}]")
+        k = p.numel()
+        g = check_tensor(grads[i], f"grads[{i}]", dtypes=tuple(DTYPE_CODES), numel=k)
+        m = check_tensor(exp_avgs[i], f"exp_avgs[{i}]", dtypes=(md,), numel=k)
+        v = check_tensor(exp_avg_sqs[i], f"exp_avg_sqs[{i}]", dtypes=(vd,), numel=k)
+        ms = vs = None
+        if q8:
+            ms = check_tensor(m_scales[i], f"m_scales[{i}]", numel=_nblocks(k))
+            vs = check_tensor(v_scales[i], f"v_scales[{i}]", numel=_nblocks(k))
+        o = outs[i] if outs is not None else None
+        if o is not None:
+            check_tensor(o, f"outs[{i}]", dtypes=tuple(DTYPE_CODES), numel=k)
+        step = int(steps[i])
+        if step < 1:
+            raise ValueError(f"steps[{i}] must be >= 1, got {step}")
+        table[i] = (_ptr(p), _ptr(m), _ptr(v), _ptr(ms), _ptr(vs), _ptr(g), _ptr(o), k, step,
+                    DTYPE_CODES[g.dtype], DTYPE_CODES[o.dtype] if o is not None else OUT_NONE, MOMENT_FORMATS[fmt])
+    return table
+
+
+def step_moment_table(table: np.ndarray, hyper: dict, grad_multiplier: float = 1.0, threads: int = 0,
+                      reference: bool = False) -> None:
+    """Run the compressed-moment step over a prebuilt table (``hyper`` as for ``step_table``:
+    lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize). The native layer
+    re-checks the table; amsgrad=True is refused."""
+    _C.adam_step_moments(table, float(hyper["lr"]), float(hyper["beta1"]), float(hyper["beta2"]),
+                         float(hyper["eps"]), float(hyper["weight_decay"]), bool(hyper["decoupled"]),
+                         bool(hyper["amsgrad"]), bool(hyper["maximize"]), float(grad_multiplier), int(threads),
+                         bool(reference))
+
+
+def adam_step_moments(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                      exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[int],
+                      *, fmt: str, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                      decoupled: bool, amsgrad: bool = False, maximize: bool = False, grad_multiplier: float = 1.0,
+                      m_scales: Optional[Sequence[torch.Tensor]] = None,
+                      v_scales: Optional[Sequence[torch.Tensor]] = None,
+                      outs: Optional[Sequence[Optional[torch.Tensor]]] = None, threads: int = 0,
+                      reference: bool = False) -> None:
+    """One Adam/AdamW update of every tensor with compressed moments, in one native call.
+
+    ``params`` are fp32 masters (updated in place), ``grads`` fp32/bf16/fp16, moments as made
+    by :func:`moment_state`. Same math as :func:`offload.kernels.adam_step` on the decoded moments.
+    """
+    table = moment_table(params, grads, exp_avgs, exp_avg_sqs, steps, fmt=fmt, m_scales=m_scales,
+                         v_scales=v_scales, outs=outs)
+    step_moment_table(table, dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                  decoupled=decoupled, amsgrad=amsgrad, maximize=maximize),
+                      grad_multiplier, threads, reference)
+
+
+def decode_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fmt: str,
+                   m_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> tuple:
+    """fp32 (exp_avg, exp_avg_sq) exactly as the kernel decodes them."""
+    if _fmt(fmt) == "bf16":
+        return exp_avg.float(), exp_avg_sq.float()
+    n = exp_avg.numel()
+    idx = torch.arange(n) // MOMENT_BLOCK
+    x = exp_avg.float() * (m_scale / 127.0)[idx]
+    w = exp_avg_sq.float() * (v_scale / 255.0)[idx]
+    return x * x.abs(), (w * w) * (w * w)

@@ -1,0 +1,121 @@
+"""moments.py: the compressed-moment cases of ``python -m offload.bench kernel`` (issue 9).
+
+One flat tensor, round-robin in one run: the kernel call with fp32 moments, bf16 moments and
+8-bit moments, each with fp32 gradients and with bf16 gradient + bf16 weight out, and the
+bandwidth probe. Reports params/s, the true bytes moved per parameter, % of the probe and the
+speedup over fp32 moments (same gradient/output dtypes, same run).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from offload import _C, kernels
+
+from .common import format_table, median
+
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, amsgrad=False,
+             maximize=False)
+
+
+def true_bytes(fmt: str, lowp: bool, n: int) -> float:
+    """Bytes a single pass must move per parameter (reads + writes)."""
+    g_out = (2 + 2) if lowp else 4  # bf16 grad read + bf16 weight written, or fp32 grad read
+    mom = {"fp32": 16, "bf16": 8, "8bit": 4 + 16 * (-(-n // 256)) / n}[fmt]  # m, v read + written (+ scales)
+    return 8 + g_out + mom  # + fp32 master read and written
+
+
+STAGGER = 65600  # bytes between the streams of one contender (64 KiB + 64 B, as the state arena)
+
+
+def _carve(specs: list) -> list:
+    """Tensors (numel, dtype) carved out of one allocation, streams staggered, so no contender
+    gets (or escapes) the power-of-two stream distances of separate allocations."""
+    nbytes = [(n * torch.empty(0, dtype=dt).element_size() + 63) // 64 * 64 + STAGGER for n, dt in specs]
+    arena = torch.zeros(sum(nbytes), dtype=torch.uint8)
+    out, off = [], 0
+    for (n, dt), nb in zip(specs, nbytes):
+        out.append(arena[off:off + n * torch.empty(0, dtype=dt).element_size()].view(dt))
+        off += nb
+    return out
+
+
+class _Contender:
+    def __init__(self, n: int, fmt: str, lowp: bool, threads: int):
+        self.fmt, self.lowp, self.threads, self.n = fmt, lowp, threads, n
+        self.name = f"{fmt} moments, {'bf16 grad+out' if lowp else 'fp32 grad'}"
+        gen = torch.Generator().manual_seed(0)
+        gd = torch.bfloat16 if lowp else torch.float32
+        md, vd = {"fp32": (torch.float32,) * 2, "bf16": (torch.bfloat16,) * 2, "8bit": (torch.int8, torch.uint8)}[fmt]
+        specs = [(n, torch.float32), (n, gd), (n, md), (n, vd)] + ([(n, torch.bfloat16)] if lowp else [])
+        if fmt == "8bit":
+            specs += [(-(-n // 256), torch.float32)] * 2
+        bufs = _carve(specs)
+        self.p, self.g = bufs[0], bufs[1]
+        self.p.copy_(torch.randn(n, generator=gen))
+        self.g.copy_(torch.randn(n, generator=gen) * 1e-2)
+        self.out = bufs[4] if lowp else None
+        outs = [self.out] if lowp else None
+        if fmt == "fp32":
+            self.m, self.v = bufs[2], bufs[3]
+            kernels.adam_step([self.p], [self.g], [self.m], [self.v], None, [1], outs=outs, **{
+                k: v for k, v in HYPER.items() if k != "amsgrad"})
+            self.table = np.zeros((1, kernels.TASK_COLS), dtype=np.int64)
+            self.table[0] = (self.p.data_ptr(), self.m.data_ptr(), self.v.data_ptr(), 0, self.g.data_ptr(),
+                             self.out.data_ptr() if lowp else 0, n, 10, kernels.DTYPE_CODES[self.g.dtype],
+                             kernels.DTYPE_CODES[torch.bfloat16] if lowp else 0)
+        else:
+            self.st = {"exp_avg": bufs[2], "exp_avg_sq": bufs[3]}
+            if fmt == "8bit":
+                self.st["exp_avg_scale"], self.st["exp_avg_sq_scale"] = bufs[-2], bufs[-1]
+            q8 = fmt == "8bit"
+            self.table = kernels.moment_table(
+                [self.p], [self.g], [self.st["exp_avg"]], [self.st["exp_avg_sq"]], [10], fmt=fmt, outs=outs,
+                m_scales=[self.st["exp_avg_scale"]] if q8 else None,
+                v_scales=[self.st["exp_avg_sq_scale"]] if q8 else None)
+
+    def step(self) -> None:
+        if self.fmt == "fp32":
+            kernels.step_table(self.table, HYPER, 1.0, self.threads)
+        else:
+            kernels.step_moment_table(self.table, HYPER, 1.0, self.threads)
+
+
+def run(n: int, thread_counts: list, reps: int, probe_cls, progress) -> tuple:
+    """Returns (table text, records, summary lines)."""
+    rows, records, summary = [], [], []
+    contenders = [_Contender(n, fmt, lowp, thread_counts[0]) for lowp in (False, True)
+                  for fmt in ("fp32", "bf16", "8bit")]
+    probe = probe_cls(n, thread_counts[0])
+    for t in thread_counts:
+        for c in contenders + [probe]:
+            c.threads = t
+        times = {c.name: [] for c in contenders + [probe]}
+        for rep in range(reps + 1):
+            for c in contenders + [probe]:
+                t0 = time.perf_counter()
+                c.step()
+                if rep:
+                    times[c.name].append(time.perf_counter() - t0)
+                progress.update(f"moments t={t} {c.name}")
+        med = {k: median(v) for k, v in times.items()}
+        pr = med[probe.name]
+        for c in contenders:
+            sec = med[c.name]
+            base = med[f"fp32 moments, {'bf16 grad+out' if c.lowp else 'fp32 grad'}"]
+            b = true_bytes(c.fmt, c.lowp, n)
+            rows.append([f"flat {n / 2**20:g}M", t, c.name, f"{sec * 1e3:.1f}", f"{n / sec / 1e6:.0f}", f"{b:.2f}",
+                         f"{n * b / sec / 1e9:.1f}", f"{pr / sec * 100:.0f}%", f"{base / sec:.2f}x"])
+            records.append(dict(case="moments", threads=t, impl=c.name, seconds=sec, params=n, bytes_per_param=b,
+                                pct_of_probe=pr / sec * 100, speedup_vs_fp32_moments=base / sec))
+            if c.fmt != "fp32":
+                target = 1.5 if c.fmt == "8bit" else 1.25
+                summary.append(f"{'PASS' if base / sec >= target else 'MISS'}  {c.name}, {t} thr: "
+                               f">= {target}x the fp32-moment step: {base / sec:.2f}x")
+        rows.append([f"flat {n / 2**20:g}M", t, probe.name, f"{pr * 1e3:.1f}", f"{n / pr / 1e6:.0f}", "28.00",
+                     f"{n * 28 / pr / 1e9:.1f}", "100%", "-"])
+    headers = ["case", "thr", "moments (kernel call)", "ms", "Mparam/s", "B/param", "GB/s (true)", "% probe",
+               "vs fp32 moments"]
+    return format_table(headers, rows), records, summary
