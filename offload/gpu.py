@@ -8,6 +8,8 @@ Kept apart from optim.py so that the optimizer class only delegates.
 from __future__ import annotations
 
 import contextlib
+import time
+import weakref
 from typing import Optional
 
 import torch
@@ -15,7 +17,7 @@ import torch
 from .device import Device, resolve_device
 from .pipeline import GPU_OPTIONS, GpuOffloadEngine
 
-__all__ = ["GpuOffloadMixin", "split_params", "start_engine"]
+__all__ = ["GpuOffloadMixin", "make_state_engine", "split_params", "start_engine"]
 
 
 def _flat(params: list) -> list:
@@ -49,11 +51,50 @@ def split_params(params, offload_device, gpu_options: dict):
     return params, device
 
 
-def start_engine(opt, device: Optional[Device], gpu_options: dict) -> Optional[GpuOffloadEngine]:
+def make_state_engine(param_groups: list, state: str, *, nvme_dir, host_budget, keep: bool, nvme_options,
+                      device: Optional[Device], gpu_options: dict):
+    """The NVMe/mmap state engine (offload/step/engine.py) for host or device parameters."""
+    from .step.engine import StateEngine
+    opts = dict(nvme_options or {})
+    if device is not None:
+        opts.setdefault("bucket_bytes", int(float(gpu_options.get("bucket_mb", 32.0)) * 2 ** 20))
+    return StateEngine([g["params"] for g in param_groups], [g["amsgrad"] for g in param_groups], mode=state,
+                       nvme_dir=nvme_dir, host_budget=host_budget, keep=keep, device=device, **opts)
+
+
+_HOST_STATS = dict(step=0, d2h_s=0.0, kernel_s=0.0, h2d_s=0.0, nvme_s=0.0, exposed_s=0.0, d2h_bytes=0, h2d_bytes=0,
+                   buckets=0, skipped=False, grad_multiplier=1.0, overlapped=False, complete=True)
+
+
+def _time_host_steps(opt) -> None:
+    """RAM state, host parameters: last_step_stats() from the step's wall time (it is all kernel)."""
+    ref = weakref.ref(opt)
+    box = {}
+
+    def pre(o, args, kwargs):
+        box["t"] = time.perf_counter()
+
+    def post(o, args, kwargs):
+        me = ref()
+        if me is not None and "t" in box:
+            dt = time.perf_counter() - box.pop("t")
+            prev = getattr(me, "_host_stats", None)
+            me._host_stats = dict(step=(prev["step"] if prev else 0) + 1, kernel_s=dt, step_s=dt)
+    opt.register_step_pre_hook(pre)
+    opt.register_step_post_hook(post)
+
+
+def start_engine(opt, device: Optional[Device], gpu_options: dict, store=None):
     if device is None:
+        if store is None:
+            _time_host_steps(opt)
         return None
     opt._step_supports_amp_scaling = True   # GradScaler hands us grad_scale / found_inf instead of unscaling
-    engine = GpuOffloadEngine(opt, device, **gpu_options)
+    if store is not None:   # state in a tier: the step streams buckets through a staging ring
+        from .step.device_step import DeviceStep
+        engine = DeviceStep(opt, store, device, **gpu_options)
+    else:
+        engine = GpuOffloadEngine(opt, device, **gpu_options)
     engine.owns_device = getattr(device, "_created_by_offload", False)
     return engine
 
@@ -93,9 +134,32 @@ class GpuOffloadMixin:
         self._gpu_engine("reload_params").reload_params()
 
     def last_step_stats(self, wait: bool = False) -> Optional[dict]:
-        """Seconds in D2H, CPU kernel, H2D, NVMe I/O and exposed (training thread blocked) of the latest
-        finished step, with bytes moved and whether the step was skipped."""
-        return self._gpu_engine("last_step_stats").last_step_stats(wait)
+        """Seconds in D2H, CPU kernel, H2D, NVMe I/O (time the step waited on it) and exposed (training
+        thread blocked) of the latest finished step, with bytes moved and whether it was skipped.
+        Every mode reports it; without a device the copy figures are 0."""
+        if self._gpu is not None:
+            return self._gpu.last_step_stats(wait)
+        store = getattr(self, "_store", None)
+        st = store.last_stats if store is not None else getattr(self, "_host_stats", None)
+        if st is None:
+            return None
+        out = dict(_HOST_STATS)
+        out.update(st)
+        out["exposed_s"] = out.pop("step_s", out["exposed_s"])
+        return out
+
+    @property
+    def steps_during_backward(self) -> bool:
+        """True when buckets are stepped during backward (GPU offload, eager mode with RAM state)."""
+        return bool(getattr(self._gpu, "eager", False))
+
+    def io_only_pass(self) -> float:
+        """Benchmark helper (state='nvme'): read and write back every bucket without computing;
+        returns the seconds it took (the I/O-only time of a full step)."""
+        store = getattr(self, "_store", None)
+        if store is None:
+            raise RuntimeError("io_only_pass() needs state='nvme'")
+        return store.io_pass()
 
     def export_chrome_trace(self, path: str) -> int:
         """Write the recorded timeline (needs trace=True) as Chrome trace JSON; returns the span count."""

@@ -30,7 +30,7 @@ from ._kernels import (COL_G, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, CO
 from .buffers import round_up
 from ._plan import (REC_KEYS, GroupPlan, OverlapIndex, ParamState, StateMap, check_storage, fingerprint,
                     get_version, no_grad_ref, sync_master)
-from .gpu import GpuOffloadMixin, split_params, start_engine  # GPU-offload mode (offload/pipeline.py)
+from .gpu import GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
 
 __all__ = ["Adam", "AdamW"]
 
@@ -161,31 +161,25 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         self._router = fallback.Router()  # float64/complex/strided/duplicate params: torch's code (fallback.py)
         # --- GPU offload: the mode follows from where the parameters are (offload/gpu.py) ---
         params, self._gpu_device = split_params(params, offload_device, gpu_options)
-        if state != "ram" and self._gpu_device is not None:  # (NVMe/mmap state)
-            raise ValueError(f"state={state!r} cannot be combined with GPU offload (parameters on "
-                             f"{self._gpu_device}) yet: use state='ram'")
         self._gpu = None
         super().__init__(params, defaults)
-        self._gpu = start_engine(self, self._gpu_device, gpu_options)
-        # --- end GPU offload ---
-        # --- NVMe/mmap state: one store for all groups, created after the groups exist
+        # --- NVMe/mmap state (offload/step/engine.py): one engine for all groups, any parameter side
         if state != "ram":
-            if any(is_dtensor(p) for g in self.param_groups for p in g["params"]):  # (FSDP2)
-                raise ValueError(f"state={state!r} does not support DTensor (FSDP2) parameters yet: use state='ram'")
-            from .store import StateStore
-            self._store = StateStore(self.param_groups, mode=state, nvme_dir=nvme_dir, host_budget=host_budget,
-                                     keep=keep_files, **(nvme_options or {}))
-        # ---
+            self._store = make_state_engine(self.param_groups, state, nvme_dir=nvme_dir, host_budget=host_budget,
+                                            keep=keep_files, nvme_options=nvme_options,
+                                            device=self._gpu_device, gpu_options=gpu_options)
+        self._gpu = start_engine(self, self._gpu_device, gpu_options, self._store)
+        # --- end GPU offload ---
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict) -> None:
         """torch's add_param_group (named parameters, duplicate warning, its checks and messages),
-        then offload's own checks of every parameter; the group is not added if one fails."""
-        if self._gpu is not None:
-            raise NotImplementedError("add_param_group after construction is not supported in GPU-offload mode")
-        if getattr(self, "_store", None) is not None:
-            raise NotImplementedError("add_param_group after construction is not supported with NVMe/mmap state "
-                                      "(the state file is laid out and reserved at construction)")
+        then offload's own checks of every parameter; the group is not added if one fails.
+        With NVMe/mmap state the new group is laid out after the existing state (the file grows)."""
+        store = getattr(self, "_store", None)
+        if self._gpu is not None and store is None:
+            raise NotImplementedError("add_param_group after construction is not supported in GPU-offload mode "
+                                      "with state='ram' (it is with state='nvme' or 'mmap')")
         n = len(self.param_groups)
         super().add_param_group(param_group)
         try:
@@ -194,6 +188,14 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             del self.param_groups[n:]
             raise
         self._plans.clear()
+        if store is not None:  # NVMe/mmap state: the new group is laid out after the existing state
+            try:
+                store.add_group(self.param_groups[n]["params"], self.param_groups[n]["amsgrad"])
+            except BaseException:
+                del self.param_groups[n:]
+                raise
+            if self._gpu is not None:
+                self._gpu.load_state()
 
     def _check_group(self, group: dict, gi: int) -> None:
         gpu = self._gpu_device is not None
@@ -565,7 +567,8 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             raise ValueError(f"grad_multiplier must be finite, got {mult}")
         threads = self._threads or 0
         if self._store is not None:  # NVMe/mmap state: the store pipelines all groups (offload/store.py)
-            self._store.step(self, mult, threads)
+            self._store.step(self.param_groups, lambda gi: self._group_hyper(self.param_groups[gi]), self.state,
+                             mult, threads)
             self._clear_pending()
             return loss
         native, fb = self._router.split(self.param_groups)  # fb: stepped by torch's code (offload/fallback.py)
@@ -678,7 +681,11 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         return sd
 
     def close(self) -> None:
-        """Release NVMe/mmap state (waits for I/O, deletes the state file unless keep_files). No-op for RAM state."""
+        """Release NVMe/mmap state (waits for I/O, deletes the state file unless keep_files) and the
+        GPU-offload machinery (hooks, worker thread, a device the optimizer created). No-op otherwise."""
+        if getattr(self, "_gpu", None) is not None:
+            self._gpu.synchronize()
+            self._gpu.close()
         if self._store is not None:
             self._store.close()
 
@@ -749,7 +756,7 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             for p, st in list(new_state.items()):
                 if isinstance(p, torch.Tensor):
                     gi, i = where[id(p)]
-                    new_state[p] = {"step": self._store.steps[gi][i]}
+                    new_state[p] = self._store.torch_state(gi, i)  # step counter + views of the moments
         self.__setstate__({"state": new_state, "param_groups": saved_groups})
         if self._gpu is not None:
             self._gpu.load_state()

@@ -5,13 +5,13 @@ GPU weights and gradients, host weights/gradients (CPU mode), host optimizer sta
 buffers, NVMe state files and the host buffers that stream them; then compares each total with
 what the machine has (host RAM from /proc/meminfo, GPU memory from CUDA, free disk space).
 
-The optimizer-state figures are exactly what ``offload.Adam/AdamW`` allocate (fp32 exp_avg and
-exp_avg_sq, + max_exp_avg_sq with amsgrad, + an fp32 master copy for bf16/fp16 parameters, each
-padded to 64 bytes inside one arena, + one fp32 step counter per parameter tensor); a test checks
-them against the storages a real optimizer allocates. With ``state='nvme'`` the state file and
-the host bucket buffers come from the NVMe store's own layout code (exact for one param group,
-also tested). GPU staging follows the pipeline design (``depth`` buckets of ``bucket_bytes``) and
-is an estimate.
+Every state figure comes from the engine's own layout code (offload/layout.py) and budget split
+(offload/state/tier.py), so it is what ``offload.Adam/AdamW`` allocate in every mode: the RAM arena
+(fp32 exp_avg, exp_avg_sq [, max_exp_avg_sq] and a master for bf16/fp16, each padded to 64 bytes,
++ one fp32 step counter per tensor), GPU mode's pinned bucket arenas and staging, the NVMe/mmap
+state file, the NVMe slots and the pinned staging ring of device parameters with NVMe state.
+Frozen ``nn.Parameter`` s (``requires_grad=False``) get no state. Tests check the figures against
+real optimizers.
 """
 from __future__ import annotations
 
@@ -22,16 +22,16 @@ from typing import Iterable, List, Optional, Union
 
 import torch
 
+from .layout import ALIGN, Shape, build_layout
+from .state.tier import split_budget
+from .units import parse_size
+
 __all__ = ["plan", "MemoryPlan"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
 _LOW = (torch.bfloat16, torch.float16)
 STEP_BYTES = 4  # one fp32 step counter per parameter tensor
-
-
-def _pad(n: int) -> int:
-    return (n + 15) // 16 * 16
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -126,7 +126,7 @@ def _inventory(model_or_params, param_dtype):
     """[(numel, dtype)] per parameter tensor, from a module, an iterable of tensors, or a count."""
     if isinstance(model_or_params, (int, float)):
         dt = param_dtype or torch.float32
-        return [(int(model_or_params), dt)]
+        return [(int(model_or_params), dt, True)]
     if isinstance(model_or_params, torch.nn.Module):
         params = list(model_or_params.parameters())
     else:
@@ -138,14 +138,15 @@ def _inventory(model_or_params, param_dtype):
         if id(p) in seen:
             continue
         seen.add(id(p))
-        inv.append((p.numel(), param_dtype or p.dtype))
+        frozen = isinstance(p, torch.nn.Parameter) and not p.requires_grad   # no state (layout.py)
+        inv.append((p.numel(), param_dtype or p.dtype, not frozen))
     return inv
 
 
 def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Optional[str] = None,
          param_dtype=None, grad_dtype=None, state: str = "ram", amsgrad: bool = False,
          world_size: int = 1, sharding: str = "none", bucket_bytes: int = 32 << 20, depth: int = 2,
-         host_budget="2GiB",
+         host_budget="2GiB", staging_slots: int = 2,
          nvme_path: Optional[str] = None, activation_bytes: Optional[int] = None,
          verbose: bool = False) -> MemoryPlan:
     """Bytes each place will hold for this configuration, and whether it fits this machine.
@@ -157,8 +158,8 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     ranks) or 'fsdp' (weights, gradients and state split). ``activation_bytes``: your estimate,
     added to the GPU (or host, in CPU mode) total if given. ``verbose``: print the report.
     """
-    if state not in ("ram", "nvme"):
-        raise ValueError(f"state must be 'ram' or 'nvme', got {state!r}")
+    if state not in ("ram", "nvme", "mmap"):
+        raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {state!r}")
     if sharding not in ("none", "zero1", "fsdp"):
         raise ValueError(f"sharding must be 'none', 'zero1' or 'fsdp', got {sharding!r}")
     if world_size < 1 or depth < 1 or bucket_bytes < 1:
@@ -177,43 +178,57 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     def per_rank(n: int, k: int) -> int:
         return -(-n // k)
 
-    numel = sum(n for n, _ in inv)
-    weights = sum(per_rank(n, wshard) * _size(dt) for n, dt in inv)
-    grads = sum(per_rank(n, wshard) * _size(grad_dtype or dt) for n, dt in inv)
-    # the optimizer state of this rank (exactly what offload.Adam/AdamW allocate)
-    # state tensors are views of one arena, each padded to 16 floats (64 bytes), see optim.py
-    moments = sum(_pad(per_rank(n, shard)) * 4 * (3 if amsgrad else 2) for n, _ in inv)
-    from .optim import arena_gap  # the gap after each stream of the (one) arena
-    moments += arena_gap(sum(_pad(per_rank(n, shard)) for n, _ in inv)) * 4 * (3 if amsgrad else 2)
-    master = sum(_pad(per_rank(n, shard)) * 4 for n, dt in inv if dt in _LOW)
+    numel = sum(n for n, _, _ in inv)
+    weights = sum(per_rank(n, wshard) * _size(dt) for n, dt, _ in inv)
+    grads = sum(per_rank(n, wshard) * _size(grad_dtype or dt) for n, dt, _ in inv)
     steps = STEP_BYTES * (len(inv) if shard == 1 else -(-len(inv) // shard))
-    state_what = f"optimizer state: fp32 exp_avg, exp_avg_sq{', max_exp_avg_sq' if amsgrad else ''}, steps"
+    state_what = f"optimizer state: fp32 exp_avg, exp_avg_sq{', max_exp_avg_sq' if amsgrad else ''}"
+    on_gpu = device == "cuda"
+    # the engine's own layout (offload/layout.py) over this rank's shards: what it allocates, exactly
+    shapes = [Shape(0, i, per_rank(n, shard), _size(dt), master=on_gpu or dt in _LOW, active=active)
+              for i, (n, dt, active) in enumerate(inv)]
+    budget = parse_size(host_budget)
+    nstage = staging_slots if on_gpu else 0
+    state_cap, stage_cap = split_budget(state, budget, depth, nstage)
+    if on_gpu:
+        stage_cap = min(stage_cap or bucket_bytes, bucket_bytes)
+    if state == "nvme" and state_cap < ALIGN:
+        raise ValueError(f"host_budget={host_budget!r} is too small: need at least {depth + 2} buffers of {ALIGN} bytes")
+    lay = build_layout(shapes, amsgrad=[amsgrad], max_state_bytes=state_cap, max_param_bytes=stage_cap)
+    in_sections = sum(b.state_bytes for b in lay.buckets)
+    master = sum(b.cap * 4 for b in lay.buckets if b.master)
+    if state == "ram" and not on_gpu:   # optim._init_states: streams of one arena staggered by a gap
+        from .optim import arena_gap   # the gap after each stream of the (one) arena
+        in_sections += 4 * arena_gap(sum(b.cap for b in lay.buckets)) * (3 if amsgrad else 2) if lay.buckets else 0
 
     rows: List[Row] = []
     warnings: List[str] = []
-    compute = "gpu" if device == "cuda" else "host"
+    compute = "gpu" if on_gpu else "host"
     rows.append(Row(compute, f"weights ({_dtype_names(inv, None)})", weights))
     rows.append(Row(compute, f"gradients ({_dtype_names(inv, grad_dtype)})", grads))
     if activation_bytes:
         rows.append(Row(compute, "activations (your estimate)", int(activation_bytes)))
+    rows.append(Row("host", "optimizer state: step counters", steps))
     if state == "ram":
-        rows.append(Row("host", state_what, moments + steps))
+        rows.append(Row("host", state_what + (" (pinned)" if on_gpu else ""),
+                        in_sections - master))
         if master:
-            rows.append(Row("host", "optimizer state: fp32 master weights (bf16/fp16 params)", master))
+            rows.append(Row("host", "optimizer state: fp32 master weights" +
+                            (" (pinned)" if on_gpu else " (bf16/fp16 params)"), master))
+        if on_gpu:   # offload/buckets.py: grad + weight staging per bucket, pinned
+            stage = sum(b.stage_bytes for b in lay.buckets)
+            rows.append(Row("host", f"pinned staging (grads down, weights up; {len(lay.buckets)} bucket(s))",
+                            2 * stage))
     else:
-        # the NVMe store's own layout (offload/store.py), computed without creating any file
-        file_bytes, slots, slot_bytes = _nvme_layout(inv, shard, amsgrad, host_budget, depth)
-        rows.append(Row("host", "optimizer state: step counters", steps))
-        rows.append(Row("nvme", "optimizer state file (m, v" + (", vmax" if amsgrad else "")
-                        + (", fp32 master" if master else "") + "; 4 KiB-aligned buckets)", file_bytes))
-        rows.append(Row("host", f"NVMe bucket buffers ({slots} x {_fmt(slot_bytes)}, host_budget "
-                                f"{_fmt(parse_size(host_budget))})", slots * slot_bytes))
-    if device == "cuda":
-        gsize = max(_size(grad_dtype or dt) for _, dt in inv)
-        psize = max(_size(dt) for _, dt in inv)
-        per_bucket = bucket_bytes // 4 * (gsize + psize)
-        rows.append(Row("host", f"pinned staging (grads down, weights up; {depth} buckets)",
-                        min(depth * per_bucket, grads + weights)))
+        rows.append(Row("nvme", f"optimizer state file ({state}: m, v" + (", vmax" if amsgrad else "")
+                        + (", fp32 master" if master else "") + "; 4 KiB-aligned buckets)", max(ALIGN, lay.nbytes)))
+        if state == "nvme":
+            slot = max(ALIGN, lay.max_bucket_bytes)
+            rows.append(Row("host", f"NVMe bucket buffers ({depth + 2} x {_fmt(slot)}, host_budget "
+                                    f"{_fmt(budget)})", (depth + 2) * slot))
+        if on_gpu:
+            ring = 2 * staging_slots * max(64, lay.max_stage_bytes)
+            rows.append(Row("host", f"pinned staging ring ({staging_slots} slots of grads + weights)", ring))
 
     cap: dict = {}
     mem = host_memory()
@@ -225,7 +240,7 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
             cap["gpu"] = free
         else:
             warnings.append("no CUDA device here: GPU capacity unknown")
-    if state == "nvme":
+    if state != "ram":
         path = nvme_path or os.getcwd()
         try:
             cap["nvme"] = shutil.disk_usage(path).free
@@ -249,39 +264,6 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     return mp
 
 
-class _Shape:
-    """Stands in for a parameter in the store's layout computation (numel and dtype only)."""
-
-    def __init__(self, n: int, dtype: torch.dtype):
-        self.n, self.dtype = n, dtype
-
-    def numel(self) -> int:
-        return self.n
-
-
-def parse_size(x) -> int:
-    from .store import parse_size as _parse
-    return _parse(x)
-
-
-def _nvme_layout(inv, shard: int, amsgrad: bool, host_budget, depth: int) -> tuple:
-    """(state file bytes, host buffers, bytes per buffer) exactly as ``StateStore`` lays them out
-    for one param group (its ``_layout`` runs on stand-ins; no file is created)."""
-    from .buffers import ALIGN
-    from .store import StateStore
-    nslots = depth + 2
-    slot_bytes = parse_size(host_budget) // nslots // ALIGN * ALIGN
-    if slot_bytes < ALIGN:
-        raise ValueError(f"host_budget={host_budget!r} is too small: need at least {nslots} buffers of {ALIGN} bytes")
-    s = StateStore.__new__(StateStore)
-    s._params = [[_Shape(-(-n // shard), dt) for n, dt in inv]]
-    s.amsgrad = [amsgrad]
-    s.buckets, s.pieces = [], {}
-    s._layout(slot_bytes)
-    file_bytes = max(ALIGN, sum(b.nbytes for b in s.buckets))
-    return file_bytes, nslots, max([b.nbytes for b in s.buckets] + [ALIGN])
-
-
 def _dtype_names(inv, override) -> str:
-    names = sorted({str(override or dt).replace("torch.", "") for _, dt in inv})
+    names = sorted({str(override or dt).replace("torch.", "") for _, dt, _ in inv})
     return "/".join(names)

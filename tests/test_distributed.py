@@ -154,11 +154,12 @@ def _fsdp2(rank, outdir):
     model = _fsdp_model()
     opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=1)
     assert all(isinstance(p, DTensor) for p in model.parameters())
-    try:  # NVMe state is not DTensor-aware yet: refused by name, not a native error
-        offload.AdamW(model.parameters(), state="nvme", nvme_dir=outdir)
-        raise AssertionError("state='nvme' with DTensor parameters must be refused")
-    except ValueError as e:
-        assert "DTensor" in str(e), e
+    # the same run with NVMe state: each rank's local shards in its own state file
+    model_nv = _fsdp_model()
+    nvdir = os.path.join(outdir, f"nvme-rank{rank}")
+    os.makedirs(nvdir)
+    opt_nv = offload.AdamW(model_nv.parameters(), lr=1e-2, weight_decay=0.1, threads=1, state="nvme",
+                           nvme_dir=nvdir, host_budget=64 * 1024)
     storages = [p.to_local().data_ptr() for p in model.parameters()]
     ref, ref_norms = _reference(STEPS, clip=clip)
     for s in range(STEPS):
@@ -168,6 +169,10 @@ def _fsdp2(rank, outdir):
         assert abs(float(norm) - ref_norms[s]) <= 1e-5 * ref_norms[s], (s, float(norm), ref_norms[s])
         opt.step()
         opt.zero_grad()
+        torch.nn.functional.mse_loss(model_nv(x), y).backward()
+        assert float(opt_nv.clip_grad_norm_(clip)) == float(norm)
+        opt_nv.step()
+        opt_nv.zero_grad()
         if s == 1:
             offload.save(opt, os.path.join(outdir, "fsdp2"))
             saved = [p.to_local().detach().clone() for p in model.parameters()]
@@ -177,6 +182,14 @@ def _fsdp2(rank, outdir):
     assert isinstance(st["exp_avg"], DTensor) and st["exp_avg"].to_local().numel() < st["exp_avg"].numel()
     for i, (p, r) in enumerate(zip(model.parameters(), ref)):
         _close(p.full_tensor(), r, f"FSDP2 parameter {i}")
+    for i, (a, b) in enumerate(zip(model.parameters(), model_nv.parameters())):
+        assert torch.equal(a.to_local(), b.to_local()), f"FSDP2 + NVMe parameter {i} differs from RAM state"
+    sd, sd_nv = opt.state_dict()["state"], opt_nv.state_dict()["state"]
+    for k in sd:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert isinstance(sd_nv[k][key], DTensor) and torch.equal(sd[k][key].to_local(), sd_nv[k][key].to_local())
+    assert len(os.listdir(nvdir)) == 1   # this rank's private state directory
+    opt_nv.close()
 
     model2 = _fsdp_model()
     opt2 = offload.AdamW(model2.parameters(), lr=1e-2, weight_decay=0.1, threads=1)

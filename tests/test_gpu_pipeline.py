@@ -444,7 +444,25 @@ def test_options_are_validated():
     with pytest.raises(ValueError, match="step_during_backward"):
         offload.AdamW(model.parameters(), offload_device=FakeDevice(), step_during_backward=True, max_grad_norm=1.0)
     with pytest.raises(RuntimeError, match="only available in GPU-offload mode"):
-        offload.AdamW(model.parameters()).last_step_stats()
+        offload.AdamW(model.parameters()).reload_params()
+
+
+def test_last_step_stats_in_every_mode(tmp_path):
+    """Host params with RAM or NVMe state report the same keys as GPU offload; nvme_s is filled."""
+    for kw in ({}, dict(state="nvme", nvme_dir=tmp_path), dict(state="mmap", nvme_dir=tmp_path),
+               dict(offload_device=FakeDevice(), state="nvme", nvme_dir=tmp_path)):
+        p = torch.nn.Parameter(torch.randn(5000))
+        opt = offload.AdamW([p], **kw)
+        assert opt.last_step_stats() is None
+        for _ in range(2):
+            p.grad = torch.randn(5000)
+            opt.step()
+        st = opt.last_step_stats(wait=True)
+        assert set(st) >= {"step", "d2h_s", "kernel_s", "h2d_s", "nvme_s", "exposed_s", "skipped"}, (kw, st)
+        assert st["step"] == 2 and st["kernel_s"] > 0 and not st["skipped"], kw
+        if kw.get("state") == "nvme":
+            assert st["nvme_s"] > 0, kw
+        opt.close()
 
 
 @pytest.mark.cuda
@@ -488,7 +506,13 @@ def test_train_bench_runs_on_cpu(tmp_path, capsys):
     assert "fake device" in text and "offload-overlap" in text
     res = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     assert res["offload-overlap"]["iter_s"] > 0 and res["offload-sync"]["exposed_s"] is not None
-    assert "skipped" in res["offload-nvme"]["error"]
+    assert "offload-nvme" not in res   # only with --state nvme|mmap
+    assert train.main(["--device", "cpu", "--preset", "tiny", "--steps", "2", "--reps", "1", "--warmup", "1",
+                       "--bucket-mb", "0.01", "--state", "nvme", "--nvme-dir", str(tmp_path), "--host-budget", "1MiB",
+                       "--variants", "offload-nvme", "--json", str(out)]) == 0
+    nv = json.loads(out.read_text())["results"][0]
+    assert nv["variant"] == "offload-nvme" and nv["bound"] > 0 and nv["io_s"] > 0 and nv["host_bytes"] <= 2**20
+    assert "target <= 1.15" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------ small params

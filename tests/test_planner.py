@@ -73,3 +73,29 @@ def test_nvme_figures_match_the_store(tmp_path, amsgrad, budget):
         assert p.bytes_of("host", "NVMe bucket buffers") == info["slots"] * info["slot_bytes"]
     finally:
         opt.close()
+
+
+@pytest.mark.timeout(30)
+def test_gpu_mode_figures_match_the_engine(tmp_path):
+    """device='cuda' plans are exact for device parameters (driven here by FakeDevice): RAM state's
+    pinned bucket arenas + staging, and NVMe state's file, slots and staging ring."""
+    from offload.device import FakeDevice
+    model = _model()
+    p = offload.plan(model, device="cuda", bucket_bytes=1 << 12)
+    opt = offload.AdamW(model.parameters(), offload_device=FakeDevice(), bucket_mb=1 / 256)
+    bks = opt._gpu.buckets
+    arenas = sum(b.arena.numel() * 4 for b in bks)
+    staging = sum(b.grad_stage.numel() + b.out_stage.numel() for b in bks)
+    assert p.bytes_of("host", "optimizer state: fp32") == arenas
+    assert p.bytes_of("host", "pinned staging") == staging
+    opt.close()
+    budget = 1 << 20
+    p = offload.plan(model, device="cuda", state="nvme", host_budget=budget, staging_slots=2)
+    opt = offload.AdamW(model.parameters(), offload_device=FakeDevice(), state="nvme", nvme_dir=tmp_path,
+                        host_budget=budget, nvme_options={"staging_slots": 2})
+    info = opt.storage_info()
+    assert p.bytes_of("nvme", "optimizer state file") == info["file_bytes"]
+    assert p.bytes_of("host", "NVMe bucket buffers") == info["slots"] * info["slot_bytes"]
+    assert p.bytes_of("host", "pinned staging ring") == info["staging_bytes"]
+    assert info["slots"] * info["slot_bytes"] + info["staging_bytes"] <= budget
+    opt.close()

@@ -96,7 +96,7 @@ def check_case(kind: str, dtype: torch.dtype, clip: bool, accum: int, steps: int
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     ok = finite and d_master <= tol * moved and d_param <= 2 * tol * moved
     stats = opt.last_step_stats(wait=True)
-    opt._gpu.close()
+    opt.close()
     dev.close()
     return {"device": kind, "dtype": str(dtype).replace("torch.", ""), "clip": clip, "accum": accum,
             "steps": steps, "overlap": overlap, "moved": moved, "max_diff_master": d_master,

@@ -38,7 +38,7 @@ def run(args) -> int:
     p = plan(n, device=args.device, param_dtype=args.param_dtype, grad_dtype=args.grad_dtype, state=args.state,
              amsgrad=args.amsgrad, world_size=args.world_size, sharding=args.sharding,
              bucket_bytes=int(args.bucket_mb * (1 << 20)), depth=args.depth, host_budget=args.host_budget,
-             nvme_path=args.nvme_path,
+             nvme_path=args.nvme_path, staging_slots=args.staging_slots,
              activation_bytes=int(args.activations_gb * (1 << 30)) if args.activations_gb else None)
     print(p)
     if args.json:
@@ -56,7 +56,9 @@ def add_parser(subparsers) -> None:
     sp.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
     sp.add_argument("--param-dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
     sp.add_argument("--grad-dtype", default=None, choices=["fp32", "bf16", "fp16"])
-    sp.add_argument("--state", default="ram", choices=["ram", "nvme"])
+    sp.add_argument("--state", default="ram", choices=["ram", "nvme", "mmap"])
+    sp.add_argument("--staging-slots", dest="staging_slots", type=int, default=3,
+                    help="device params with NVMe/mmap state: pinned staging ring slots (as nvme_options)")
     sp.add_argument("--amsgrad", action="store_true")
     sp.add_argument("--world-size", type=int, default=1)
     sp.add_argument("--sharding", default="none", choices=["none", "zero1", "fsdp"])

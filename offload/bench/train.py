@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+import weakref
+
 import torch
 
 from .gpt import GPT, PRESETS, GPTConfig, param_groups, random_batch
@@ -69,17 +73,23 @@ def copy_probe(device, nbytes: int, reps: int = 9) -> dict:
 def _make_optimizer(variant: str, model, device, args):
     groups = param_groups(model, 0.1)
     if variant == "torch-fused":
-        return torch.optim.AdamW(groups, lr=args.lr, fused=True)
+        return torch.optim.AdamW(groups, lr=args.lr, fused=True), None
     import offload
     from offload.device import CudaDevice, FakeDevice
     dev = CudaDevice(device) if device.type == "cuda" else FakeDevice(max_delay=0.0, poison=False, check=False)
-    opts = dict(bucket_mb=args.bucket_mb, offload_device=dev, trace=bool(args.trace))
+    opts = dict(bucket_mb=args.bucket_mb, offload_device=dev)
+    if variant == "offload-nvme":
+        d = tempfile.mkdtemp(prefix="offload-train-bench-", dir=args.nvme_dir)
+        weakref.finalize(dev, shutil.rmtree, d, True)
+        return offload.AdamW(groups, lr=args.lr, state=args.state, nvme_dir=d, host_budget=args.host_budget,
+                             **opts), dev
+    opts["trace"] = bool(args.trace)
     if variant == "offload-overlap":
-        return offload.AdamW(groups, lr=args.lr, **opts)
+        return offload.AdamW(groups, lr=args.lr, **opts), dev
     if variant == "offload-clip":
-        return offload.AdamW(groups, lr=args.lr, max_grad_norm=1.0, **opts)
+        return offload.AdamW(groups, lr=args.lr, max_grad_norm=1.0, **opts), dev
     if variant == "offload-sync":
-        return offload.AdamW(groups, lr=args.lr, overlap=False, **opts)
+        return offload.AdamW(groups, lr=args.lr, overlap=False, **opts), dev
     raise ValueError(variant)
 
 
@@ -89,8 +99,11 @@ def run_variant(variant: str, cfg: GPTConfig, device, dtype, args) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    from .step import _reset_peak, _status
+    exact_peak = _reset_peak()
+    rss0 = _status("VmRSS:")
     try:
-        opt = _make_optimizer(variant, model, device, args)
+        opt, dev = _make_optimizer(variant, model, device, args)
     except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # e.g. does not fit
         return {"variant": variant, "error": str(e).splitlines()[0]}
     gen = torch.Generator().manual_seed(1)
@@ -124,7 +137,8 @@ def run_variant(variant: str, cfg: GPTConfig, device, dtype, args) -> dict:
             per_iter.append((time.perf_counter() - t0) / args.steps)
     except torch.cuda.OutOfMemoryError as e:
         return {"variant": variant, "error": "out of memory: " + str(e).splitlines()[0]}
-    res = {"variant": variant, "iter_s": statistics.median(per_iter), "iter_s_all": per_iter}
+    res = {"variant": variant, "iter_s": statistics.median(per_iter), "iter_s_all": per_iter,
+           "rss_growth": (_status("VmHWM:") if exact_peak else _status("VmRSS:")) - rss0}
     if stats:
         steady = [s for k, s in sorted(stats.items()) if k > args.warmup]
         res["exposed_s"] = statistics.median(s["exposed_s"] for s in steady) if steady else None
@@ -139,10 +153,24 @@ def run_variant(variant: str, cfg: GPTConfig, device, dtype, args) -> dict:
         path = f"{args.trace}.{variant}.json"
         opt.export_chrome_trace(path)
         res["trace"] = path
-    if getattr(opt, "_gpu", None) is not None:
-        opt._gpu.close()
-        opt._gpu.device.close()   # made here: release pinned memory and stream threads
+    if dev is not None:
+        if variant == "offload-nvme":
+            res.update(_nvme_figures(opt, res))
+        opt.close()
+        dev.close()   # made here: release pinned memory and stream threads
     return res
+
+
+def _nvme_figures(opt, res: dict) -> dict:
+    """Step time vs max(NVMe I/O, kernel, copies), all measured in this run, and host memory vs budget."""
+    io = statistics.median(opt.io_only_pass() for _ in range(3))
+    st = opt.last_step_stats(wait=True)
+    copy = max(st["d2h_s"], st["h2d_s"])
+    bound = max(io, st["kernel_s"], copy)
+    info = opt.storage_info()
+    return {"io_s": io, "step_s": st["exposed_s"], "copy_s": copy, "bound": st["exposed_s"] / bound,
+            "host_budget": info["host_budget"], "rss_growth": res.get("rss_growth"),
+            "host_bytes": info["slots"] * info["slot_bytes"] + info.get("staging_bytes", 0)}
 
 
 def run(args) -> dict:
@@ -160,8 +188,7 @@ def run(args) -> dict:
     probe = copy_probe(device, int(args.bucket_mb * 2 ** 20))
     rows = []
     for v in args.variants.split(","):
-        if v == "offload-nvme":
-            rows.append({"variant": v, "error": "skipped: NVMe state is built separately (not in this branch)"})
+        if v == "offload-nvme" and args.state == "ram":
             continue
         rows.append(run_variant(v, cfg, device, dtype, args))
     return {"device": str(device), "fake_device": device.type != "cuda", "params": nparams,
@@ -210,6 +237,12 @@ def print_table(out: dict, file=sys.stdout) -> None:
               f"{_fmt(d2h, '>9.1f')} {_fmt(pct(d2h, p['d2h']), '>6.0f')} "
               f"{_fmt(h2d, '>9.1f')} {_fmt(pct(h2d, p['h2d']), '>6.0f')} "
               f"{_fmt(r.get('peak_mem_gb'), '>7.2f')}", file=file)
+    for r in out["results"]:
+        if "bound" in r:
+            print(f"{r['variant']}: step {r['step_s'] * 1e3:.1f} ms vs max(NVMe I/O {r['io_s'] * 1e3:.1f}, kernel "
+                  f"{r['kernel_s'] * 1e3:.1f}, copy {r['copy_s'] * 1e3:.1f}) ms = {r['bound']:.2f} (target <= 1.15); "
+                  f"host buffers {r['host_bytes'] / 2**20:.1f} MiB of budget {r['host_budget'] / 2**20:.0f} MiB",
+                  file=file)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -231,6 +264,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads (a busy small host runs steadier with 1)")
     p.add_argument("--trace", default=None, help="write Chrome traces to PATH.<variant>.json")
     p.add_argument("--json", default=None, help="write the results as JSON")
+    p.add_argument("--state", choices=["ram", "nvme", "mmap"], default="ram",
+                   help="also run offload-nvme: device params with this state tier (default ram: not run)")
+    p.add_argument("--nvme-dir", dest="nvme_dir", default=None, help="directory for the state file (default: cwd)")
+    p.add_argument("--host-budget", dest="host_budget", default="256MiB", help="host_budget of offload-nvme")
 
 
 def _defaults(args) -> None:

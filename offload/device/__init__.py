@@ -1,0 +1,54 @@
+"""device/: the transfer abstraction the parameter side (offload/params/device.py, offload/pipeline.py) talks to.
+
+Nothing above it touches CUDA directly. It asks a ``Device`` to
+  * ``record()``          an event at the current point of the compute stream,
+  * ``copy_to_host()``    copy device tensors into host buffers on the D2H stream, after an event,
+  * ``copy_to_device()``  copy host buffers into device tensors on the H2D stream, after an event,
+  * ``wait()``            make the compute stream wait for an event (the host is not blocked on a GPU),
+  * ``host_empty()``      allocate a host buffer (pinned when that matters).
+Every copy returns an ``Event`` with ``synchronize()`` (block the host) and ``query()``.
+
+Three implementations:
+  * ``CudaDevice``  - two side streams (D2H, H2D), CUDA events, pinned host memory, non-blocking copies.
+  * ``CpuDevice``   - "device" tensors are CPU tensors; copies run synchronously on the caller.
+  * ``FakeDevice``  - CPU tensors, but each stream is a background thread that runs copies after a
+    random artificial delay. At enqueue it poisons the destination (NaN) and snapshots the source;
+    when the copy runs it checks the source was not modified in the meantime. So a buffer read
+    before its copy completed yields NaN (results differ from the reference), and a buffer
+    overwritten while a copy still reads it is recorded as a violation (``check()`` raises).
+    The compute stream is the host itself: ``wait()`` blocks until the event fired.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .base import CpuDevice, Device, Event
+from .cuda import CudaDevice
+from .fake import FakeDevice
+
+__all__ = ["Event", "Device", "CudaDevice", "CpuDevice", "FakeDevice", "resolve_device"]
+
+
+def resolve_device(spec, params: Sequence[torch.Tensor]) -> Optional[Device]:
+    """The offload device for these parameters: ``spec`` (a Device, 'cuda', 'cpu', 'fake') or,
+    when ``spec`` is None, CUDA if the parameters are on a CUDA device, else None (CPU mode)."""
+    if isinstance(spec, Device):
+        return spec
+    if spec is None:
+        kinds = {p.device.type for p in params}
+        if "cuda" in kinds:
+            devs = {p.device for p in params}
+            if len(devs) != 1:
+                raise RuntimeError(f"GPU offload: all parameters must be on one device, got {sorted(map(str, devs))}")
+            return CudaDevice(next(iter(devs)))
+        return None
+    if isinstance(spec, str):
+        if spec == "fake":
+            return FakeDevice()
+        if spec == "cpu":
+            return CpuDevice()
+        if spec.startswith("cuda"):
+            return CudaDevice(spec)
+    raise ValueError(f"offload_device must be a Device, 'cuda', 'cpu', 'fake' or None, got {spec!r}")

@@ -1,0 +1,197 @@
+"""layout.py: where each byte of optimizer state sits (pure: shapes in, offsets out, no allocation).
+
+One layout serves every mode: the NVMe/mmap state file, the host-RAM tier, the device-parameter
+staging ring and the planner (``offload.plan``) all call :func:`build_layout`, so what the planner
+prints is what the engine allocates.
+
+Parameters are packed, group by group and in order, into *buckets*. A bucket holds runs
+(*pieces*) of one or more parameters and stores each state kind as one contiguous *section*:
+``[master_param |] exp_avg | exp_avg_sq [| max_exp_avg_sq]``. A section is ``cap`` fp32 elements;
+a piece starts on a 16-element (64-byte) boundary inside every section. Buckets start on
+``align`` bytes (4 KiB: one O_DIRECT request per bucket).
+
+Rules:
+  * a master section exists iff the parameter is bf16/fp16 or lives on a device (a host fp32
+    parameter is its own master);
+  * parameters with ``requires_grad=False`` (``Shape.active`` False) get no piece: no bytes;
+  * a bucket closes when its state would exceed ``max_state_bytes`` (the NVMe slot size) or its
+    parameter bytes would exceed ``max_param_bytes`` (the device staging bucket);
+  * a parameter that fits in one bucket is never split; a larger one is cut into pieces of whole
+    4 KiB pages per section, each in a bucket of its own (so a split parameter's section pieces
+    are page-aligned and can be mapped side by side as one tensor).
+Sections are described by (key, element bytes), so a section of another dtype (e.g. compressed
+moments plus a scales section) only needs a new entry in :func:`section_keys`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["Shape", "Piece", "Bucket", "Layout", "build_layout", "section_keys", "round_up", "ELEM", "ALIGN"]
+
+ELEM = 16          # pieces start on 16-element (64-byte) boundaries inside a section
+ALIGN = 4096       # buckets start (and end) on 4 KiB
+_PAGE_ELEMS = ALIGN // 4
+
+
+def round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the layout needs to know about one parameter (its local shard under FSDP2)."""
+    group: int
+    index: int            # position inside its group
+    numel: int
+    itemsize: int         # bytes per element of the parameter (and its gradient)
+    master: bool          # needs an fp32 master section
+    active: bool = True   # requires_grad: only active parameters get state
+
+
+@dataclass(frozen=True)
+class Piece:
+    param: int            # index of the parameter inside its group
+    start: int            # first element of the parameter in this piece
+    n: int                # elements
+    pos: int              # element offset inside every section of the bucket
+    boff: int             # byte offset in the bucket's staging (grad / weights in the param dtype)
+    itemsize: int
+
+
+def section_keys(master: bool, amsgrad: bool) -> Tuple[Tuple[str, int], ...]:
+    """(state key, bytes per element) of a bucket's sections, in storage order."""
+    keys = ((("master_param", 4),) if master else ()) + (("exp_avg", 4), ("exp_avg_sq", 4))
+    return keys + ((("max_exp_avg_sq", 4),) if amsgrad else ())
+
+
+@dataclass
+class Bucket:
+    index: int
+    group: int
+    master: bool
+    amsgrad: bool
+    cap: int = 0                      # elements per section (multiple of ELEM)
+    offset: int = 0                   # byte offset in the state (file / arena), ALIGN-aligned
+    nbytes: int = 0                   # ALIGN-aligned state bytes
+    stage_bytes: int = 0              # staging bytes (64-byte aligned pieces in the param dtype)
+    pieces: List[Piece] = field(default_factory=list)
+
+    @property
+    def keys(self) -> Tuple[Tuple[str, int], ...]:
+        return section_keys(self.master, self.amsgrad)
+
+    def section(self, key: str) -> int:
+        """Byte offset of section ``key`` inside the bucket."""
+        off = 0
+        for k, size in self.keys:
+            if k == key:
+                return off
+            off += self.cap * size
+        raise KeyError(key)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(self.cap * size for _, size in self.keys)
+
+
+@dataclass
+class Layout:
+    buckets: List[Bucket]
+    of_param: Dict[Tuple[int, int], List[Tuple[int, Piece]]]   # (group, index) -> [(bucket index, piece)]
+    nbytes: int                                                # total state bytes (ALIGN multiple)
+
+    @property
+    def max_bucket_bytes(self) -> int:
+        return max([b.nbytes for b in self.buckets] + [0])
+
+    @property
+    def max_stage_bytes(self) -> int:
+        return max([b.stage_bytes for b in self.buckets] + [0])
+
+    def extend(self, other: "Layout") -> "Layout":
+        """``other`` (laid out for new groups) appended after this layout (``add_param_group``)."""
+        base, shift = self.nbytes, len(self.buckets)
+        for b in other.buckets:
+            b.index += shift
+            b.offset += base
+        self.buckets.extend(other.buckets)
+        for k, v in other.of_param.items():
+            self.of_param[k] = [(bi + shift, pc) for bi, pc in v]
+        self.nbytes += other.nbytes
+        return self
+
+
+def _per_elem_state(master: bool, amsgrad: bool) -> int:
+    return sum(size for _, size in section_keys(master, amsgrad))
+
+
+def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_bytes: Optional[int] = None,
+                 max_param_bytes: Optional[int] = None, align: int = ALIGN, first_bucket: int = 0) -> Layout:
+    """Buckets for ``shapes`` (in group order); ``amsgrad[g]`` per group. ``None`` limits: unbounded."""
+    buckets: List[Bucket] = []
+    of_param: Dict[Tuple[int, int], List[Tuple[int, Piece]]] = {}
+    offset = 0
+
+    def close(b: Optional[Bucket]) -> None:
+        nonlocal offset
+        if b is None or not b.pieces:
+            return
+        b.nbytes = round_up(b.state_bytes, align)
+        b.offset = offset
+        offset += b.nbytes
+        b.index = first_bucket + len(buckets)
+        buckets.append(b)
+        for pc in b.pieces:
+            of_param[(b.group, pc.param)].append((b.index, pc))
+
+    open_b: Dict[Tuple[int, bool], Bucket] = {}
+    group = None
+    for s in shapes:
+        if s.group != group:
+            for b in open_b.values():
+                close(b)
+            open_b, group = {}, s.group
+        of_param[(s.group, s.index)] = []
+        if not s.active or s.numel == 0:
+            continue
+        ams = bool(amsgrad[s.group])
+        per = _per_elem_state(s.master, ams)
+        cap_max = (max_state_bytes // per // ELEM * ELEM) if max_state_bytes else None
+        if cap_max is not None and cap_max < ELEM:
+            raise ValueError(f"a state bucket of {max_state_bytes} bytes cannot hold one {ELEM}-element piece "
+                             f"({ELEM * per} bytes): raise host_budget")
+        key = (s.group, s.master)
+        need_cap = round_up(s.numel, ELEM)
+        need_stage = round_up(s.numel * s.itemsize, 64)
+        b = open_b.get(key)
+        if cap_max is None or need_cap <= cap_max:      # fits alone: never split
+            if b is not None and ((cap_max is not None and b.cap + need_cap > cap_max) or
+                                  (max_param_bytes is not None and b.stage_bytes
+                                   and b.stage_bytes + need_stage > max_param_bytes)):
+                close(b)
+                b = None
+            if b is None:
+                b = open_b[key] = Bucket(0, s.group, s.master, ams)
+            b.pieces.append(Piece(s.index, 0, s.numel, b.cap, b.stage_bytes, s.itemsize))
+            b.cap += need_cap
+            b.stage_bytes += need_stage
+            continue
+        # larger than a bucket: whole pages per section, one bucket per piece
+        close(b)
+        open_b.pop(key, None)
+        # (a budget too small for one page per section: 16-element pieces, views then join by copying)
+        step = cap_max // _PAGE_ELEMS * _PAGE_ELEMS or cap_max
+        unit = _PAGE_ELEMS if step % _PAGE_ELEMS == 0 else ELEM
+        start = 0
+        while start < s.numel:
+            n = min(step, s.numel - start)
+            pb = Bucket(0, s.group, s.master, ams)
+            pb.pieces.append(Piece(s.index, start, n, 0, 0, s.itemsize))
+            pb.cap = round_up(n, unit)  # every section page-aligned (see step/views.py)
+            pb.stage_bytes = round_up(n * s.itemsize, 64)
+            close(pb)
+            start += n
+    for b in open_b.values():
+        close(b)
+    return Layout(buckets, of_param, offset)

@@ -1,0 +1,49 @@
+"""params/base.py: the facts about parameters every side shares (shapes for the layout, validation)."""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+
+from .._dist import local
+from .._kernels import check_tensor
+from ..layout import Shape
+
+__all__ = ["LOW_PRECISION", "frozen", "shapes_of", "check_grad"]
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def frozen(p) -> bool:
+    """A frozen ``nn.Parameter`` (``requires_grad=False``, e.g. a LoRA base) reserves no state until it
+    first has a gradient. A plain tensor is stepped through gradients set by hand: always reserved."""
+    return isinstance(p, torch.nn.Parameter) and not p.requires_grad
+
+
+def shapes_of(groups: Sequence[Sequence[torch.Tensor]], device_side: bool, first_group: int = 0) -> List[Shape]:
+    """Layout shapes of local shards; a master section iff bf16/fp16 or on a device; frozen: no state yet."""
+    out = []
+    for gi, params in enumerate(groups, start=first_group):
+        for i, p in enumerate(params):
+            lp = local(p)
+            out.append(Shape(gi, i, lp.numel(), lp.element_size(),
+                             master=device_side or lp.dtype in LOW_PRECISION, active=not frozen(p)))
+    return out
+
+
+def check_grad(p, g, gi: int, i: int, dtype, numel: int, mode: str, device_side: bool) -> None:
+    """Clear exceptions for a parameter/gradient the layout cannot step."""
+    lp, lg = local(p), local(g)
+    if lp.numel() != numel:
+        raise RuntimeError(f"parameter {i} of group {gi} changed size ({numel} -> {lp.numel()} elements) "
+                           f"since the optimizer was created with state={mode!r}")
+    if lp.dtype != dtype:  # the bucket layout depends on it (master section or not)
+        raise RuntimeError(f"parameter {i} of group {gi} changed dtype ({dtype} -> {lp.dtype}) since the "
+                           f"optimizer was created with state={mode!r}")
+    if device_side:
+        if lg.shape != lp.shape or lg.dtype != lp.dtype:
+            raise RuntimeError(f"gradient of parameter {i} of group {gi} has shape {tuple(lg.shape)} and dtype "
+                               f"{lg.dtype}; expected {tuple(lp.shape)} and {lp.dtype}")
+        return
+    check_tensor(lp, f"parameter {i}", dtypes=(torch.float32,) + LOW_PRECISION)
+    check_tensor(lg, f"gradient of parameter {i}", dtypes=(lp.dtype,), shape=lp.shape)

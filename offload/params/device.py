@@ -1,0 +1,159 @@
+"""params/device.py: DeviceParams, parameters and gradients on a device (CUDA; CpuDevice/FakeDevice in tests).
+
+Streams buckets through a small ring of ``slots`` staging slots (pinned through the Device on
+CUDA: the only page-locked host memory). Per bucket: gradients go down (D2H) into a slot, the
+kernel reads them there and writes the new weights (parameter dtype) into the slot's out part,
+and those go up (H2D) into the parameters. A slot is reused only after its upload finished.
+The fp32 master of every piece is a state section, read from the parameter at its first step
+(or after ``reload``). Nothing here knows where the state lives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from .._dist import local
+from .._kernels import DTYPE_CODES
+
+__all__ = ["DeviceParams"]
+
+
+@dataclass
+class Staged:
+    slot: int
+    d2h: object
+
+
+class DeviceParams:
+    device_side = True
+
+    def __init__(self, groups, device, slots: int = 2):
+        if not (isinstance(slots, int) and 1 <= slots <= 64):
+            raise ValueError(f"staging_slots must be an int in [1, 64], got {slots!r}")
+        self.groups = groups
+        self.grads = None             # this step's validated gradients, set by the engine
+        self.device = device
+        self.nslots = slots
+        self.slot_bytes = 0
+        self.grad_bufs: List[torch.Tensor] = []
+        self.out_bufs: List[torch.Tensor] = []
+        self.slot_ev: List[Optional[object]] = []
+        self._next = 0
+        self._after = None
+        self._last_up = None
+        self.stats = dict(d2h_s=0.0, h2d_s=0.0, d2h_bytes=0, h2d_bytes=0)
+        self._events: list = []
+
+    def extend(self, groups) -> None:
+        self.groups = groups
+
+    def allocate(self, layout) -> None:
+        need = max(64, layout.max_stage_bytes)
+        if need <= self.slot_bytes:
+            return
+        self.synchronize()
+        self.slot_bytes = need
+        self.grad_bufs = [self.device.host_empty(need, torch.uint8) for _ in range(self.nslots)]
+        self.out_bufs = [self.device.host_empty(need, torch.uint8) for _ in range(self.nslots)]
+        self.slot_ev = [None] * self.nslots
+
+    @property
+    def pinned_bytes(self) -> int:
+        return 2 * self.nslots * self.slot_bytes
+
+    # ------------------------------------------------------------------ one step
+    def begin(self) -> None:
+        """Everything the compute stream did so far (backward) comes before our copies."""
+        self._after = self.device.record()
+
+    def _piece(self, buf: torch.Tensor, pc, dtype) -> torch.Tensor:
+        return buf[pc.boff:pc.boff + pc.n * pc.itemsize].view(dtype)
+
+    def arrive(self, b, pieces) -> Staged:
+        s = self._next
+        self._next = (s + 1) % self.nslots
+        ev = self.slot_ev[s]
+        if ev is not None:        # the slot's previous upload still reads its out part
+            ev.synchronize()
+            self.slot_ev[s] = None
+        pairs = []
+        for pc in pieces:
+            g = self.grads[b.group][pc.param]
+            pairs.append((self._piece(self.grad_bufs[s], pc, g.dtype), g.reshape(-1)[pc.start:pc.start + pc.n]))
+        ev = self.device.copy_to_host(pairs, self._after)
+        self._events.append(("d2h", ev))
+        self.stats["d2h_bytes"] += sum(d.numel() * d.element_size() for d, _ in pairs)
+        return Staged(s, ev)
+
+    def ptrs(self, b, pieces, staged: Staged) -> list:
+        staged.d2h.synchronize()
+        params = self.groups[b.group]
+        gbuf, obuf = self.grad_bufs[staged.slot], self.out_bufs[staged.slot]
+        out = []
+        for pc in pieces:
+            code = DTYPE_CODES[local(params[pc.param]).dtype]
+            out.append((0, gbuf.data_ptr() + pc.boff, code, obuf.data_ptr() + pc.boff, code))
+        return out
+
+    def publish(self, b, pieces, staged: Staged) -> None:
+        params = self.groups[b.group]
+        pairs = []
+        for pc in pieces:
+            p = local(params[pc.param])
+            # through .data: our own write must not look like a user's write (version counter)
+            pairs.append((p.data.reshape(-1)[pc.start:pc.start + pc.n], self._piece(self.out_bufs[staged.slot], pc, p.dtype)))
+        ev = self.device.copy_to_device(pairs, None)
+        self.slot_ev[staged.slot] = ev
+        self._last_up = ev
+        self._events.append(("h2d", ev))
+        self.stats["h2d_bytes"] += sum(d.numel() * d.element_size() for d, _ in pairs)
+
+    def finish(self) -> None:
+        """The compute stream waits for the last upload (streams are FIFO: for all of them)."""
+        if self._last_up is not None:
+            self.device.wait(self._last_up)
+            self._last_up = None
+        self.device.check()
+
+    def collect_times(self) -> None:
+        keep = []
+        for kind, ev in self._events:
+            if ev.query():
+                self.stats[f"{kind}_s"] += ev.seconds()
+            else:
+                keep.append((kind, ev))
+        self._events = keep
+
+    def synchronize(self) -> None:
+        for s, ev in enumerate(self.slot_ev):
+            if ev is not None:
+                ev.synchronize()
+                self.slot_ev[s] = None
+        self.device.synchronize()
+        self.collect_times()
+
+    # ------------------------------------------------------------------ masters, norms
+    def read_master(self, gi: int, i: int, start: int, n: int, dst: torch.Tensor) -> None:
+        p = local(self.groups[gi][i]).detach().reshape(-1)[start:start + n]
+        tmp = dst if p.dtype == torch.float32 else torch.empty(n, dtype=p.dtype)
+        self.device.copy_to_host([(tmp, p)], self.device.record()).synchronize()
+        if tmp is not dst:
+            dst.copy_(tmp)
+
+    def grad_sumsq(self, grads, threads: int) -> float:
+        grads = [local(g) for g in grads]
+        if not grads:
+            return 0.0
+        if all(g.device.type == "cpu" and g.is_contiguous() for g in grads):   # CpuDevice / FakeDevice
+            from .._kernels import grad_sumsq
+            return grad_sumsq(grads, threads)
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)   # on the device: one scalar crosses
+        return float(torch.stack(norms).double().square().sum().item())
+
+    def close(self) -> None:
+        try:
+            self.synchronize()
+        except Exception:
+            pass

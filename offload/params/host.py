@@ -1,0 +1,59 @@
+"""params/host.py: HostParams, parameters and gradients in host memory (CPU tensors, FSDP2 local shards).
+
+The kernel reads gradients straight from ``p.grad`` (no copy). An fp32 parameter is its own
+master (updated in place); a bf16/fp16 parameter's master is a state section and the kernel
+writes the rounded weight into the parameter in the same pass.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._dist import local
+from .._kernels import DTYPE_CODES
+from .base import LOW_PRECISION
+
+__all__ = ["HostParams"]
+
+
+class HostParams:
+    device_side = False
+
+    def __init__(self, groups):
+        self.groups = groups          # list of lists of parameters (the layout's order)
+        self.grads = None             # this step's validated gradients (local shards), set by the engine
+
+    def extend(self, groups) -> None:
+        self.groups = groups
+
+    def ptrs(self, b, pieces, staged=None) -> list:
+        out = []
+        params = self.groups[b.group]
+        for pc in pieces:
+            p = local(params[pc.param])
+            g = self.grads[b.group][pc.param]
+            isz = p.element_size()
+            ga = g.data_ptr() + pc.start * g.element_size()
+            if p.dtype in LOW_PRECISION:
+                out.append((0, ga, DTYPE_CODES[g.dtype], p.data_ptr() + pc.start * isz, DTYPE_CODES[p.dtype]))
+            else:
+                out.append((p.data_ptr() + pc.start * isz, ga, DTYPE_CODES[g.dtype], 0, 0))
+        return out
+
+    def read_master(self, gi: int, i: int, start: int, n: int, dst: torch.Tensor) -> None:
+        dst.copy_(local(self.groups[gi][i]).detach().reshape(-1)[start:start + n])
+
+    def arrive(self, b, pieces):
+        return None
+
+    def grad_sumsq(self, grads, threads: int) -> float:
+        from .._kernels import grad_sumsq
+        return grad_sumsq([local(g) for g in grads], threads) if grads else 0.0
+
+    def publish(self, b, pieces, staged) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

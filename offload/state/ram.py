@@ -1,0 +1,48 @@
+"""state/ram.py: RamTier, every bucket in one 4 KiB-aligned host arena (never pinned).
+
+Pages are untouched until a bucket's first step writes them (fresh state is written, not
+pre-zeroed), so an optimizer whose parameters never get gradients costs no RSS.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..buffers import aligned_empty
+from .tier import Block, StateTier
+
+__all__ = ["RamTier"]
+
+
+class RamTier(StateTier):
+    kind = "ram"
+    resident = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arenas: list = []   # (offset, tensor): one per allocate() (add_param_group appends)
+        self.nbytes = 0
+
+    def allocate(self, layout) -> None:
+        if layout.nbytes > self.nbytes:
+            self.arenas.append((self.nbytes, aligned_empty(layout.nbytes - self.nbytes)))
+            self.nbytes = layout.nbytes
+        self.layout = layout
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        for start, arena in reversed(self.arenas):
+            if offset >= start:
+                return arena[offset - start:offset - start + nbytes]
+        raise IndexError(offset)
+
+    def own_memory(self):
+        return self.arenas[0][1] if len(self.arenas) == 1 else None
+
+    def mapping(self):
+        return self.view, None
+
+    def acquire(self, b, read: bool) -> Block:
+        data = self.view(b.offset, b.nbytes)
+        return Block(data.data_ptr(), data)
+
+    def write(self, b, data: torch.Tensor) -> None:
+        self.view(b.offset, b.nbytes).copy_(data)

@@ -1,0 +1,132 @@
+"""state/tier.py: the interface every state tier implements, and the one budget split.
+
+A tier holds the bytes of every bucket of a layout (offload/layout.py). The step pipeline asks it
+to ``prefetch`` the next buckets, ``acquire`` one (its bytes in host memory, as a ``Block``),
+``release`` it after the kernel ran (write-back) and ``drain`` at the end. ``resident`` tiers
+(ram, mmap) keep every bucket addressable, so views of them are the live state.
+
+After any failure inside a step a tier refuses further use (``StoreFailedError``): parameters and
+state may be partially updated, and continuing would silently train on garbage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..layout import ALIGN
+
+__all__ = ["Block", "StateTier", "StoreFailedError", "make_tier", "split_budget"]
+
+
+class StoreFailedError(RuntimeError):
+    """The on-disk optimizer state can no longer be trusted (an earlier step failed)."""
+
+
+@dataclass
+class Block:
+    """A bucket's state bytes in host memory: ``data`` (uint8) starting at address ``base``."""
+    base: int
+    data: torch.Tensor
+    slot: int = -1
+
+
+class StateTier:
+    kind = "abstract"
+    resident = False
+
+    def __init__(self) -> None:
+        self.failed: Optional[BaseException] = None
+        self.layout = None
+        self.telemetry = dict(bytes_read=0, bytes_written=0, read_wait_s=0.0, write_wait_s=0.0)
+
+    # --- the pipeline's calls
+    def allocate(self, layout) -> None:
+        """Reserve room for ``layout`` (called again with a longer layout after ``add_param_group``)."""
+        raise NotImplementedError
+
+    def prefetch(self, b, read: bool) -> None:
+        """Start bringing bucket ``b`` into host memory (``read=False``: it is all fresh state)."""
+
+    def acquire(self, b, read: bool) -> Block:
+        raise NotImplementedError
+
+    def release(self, b, blk: Block) -> None:
+        """The kernel is done with ``blk``: write it back (asynchronously where possible)."""
+
+    def drain(self) -> None:
+        """Every write-back finished; nothing in flight."""
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """Readable (and, for resident tiers, writable live) uint8 bytes of the state."""
+        raise NotImplementedError
+
+    def write(self, b, data: torch.Tensor) -> None:
+        """Replace bucket ``b``'s bytes (the load path)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def closed(self) -> bool:
+        return False
+
+    def info(self) -> dict:
+        return dict(self.telemetry)
+
+    # --- fail-stop
+    def where(self) -> str:
+        return "host memory"
+
+    def check_usable(self) -> None:
+        if self.failed is not None:
+            raise StoreFailedError(
+                f"the {self.kind} optimizer state in {self.where()} is unusable after an earlier failure "
+                f"({type(self.failed).__name__}: {self.failed}); parameters and state may be partially "
+                "updated. Restore model and optimizer from a checkpoint.") from self.failed
+        if self.closed:
+            raise RuntimeError("the optimizer's state store is closed")
+
+    def fail(self, exc: BaseException) -> None:
+        try:  # a copy without the traceback: its frames would keep the step's gradients alive
+            self.failed = type(exc)(*exc.args)
+        except Exception:
+            self.failed = RuntimeError(f"{type(exc).__name__}: {exc}")
+
+    def own_memory(self):
+        """The host memory the tier writes (for the gradient-aliasing check), or None."""
+        return None
+
+
+def split_budget(kind: str, budget: int, depth: int, staging_slots: int) -> tuple:
+    """(max state bytes per bucket, max parameter bytes per bucket for staging) from ``host_budget``.
+
+    nvme: ``depth + 2`` state slots and ``staging_slots`` staging slots (gradient + new weights of
+    one bucket each) fit in ``budget``; a staging slot holds at most 2/3 of a state slot (fp32
+    parameter: 8 bytes of staging per 12 of state). mmap: buckets only bound what is released at
+    a time. ram: unbounded state buckets.
+    """
+    if kind == "ram":
+        return None, None
+    nslots = depth + 2 if kind == "nvme" else 1
+    denom = nslots + (2 * staging_slots / 3 if staging_slots else 0)
+    s = int(budget / denom) // ALIGN * ALIGN
+    if kind == "mmap":
+        s = max(s, ALIGN)
+    stage = s // 3 if staging_slots else None
+    return s, stage
+
+
+def make_tier(kind: str, **kw) -> StateTier:
+    if kind == "ram":
+        from .ram import RamTier
+        return RamTier()
+    if kind == "nvme":
+        from .nvme import NvmeTier
+        return NvmeTier(**kw)
+    if kind == "mmap":
+        from .mmap import MmapTier
+        return MmapTier(**{k: v for k, v in kw.items() if k in ("nvme_dir", "keep")})
+    raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {kind!r}")

@@ -1,0 +1,298 @@
+"""step/engine.py: StateEngine, the composition root: one layout, one state tier, one parameter side.
+
+It is what ``offload.Adam/AdamW`` hold for ``state="nvme"|"mmap"`` (host or device parameters,
+FSDP2 local shards): it validates a step's gradients before any I/O, runs the pipeline
+(step/pipeline.py) over the buckets that have gradients, installs torch-layout views of the state
+in ``opt.state`` and serves ``state_dict`` / ``load_state_dict`` bucket by bucket. It never reads
+the optimizer's private attributes: hyperparameters come through ``hyper(group)``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from .._dist import local
+from ..guards import WriteTracker, check_overlaps, resync_master
+from ..layout import ALIGN, build_layout
+from ..params.base import check_grad, shapes_of
+from ..params.host import HostParams
+from ..state.tier import make_tier, split_budget
+from ..units import parse_size
+from . import pipeline
+from .registry import Registry
+from .torchstate import TorchLayout
+
+__all__ = ["StateEngine"]
+
+
+class StateEngine(TorchLayout):
+    def __init__(self, groups: list, amsgrad: list, *, mode: str, nvme_dir=None, host_budget="2GiB",
+                 keep: bool = False, device=None, staging_slots: int = 3, bucket_bytes: Optional[int] = None,
+                 depth: int = 2, queue_depth: int = 8, block_size: int = 1 << 20, direct: bool = True):
+        self.mode = mode
+        self.budget = parse_size(host_budget)
+        self.depth = depth
+        self.groups = [list(g) for g in groups]
+        self.amsgrad = [bool(a) for a in amsgrad]
+        self.dtypes = [[local(p).dtype for p in ps] for ps in self.groups]
+        self.numels = [[local(p).numel() for p in ps] for ps in self.groups]
+        self.device = device
+        self.local_groups = [[local(p) for p in ps] for ps in self.groups]
+        check_overlaps(self.local_groups, (), None, mode)   # a parameter listed twice...: before any file exists
+        self._pid = os.getpid()            # the state (file, I/O threads, mapping) belongs to this process
+        self._lock = threading.RLock()     # step / state access / close never overlap (close waits)
+        self.tracker = WriteTracker(self.local_groups)   # bf16/fp16 params written by the user between steps
+        if device is not None:
+            from ..params.device import DeviceParams
+            self.side = DeviceParams(self.groups, device, staging_slots)
+        else:
+            self.side = HostParams(self.groups)
+        if not isinstance(depth, int) or not 1 <= depth <= 64:
+            raise ValueError(f"depth (buckets read ahead) must be an int in [1, 64], got {depth!r}")
+        self.state_cap, self.stage_cap = split_budget(mode, self.budget, depth,
+                                                      staging_slots if device is not None else 0)
+        if mode == "nvme" and self.state_cap < ALIGN:
+            n = depth + 2 + (2 * staging_slots if device is not None else 0)
+            raise ValueError(f"host_budget={host_budget!r} is too small: need at least {n} buffers of "
+                             f"{ALIGN} bytes ({n * ALIGN} bytes)")
+        if device is not None and bucket_bytes:
+            self.stage_cap = min(self.stage_cap or bucket_bytes, bucket_bytes)
+        self.layout = self._lay(self.groups, 0)
+        self.registry = Registry([len(g) for g in self.groups])
+        self.tier = make_tier(mode, nvme_dir=nvme_dir, keep=keep, depth=depth, queue_depth=queue_depth,
+                              block_size=block_size, direct=direct)
+        self.tier.allocate(self.layout)
+        if device is not None:
+            self.side.allocate(self.layout)
+        self.telemetry = dict(steps=0, kernel_s=0.0, step_s=0.0)
+        self.last_stats: Optional[dict] = None
+
+    def _lay(self, groups, first_group: int):
+        shapes = shapes_of(groups, self.device is not None, first_group)
+        return build_layout(shapes, amsgrad=self.amsgrad, max_state_bytes=self.state_cap,
+                            max_param_bytes=self.stage_cap)
+
+    # ------------------------------------------------------------------ shape of the engine
+    def add_group(self, params: list, amsgrad: bool) -> None:
+        """``add_param_group``: lay the new group out after the existing state and grow the file."""
+        with self._using():
+            self._add_group(params, amsgrad)
+
+    def _add_group(self, params: list, amsgrad: bool) -> None:
+        gi = len(self.groups)
+        check_overlaps(self.local_groups + [[local(p) for p in params]], (), None, self.mode)
+        self.groups.append(list(params))
+        self.local_groups.append([local(p) for p in params])
+        self.tracker.seen.append(np.full((len(params), 2), -1, dtype=np.int64))
+        self.amsgrad.append(bool(amsgrad))
+        self.dtypes.append([local(p).dtype for p in params])
+        self.numels.append([local(p).numel() for p in params])
+        self.layout.extend(self._lay([self.groups[gi]], gi))
+        self.registry.grow([len(g) for g in self.groups])
+        self.tier.allocate(self.layout)
+        if self.device is not None:
+            self.side.allocate(self.layout)
+        self.side.extend(self.groups)
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"the {self.mode} optimizer state of process {self._pid} cannot be used after fork() (this is "
+                f"process {os.getpid()}): its state file, mapping and I/O threads belong to the parent. Create "
+                "the optimizer in the child (or start it with the 'spawn' method)")
+
+    @contextlib.contextmanager
+    def _using(self):
+        """Exclusive use: the right process, not closed, not failed; close() waits for it."""
+        self._check_process()
+        with self._lock:
+            self.tier.check_usable()
+            yield
+
+    @property
+    def pieces(self) -> dict:
+        return {k: [(self.layout.buckets[bi], pc) for bi, pc in v] for k, v in self.layout.of_param.items()}
+
+    @property
+    def closed(self) -> bool:
+        return self.tier.closed
+
+    def __getattr__(self, name):   # path, directory, engine, arena, file, slot_bytes ... of the tier
+        if name in ("tier", "__setstate__") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.tier, name)
+
+    # ------------------------------------------------------------------ step
+    def _check_groups(self, groups: list) -> None:
+        if len(groups) != len(self.groups) or any(
+                len(g["params"]) != len(ps) or any(a is not b for a, b in zip(g["params"], ps))
+                for g, ps in zip(groups, self.groups)):
+            raise RuntimeError(f"the optimizer's parameters changed since it was created with state={self.mode!r} "
+                               "(the state file is laid out for the original parameter list)")
+
+    def _collect(self, param_groups: list) -> list:
+        """Validate grads/params of every group (before any I/O); per group: bool mask of active params."""
+        self._check_groups(param_groups)
+        active, grads = [], []
+        for gi, group in enumerate(param_groups):
+            if bool(group["amsgrad"]) != self.amsgrad[gi]:
+                raise ValueError(f"group {gi}: amsgrad cannot change after construction with state={self.mode!r}")
+            params = self.groups[gi]
+            a = np.zeros(len(params), dtype=bool)
+            gs = [None] * len(params)
+            for i, p in enumerate(params):
+                g = p.grad
+                if g is None:
+                    continue
+                check_grad(p, g, gi, i, self.dtypes[gi][i], self.numels[gi][i], self.mode,
+                           self.device is not None)
+                a[i] = True
+                gs[i] = local(g)
+            active.append(a)
+            grads.append(gs)
+        check_overlaps(self.local_groups, [(gi, i, g) for gi, gs in enumerate(grads) for i, g in enumerate(gs)
+                                           if g is not None], self.tier.own_memory(), self.mode)
+        self._grads = grads   # the step uses exactly the tensors checked here
+        late = [(gi, int(i)) for gi, a in enumerate(active) for i in np.flatnonzero(a)
+                if self.numels[gi][i] and not self.layout.of_param.get((gi, int(i)))]
+        if late:
+            self._lay_out_late(late)
+        return active
+
+    def _lay_out_late(self, late: list) -> None:
+        """Parameters frozen (requires_grad=False) at construction reserved nothing; the first time one
+        has a gradient its state is laid out after the existing state (the file grows)."""
+        from ..layout import Shape
+        from ..params.base import LOW_PRECISION
+        shapes = []
+        for gi, i in sorted(late):
+            lp = local(self.groups[gi][i])
+            shapes.append(Shape(gi, i, lp.numel(), lp.element_size(),
+                                master=self.device is not None or lp.dtype in LOW_PRECISION))
+        new = build_layout(shapes, amsgrad=self.amsgrad, max_state_bytes=self.state_cap,
+                           max_param_bytes=self.stage_cap)
+        self.layout.extend(new)
+        self.tier.allocate(self.layout)
+        if self.device is not None:
+            self.side.allocate(self.layout)
+
+    def _jobs(self, active: list, order=None) -> list:
+        jobs = []
+        buckets = self.layout.buckets if order is None else order
+        for b in buckets:
+            a = active[b.group]
+            act = [pc for pc in b.pieces if a[pc.param]]
+            if act:
+                jobs.append((b, act, self.registry.has_state(b)))
+        return jobs
+
+    def step(self, param_groups: list, hyper: Callable[[int], dict], state: dict, mult: float, threads: int,
+             active: Optional[list] = None) -> None:
+        self._check_process()
+        with self._lock:
+            try:
+                self._step(param_groups, hyper, state, mult, threads, active)
+            finally:
+                self._grads = self.side.grads = None   # no reference to this step's gradients survives it
+
+    def _step(self, param_groups, hyper, state, mult, threads, active) -> None:
+        self.tier.check_usable()
+        if active is None:
+            active = self._collect(param_groups)
+        hypers = {gi: hyper(gi) for gi, a in enumerate(active) if a.any()}   # validated before any change
+        for gi, h in hypers.items():   # the native kernel refuses these too, but only after I/O has started
+            for k in ("lr", "eps", "weight_decay", "beta1", "beta2"):
+                if not math.isfinite(h[k]):
+                    raise ValueError(f"group {gi}: {k} = {h[k]} is not finite")
+        self.side.grads = self._grads
+        resync = self.tracker.written(self.registry.ready) if self.device is None else set()
+        t0 = time.perf_counter()
+        tel = self.tier.telemetry
+        io0 = tel["read_wait_s"] + tel["write_wait_s"]
+        k0 = self.telemetry["kernel_s"]
+        jobs = self._jobs(active)
+        try:
+            self.registry.advance(active)
+            if self.device is not None:
+                self.side.begin()
+            pipeline.run(jobs, tier=self.tier, side=self.side, registry=self.registry, hyper=hypers.__getitem__,
+                         mult=mult, threads=threads, depth=self.depth, ahead=getattr(self.side, "nslots", 1),
+                         timing=self.telemetry, resync=resync and self._resync(resync))
+            fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~self.registry.ready[gi])]
+            self.registry.commit(active)
+            for gi, a in enumerate(active):
+                self.tracker.record(gi, np.flatnonzero(a))
+        except BaseException as e:
+            self.tier.fail(e)
+            raise
+        self._install(fresh, state)
+        dt = time.perf_counter() - t0
+        self.telemetry["steps"] += 1
+        self.telemetry["step_s"] += dt
+        self.last_stats = dict(step=self.telemetry["steps"], kernel_s=self.telemetry["kernel_s"] - k0,
+                               nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - io0, step_s=dt, buckets=len(jobs),
+                               skipped=False, grad_multiplier=mult)
+
+    def _resync(self, which: set):
+        """A bf16/fp16 parameter written by the user since its last step: its new values go into the master
+        where they differ from the rounded master (offload/guards.py), before the kernel reads it."""
+        def apply(b, pieces, blk) -> None:
+            if not b.master:
+                return
+            f32 = blk.data[:b.nbytes].view(torch.float32)
+            for pc in pieces:
+                if (b.group, pc.param) in which:
+                    sec = b.section("master_param") // 4 + pc.pos
+                    resync_master(f32[sec:sec + pc.n],
+                                  self.local_groups[b.group][pc.param].detach().reshape(-1)[pc.start:pc.start + pc.n])
+        return apply
+
+    def io_pass(self) -> float:
+        """Benchmark helper: read and write back every bucket through the step's pipeline without
+        computing (data unchanged). Returns the seconds it took: the I/O-only time of a full step."""
+        with self._using():
+            return self._io_pass()
+
+    def _io_pass(self) -> float:
+        if self.mode != "nvme":
+            raise RuntimeError("io_pass() measures the nvme pipeline")
+        saved = dict(self.tier.telemetry)
+        t = time.perf_counter()
+        try:
+            pipeline.run([(b, b.pieces, True) for b in self.layout.buckets], tier=self.tier, side=self.side,
+                         registry=self.registry, hyper=None, mult=1.0, threads=0, depth=self.depth, ahead=1,
+                         timing={}, compute=False)
+        except BaseException as e:
+            self.tier.fail(e)
+            raise
+        dt = time.perf_counter() - t
+        self.tier.telemetry.clear()
+        self.tier.telemetry.update(saved)
+        return dt
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Wait for outstanding I/O, release buffers and delete the state (unless ``keep``). A step in
+        another thread finishes first; in a fork()ed child only the child's descriptors are closed."""
+        if os.getpid() != self._pid:
+            self.tier.close()
+            return
+        with self._lock:
+            self.side.close()
+            self.tier.close()
+
+    def info(self) -> dict:
+        d = dict(self.tier.info())
+        d.update(self.telemetry)
+        d.update(mode=self.mode, depth=self.depth, host_budget=self.budget, buckets=len(self.layout.buckets),
+                 file_bytes=getattr(self.tier, "file_bytes", self.layout.nbytes))
+        if self.device is not None:
+            d.update(staging_slots=self.side.nslots, staging_bytes=self.side.pinned_bytes)
+        return d

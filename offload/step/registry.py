@@ -1,0 +1,60 @@
+"""step/registry.py: which parameter has state, its step count, and fresh-state creation.
+
+Step counts are fp32 like torch's, one vector per group; ``state['step']`` entries are 0-dim views
+of them. A parameter's state is created at its first step exactly as the RAM mode does (zeros,
+fp32 master = the parameter), so every tier gives bitwise the same results.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["Registry"]
+
+
+class Registry:
+    def __init__(self, sizes: Sequence[int]):
+        self.steps: List[torch.Tensor] = []
+        self.ready: List[np.ndarray] = []
+        self.grow(sizes)
+
+    def grow(self, sizes: Sequence[int]) -> None:
+        """Groups added (``add_param_group``): ``sizes`` lists every group's parameter count."""
+        for n in sizes[len(self.steps):]:
+            self.steps.append(torch.zeros(n, dtype=torch.float32))
+            self.ready.append(np.zeros(n, dtype=bool))
+
+    def has_state(self, b) -> bool:
+        r = self.ready[b.group]
+        return any(r[pc.param] for pc in b.pieces)
+
+    def init_fresh(self, b, pieces: Sequence, blk, read_master: Callable) -> None:
+        """First step of a piece's parameter: zero moments; master = the parameter (read_master)."""
+        r = self.ready[b.group]
+        f32 = blk.data[:b.nbytes].view(torch.float32)
+        for pc in pieces:
+            if r[pc.param]:
+                continue
+            for key, _size in b.keys:
+                sec = b.section(key) // 4 + pc.pos
+                dst = f32[sec:sec + pc.n]
+                if key == "master_param":
+                    read_master(b.group, pc.param, pc.start, pc.n, dst)
+                else:
+                    dst.zero_()
+
+    def advance(self, active: Sequence[np.ndarray]) -> None:
+        for gi, a in enumerate(active):
+            if a.any():
+                self.steps[gi][torch.from_numpy(a)] += 1
+
+    def commit(self, active: Sequence[np.ndarray]) -> None:
+        for gi, a in enumerate(active):
+            self.ready[gi] |= a
+
+    def reset(self) -> None:
+        for s, r in zip(self.steps, self.ready):
+            s.zero_()
+            r[:] = False

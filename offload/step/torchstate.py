@@ -1,0 +1,142 @@
+"""step/torchstate.py: the torch-layout face of the state engine: ``opt.state`` views, ``state_dict``
+tensors, ``load_state_dict`` bucket by bucket, and re-reading masters from the parameters.
+
+Mixed into StateEngine (step/engine.py); it uses the engine's layout, tier, registry, side and lock.
+Tensors are views of the tier (step/views.py), never copies, and keep their memory alive.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._dist import like, local
+from .views import param_views
+
+__all__ = ["TorchLayout"]
+
+
+class TorchLayout:
+    # ------------------------------------------------------------------ torch-layout views
+    def _install(self, fresh: list, state: dict) -> None:
+        """Give ``state[p]`` its step counter and moments (views of the tier) when its state was created."""
+        if not fresh:
+            return
+        view, fd = self.tier.mapping()
+        for gi, i in fresh:
+            p = self.groups[gi][int(i)]
+            st = state[p]
+            st["step"] = self.registry.steps[gi][int(i)]
+            for k, v in self._views(gi, int(i), view, fd).items():
+                st[k] = v
+
+    def _views(self, gi: int, i: int, view, fd) -> dict:
+        p = self.groups[gi][i]
+        lp = local(p)
+        if lp.numel() == 0:
+            keys = (["master_param"] if (self.device is not None or lp.dtype in (torch.bfloat16, torch.float16))
+                    else []) + ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad[gi] else [])
+            return {k: like(p, torch.zeros(lp.shape, dtype=torch.float32)) for k in keys}
+        out = param_views(self.tier, self.layout, gi, i, lp.shape, view, fd)
+        if self.device is not None and lp.dtype == torch.float32:
+            out.pop("master_param", None)   # torch's layout: an fp32 parameter is its own master
+        return {k: like(p, v) for k, v in out.items()}
+
+    def torch_state(self, gi: int, i: int) -> dict:
+        """``state[p]`` for parameter ``i`` of group ``gi``: step counter and views of the moments."""
+        with self._using():
+            view, fd = self.tier.mapping()
+            st = {"step": self.registry.steps[gi][i]}
+            if self.registry.ready[gi][i]:
+                st.update(self._views(gi, i, view, fd))
+            return st
+
+    def state_tensors(self) -> dict:
+        """(gi, i) -> {key: fp32 tensor} for every parameter that has state (views, never copies).
+        Every tensor keeps the memory it views alive, also after ``close()``."""
+        with self._using():
+            return self._state_tensors()
+
+    def _state_tensors(self) -> dict:
+        view, fd = self.tier.mapping()
+        out = {}
+        for gi, params in enumerate(self.groups):
+            for i in range(len(params)):
+                if self.registry.ready[gi][i] or self.numels[gi][i] == 0:
+                    out[(gi, i)] = self._views(gi, i, view, fd)
+        return out
+
+    def reload_masters(self, which: set) -> None:
+        """Re-read the fp32 master of the parameters ``which`` ({(gi, i)}) that have state, from the parameters."""
+        with self._using():
+            self._reload_masters(which)
+
+    def _reload_masters(self, which: set) -> None:
+        try:
+            for b in self.layout.buckets:
+                hit = [pc for pc in b.pieces if (b.group, pc.param) in which and self.registry.ready[b.group][pc.param]]
+                if not hit or not b.master:
+                    continue
+                blk = self.tier.acquire(b, True)
+                f32 = blk.data[:b.nbytes].view(torch.float32)
+                for pc in hit:
+                    sec = b.section("master_param") // 4 + pc.pos
+                    self.side.read_master(b.group, pc.param, pc.start, pc.n, f32[sec:sec + pc.n])
+                self.tier.release(b, blk)
+            self.tier.drain()
+        except BaseException as e:
+            self.tier.fail(e)
+            raise
+
+    @property
+    def steps(self) -> list:
+        return self.registry.steps
+
+    def load(self, entries: dict) -> None:
+        """Replace the whole state by ``entries`` ((gi, i) -> state dict), bucket by bucket.
+        Parameters without an entry start afresh at their next step (as with torch's loader).
+        A missing 'master_param' is taken from the parameter (a state saved by torch.optim)."""
+        with self._using():
+            self._load(entries)
+
+    def _load(self, entries: dict) -> None:
+        for (gi, i), st in entries.items():
+            n = self.numels[gi][i]
+            has_layout = bool(self.layout.of_param.get((gi, i)))
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key not in st:
+                    raise KeyError(f"state of parameter {i} of group {gi} has no '{key}'")
+            for key, t in st.items():
+                if key == "step" or not isinstance(t, torch.Tensor):
+                    continue
+                if local(t).numel() != n:
+                    raise ValueError(f"state '{key}' of parameter {i} of group {gi} does not match the "
+                                     f"parameter's {n} elements")
+            if n and not has_layout:
+                raise ValueError(f"state of parameter {i} of group {gi}: the parameter had requires_grad=False when "
+                                 f"the optimizer was created with state={self.mode!r}, so it has no room for state")
+        try:
+            for b in self.layout.buckets:
+                hit = [pc for pc in b.pieces if (b.group, pc.param) in entries]
+                if not hit:
+                    continue
+                data = torch.zeros(b.nbytes, dtype=torch.uint8)
+                f32 = data.view(torch.float32)
+                for pc in hit:
+                    st = entries[(b.group, pc.param)]
+                    for key, _size in b.keys:
+                        sec = b.section(key) // 4 + pc.pos
+                        dst = f32[sec:sec + pc.n]
+                        src = st.get(key)
+                        if src is None and key == "master_param":
+                            self.side.read_master(b.group, pc.param, pc.start, pc.n, dst)
+                        elif src is not None:
+                            dst.copy_(local(src).detach().reshape(-1)[pc.start:pc.start + pc.n])
+                self.tier.write(b, data)
+            self.registry.reset()
+            for (gi, i), st in entries.items():
+                v = st.get("step", 0.0)
+                self.registry.steps[gi][i] = float(v.item() if isinstance(v, torch.Tensor) else v)
+                self.registry.ready[gi][i] = True
+                self.tracker.record(gi, [i])   # the loaded master is the truth for the parameter as it is now
+        except BaseException as e:
+            self.tier.fail(e)
+            raise

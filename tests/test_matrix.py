@@ -1,0 +1,288 @@
+"""The combination matrix: {host, CpuDevice, FakeDevice} parameters x {ram, nvme, mmap} state.
+
+Every combination must give bitwise the results of host parameters with RAM state (the kernel is
+elementwise and partition-independent), through fp32 and bf16 steps, several param groups
+(amsgrad, maximize, weight decay), a parameter without gradient, state_dict round trips through
+torch.optim.AdamW, offload.save/load resume and add_param_group. FakeDevice runs with a staging
+ring of 1-2 slots and random copy delays, with its hazard checks on. Tensors are tiny.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import offload
+from offload.device import CpuDevice, FakeDevice
+
+SIDES = ("host", "cpu", "fake")
+TIERS = ("ram", "nvme", "mmap")
+SIZES = [(700,), (33, 5), (4100,), (3,), (2, 3, 4)]   # 4100: split over buckets under the small budget
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)   # the fake device's stream threads run beside this one
+    yield
+    torch.set_num_threads(prev)
+
+
+def make_params(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SIZES]
+
+
+def groups(ps):
+    return [{"params": ps[:3], "weight_decay": 0.1},
+            {"params": ps[3:], "amsgrad": True, "maximize": True, "lr": 3e-3, "betas": (0.8, 0.9)}]
+
+
+def make_opt(ps, side, tier, tmp_path, slots=2, seed=1, **kw):
+    opts = dict(kw)
+    if tier != "ram":
+        d = tmp_path / f"state-{side}-{tier}"
+        d.mkdir(exist_ok=True)
+        opts.update(state=tier, nvme_dir=d, host_budget=96 * 1024)
+        if side != "host":
+            opts["nvme_options"] = {"staging_slots": slots}
+    if side == "cpu":
+        opts["offload_device"] = CpuDevice()
+    elif side == "fake":
+        opts["offload_device"] = FakeDevice(max_delay=0.002, seed=seed)
+    if side != "host":
+        opts["bucket_mb"] = 0.01
+    return offload.AdamW(groups(ps), lr=1e-2, **opts)
+
+
+def grads(ps, step, dtype):
+    g = torch.Generator().manual_seed(100 + step)
+    for i, p in enumerate(ps):
+        p.grad = None if (step == 1 and i == 1) else torch.randn(p.shape, generator=g).to(dtype)
+
+
+def run(ps, opt, steps, dtype, start=0):
+    for s in range(start, start + steps):
+        grads(ps, s, dtype)
+        opt.step()
+    if hasattr(opt, "synchronize"):
+        opt.synchronize()
+    dev = getattr(getattr(opt, "_gpu", None), "device", None)
+    if dev is not None:
+        dev.check()   # FakeDevice: no copy source was overwritten while in flight
+
+
+def reference(dtype, steps=3):
+    ps = make_params(dtype)
+    opt = offload.AdamW(groups(ps), lr=1e-2)
+    run(ps, opt, steps, dtype)
+    return ps, opt
+
+
+def assert_same(ps_a, opt_a, ps_b, opt_b):
+    for i, (a, b) in enumerate(zip(ps_a, ps_b)):
+        assert torch.equal(a, b), f"parameter {i}: max diff {(a.float() - b.float()).abs().max().item()}"
+    sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    assert sorted(sa) == sorted(sb)
+    for k in sa:
+        for key in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert (key in sa[k]) == (key in sb[k]), (k, key)
+            if key in sa[k]:
+                assert torch.equal(sa[k][key].float(), sb[k][key].float()), (k, key)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("side", SIDES)
+def test_bitwise_like_host_ram(tmp_path, side, tier, dtype):
+    ref = reference(dtype)
+    ps = make_params(dtype)
+    opt = make_opt(ps, side, tier, tmp_path, slots=1 + (dtype == torch.float32))
+    run(ps, opt, 3, dtype)
+    assert_same(*ref, ps, opt)
+    if tier != "ram":   # opt.state offers the moments, as views of the state
+        sd = opt.state_dict()["state"]
+        for i, p in enumerate(ps):
+            assert torch.equal(opt.state[p]["exp_avg"], sd[i]["exp_avg"])
+    opt.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("side", SIDES)
+def test_state_dict_round_trip_through_torch_and_resume(tmp_path, side, tier):
+    dtype = torch.float32
+    ref = reference(dtype, steps=5)
+    ps = make_params(dtype)
+    opt = make_opt(ps, side, tier, tmp_path)
+    run(ps, opt, 2, dtype)
+    t = torch.optim.AdamW(groups([p.detach().clone() for p in ps]), lr=1e-2)
+    t.load_state_dict(opt.state_dict())   # torch's loader accepts our layout
+    sd = t.state_dict()
+    opt.close()
+    ps2 = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt2 = make_opt(ps2, side, tier, tmp_path, seed=7)
+    opt2.load_state_dict(sd)              # and ours accepts torch's
+    run(ps2, opt2, 3, dtype, start=2)
+    assert_same(*ref, ps2, opt2)
+    opt2.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("side", SIDES)
+def test_checkpoint_resume(tmp_path, side, tier):
+    dtype = torch.bfloat16
+    ref = reference(dtype, steps=4)
+    ps = make_params(dtype)
+    opt = make_opt(ps, side, tier, tmp_path)
+    run(ps, opt, 2, dtype)
+    offload.save(opt, tmp_path / "ckpt")
+    opt.close()
+    ps2 = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt2 = make_opt(ps2, side, tier, tmp_path, seed=3)
+    offload.load(opt2, tmp_path / "ckpt")
+    run(ps2, opt2, 2, dtype, start=2)
+    assert_same(*ref, ps2, opt2)
+    opt2.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tier", ("nvme", "mmap"))
+@pytest.mark.parametrize("side", SIDES)
+def test_add_param_group(tmp_path, side, tier):
+    dtype = torch.float32
+
+    def go(ps, opt):
+        run(ps[:3], opt, 2, dtype)
+        opt.add_param_group({"params": ps[3:], "amsgrad": True, "lr": 3e-3})
+        run(ps, opt, 2, dtype, start=2)
+
+    ps_r = make_params(dtype)
+    ref = offload.AdamW(ps_r[:3], lr=1e-2)
+    go(ps_r, ref)
+    ps = make_params(dtype)
+    kw = {}
+    opt = make_opt(ps, side, tier, tmp_path)
+    opt.close()   # (make_opt builds two groups; this test wants one, then a second added)
+    opts = dict(state=tier, nvme_dir=tmp_path / f"state-{side}-{tier}", host_budget=96 * 1024, **kw)
+    if side != "host":
+        opts.update(offload_device=FakeDevice(seed=2) if side == "fake" else CpuDevice(), bucket_mb=0.01)
+    opt = offload.AdamW(ps[:3], lr=1e-2, **opts)
+    go(ps, opt)
+    assert_same(ps_r, ref, ps, opt)
+    opt.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("side", SIDES)
+def test_frozen_params_reserve_no_disk(tmp_path, side):
+    base = torch.nn.Parameter(torch.randn(1 << 16), requires_grad=False)   # a frozen base: 256 KiB fp32
+    lora = torch.nn.Parameter(torch.randn(64))
+    opts = dict(state="nvme", nvme_dir=tmp_path, host_budget=1 << 20)
+    if side != "host":
+        opts.update(offload_device=FakeDevice(seed=4) if side == "fake" else CpuDevice())
+    opt = offload.AdamW([base, lora], **opts)
+    assert opt.storage_info()["file_bytes"] == 4096   # one bucket: lora's state only
+    lora.grad = torch.randn(64)
+    opt.step()
+    assert base not in opt.state or not opt.state[base]
+    # unfreezing later still works: the state is laid out when the first gradient arrives
+    ref_b, ref_l = base.detach().clone(), lora.detach().clone()
+    ref = offload.AdamW([torch.nn.Parameter(ref_b), torch.nn.Parameter(ref_l)])
+    base.requires_grad_(True)
+    for o, (b, l) in ((opt, (base, lora)), (ref, ref.param_groups[0]["params"])):
+        b.grad, l.grad = torch.ones_like(b), torch.ones_like(l)
+        o.step()
+    assert torch.equal(base, ref.param_groups[0]["params"][0])
+    assert opt.storage_info()["file_bytes"] > 2 * 4 * (1 << 16)   # m and v of the base (+ a master on a device)
+    opt.close()
+
+
+_RSS_SCRIPT = textwrap.dedent("""
+    import os, resource, sys, torch, offload
+    from offload.device import FakeDevice
+    torch.set_num_threads(1)
+    side, d = sys.argv[1], sys.argv[2]
+    def anon():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon:"))
+    n = 40 * 2**20   # bf16: 12 bytes of state per element (master, m, v): ~480 MiB of state
+    ps = [torch.nn.Parameter(torch.randn(n // 4).bfloat16()) for _ in range(4)]
+    for p in ps:
+        p.grad = torch.randn(p.shape).bfloat16()
+    offload.AdamW([torch.nn.Parameter(torch.zeros(1))])   # torch's first optimizer imports ~70 MB of modules
+    base = anon()
+    peak = 0
+    kw = dict(offload_device=FakeDevice(max_delay=0.0, poison=False, check=False)) if side == "fake" else {}
+    opt = offload.AdamW(ps, state="nvme", nvme_dir=d, host_budget="32MiB", **kw)
+    for _ in range(2):
+        opt.step()
+        peak = max(peak, anon())
+    torch.save(opt.state_dict(), os.path.join(d, "sd.pt"))   # streams from the file
+    peak = max(peak, anon())
+    print(opt.storage_info()["file_bytes"], peak - base)
+""")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("side", ["fake", pytest.param("host", marks=pytest.mark.slow)])
+def test_host_memory_bounded_by_budget(tmp_path, side):
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, side, str(tmp_path)], capture_output=True, text=True,
+                         timeout=220, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr[-3000:]
+    file_bytes, growth = map(int, out.stdout.split())
+    assert file_bytes > 450 * 2**20
+    assert growth < (32 + 150) * 2**20, f"anonymous RSS grew by {growth / 2**20:.0f} MiB with a 32 MiB budget"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("tier", ("nvme", "mmap"))
+def test_fake_device_clip_scaler_and_slow_copies(tmp_path, tier, slots):
+    """Device params + NVMe/mmap state with a 1-2 slot staging ring and slow, random copies (hazard
+    checks on): clipping (max_grad_norm= and clip_grad_norm_) and GradScaler's skip of a non-finite
+    step give bitwise the host/RAM results."""
+    dtype = torch.float32
+    ps_r = make_params(dtype)
+    ref = offload.AdamW(groups(ps_r), lr=1e-2)
+    ps = make_params(dtype)
+    dev = FakeDevice(max_delay=0.006, min_delay=0.001, seed=slots)
+    opt = offload.AdamW(groups(ps), lr=1e-2, state=tier, nvme_dir=tmp_path, host_budget=96 * 1024,
+                        offload_device=dev, bucket_mb=0.004, max_grad_norm=0.5, check_overflow=True,
+                        nvme_options={"staging_slots": slots})
+    for s in range(4):
+        grads(ps_r, s, dtype)
+        grads(ps, s, dtype)
+        if s == 2:   # an overflow: check_overflow skips the step (the reference does not step)
+            ps[0].grad[0] = float("inf")
+            opt.step()
+            assert opt.last_step_stats()["skipped"]
+            continue
+        ref.clip_grad_norm_(0.5)
+        opt.step()
+        ref.step()
+        assert opt.last_step_stats()["buckets"] > 2 and not opt.last_step_stats()["skipped"]
+    # GradScaler: scaled gradients, 1/scale folded into the kernel; a non-finite step is skipped
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler.scale(torch.ones(()))   # (what scaler.scale(loss) does first: create the scale)
+    for s in range(4, 7):
+        grads(ps_r, s, dtype)
+        grads(ps, s, dtype)
+        for p in ps:
+            p.grad.mul_(2.0 ** 10)
+        if s == 5:
+            ps[1].grad[0] = float("nan")
+        else:
+            ref.clip_grad_norm_(0.5)
+            ref.step()
+        scaler.step(opt)
+        scaler.update(2.0 ** 10)   # keep the scale (the reference sees unscaled gradients)
+        assert opt.last_step_stats()["skipped"] == (s == 5)
+    opt.synchronize()
+    dev.check()
+    assert_same(ps_r, ref, ps, opt)
+    opt.close()
