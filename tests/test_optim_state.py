@@ -16,9 +16,6 @@ import offload
 from offload.device import FakeDevice
 
 MODES = ["ram", "nvme", "mmap"]
-# Replacing state['step'] with NVMe/mmap state: still ignored by offload/store.py (issue 10 item 6).
-STORE_XFAIL = ["ram"] + [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason="issue 10 item 6: store step counters"))
-                         for m in ("nvme", "mmap")]
 LR = 1e-2
 
 
@@ -312,7 +309,38 @@ def test_replaced_state_tensors_are_used(make, key):
     assert float(opt.state[ours[0]]["step"]) == float(topt.state[ref[0]]["step"])
 
 
-@pytest.mark.parametrize("mode", STORE_XFAIL)
+@pytest.mark.parametrize("mode", ["nvme", "mmap"])
+def test_disk_state_replaced_moment_is_refused_cleared_state_starts_fresh(make, mode):
+    # the moments live in the state file: a replacement tensor is refused by name (never ignored);
+    # in-place writes to the views and opt.state.clear() behave as in torch
+    ours, ref = pair()
+    opt, topt = make(ours, mode), torch.optim.AdamW(ref, lr=LR)
+    for s in range(2):
+        set_grads(ours, s)
+        set_grads(ref, s)
+        opt.step()
+        topt.step()
+    for o, p in ((opt, ours[0]), (topt, ref[0])):
+        o.state[p]["exp_avg"].zero_()
+    saved = opt.state[ours[0]]["exp_avg"]
+    opt.state[ours[0]]["exp_avg"] = torch.zeros(ours[0].shape)
+    with pytest.raises(ValueError, match="exp_avg.*replaced by another tensor"):
+        opt.step()
+    opt.state[ours[0]]["exp_avg"] = saved
+    for o, ps in ((opt, ours), (topt, ref)):
+        set_grads(ps, 2)
+        o.step()
+    close(ours, ref)
+    opt.state.clear()
+    topt.state.clear()
+    for o, ps in ((opt, ours), (topt, ref)):
+        set_grads(ps, 3)
+        o.step()
+    close(ours, ref)
+    assert float(opt.state[ours[0]]["step"]) == float(topt.state[ref[0]]["step"]) == 1.0
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_replaced_step_is_used(make, mode):
     ours, ref = pair()
     opt, topt = make(ours, mode), torch.optim.AdamW(ref, lr=LR)

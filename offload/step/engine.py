@@ -204,6 +204,7 @@ class StateEngine(TorchLayout):
 
     def _step(self, param_groups, hyper, state, mult, threads, active) -> None:
         self.tier.check_usable()
+        self._adopt_user_state(state)
         if active is None:
             active = self._collect(param_groups)
         hypers = {gi: hyper(gi) for gi, a in enumerate(active) if a.any()}   # validated before any change

@@ -6,6 +6,7 @@ Tensors are views of the tier (step/views.py), never copies, and keep their memo
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .._dist import like, local
@@ -21,12 +22,44 @@ class TorchLayout:
         if not fresh:
             return
         view, fd = self.tier.mapping()
+        ptrs = self.__dict__.setdefault("_view_ptrs", {})
         for gi, i in fresh:
             p = self.groups[gi][int(i)]
             st = state[p]
             st["step"] = self.registry.steps[gi][int(i)]
-            for k, v in self._views(gi, int(i), view, fd).items():
+            views = self._views(gi, int(i), view, fd)
+            for k, v in views.items():
                 st[k] = v
+            ptrs[(gi, int(i))] = {k: local(v).data_ptr() for k, v in views.items()}
+
+    def _adopt_user_state(self, state: dict) -> None:
+        """What a user did to ``opt.state`` since the last step, as torch honours it: a replaced
+        ``state[p]['step']`` is adopted; a removed or emptied ``state[p]`` (``opt.state.clear()``,
+        ``del opt.state[p]``) starts that parameter afresh at step 0. A replaced moment tensor cannot be
+        adopted in place here (the moments live in the state file): it is refused by name instead of
+        being silently ignored."""
+        ptrs = self.__dict__.get("_view_ptrs", {})
+        for gi, ps in enumerate(self.groups):
+            ready, steps = self.registry.ready[gi], self.registry.steps[gi]
+            for i in np.flatnonzero(ready).tolist():
+                st = state.get(ps[i])
+                if not st:
+                    ready[i] = False
+                    steps[i] = 0.0
+                    ptrs.pop((gi, i), None)
+                    continue
+                v = st.get("step")
+                if not (isinstance(v, torch.Tensor) and v._base is steps and v.storage_offset() == i):
+                    steps[i] = float(v.item() if isinstance(v, torch.Tensor) else (v or 0.0))
+                    st["step"] = steps[i]
+                for key, ptr in ptrs.get((gi, i), {}).items():
+                    t = st.get(key)
+                    if isinstance(t, torch.Tensor) and local(t).data_ptr() != ptr:
+                        raise ValueError(
+                            f"state[{key!r}] of parameter {i} of group {gi} was replaced by another tensor: with "
+                            f"state={self.mode!r} the moments live in the state file, so a new tensor cannot be "
+                            "adopted; write into the existing one in place (e.g. opt.state[p]['exp_avg'].zero_()) "
+                            "or load a whole state with load_state_dict()")
 
     def _views(self, gi: int, i: int, view, fd) -> dict:
         p = self.groups[gi][i]
@@ -46,7 +79,10 @@ class TorchLayout:
             view, fd = self.tier.mapping()
             st = {"step": self.registry.steps[gi][i]}
             if self.registry.ready[gi][i]:
-                st.update(self._views(gi, i, view, fd))
+                views = self._views(gi, i, view, fd)
+                st.update(views)
+                # what load_state_dict installs in opt.state: a later replacement is detected against it
+                self.__dict__.setdefault("_view_ptrs", {})[(gi, i)] = {k: local(v).data_ptr() for k, v in views.items()}
             return st
 
     def state_tensors(self) -> dict:
@@ -98,6 +134,7 @@ class TorchLayout:
             self._load(entries)
 
     def _load(self, entries: dict) -> None:
+        self.__dict__["_view_ptrs"] = {}   # the views in opt.state are re-made after a load (torch_state)
         for (gi, i), st in entries.items():
             n = self.numels[gi][i]
             has_layout = bool(self.layout.of_param.get((gi, i)))
