@@ -161,7 +161,7 @@ class GroupPlan:
         self.steps = torch.from_numpy(self.steps_np)
         self.p_ptr = np.full(n, -1, dtype=np.int64)  # param pointer the table row was built for
         self.g_ptr = np.full(n, -1, dtype=np.int64)  # gradient pointer last validated
-        self.g_ver: list = [-1] * n                  # version counter of that gradient
+        self.g_ver = np.full(n, -1, dtype=np.int64)  # version counter of that gradient
         self.g_ref: list = [no_grad_ref] * n        # weakref to that gradient
         self.p_meta: list = [None] * n               # fingerprint of the parameter last validated
         self.p_ver = np.full(n, -1, dtype=np.int64)  # bf16/fp16 rows: parameter version after the last sync

@@ -39,6 +39,9 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TensorBase = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
 _GRAD_DESCR = _TensorBase.__dict__["grad"]
 _DATA_PTR = _TensorBase.data_ptr
+# what the native fast path (_C.collect_rows) reads of each param/grad, as direct C calls
+_ROW_FNS = (_GRAD_DESCR, _DATA_PTR, _TensorBase.__dict__["_version"], _TensorBase.__dict__["shape"],
+            _TensorBase.stride, _TensorBase.__dict__["dtype"])
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _ARENA_STAGGER = 16400  # floats (64 KiB + 64 B) between state streams of one arena: see _init_states
 
@@ -446,39 +449,17 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         """Rows of parameters with a gradient, in order, and the rows whose gradient changed;
         validates whatever changed since the last step.
 
-        The native gather returns the rows whose param pointer, grad object and grad pointer are
-        unchanged; of those, rows whose gradient version moved (in-place metadata changes such as
-        ``t_()``/``resize_()`` keep object and pointer) and bf16/fp16 rows whose parameter was written
-        in place are handled here too; the rest are (re)validated.
+        The native gather (``_C.collect_rows``) returns the rows whose grad object, pointer and
+        version (in-place metadata changes such as ``t_()``/``resize_()`` keep object and pointer) and
+        whose param pointer, shape, strides, dtype and (bf16/fp16) version are unchanged; every other
+        row with a gradient is (re)validated here.
         """
-        cached = list(map(operator.call, plan.g_ref))  # strong references for this step only
-        ready, changed = _C.collect_grads(plan.params, cached, plan.p_ptr, plan.g_ptr, _GRAD_DESCR, _DATA_PTR)
-        if len(ready):
-            if len(ready) == len(cached):  # every row has its validated gradient
-                vers = list(map(get_version, cached))
-                moved = [] if vers == plan.g_ver else [i for i, (a, b) in enumerate(zip(vers, plan.g_ver)) if a != b]
-            else:
-                idx = ready.tolist()
-                moved = [i for i, v in zip(idx, map(get_version, map(cached.__getitem__, idx))) if v != plan.g_ver[i]]
-            # `p.data = <view with the same data pointer>` (t(), a prefix slice, reshape, a dtype view)
-            # changes no pointer the native gather compares: rows whose shape, strides or dtype moved
-            # are re-validated too (fingerprint()[1:]; the pointer was compared natively)
-            params, metas = plan.params, plan.p_meta
-            for i in ready.tolist():
-                t, m = params[i], metas[i]
-                if m is None or t.shape != m[1] or t.stride() != m[2] or t.dtype is not m[3]:
-                    moved.append(i)
-            if moved:
-                moved = sorted(set(moved))  # a row may have moved both ways: re-validated (and stepped) once
-                changed = list(changed) + moved
-                ready = ready[~np.isin(ready, moved)]
-            lowp = ready[plan.lowp[ready]]
-            if len(lowp):
-                vers = np.fromiter((local(plan.params[i])._version for i in lowp), dtype=np.int64, count=len(lowp))
-                for i in lowp[vers != plan.p_ver[lowp]].tolist():  # written in place since the last step
-                    sync_master(self.state[plan.params[i]]["master_param"], plan.params[i])
-                    plan.p_ver[i] = int(vers[np.searchsorted(lowp, i)])
-        del cached
+        # one native pass compares, per row, everything the row was validated against: grad object
+        # (weakref), grad pointer and version, param pointer, shape, strides and dtype (`p.data =
+        # p.data.t()` keeps the pointer), and the param version of bf16/fp16 rows (a user write must be
+        # re-read into the master: _refresh_param); any difference sends the row to `changed`
+        ready, changed = _C.collect_rows(plan.params, plan.g_ref, plan.p_ptr, plan.g_ptr, plan.g_ver, plan.p_meta,
+                                         plan.lowp, plan.p_ver, _ROW_FNS)
         if not changed:
             return ready, ()
         table, state = plan.table, self.state

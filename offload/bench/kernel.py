@@ -39,7 +39,7 @@ def _human(n: int) -> str:
 
 @dataclass
 class Case:
-    key: str  # flat | multi | small | bf16 | isa (what check_targets looks up)
+    key: str  # flat | multi | small | bf16 | isa | small-newgrads (what check_targets looks up)
     sizes: list
     lowp: bool = False  # bf16 grads in, bf16 weights out, fp32 master/moments
     results: dict = field(default_factory=dict)
@@ -54,10 +54,13 @@ class Case:
         shape = f"flat {_human(n)}" if len(self.sizes) == 1 else f"{len(self.sizes)}x{n}"
         if self.key == "isa":
             return f"avx2 vs avx512, fp32 {shape}"
+        if self.key == "small-newgrads":
+            return f"fp32 {shape}, new grads"
         return f"bf16 grad+out, {shape}" if self.lowp else f"fp32 {shape}"
 
 
-CASE_KEYS = ("flat", "multi", "small", "bf16", "isa", "moments")
+CASE_KEYS = ("flat", "multi", "small", "bf16", "isa", "moments", "small-newgrads")
+OPT_IN = ("small-newgrads",)  # only when named in --cases
 DEFAULT_FLAT = 32 * 2**20  # 32M params: 900 MB moved per step, 28x a 32 MiB L3
 FULL_FLAT = 128 * 2**20    # the sizes of the targets of issue 11
 
@@ -72,6 +75,9 @@ def make_cases(scale: float, only, full: bool = False) -> list:
         Case("bf16", [flat], lowp=True),
         Case("isa", [flat]),
         Case("moments", [flat]),  # compressed moments (offload/bench/moments.py)
+        # a training loop's step: new gradient objects every step (zero_grad(set_to_none=True) +
+        # backward), so every row is re-validated; two preallocated sets swapped before each step
+        Case("small-newgrads", [1024] * max(1, int(10000 * min(1.0, scale * 8)))),
     ]
     if only:
         keys = [k.strip() for k in only.split(",") if k.strip()]
@@ -79,6 +85,8 @@ def make_cases(scale: float, only, full: bool = False) -> list:
         if unknown:
             raise SystemExit(f"--cases: unknown case(s) {', '.join(unknown)} (choose from {','.join(CASE_KEYS)})")
         cases = [c for c in cases if c.key in keys]
+    else:
+        cases = [c for c in cases if c.key not in OPT_IN]
     return cases
 
 
@@ -110,6 +118,9 @@ class Contender:
     def set_threads(self, threads: int) -> None:
         self.threads = threads
 
+    def prepare(self) -> None:
+        """Untimed work before each timed step."""
+
     def step(self) -> None:
         raise NotImplementedError
 
@@ -124,9 +135,18 @@ class Ours(Contender):
         for p, g in zip(self.params, grads):
             p.grad = g
         self.opt = offload.AdamW(self.params, lr=1e-3, weight_decay=0.01, threads=threads)
+        # small-newgrads: fresh grad objects before every step (two sets, swapped: no allocation timed)
+        self.grad_sets = [grads, [g.clone() for g in grads]] if case.key == "small-newgrads" else None
+        self.turn = 0
 
     def set_threads(self, threads: int) -> None:
         self.opt._threads = threads
+
+    def prepare(self) -> None:
+        if self.grad_sets is not None:
+            self.turn ^= 1
+            for p, g in zip(self.params, self.grad_sets[self.turn]):
+                p.grad = g
 
     def step(self) -> None:
         self.opt.step()
@@ -264,6 +284,7 @@ def run_case(case: Case, thread_counts: list, reps: int, use_ds: bool, progress:
             c.set_threads(t)
         for rep in range(reps + 1):  # round-robin; rep 0 is warm-up
             for c in contenders:
+                c.prepare()
                 t0 = time.perf_counter()
                 c.step()
                 dt = time.perf_counter() - t0
@@ -433,7 +454,8 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", default="1,all", help="comma-separated thread counts ('all' = affinity CPUs)")
     p.add_argument("--full", action="store_true", help="the targets' full sizes: 128M flat, 1000x131072 (slower)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply tensor sizes (e.g. 0.05 for a quick run)")
-    p.add_argument("--cases", default="", help=f"subset of {','.join(CASE_KEYS)} (default: all)")
+    p.add_argument("--cases", default="", help=f"subset of {','.join(CASE_KEYS)} (default: all but "
+                   f"{','.join(OPT_IN)})")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam even if importable")
     add_common_options(p, reps=5)  # --reps, --json, --no-progress
     p.add_argument("--plot", metavar="PATH", help="draw a PNG chart (needs matplotlib)")
