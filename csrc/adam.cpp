@@ -11,6 +11,7 @@
 
 #include "kernels.h"
 #include "threadpool.h"
+#include "validate.h"
 
 namespace offload {
 
@@ -19,22 +20,6 @@ namespace {
 constexpr int64_t kMinPerThread = 1 << 15;  // below this, extra threads cost more than they save
 constexpr int64_t kAlign = 16;              // one cache line of fp32
 constexpr int64_t kStatsBlock = 1 << 16;    // grad_sumsq reduction block (fixed: determinism)
-
-[[noreturn]] void fail(int64_t i, const std::string& what) {
-  throw std::invalid_argument("tensor " + std::to_string(i) + ": " + what);
-}
-
-bool overlaps(const void* a, int64_t abytes, const void* b, int64_t bbytes) {
-  if (a == nullptr || b == nullptr || abytes == 0 || bbytes == 0) return false;
-  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
-  return x < y + static_cast<uintptr_t>(bbytes) && y < x + static_cast<uintptr_t>(abytes);
-}
-
-int64_t elem_size(int64_t dtype) { return dtype == kF32 ? 4 : (dtype == kNone ? 0 : 2); }
-
-void check_finite(double x, const char* name) {
-  if (!std::isfinite(x)) throw std::invalid_argument(std::string("Invalid ") + name + ": " + std::to_string(x));
-}
 
 // Thread tid's share [*b, *e) of [0, total) split T ways, boundaries on kAlign multiples.
 // T must be the thread count parallel_run passed to the worker, not the count requested.
@@ -53,15 +38,7 @@ int threads_for(int64_t total, int nthreads) {
 void validate_adam(const AdamTask* tasks, int64_t ntasks, const AdamHyper& h) {
   if (ntasks < 0) throw std::invalid_argument("negative tensor count");
   if (ntasks > 0 && tasks == nullptr) throw std::invalid_argument("null task table");
-  check_finite(h.lr, "learning rate");
-  check_finite(h.eps, "epsilon value");
-  check_finite(h.weight_decay, "weight_decay value");
-  check_finite(h.grad_multiplier, "grad_multiplier");
-  if (h.lr < 0) throw std::invalid_argument("Invalid learning rate: " + std::to_string(h.lr));
-  if (h.eps < 0) throw std::invalid_argument("Invalid epsilon value: " + std::to_string(h.eps));
-  if (h.weight_decay < 0) throw std::invalid_argument("Invalid weight_decay value: " + std::to_string(h.weight_decay));
-  if (!(h.beta1 >= 0 && h.beta1 < 1)) throw std::invalid_argument("Invalid beta parameter at index 0: " + std::to_string(h.beta1));
-  if (!(h.beta2 >= 0 && h.beta2 < 1)) throw std::invalid_argument("Invalid beta parameter at index 1: " + std::to_string(h.beta2));
+  validate_hyper(h);
   for (int64_t i = 0; i < ntasks; ++i) {
     const AdamTask& t = tasks[i];
     if (t.n < 0) fail(i, "negative length");
