@@ -300,6 +300,15 @@ PYBIND11_MODULE(_C, m) {
       py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("n"), py::arg("threads") = 0,
       "Memory-bandwidth probe with Adam's access pattern (reads 4, writes 3 fp32 streams).");
 
+  m.def(
+      "_debug_hold_pool_lock",
+      [](double seconds) {
+        if (!(seconds >= 0.0 && seconds <= 10.0)) throw std::invalid_argument("seconds must be in [0, 10]");
+        py::gil_scoped_release nogil;
+        debug_hold_pool_lock(seconds);
+      },
+      py::arg("seconds"), "Test hook: hold the thread pool's global lock (GIL released).");
+
   register_aio(m);  // csrc/aio_bindings.cpp
   register_moments(m);  // csrc/moments_bindings.cpp
 }

@@ -1,13 +1,17 @@
 // threadpool.cpp: see threadpool.h. Workers sleep on a condition variable between jobs; a job
 // is published by bumping a generation counter. After fork() the child has no workers, so the
-// pool notices the pid change and starts fresh (the old one is leaked on purpose).
+// pool notices the pid change and starts fresh (the old one is leaked on purpose). The global
+// lock that guards the pool pointer is held across fork() (pthread_atfork), so a child forked
+// while another thread was inside pool() never inherits it locked.
 #include "threadpool.h"
 
+#include <pthread.h>
 #include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <stdexcept>
@@ -113,6 +117,14 @@ class Pool {
 std::mutex g_pool_mu;
 Pool* g_pool = nullptr;  // leaked at exit: detached workers may still be blocked on it
 
+// fork() copies only the calling thread: if another thread held g_pool_mu at that instant, the
+// child's copy would stay locked forever and its first kernel call would hang. Taking the lock
+// in the prepare handler means no other thread holds it while fork() runs; parent and child
+// (each with the forking thread as owner) release it afterwards.
+void lock_pool_mu() { g_pool_mu.lock(); }
+void unlock_pool_mu() { g_pool_mu.unlock(); }
+[[maybe_unused]] const int g_atfork_registered = pthread_atfork(lock_pool_mu, unlock_pool_mu, unlock_pool_mu);
+
 Pool& pool() {
   std::lock_guard<std::mutex> lk(g_pool_mu);
   if (g_pool == nullptr || g_pool->pid() != getpid()) g_pool = new Pool(affinity_cpu_count());
@@ -126,6 +138,11 @@ int pool_size() { return pool().size(); }
 void set_pool_size(int n) {
   if (n < 1 || n > 1024) throw std::invalid_argument("thread count must be in [1, 1024]");
   pool().resize(n);
+}
+
+void debug_hold_pool_lock(double seconds) {
+  std::lock_guard<std::mutex> lk(g_pool_mu);
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
 }
 
 void parallel_run(int nthreads, const std::function<void(int, int)>& fn) { pool().run(nthreads, fn); }

@@ -21,4 +21,8 @@ void set_pool_size(int n);
 // (decided under the pool's lock, so a concurrent resize cannot change it mid-call).
 void parallel_run(int nthreads, const std::function<void(int tid, int nthreads)>& fn);
 
+// Test hook: hold the pool's global lock for `seconds` (tests/test_threadpool_fork.py forks
+// while another thread holds it).
+void debug_hold_pool_lock(double seconds);
+
 }  // namespace offload
