@@ -43,7 +43,9 @@ void validate_adam(const AdamTask* tasks, int64_t ntasks, const AdamHyper& h) {
     const AdamTask& t = tasks[i];
     if (t.n < 0) fail(i, "negative length");
     if (t.gdtype != kF32 && t.gdtype != kBF16 && t.gdtype != kF16) fail(i, "invalid gradient dtype code");
-    if (t.odtype != kNone && t.odtype != kF32 && t.odtype != kBF16 && t.odtype != kF16) fail(i, "invalid output dtype code");
+    if (t.odtype != kNone && t.odtype != kF32 && t.odtype != kBF16 && t.odtype != kF16 && t.odtype != kBF16Sync &&
+        t.odtype != kF16Sync)
+      fail(i, "invalid output dtype code");
     if (t.n == 0) continue;
     if (t.step < 1) fail(i, "step must be >= 1");
     if (!t.p || !t.m || !t.v || !t.g) fail(i, "null param/exp_avg/exp_avg_sq/grad pointer");

@@ -9,7 +9,12 @@
 namespace offload {
 
 // Element types accepted for gradients and produced for low-precision weight copies.
-enum DType : int64_t { kNone = 0, kF32 = 1, kBF16 = 2, kF16 = 3 };
+// kBF16Sync / kF16Sync (output codes only): `out` is the user's own bf16/fp16 parameter, not a
+// copy for a device. Before the update, every element of it that differs (bit pattern) from
+// round(master) was written by the user since the last step (`p.data.mul_()` and the like are
+// invisible to version counters), so the master takes the user's value there, as torch's
+// AdamW would step from it; then out = round(new master) as for kBF16 / kF16.
+enum DType : int64_t { kNone = 0, kF32 = 1, kBF16 = 2, kF16 = 3, kBF16Sync = 4, kF16Sync = 5 };
 
 static inline const char* dtype_name(int64_t d) {
   switch (d) {
@@ -17,6 +22,8 @@ static inline const char* dtype_name(int64_t d) {
     case kF32: return "float32";
     case kBF16: return "bfloat16";
     case kF16: return "float16";
+    case kBF16Sync: return "bfloat16 (user's parameter)";
+    case kF16Sync: return "float16 (user's parameter)";
     default: return "invalid";
   }
 }
@@ -33,7 +40,7 @@ struct AdamTask {
   int64_t n;         // elements
   int64_t step;      // step count after this update (>= 1), for bias correction
   int64_t gdtype;    // kF32 | kBF16 | kF16
-  int64_t odtype;    // kNone | kBF16 | kF16 | kF32
+  int64_t odtype;    // kNone | kBF16 | kF16 | kF32 | kBF16Sync | kF16Sync
 };
 constexpr int kTaskCols = 10;
 // Compressed (bf16 / 8-bit) moments use a second table layout and entry: AdamQTask in moments.h.

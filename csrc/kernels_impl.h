@@ -11,6 +11,7 @@
 //   vm = max(vmax, v)                (amsgrad)
 //   p  = p + (-step_size * m) / (sqrt(v or vm) * (1 / sqrt(1 - beta2^t)) + eps)
 //   out = round_to_nearest_even(p)   (optional bf16/fp16 copy for the device)
+//   (with kBF16Sync/kF16Sync, first: p = out wherever out != round(p): a user's write, common.h)
 //
 // The one departure from torch's formula: torch divides sqrt(v) by sqrt(1 - beta2^t); we
 // multiply by its reciprocal (computed in double, rounded to fp32 once per call). On Zen 3 the
@@ -34,9 +35,25 @@ static inline typename I::V load_grad(const void* g, int64_t i) {
 
 template <class I, int OD>
 static inline void store_out(void* out, int64_t i, typename I::V x) {
-  if constexpr (OD == kBF16) I::store_bf16(static_cast<uint16_t*>(out) + i, x);
-  else if constexpr (OD == kF16) I::store_f16(static_cast<uint16_t*>(out) + i, x);
+  if constexpr (OD == kBF16 || OD == kBF16Sync) I::store_bf16(static_cast<uint16_t*>(out) + i, x);
+  else if constexpr (OD == kF16 || OD == kF16Sync) I::store_f16(static_cast<uint16_t*>(out) + i, x);
   else if constexpr (OD == kF32) I::store(static_cast<float*>(out) + i, x);
+}
+
+// kBF16Sync / kF16Sync (common.h): out is the user's parameter. Lanes whose 16-bit pattern is not
+// round(master) were written by the user since the last step: the master takes that value.
+// Both sides are widened exactly and compared as bit patterns (so -0 and NaN payloads count).
+template <class I, int OD>
+static inline typename I::V adopt_user_writes(const void* out, int64_t i, typename I::V p) {
+  if constexpr (OD == kBF16Sync || OD == kF16Sync) {
+    constexpr int LD = OD == kBF16Sync ? kBF16 : kF16;
+    alignas(64) uint16_t mine[I::W];
+    store_out<I, LD>(mine, 0, p);
+    const typename I::V user = load_grad<I, LD>(out, i);
+    return I::same_bits_select(load_grad<I, LD>(mine, 0), user, p, user);
+  } else {
+    return p;
+  }
 }
 
 // Everything one tensor's loop needs, copied out of the task and the scalar struct into locals
@@ -72,7 +89,7 @@ static inline void adam_block(float* __restrict p_, float* __restrict m_, float*
   V g = load_grad<I, GD>(g_, i);
   if (RARE && f.use_mult) g = I::mul(g, c.mult);
   if (RARE && f.maximize) g = I::neg(g);
-  V p = I::load(p_ + i);
+  V p = adopt_user_writes<I, OD>(out_, i, I::load(p_ + i));
   if (RARE && f.use_wd) g = I::add(g, I::mul(c.wd, p));
   if (DECAY) p = I::mul(p, c.decay);
   V m = I::load(m_ + i);
@@ -149,6 +166,8 @@ static void adam_range_gd(const AdamTask& t, const AdamScalars& s, int64_t b, in
     case kNone: return adam_range_t<I, GD, kNone>(t, s, b, e);
     case kBF16: return adam_range_t<I, GD, kBF16>(t, s, b, e);
     case kF16: return adam_range_t<I, GD, kF16>(t, s, b, e);
+    case kBF16Sync: return adam_range_t<I, GD, kBF16Sync>(t, s, b, e);
+    case kF16Sync: return adam_range_t<I, GD, kF16Sync>(t, s, b, e);
     default: return adam_range_t<I, GD, kF32>(t, s, b, e);
   }
 }

@@ -33,6 +33,13 @@ struct ScalarISA {
   // torch.maximum propagates NaN; so does this.
   static V max(V a, V b) { return (a != a) ? a : ((b != b) ? b : (a > b ? a : b)); }
   static V neg(V a) { return -a; }
+  // bits(a) == bits(b) ? x : y, per lane
+  static V same_bits_select(V a, V b, V x, V y) {
+    uint32_t ua, ub;
+    std::memcpy(&ua, &a, 4);
+    std::memcpy(&ub, &b, 4);
+    return ua == ub ? x : y;
+  }
   // Sum of squares in double of W elements (used by grad_stats).
   static double sq(V a) { const double d = a; return d * d; }
   // 8-bit moment codes (moments.h): widen exactly; store rounds to nearest even and clamps.
@@ -100,6 +107,10 @@ struct Avx2ISA {
     return _mm256_blendv_ps(_mm256_blendv_ps(m, b, bn), a, an);
   }
   static V neg(V a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+  static V same_bits_select(V a, V b, V x, V y) {
+    const __m256i eq = _mm256_cmpeq_epi32(_mm256_castps_si256(a), _mm256_castps_si256(b));
+    return _mm256_blendv_ps(y, x, _mm256_castsi256_ps(eq));
+  }
   static V abs(V a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
   static V copysign(V mag, V sgn) { return _mm256_or_ps(mag, _mm256_and_ps(sgn, _mm256_set1_ps(-0.0f))); }
   static V maxf(V a, V b) { return _mm256_max_ps(a, b); }
@@ -172,6 +183,9 @@ struct Avx512ISA {
   }
   static V neg(V a) {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(int(0x80000000u))));
+  }
+  static V same_bits_select(V a, V b, V x, V y) {
+    return _mm512_mask_mov_ps(y, _mm512_cmpeq_epi32_mask(_mm512_castps_si512(a), _mm512_castps_si512(b)), x);
   }
   static V abs(V a) {
     return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7FFFFFFF)));

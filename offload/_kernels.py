@@ -31,6 +31,9 @@ _DATA_PTR = _TensorBase.data_ptr
 # dtype codes shared with csrc/common.h
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 OUT_NONE = 0
+# out codes for a bf16/fp16 parameter that is the kernel's output (csrc/common.h kBF16Sync/kF16Sync):
+# elements the user wrote since the last step (they differ from round(master)) are adopted first
+OUT_USER_PARAM = {torch.bfloat16: 4, torch.float16: 5}
 TASK_COLS = 10  # p, m, v, vmax, g, out, n, step, gdtype, odtype
 COL_P, COL_M, COL_V, COL_VMAX, COL_G, COL_OUT, COL_N, COL_STEP, COL_GD, COL_OD = range(TASK_COLS)
 

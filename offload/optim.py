@@ -26,7 +26,7 @@ from torch.optim.optimizer import _to_scalar
 from . import _C, _kernels, fallback
 from ._dist import is_dtensor, like, local  # DTensor (FSDP2): step the local shard
 from ._kernels import (COL_G, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
-                       COL_GD, DTYPE_CODES, TASK_COLS, check_tensor)
+                       COL_GD, DTYPE_CODES, OUT_USER_PARAM, TASK_COLS, check_tensor)
 from .buffers import round_up
 from ._plan import (REC_KEYS, GroupPlan, OverlapIndex, ParamState, StateMap, check_storage, fingerprint,
                     get_version, no_grad_ref, sync_master)
@@ -426,7 +426,7 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             plan.p_ver[i] = lp._version
             row[COL_P] = _kernels._ptr(local(st["master_param"]))
             row[COL_OUT] = _kernels._ptr(lp)
-            row[COL_OD] = DTYPE_CODES[lp.dtype]
+            row[COL_OD] = OUT_USER_PARAM[lp.dtype]  # writes through p.data are adopted natively
         else:
             row[COL_P] = _kernels._ptr(lp)
             row[COL_OUT] = 0

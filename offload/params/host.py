@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .._dist import local
-from .._kernels import DTYPE_CODES
+from .._kernels import DTYPE_CODES, OUT_USER_PARAM
 from .base import LOW_PRECISION
 
 __all__ = ["HostParams"]
@@ -34,7 +34,8 @@ class HostParams:
             isz = p.element_size()
             ga = g.data_ptr() + pc.start * g.element_size()
             if p.dtype in LOW_PRECISION:
-                out.append((0, ga, DTYPE_CODES[g.dtype], p.data_ptr() + pc.start * isz, DTYPE_CODES[p.dtype]))
+                # the parameter itself is the output: elements the user wrote are adopted (OUT_USER_PARAM)
+                out.append((0, ga, DTYPE_CODES[g.dtype], p.data_ptr() + pc.start * isz, OUT_USER_PARAM[p.dtype]))
             else:
                 out.append((p.data_ptr() + pc.start * isz, ga, DTYPE_CODES[g.dtype], 0, 0))
         return out
