@@ -8,8 +8,8 @@ kernel's format either flows through or fails loudly here (an unknown tensor sha
 
 Names: inside the engine the compressed tensors keep the kernel's keys (``exp_avg``,
 ``exp_avg_sq``, ``exp_avg_scale``, ...). In a saved state (``offload.save``, or a state dict
-handed to ``load_state_dict``) they are stored as ``<key>@<format>`` (e.g. ``exp_avg@8bit``), so a
-compressed tensor can never be mistaken for torch's fp32/bf16 ``exp_avg``.
+handed to ``load_state_dict``) they are stored as ``<key>.<format>`` (e.g. ``exp_avg.8bit``,
+``exp_avg_scale.8bit``), so a compressed tensor can never be mistaken for torch's ``exp_avg``.
 """
 from __future__ import annotations
 
@@ -73,14 +73,14 @@ def spec(fmt: str, numel: int) -> Dict[str, Tuple[torch.dtype, int]]:
 
 
 def saved_key(key: str, fmt: str) -> str:
-    return f"{key}@{fmt}"
+    return f"{key}.{fmt}"
 
 
 def parse_saved_key(key) -> Optional[Tuple[str, str]]:
     """(kernel key, format) of a saved compressed key, None for any other key."""
-    if not isinstance(key, str) or "@" not in key:
+    if not isinstance(key, str) or "." not in key:
         return None
-    k, fmt = key.rsplit("@", 1)
+    k, fmt = key.rsplit(".", 1)
     if fmt not in MOMENT_FORMATS or k not in dict((s[0], 0) for s in sections(fmt)):
         return None
     return k, fmt

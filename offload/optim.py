@@ -691,6 +691,31 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
                     index += 1
         return sd
 
+    @property
+    def checkpoint_tensors(self):
+        """``offload.save``'s extension point (offload/checkpoint/adapter.py): with compressed moments
+        the checkpoint stores them compressed (``exp_avg.8bit``, scales, ...), so it resumes bitwise.
+        None otherwise: the checkpoint then goes through ``state_dict()`` as for any optimizer."""
+        if getattr(self, "moments", "fp32") == "fp32" or self._store is None:
+            return None
+        return self._checkpoint_tensors
+
+    def _checkpoint_tensors(self, create_from):
+        from .checkpoint.adapter import tensor_ref
+        if create_from is not None:  # never asked: this state loads through load_state_dict (loads_itself)
+            raise RuntimeError("compressed-moment state loads through load_state_dict")
+        tensors = self._store.raw_state_tensors()
+        refs, index = [], 0
+        for gi, g in enumerate(self.param_groups):
+            for i, p in enumerate(g["params"]):
+                if (gi, i) in tensors and self.state.get(p):
+                    for key in sorted(tensors[(gi, i)]):
+                        r = tensor_ref(f"state.{index}.{key}", index, key, tensors[(gi, i)][key])
+                        r.keep = self._store
+                        refs.append(r)
+                index += 1
+        return refs
+
     def close(self) -> None:
         """Release NVMe/mmap state (waits for I/O, deletes the state file unless keep_files) and the
         GPU-offload machinery (hooks, worker thread, a device the optimizer created). No-op otherwise."""
@@ -747,7 +772,7 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
                         if self._store is None:
                             raise ValueError(f"state '{key}' of saved parameter {k} holds compressed moments; this "
                                              f"optimizer has moments={self.moments!r}: build it with moments="
-                                             f"{key.rsplit('@', 1)[1]!r}, or load a state_dict() (fp32 moments)")
+                                             f"{key.rsplit('.', 1)[1]!r}, or load a state_dict() (fp32 moments)")
                         st[key] = val
                         continue
                     if val.shape != p.shape:

@@ -8,7 +8,7 @@ no fp32 ``exp_avg``/``exp_avg_sq`` bytes anywhere. This module:
 * decodes them to fp32 for ``opt.state`` / ``state_dict()`` (:class:`CompressedState`: decoded on
   every access, a copy: writing into it changes nothing),
 * turns whatever ``load_state_dict`` receives (torch's fp32/bf16 moments, or compressed tensors
-  ``<key>@<format>`` of this or another format) into the bytes of the parameter's format.
+  ``<key>.<format>`` of this or another format) into the bytes of the parameter's format.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def write_piece(b, pc, data: torch.Tensor, src: Dict[str, torch.Tensor]) -> None
 
 def to_format(st: dict, fmt: str, numel: int, where: str) -> Dict[str, torch.Tensor]:
     """The flat compressed tensors of format ``fmt`` for a loaded state ``st``: taken as they are
-    (``<key>@fmt``), converted from another compressed format, or encoded from torch's moments."""
+    (``<key>.fmt``), converted from another compressed format, or encoded from torch's moments."""
     saved: Dict[str, Dict[str, torch.Tensor]] = {}
     for k, t in st.items():
         parsed = mformat.parse_saved_key(k)

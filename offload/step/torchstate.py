@@ -53,7 +53,7 @@ class TorchLayout:
 
     def raw_state_tensors(self) -> dict:
         """(gi, i) -> {key: tensor} in the stored form: fp32 views (master, fp32 moments) and, for
-        compressed moments, copies of the compressed tensors under ``<key>@<format>`` (offload.save)."""
+        compressed moments, copies of the compressed tensors under ``<key>.<format>`` (offload.save)."""
         with self._using():
             view, fd = self.tier.mapping()
             out = {}
