@@ -273,8 +273,8 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
 
     def __getstate__(self):
         if getattr(self, "_store", None) is not None:
-            raise TypeError("an optimizer with NVMe/mmap state cannot be pickled or deep-copied; "
-                            "use state_dict() / load_state_dict()")
+            raise TypeError(f"an optimizer with {'NVMe/mmap state' if self._state_mode != 'ram' else 'compressed moments'}"
+                            " cannot be pickled or deep-copied; use state_dict() / load_state_dict()")
         d = super().__getstate__()
         d = dict(d)
         d.pop("_plans", None)

@@ -343,3 +343,29 @@ def test_refusals():
     p.grad = torch.randn(N)
     with pytest.raises(ValueError, match="amsgrad"):
         opt.step()
+
+
+@pytest.mark.parametrize("fmt", ("fp32",) + FMTS)
+@pytest.mark.parametrize("state", ["ram", "nvme"])
+def test_planner_bytes_match_the_engine(fmt, state, tmp_path):
+    m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 10))
+    pl = offload.plan(m, device="cpu", state=state, moments=fmt)
+    kw = dict(state=state, nvme_dir=str(tmp_path)) if state != "ram" else {}
+    opt = offload.AdamW(m.parameters(), moments=fmt, **kw)
+    if fmt == "fp32" and state == "ram":
+        assert opt._store is None
+        return
+    real = opt._store.layout.nbytes
+    got = pl.host_state_bytes - pl.bytes_of("host", "optimizer state: step") if state == "ram" else pl.total("nvme")
+    assert got == real
+    if fmt != "fp32":   # smaller than fp32 moments, by about the format's ratio
+        full = offload.plan(m, device="cpu", state="nvme").total("nvme")
+        assert real < full * (0.55 if fmt == "bf16" else 0.3)
+    opt.close()
+
+
+def test_pickle_refused_with_compressed_moments():
+    import copy
+    opt = offload.AdamW([torch.randn(N)], moments="8bit")
+    with pytest.raises(TypeError, match="compressed moments"):
+        copy.deepcopy(opt)

@@ -86,11 +86,13 @@ class StateEngine(TorchLayout):
         if self.moments == "fp32":
             return shapes
         from dataclasses import replace
-        return [replace(s, moments=self.moments) if s.numel >= self.moments_min_size else s for s in shapes]
+        return [replace(s, moments=self.moments) if s.numel and s.numel >= self.moments_min_size else s
+                for s in shapes]
 
     def moment_format(self, gi: int, i: int) -> str:
         """How parameter ``i`` of group ``gi`` stores its moments ("fp32", "bf16" or "8bit")."""
-        return self.moments if self.numels[gi][i] >= self.moments_min_size else "fp32"
+        n = self.numels[gi][i]
+        return self.moments if n and n >= self.moments_min_size else "fp32"
 
     # ------------------------------------------------------------------ shape of the engine
     def add_group(self, params: list, amsgrad: bool) -> None:
