@@ -679,8 +679,8 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         sd = super().state_dict()
         # hand out copies of step counters: ours are views into one shared buffer
         sd["state"] = {k: ({kk: (vv.clone() if kk == "step" and isinstance(vv, torch.Tensor) else vv)
-                            for kk, vv in v.items()} if isinstance(k, int) and isinstance(v, (dict, CompressedState))
-                           else v)
+                            for kk, vv in (v.plain() if isinstance(v, CompressedState) else v).items()}
+                           if isinstance(k, int) and isinstance(v, (dict, CompressedState)) else v)
                        for k, v in sd["state"].items()}  # a non-parameter key (user data) is kept as is
         if self._store is not None:
             index = 0

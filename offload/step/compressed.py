@@ -97,6 +97,10 @@ class CompressedState(MutableMapping):
         self._decode = decode
         self.moments = fmt
 
+    def plain(self) -> dict:
+        """The entries that need no decoding (step, master_param, user additions)."""
+        return dict(self._d)
+
     def __getitem__(self, key):
         if key in mformat.MOMENT_KEYS:
             return self._decode()[key]

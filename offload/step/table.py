@@ -94,24 +94,43 @@ def _moment_cols(fmt: str) -> dict:
     return cols
 
 
+def _sections(b) -> dict:
+    """{key: (byte offset in the bucket, bytes per entry, per_block)} of a compressed bucket (cached)."""
+    got = b.__dict__.get("_msecs")
+    if got is not None and got[0] == (b.cap, b.moments, b.master):
+        return got[1]
+    from .. import mformat
+    pb = {k: blk for k, _, blk in mformat.sections(b.moments)}
+    out = {k: (b.section(k), size, pb.get(k, False)) for k, size in b.keys}
+    b.__dict__["_msecs"] = ((b.cap, b.moments, b.master), out)
+    return out
+
+
 def _moment_rows(b, pieces, base, ptrs, steps) -> np.ndarray:
+    from .. import mformat
     from .._moments import MOMENT_FORMATS
     c = _moment_cols(b.moments)
+    secs = _sections(b)
     t = np.zeros((len(pieces), c["ncols"]), dtype=np.int64)
-    keys = dict(b.keys)
-    for r, (pc, (pa, ga, gc, oa, oc), st) in enumerate(zip(pieces, ptrs, steps)):
-        row = t[r]
-        row[c["p"]] = pa if pa else base + b.section("master_param") + pc.pos * 4
-        row[c["m"]] = base + b.span("exp_avg", pc)[0]
-        row[c["v"]] = base + b.span("exp_avg_sq", pc)[0]
-        if "exp_avg_scale" in keys:
-            row[c["m_scale"]] = base + b.span("exp_avg_scale", pc)[0]
-            row[c["v_scale"]] = base + b.span("exp_avg_sq_scale", pc)[0]
-        row[c["g"]] = ga
-        row[c["out"]] = oa
-        row[c["n"]] = pc.n
-        row[c["step"]] = int(st)
-        row[c["gdtype"]] = gc
-        row[c["odtype"]] = oc
-        row[c["mfmt"]] = MOMENT_FORMATS[b.moments]
+    pos = np.fromiter((pc.pos for pc in pieces), dtype=np.int64, count=len(pieces))
+    pa, ga, gc, oa, oc = (np.asarray(x, dtype=np.int64).reshape(len(pieces)) for x in zip(*ptrs)) if pieces else \
+        [np.zeros(0, dtype=np.int64)] * 5
+
+    def at(key):
+        off, size, per_block = secs[key]
+        return base + off + (pos // mformat.BLOCK if per_block else pos) * size
+
+    t[:, c["p"]] = np.where(pa != 0, pa, at("master_param")) if b.master else pa
+    t[:, c["m"]] = at("exp_avg")
+    t[:, c["v"]] = at("exp_avg_sq")
+    if "exp_avg_scale" in secs:
+        t[:, c["m_scale"]] = at("exp_avg_scale")
+        t[:, c["v_scale"]] = at("exp_avg_sq_scale")
+    t[:, c["g"]] = ga
+    t[:, c["out"]] = oa
+    t[:, c["n"]] = [pc.n for pc in pieces]
+    t[:, c["step"]] = np.asarray(steps, dtype=np.int64).reshape(len(pieces))
+    t[:, c["gdtype"]] = gc
+    t[:, c["odtype"]] = oc
+    t[:, c["mfmt"]] = MOMENT_FORMATS[b.moments]
     return t
