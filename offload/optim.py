@@ -824,7 +824,8 @@ class Adam(_AdamBase):
 
     Extra keyword: ``threads`` (native threads per step; default: CPUs in the affinity mask).
     State on disk: ``state="nvme"|"mmap"``, ``nvme_dir``, ``host_budget``, ``keep_files``,
-    ``nvme_options`` (see docs/nvme.md and offload/store.py).
+    ``nvme_options`` (see docs/nvme.md and offload/store.py). Compressed moments:
+    ``moments="fp32"|"bf16"|"8bit"``, ``moments_min_size`` (docs/moments.md).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
@@ -844,7 +845,8 @@ class AdamW(_AdamBase):
     """AdamW (decoupled weight decay), same signature and defaults as torch.optim.AdamW.
 
     Extra keywords as for :class:`Adam` (``threads``; ``state``, ``nvme_dir``, ``host_budget``,
-    ``keep_files``, ``nvme_options`` for optimizer state on disk).
+    ``keep_files``, ``nvme_options`` for optimizer state on disk; ``moments``, ``moments_min_size``
+    for compressed Adam moments, docs/moments.md).
     """
 
     _decoupled = True
