@@ -775,9 +775,11 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
                                              f"{key.rsplit('.', 1)[1]!r}, or load a state_dict() (fp32 moments)")
                         st[key] = val
                         continue
-                    if val.shape != p.shape:
+                    # a DTensor (FSDP2) parameter's state may come as its local shard (offload.load)
+                    want = local(p).shape if is_dtensor(p) and not is_dtensor(val) else p.shape
+                    if val.shape != want:
                         raise ValueError(f"state '{key}' of saved parameter {k} has shape {tuple(val.shape)}, "
-                                         f"but the parameter has shape {tuple(p.shape)}")
+                                         f"but the parameter has shape {tuple(want)}")
                     dtype = torch.float32 if val.is_floating_point() else val.dtype
                     if self._store is not None:
                         st[key] = val  # streamed into the state file below, one bucket at a time
