@@ -440,3 +440,28 @@ def test_fsdp2_compressed_moments(tmp_path):
     mp.start_processes(_fsdp2_worker, args=(str(tmp_path),), nprocs=2, join=True, start_method="spawn")
     for r in range(2):
         assert (tmp_path / f"verdict{r}").read_text() == "ok"
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_state_reset_and_add_param_group(fmt):
+    """del opt.state[p] restarts p at step 0 (as torch); a group added later gets compressed moments."""
+    torch.manual_seed(11)
+    p = torch.randn(N)
+    opt = offload.AdamW([p], lr=1e-2, moments=fmt)
+    _run(opt, [p], 2)
+    del opt.state[p]
+    p1 = p.clone()
+    g = _grads(50, [N], [torch.float32])[0]
+    p.grad = g.clone()
+    opt.step()
+    ref, _ = _kernel_reference(p1, [g], fmt, lr=1e-2, wd=1e-2, decoupled=True)
+    assert torch.equal(p, ref) and float(opt.state[p]["step"]) == 1.0
+    q = torch.randn(N + 17)
+    q0 = q.clone()
+    opt.add_param_group({"params": [q], "lr": 1e-3})
+    g = _grads(51, [q.numel()], [torch.float32])[0]
+    q.grad = g.clone()
+    p.grad = None
+    opt.step()
+    ref, _ = _kernel_reference(q0, [g], fmt, lr=1e-3, wd=1e-2, decoupled=True)
+    assert torch.equal(q, ref) and type(opt.state[q]).__name__ == "CompressedState"
