@@ -196,7 +196,7 @@ def test_encode_inverts_decode():
             assert torch.equal(again[k], raw[k]), (fmt, k)
 
 
-@pytest.mark.parametrize("src,dst", [("8bit", "bf16"), ("bf16", "8bit"), ("8bit", "fp32")])
+@pytest.mark.parametrize("src,dst", [("8bit", "bf16"), ("bf16", "8bit"), ("8bit", "fp32"), ("fp32", "8bit")])
 def test_load_state_dict_converts_formats(src, dst, tmp_path):
     """A compressed state (offload.save form) into an optimizer of another format: converted."""
     torch.manual_seed(5)
