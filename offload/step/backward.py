@@ -152,7 +152,7 @@ class BackwardFeed:
         self.side.grads = self.grads
         tel = self.tier.telemetry
         self._t = dict(io=tel["read_wait_s"] + tel["write_wait_s"], kernel=eng.telemetry["kernel_s"],
-                       side=dict(self.side.stats))
+                       side=dict(self.side.stats), first=None)
         self.in_cycle = True
 
     def _on_grad(self, gi: int, i: int, p) -> None:
@@ -204,6 +204,8 @@ class BackwardFeed:
             if not adv[pc.param]:
                 adv[pc.param] = True
                 steps[pc.param] += 1
+        if not self.dispatched:
+            self._t["first"] = time.perf_counter()   # the optimizer's part of the step starts here
         self.dispatched.append(bi)
         self.done.add(bi)
         self._q.put(("step", b, act, eng.registry.has_state(b), h, mult, self.device.record()))
@@ -307,6 +309,7 @@ class BackwardFeed:
 
     # ------------------------------------------------------------------ step() (training thread)
     def step(self, mult: float, grad_scale, found_inf) -> dict:
+        t_step = time.perf_counter()
         opt = self.face.opt
         if not self.in_cycle:
             self._begin()
@@ -367,7 +370,8 @@ class BackwardFeed:
             self._reset()
             self._q.put(("nudge",))   # read ahead the next step's first buckets during forward
         tel = self.tier.telemetry
-        return dict(kernel_s=eng.telemetry["kernel_s"] - self._t["kernel"], buckets=0 if skip else nb,
+        first = self._t["first"]
+        return dict(pipeline_s=time.perf_counter() - (t_step if first is None else min(first, t_step)), kernel_s=eng.telemetry["kernel_s"] - self._t["kernel"], buckets=0 if skip else nb,
                     nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - self._t["io"], skipped=skip,
                     side0=self._t["side"])
 

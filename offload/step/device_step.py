@@ -180,7 +180,8 @@ class DeviceStep:
                           nvme_s=stats["nvme_s"], exposed_s=dt,
                           d2h_bytes=side.stats["d2h_bytes"] - s0["d2h_bytes"],
                           h2d_bytes=side.stats["h2d_bytes"] - s0["h2d_bytes"], buckets=stats["buckets"],
-                          skipped=stats["skipped"], grad_multiplier=mult, overlapped=True, complete=True)
+                          skipped=stats["skipped"], grad_multiplier=mult, overlapped=True, complete=True,
+                          pipeline_s=stats["pipeline_s"])
 
     # ------------------------------------------------------------------ the rest of the GPU face
     def synchronize(self) -> None:
