@@ -85,7 +85,7 @@ class NvmeTier(StateTier):
         need = max(ALIGN, layout.max_bucket_bytes)
         if self.arena is None or self.arena.slot_bytes < need:
             # no larger than the largest bucket: a small model under a big budget uses only what it needs
-            self.arena = HostArena(self.depth + 2, need, pin=False)
+            self.arena = HostArena(self.depth + 2, need)
             self.slots = self.arena.slots
             self._free = list(range(len(self.slots)))[::-1]
         self.layout = layout
