@@ -1,14 +1,11 @@
 """buffers.py: 4 KiB-aligned host memory for NVMe transfers.
 
 ``HostArena`` is one aligned allocation (O_DIRECT needs aligned buffer addresses) cut into
-equal slots; the state store reuses its slots for every bucket, so host memory stays fixed
-whatever the model size. When CUDA is available the arena is page-locked once with
-``cudaHostRegister`` so GPU copies from it are DMA transfers (guarded: without CUDA, or if the
-call fails, the arena is ordinary pageable memory and ``pinned`` says so).
+equal slots; the NVMe tier reuses its slots for every bucket, so host memory stays fixed
+whatever the model size. It is ordinary pageable memory: the GPU never copies from it (only the
+device side's staging ring is pinned, through ``offload.device``).
 """
 from __future__ import annotations
-
-import warnings
 
 import torch
 
@@ -34,29 +31,12 @@ def aligned_empty(nbytes: int, align: int = ALIGN) -> torch.Tensor:
     return raw[off:off + nbytes]  # the view keeps ``raw`` alive
 
 
-def _cuda_register(t: torch.Tensor) -> bool:
-    try:
-        if not torch.cuda.is_available() or t.numel() == 0:
-            return False
-        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
-        return int(getattr(rc, "value", rc)) == 0
-    except Exception as e:  # pragma: no cover - needs CUDA
-        warnings.warn(f"cudaHostRegister of the {t.numel()}-byte I/O arena failed ({e}); using pageable memory",
-                      RuntimeWarning)
-        return False
-
-
-def _cuda_unregister(t: torch.Tensor) -> None:
-    try:  # pragma: no cover - needs CUDA
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-    except Exception:
-        pass
-
-
 class HostArena:
     """``slots`` aligned buffers of ``slot_bytes`` each (``slot_bytes`` a multiple of 4 KiB)."""
 
-    def __init__(self, slots: int, slot_bytes: int, pin: bool = True):
+    pinned = False   # never page-locked (see the module docstring)
+
+    def __init__(self, slots: int, slot_bytes: int):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if slot_bytes <= 0 or slot_bytes % ALIGN:
@@ -64,16 +44,7 @@ class HostArena:
         self.slot_bytes = slot_bytes
         self.memory = aligned_empty(slots * slot_bytes)
         self.slots = [self.memory[i * slot_bytes:(i + 1) * slot_bytes] for i in range(slots)]
-        self.pinned = _cuda_register(self.memory) if pin else False
 
     @property
     def nbytes(self) -> int:
         return self.memory.numel()
-
-    def close(self) -> None:
-        if getattr(self, "pinned", False):
-            _cuda_unregister(self.memory)
-            self.pinned = False
-
-    def __del__(self):
-        self.close()

@@ -164,3 +164,28 @@ class GpuOffloadMixin:
     def export_chrome_trace(self, path: str) -> int:
         """Write the recorded timeline (needs trace=True) as Chrome trace JSON; returns the span count."""
         return self._gpu_engine("export_chrome_trace").export_chrome_trace(path)
+
+    # ------------------------------------------------------------------ what offload.save/load ask (public)
+    @property
+    def gpu_offload(self) -> bool:
+        """True when the parameters live on a device (GPU offload)."""
+        return self._gpu is not None
+
+    @property
+    def loads_state_itself(self) -> bool:
+        """True when the state must be loaded through load_state_dict (NVMe/mmap state, GPU offload),
+        not by writing into the tensors of ``opt.state``."""
+        return getattr(self, "_store", None) is not None or self._gpu is not None
+
+    def checkpoint_keepalive(self):
+        """What a background save must hold so that the state views it reads stay mapped (or None)."""
+        return getattr(self, "_store", None)
+
+    @property
+    def pending_grad_multiplier(self) -> float:
+        """The coefficient clip_grad_norm_ left for the next step (1.0 if none)."""
+        return float(getattr(self, "_pending_multiplier", 1.0))
+
+    def set_pending_grad_multiplier(self, value: float) -> None:
+        """Restore a pending coefficient (offload.load of a checkpoint saved between clip and step)."""
+        self._pending_multiplier = float(value)

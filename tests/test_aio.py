@@ -218,7 +218,7 @@ def test_close_waits_for_pending_and_keeps_outcomes(tmp_path):
 def test_arena_slots_are_aligned():
     a = HostArena(3, 8192)
     assert a.nbytes == 3 * 8192
-    assert a.pinned == torch.cuda.is_available()
+    assert not a.pinned   # I/O slots are never page-locked (only the device staging ring is)
     for s in a.slots:
         assert s.data_ptr() % 4096 == 0 and s.numel() == 8192
     with pytest.raises(ValueError):

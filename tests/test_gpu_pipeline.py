@@ -694,3 +694,117 @@ def test_threads_end_when_optimizer_and_model_are_gone():
     while names() > before and __import__("time").time() < deadline:
         __import__("time").sleep(0.05)
     assert names() <= before
+
+
+# ------------------------------------------------------------------ NVMe/mmap state, stepped during backward
+def _tiered(tmp_path, tier="nvme", slots=1, **opts):
+    d = tmp_path / f"state-{tier}-{slots}"
+    d.mkdir(exist_ok=True)
+    return ours(state=tier, nvme_dir=d, host_budget=64 * 1024, nvme_options={"staging_slots": slots},
+                max_delay=0.003, **opts)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("tier,slots,dtype,case", [
+    ("nvme", 1, torch.float32, "plain"), ("nvme", 2, torch.bfloat16, "plain"), ("mmap", 1, torch.float16, "plain"),
+    ("nvme", 2, torch.float32, "release_grads"), ("nvme", 1, torch.bfloat16, "no_sync")])
+def test_tiered_state_steps_during_backward_bitwise(tmp_path, tier, slots, dtype, case):
+    """Device params + NVMe/mmap state in the default schedule: buckets are stepped during backward
+    through a 1-2 slot staging ring with random copy delays (hazard checks on): bitwise the host/RAM
+    results, with release_grads and with no_sync accumulation too."""
+    accum = 3 if case == "no_sync" else 1
+    opts = dict(release_grads=True) if case == "release_grads" else {}
+    got = train(_tiered(tmp_path, tier, slots, **opts), dtype=dtype, steps=4, accum=accum)
+    assert got[1].steps_during_backward
+    assert_same(got, train(cpu_mode, dtype=dtype, steps=4, accum=accum))
+    st = got[1].last_step_stats()
+    assert st["overlapped"] and st["buckets"] > 2 and st["d2h_bytes"] > 0 and "nvme_s" in st
+    got[1].close()
+
+
+class _Reversed(nn.Module):
+    """Layers registered in the reverse of their use: backward reaches them in registration order."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+
+    def forward(self, x):
+        x = _SlowBackward.apply(self.layers[-1](x))   # the last bucket to arrive waits in backward
+        for layer in reversed(self.layers[:-1]):
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+@pytest.mark.timeout(90)
+def test_nvme_read_ahead_learns_the_backward_order(tmp_path):
+    """A guessed order that is wrong costs on-demand reads, never a wrong result; after one observed
+    backward the state is read ahead in that order (no demand read) and buckets are stepped while
+    backward still runs."""
+    import time
+
+    def make(side):
+        model = _Reversed()
+        kw = dict(lr=1e-3)
+        if side == "nvme":
+            kw.update(offload_device=FakeDevice(max_delay=0.001, seed=3), bucket_mb=0.005, state="nvme",
+                      nvme_dir=tmp_path, host_budget=96 * 1024, trace=True)
+        return model, offload.AdamW(model.parameters(), **kw)
+    (m_ref, o_ref), (model, opt) = make("host"), make("nvme")
+    info = opt.storage_info
+    assert len(opt._store.layout.buckets) >= 5
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 32, generator=gen)
+    demand = []
+    for it in range(4):
+        for m, o in ((m_ref, o_ref), (model, opt)):
+            if it == 0:   # gradients set by hand: the buckets go in the guessed (reverse layout) order
+                for p in m.parameters():
+                    p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+            else:
+                t0 = time.perf_counter()
+                m(x).backward()
+            t = time.perf_counter()
+            o.step()
+            o.zero_grad()
+        demand.append(info()["demand_reads"])
+        spans = [a for _, lane, a, _ in opt._gpu.feed.trace._spans if lane == "cpu step" and it and a > t0]
+        if it >= 2:
+            assert sum(a < t for a in spans) >= 2, "no bucket was stepped during backward"
+    assert demand[1] > demand[0] == 0      # backward in registration order: the reverse guess missed
+    assert demand[3] == demand[2] == demand[1], demand   # learned: every bucket read ahead
+    opt.synchronize()
+    opt._gpu.device.check()
+    for a, b in zip(m_ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    opt.close()
+
+
+@pytest.mark.timeout(60)
+def test_tiered_state_during_backward_refusals(tmp_path):
+    """What needs every gradient before any bucket is stepped is refused by name, as with RAM state."""
+    model = make_net(torch.float32)
+    opt = _tiered(tmp_path)(model)
+    idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(1))
+    model(idx, tgt, use_aux=True).backward()
+    with pytest.raises(RuntimeError, match="clip_grad_norm_ needs every gradient"):
+        opt.clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match="needs step_during_backward=False"):
+        opt.step(grad_multiplier=0.5)
+    opt.close()
+    model = make_net(torch.float32)
+    opt = _tiered(tmp_path)(model)
+    model(idx, tgt, use_aux=True).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)   # changes gradients already stepped
+    with pytest.raises(RuntimeError, match="gradients changed after they were sent"):
+        opt.step()
+    with pytest.raises(offload.StoreFailedError):
+        opt.state_dict()
+    opt.close()
+    with pytest.raises(ValueError, match="cannot be combined with max_grad_norm"):
+        _tiered(tmp_path, step_during_backward=True, max_grad_norm=1.0)(make_net(torch.float32))
+    with pytest.raises(ValueError, match="release_grads=True with state='nvme' needs"):
+        _tiered(tmp_path, release_grads=True, max_grad_norm=1.0)(make_net(torch.float32))
+    with pytest.raises(RuntimeError, match="no_sync"):
+        train(_tiered(tmp_path, bucket_mb=100), two_backwards=True)

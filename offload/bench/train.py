@@ -7,7 +7,9 @@ Variants, all from the same initial weights and batches, in one run:
                    uploads overlapped with the next forward
   offload-clip     the same with max_grad_norm (the step waits for all gradients; copies still overlap)
   offload-sync     the non-overlapped schedule: everything inside step()
-  offload-nvme     (state on NVMe) not in this build: reported as skipped
+  offload-nvme     (with --state nvme|mmap) device params with state in that tier, stepped during backward;
+                   its optimizer span (first bucket ready -> end of step()) vs max(I/O-only pass, kernel,
+                   copies) of the same run, and host buffers vs host_budget
 For each: median over repetitions of the mean iteration time, exposed offload time per iteration
 (training thread / compute stream blocked on offload work), D2H and H2D GB/s achieved (bytes moved /
 copy time) next to a pinned-copy probe measured in the same run (the physical ceiling), and peak
@@ -168,7 +170,11 @@ def _nvme_figures(opt, res: dict) -> dict:
     copy = max(st["d2h_s"], st["h2d_s"])
     bound = max(io, st["kernel_s"], copy)
     info = opt.storage_info()
-    return {"io_s": io, "step_s": st["exposed_s"], "copy_s": copy, "bound": st["exposed_s"] / bound,
+    # bound: the time step() held the training thread vs the longest of the three kinds of work, had
+    # they run back to back. Stepped during backward, most of the work runs while backward does; the
+    # optimizer's span (first bucket ready -> end of step(), it includes waiting for backward) is shown too.
+    step = st["exposed_s"]
+    return {"io_s": io, "step_s": step, "span_s": st.get("pipeline_s", step), "copy_s": copy, "bound": step / bound,
             "host_budget": info["host_budget"], "rss_growth": res.get("rss_growth"),
             "host_bytes": info["slots"] * info["slot_bytes"] + info.get("staging_bytes", 0)}
 
@@ -239,7 +245,8 @@ def print_table(out: dict, file=sys.stdout) -> None:
               f"{_fmt(r.get('peak_mem_gb'), '>7.2f')}", file=file)
     for r in out["results"]:
         if "bound" in r:
-            print(f"{r['variant']}: step {r['step_s'] * 1e3:.1f} ms vs max(NVMe I/O {r['io_s'] * 1e3:.1f}, kernel "
+            print(f"{r['variant']}: step() {r['step_s'] * 1e3:.1f} ms (optimizer span from the first bucket "
+                  f"ready {r['span_s'] * 1e3:.1f} ms, includes backward) vs max(NVMe I/O {r['io_s'] * 1e3:.1f}, kernel "
                   f"{r['kernel_s'] * 1e3:.1f}, copy {r['copy_s'] * 1e3:.1f}) ms = {r['bound']:.2f} (target <= 1.15); "
                   f"host buffers {r['host_bytes'] / 2**20:.1f} MiB of budget {r['host_budget'] / 2**20:.0f} MiB",
                   file=file)

@@ -1,15 +1,12 @@
 """checkpoint/adapter.py: the optimizer-side extension point of the checkpoint.
 
-The checkpoint uses public optimizer API wherever it exists: ``param_groups``, ``state`` /
-``state_dict()`` (offload's returns views of the NVMe/mmap state file, and synchronizes the GPU
-engine), ``load_state_dict()``, ``storage_info()``, ``synchronize()``. The few facts that have no
-public method yet are each read in ONE small function below, so that the optimizer can replace
-each with a public method later without touching the rest of the package:
+The checkpoint uses public optimizer API only: ``param_groups``, ``state`` / ``state_dict()``
+(offload's returns views of the NVMe/mmap state file, and synchronizes the GPU engine),
+``load_state_dict()``, ``storage_info()``, ``synchronize()``, and offload's checkpoint methods
+``checkpoint_keepalive()``, ``loads_state_itself``, ``gpu_offload``, ``pending_grad_multiplier`` /
+``set_pending_grad_multiplier()`` (offload/gpu.py; an optimizer without them, e.g. torch.optim's,
+gets the plain-tensor answers). The rest is read in ONE small function each:
 
-- :func:`keepalive`       ``opt._store``  (the NVMe/mmap store a background save must keep open)
-- :func:`loads_itself`    ``opt._store`` / ``opt._gpu`` (state the optimizer must load through
-                          ``load_state_dict``: NVMe/mmap store or GPU-offload engine)
-- :func:`pending_multiplier` / :func:`set_pending_multiplier`  ``opt._pending_multiplier``
 - :func:`readopt`         ``opt.__setstate__`` (offload re-reads its state pointers there)
 - :func:`resolve` / :func:`sync_wrapper`  torch's ZeroRedundancyOptimizer
                           (``_partition_parameters``, ``_sync_param_groups``)
@@ -114,25 +111,27 @@ def sync_wrapper(optimizer, opt) -> None:
 
 def keepalive(opt):
     """What a background save must hold so that the views it reads stay mapped after ``del opt``."""
-    return getattr(opt, "_store", None)
+    fn = getattr(opt, "checkpoint_keepalive", None)
+    return fn() if callable(fn) else None
 
 
 def loads_itself(opt) -> bool:
     """State the optimizer must load through load_state_dict (NVMe/mmap store or GPU engine)."""
-    return getattr(opt, "_store", None) is not None or getattr(opt, "_gpu", None) is not None
+    return bool(getattr(opt, "loads_state_itself", False))
 
 
 def in_gpu_mode(opt) -> bool:
-    return getattr(opt, "_gpu", None) is not None
+    return bool(getattr(opt, "gpu_offload", False))
 
 
 def pending_multiplier(opt) -> float:
-    return float(getattr(opt, "_pending_multiplier", 1.0))
+    return float(getattr(opt, "pending_grad_multiplier", 1.0))
 
 
 def set_pending_multiplier(opt, value: float) -> None:
-    if hasattr(opt, "_pending_multiplier"):
-        opt._pending_multiplier = float(value)
+    fn = getattr(opt, "set_pending_grad_multiplier", None)
+    if callable(fn):
+        fn(value)
 
 
 def readopt(opt) -> None:

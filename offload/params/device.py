@@ -71,7 +71,9 @@ class DeviceParams:
     def _piece(self, buf: torch.Tensor, pc, dtype) -> torch.Tensor:
         return buf[pc.boff:pc.boff + pc.n * pc.itemsize].view(dtype)
 
-    def arrive(self, b, pieces) -> Staged:
+    def arrive(self, b, pieces, after=None) -> Staged:
+        """D2H of the pieces' gradients into the next staging slot, after ``after`` (default: the
+        event of ``begin()``; step_during_backward: the event recorded when the bucket was ready)."""
         s = self._next
         self._next = (s + 1) % self.nslots
         ev = self.slot_ev[s]
@@ -82,7 +84,7 @@ class DeviceParams:
         for pc in pieces:
             g = self.grads[b.group][pc.param]
             pairs.append((self._piece(self.grad_bufs[s], pc, g.dtype), g.reshape(-1)[pc.start:pc.start + pc.n]))
-        ev = self.device.copy_to_host(pairs, self._after)
+        ev = self.device.copy_to_host(pairs, self._after if after is None else after)
         self._events.append(("d2h", ev))
         self.stats["d2h_bytes"] += sum(d.numel() * d.element_size() for d, _ in pairs)
         return Staged(s, ev)
@@ -97,14 +99,16 @@ class DeviceParams:
             out.append((0, gbuf.data_ptr() + pc.boff, code, obuf.data_ptr() + pc.boff, code))
         return out
 
-    def publish(self, b, pieces, staged: Staged) -> None:
+    def publish(self, b, pieces, staged: Staged, after=None) -> None:
+        """H2D of the new weights from the slot (after ``after``: during backward, the compute stream's
+        event recorded when the bucket's gradients were complete, so no queued kernel still reads them)."""
         params = self.groups[b.group]
         pairs = []
         for pc in pieces:
             p = local(params[pc.param])
             # through .data: our own write must not look like a user's write (version counter)
             pairs.append((p.data.reshape(-1)[pc.start:pc.start + pc.n], self._piece(self.out_bufs[staged.slot], pc, p.dtype)))
-        ev = self.device.copy_to_device(pairs, None)
+        ev = self.device.copy_to_device(pairs, after)
         self.slot_ev[staged.slot] = ev
         self._last_up = ev
         self._events.append(("h2d", ev))

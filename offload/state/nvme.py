@@ -66,7 +66,8 @@ class NvmeTier(StateTier):
         self._free: list = []
         self._reads: dict = {}          # bucket index -> (slot, request or None)
         self._writes: deque = deque()   # (slot, request)
-        self.telemetry.update(direct=bool(self.file.direct), slots=depth + 2, slot_bytes=0, file_bytes=0)
+        self.telemetry.update(direct=bool(self.file.direct), slots=depth + 2, slot_bytes=0, file_bytes=0,
+                              demand_reads=0, evicted=0)
 
     # ------------------------------------------------------------------ space
     def allocate(self, layout) -> None:
@@ -84,7 +85,7 @@ class NvmeTier(StateTier):
         need = max(ALIGN, layout.max_bucket_bytes)
         if self.arena is None or self.arena.slot_bytes < need:
             # no larger than the largest bucket: a small model under a big budget uses only what it needs
-            self.arena = HostArena(self.depth + 2, need, pin=False)
+            self.arena = HostArena(self.depth + 2, need)
             self.slots = self.arena.slots
             self._free = list(range(len(self.slots)))[::-1]
         self.layout = layout
@@ -103,9 +104,40 @@ class NvmeTier(StateTier):
     def _slot(self, wait: bool):
         if not self._free and self._writes and (wait or self._writes[0][1].done()):
             self._retire_write()
+        if not self._free and wait and self._reads:
+            self._evict_read()   # a bucket out of the expected order: drop a read-ahead, read on demand
         if not self._free and wait:
             raise RuntimeError("offload NvmeTier: no free slot (more buckets acquired than the ring holds)")
         return self._free.pop() if self._free else None
+
+    def _evict_read(self) -> None:
+        """Give up the read-ahead issued last (the furthest ahead): wait for it, free its slot."""
+        bi = next(reversed(self._reads))
+        s, req = self._reads.pop(bi)
+        try:
+            if req is not None:
+                req.wait()
+        finally:
+            self._free.append(s)
+        self.telemetry["evicted"] += 1
+
+    def keep_reads(self, wanted) -> None:
+        """Cancel the read-aheads of buckets not in ``wanted`` (mispredicted): wait for them, free the slots."""
+        for bi in [bi for bi in self._reads if bi not in wanted]:
+            s, req = self._reads.pop(bi)
+            try:
+                if req is not None:
+                    req.wait()
+            finally:
+                self._free.append(s)
+            self.telemetry["evicted"] += 1
+
+    def reading(self) -> int:
+        """Read-aheads issued and not yet acquired."""
+        return len(self._reads)
+
+    def prefetched(self, b) -> bool:
+        return b.index in self._reads
 
     def prefetch(self, b, read: bool) -> None:
         if b.index in self._reads:
@@ -121,6 +153,8 @@ class NvmeTier(StateTier):
     def acquire(self, b, read: bool) -> Block:
         got = self._reads.pop(b.index, None)
         if got is None:
+            if read:   # not read ahead: this bucket came out of the expected order
+                self.telemetry["demand_reads"] += 1
             s = self._slot(True)
             got = (s, self.engine.read(self.file, self.slots[s], b.offset, b.nbytes) if read else None)
         s, req = got

@@ -52,6 +52,16 @@ class StateTier:
     def acquire(self, b, read: bool) -> Block:
         raise NotImplementedError
 
+    def reading(self) -> int:
+        """Read-aheads in flight (0 for resident tiers: nothing to read)."""
+        return 0
+
+    def prefetched(self, b) -> bool:
+        return False
+
+    def keep_reads(self, wanted) -> None:
+        """Drop read-aheads of buckets not in ``wanted`` (bucket indices)."""
+
     def release(self, b, blk: Block) -> None:
         """The kernel is done with ``blk``: write it back (asynchronously where possible)."""
 

@@ -1,0 +1,412 @@
+"""step/backward.py: BackwardFeed, device parameters with state in a tier stepped *during backward*.
+
+``offload.AdamW(cuda_params, state="nvme")`` with ``step_during_backward`` (the default without
+clipping / overflow check): a post-accumulate-grad hook marks each parameter ready; when every
+parameter of a bucket is ready the bucket is queued to one CPU worker thread, which, per bucket,
+  * keeps up to ``depth`` state reads ahead in the *expected backward order* (reverse layout order
+    at the first step, the order observed in the previous step afterwards; a bucket that arrives
+    out of that order is read on demand: slower, never wrong);
+  * issues the gradients' D2H into a staging slot as soon as one is free (up to the ring size ahead),
+  * acquires the bucket's state, runs the kernel, writes the state back (asynchronously) and
+    issues the H2D of the new weights.
+So NVMe reads, D2H, the kernel, write-back and H2D overlap each other and backward. ``step()``
+queues the buckets that never completed (parameters without a hooked gradient), waits for the
+worker, and makes the compute stream wait for the last upload. Host memory is the tier's slots plus
+the staging ring (offload/params/device.py), whatever the model size.
+
+Bitwise equal to every other mode: the same rows and step counts reach the same kernel. Step
+counts advance when a parameter's first bucket is queued; hyperparameters are read then (as the
+RAM-state GPU scheduler does). Anything that fails after a bucket was stepped marks the tier failed.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Optional
+
+import numpy as np
+
+from .._dist import local
+from .._kernels import step_table
+from ..params.base import check_grad
+from ..telemetry import Trace
+from .table import bucket_rows
+
+__all__ = ["BackwardFeed"]
+
+_WAIT_S = 300.0   # a hang is a bug: fail loudly instead
+
+
+def _weak_hook(feed, gi: int, i: int):
+    ref = weakref.ref(feed)   # tensor hooks live in C++: a strong reference would keep everything alive
+
+    def hook(p):
+        f = ref()
+        if f is not None:
+            f._on_grad(gi, i, p)
+    return hook
+
+
+def _loop(ref, q) -> None:
+    pending, staged = deque(), deque()
+    while True:
+        if not pending and not staged:
+            item = q.get()
+            if item is None:
+                return
+            pending.append(item)
+        feed = ref()
+        if feed is None:
+            return
+        stop = feed._work(q, pending, staged)
+        del feed
+        if stop:
+            return
+
+
+class BackwardFeed:
+    def __init__(self, face, engine, device, *, release_grads: bool = False, trace: bool = False):
+        self.face = face            # DeviceStep: the optimizer's hyperparameters and state dict
+        self.engine = engine
+        self.side = engine.side
+        self.tier = engine.tier
+        self.device = device
+        self.release_grads = bool(release_grads)
+        self.trace = Trace() if trace else None
+        self.boundary = True
+        self.error: Optional[BaseException] = None
+        self._reported = False
+        self._hooks: list = []
+        self._hooked = 0
+        self._nb = -1
+        self.order: list = []
+        self._hook_params()
+        self._maps()
+        self._reset()
+        self._q: "queue.Queue" = queue.Queue()
+        self._worker = threading.Thread(target=_loop, args=(weakref.ref(self), self._q),
+                                        name="offload-backward-step", daemon=True)
+        self._worker.start()
+        self._finalizer = weakref.finalize(self, self._q.put, None)
+
+    # ------------------------------------------------------------------ shape
+    def _hook_params(self) -> None:
+        """Hooks on every parameter (also the groups added by add_param_group)."""
+        groups = self.engine.groups
+        for gi in range(self._hooked, len(groups)):
+            for i, p in enumerate(groups[gi]):
+                if not p.requires_grad:
+                    continue   # frozen: if it gets a gradient later, step() sends it
+                self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self, gi, i)))
+        self._hooked = len(groups)
+
+    def _maps(self) -> None:
+        """Per bucket: its parameters; per parameter: its buckets; the expected order grows with the layout."""
+        buckets = self.engine.layout.buckets
+        if len(buckets) == self._nb:
+            return
+        self.params_of = [sorted({pc.param for pc in b.pieces}) for b in buckets]
+        self.buckets_of: dict = {}
+        for b, ps in zip(buckets, self.params_of):
+            for i in ps:
+                self.buckets_of.setdefault((b.group, i), []).append(b.index)
+        known = set(self.order)
+        self.order = self.order + [b.index for b in reversed(buckets) if b.index not in known]
+        if self._nb >= 0:   # mid-cycle growth (a frozen parameter's first gradient): new buckets wait
+            self.missing += [len(ps) for ps in self.params_of[self._nb:]]
+        self._nb = len(buckets)
+
+    def extend(self) -> None:
+        self._hook_params()
+        self._maps()
+
+    def _reset(self) -> None:
+        self.in_cycle = False
+        self.sent: dict = {}                 # (gi, i) -> (grad or None with release_grads, version)
+        self.missing = [len(ps) for ps in self.params_of]
+        self.dispatched: list = []   # queue order
+        self.done = set()            # queued (training thread)
+        self.stepped = set()         # stepped (worker)
+        self.grads = [[None] * len(g) for g in self.engine.groups]
+        self.advanced = [np.zeros(len(g), dtype=bool) for g in self.engine.groups]
+
+    # ------------------------------------------------------------------ backward (training / autograd thread)
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            err = self.error
+            self._reported = True
+            self.tier.check_usable()   # StoreFailedError naming the first failure
+            raise RuntimeError(f"offload CPU worker failed: {err!r}") from err
+
+    def _begin(self) -> None:
+        self._raise_if_failed()
+        self.wait_idle()
+        eng = self.engine
+        with eng._using():
+            eng._adopt_user_state(self.face.opt.state)
+        self.face.reload_changed()
+        self.side.grads = self.grads
+        tel = self.tier.telemetry
+        self._t = dict(io=tel["read_wait_s"] + tel["write_wait_s"], kernel=eng.telemetry["kernel_s"],
+                       side=dict(self.side.stats), first=None)
+        self.in_cycle = True
+
+    def _on_grad(self, gi: int, i: int, p) -> None:
+        if not self.boundary:
+            return
+        if not self.in_cycle:
+            self._begin()
+        key = (gi, i)
+        if key not in self.buckets_of:
+            return   # no state laid out (frozen at construction, or empty): step() handles it
+        if key in self.sent:
+            if self.dispatched:
+                raise RuntimeError(
+                    "offload: a second backward reached parameters whose gradients were already sent to the CPU "
+                    "and stepped (step_during_backward mode). For gradient accumulation wrap the earlier backward "
+                    "passes in `with optimizer.no_sync():` (or call optimizer.set_accumulation_boundary(False)).")
+            first = False
+        else:
+            first = True
+        self._capture(gi, i, p)
+        if first:
+            for bi in self.buckets_of[key]:
+                self.missing[bi] -= 1
+                if self.missing[bi] == 0:
+                    self._dispatch(bi, 1.0)
+
+    def _capture(self, gi: int, i: int, p) -> None:
+        eng = self.engine
+        g = p.grad
+        check_grad(p, g, gi, i, eng.dtypes[gi][i], eng.numels[gi][i], eng.mode, True)
+        self.grads[gi][i] = local(g)   # held until its D2H is enqueued (and done)
+        self.sent[(gi, i)] = (None if self.release_grads else g, g._version)
+        if self.release_grads:
+            p.grad = None
+
+    def _dispatch(self, bi: int, mult: float) -> None:
+        eng = self.engine
+        b = eng.layout.buckets[bi]
+        act = [pc for pc in b.pieces if (b.group, pc.param) in self.sent]
+        if not act:
+            return
+        opt = self.face.opt
+        h = opt._group_hyper(opt.param_groups[b.group])
+        for k in ("lr", "eps", "weight_decay", "beta1", "beta2"):
+            if not math.isfinite(h[k]):
+                raise ValueError(f"group {b.group}: {k} = {h[k]} is not finite")
+        adv, steps = self.advanced[b.group], eng.registry.steps[b.group]
+        for pc in act:
+            if not adv[pc.param]:
+                adv[pc.param] = True
+                steps[pc.param] += 1
+        if not self.dispatched:
+            self._t["first"] = time.perf_counter()   # the optimizer's part of the step starts here
+        self.dispatched.append(bi)
+        self.done.add(bi)
+        self._q.put(("step", b, act, eng.registry.has_state(b), h, mult, self.device.record()))
+
+    # ------------------------------------------------------------------ the worker
+    def _work(self, q, pending: deque, staged: deque) -> bool:
+        while True:
+            try:
+                pending.append(q.get_nowait())
+            except queue.Empty:
+                break
+        nslots = self.side.nslots
+        while pending and pending[0] is not None and pending[0][0] == "step" and len(staged) < nslots:
+            job = pending.popleft()
+            if self.error is not None:
+                continue
+            try:
+                _, b, act, _, _, _, after = job
+                with self.engine._lock:
+                    staged.append((job, self.side.arrive(b, act, after)))
+            except BaseException as e:
+                self._failed(e)
+        if staged:
+            job, st = staged.popleft()
+            if self.error is None:
+                try:
+                    self._step_bucket(job, st)
+                except BaseException as e:
+                    self._failed(e)
+            return False
+        if pending:
+            item = pending.popleft()
+            if item is None:
+                return True
+            if item[0] == "barrier":
+                item[1].set()
+        if not pending and not staged and self.error is None:
+            self._read_ahead(blocking=False)
+        return False
+
+    def _failed(self, e: BaseException, reported: bool = False) -> None:
+        if self.error is None:
+            self.error = e
+            self._reported = reported
+            try:
+                self.tier.fail(e)
+            except BaseException:
+                pass
+
+    def _read_ahead(self, blocking: bool) -> None:
+        """Keep ``depth`` reads in flight for the next buckets of the expected order."""
+        tier, eng = self.tier, self.engine
+        if tier.kind != "nvme" or tier.closed:
+            return
+        lock = eng._lock
+        if not lock.acquire(blocking=blocking):
+            return
+        try:
+            if tier.failed is not None:
+                return
+            buckets = eng.layout.buckets
+            # queued buckets first (the worker may lag behind backward), then the expected order
+            wanted = [bi for bi in list(self.dispatched) + [bi for bi in self.order if bi not in self.done]
+                      if bi not in self.stepped and bi < len(buckets)][:eng.depth]
+            tier.keep_reads(set(wanted))   # a mispredicted read-ahead only holds a slot: give it up
+            for bi in wanted:
+                b = buckets[bi]
+                if not tier.prefetched(b):
+                    tier.prefetch(b, eng.registry.has_state(b))
+                    if not tier.prefetched(b):
+                        break   # no free slot now
+        finally:
+            lock.release()
+
+    def _step_bucket(self, job, st) -> None:
+        _, b, act, read, hyper, mult, after = job
+        eng, side, tier = self.engine, self.side, self.tier
+        with eng._lock:
+            self.stepped.add(b.index)
+            blk = tier.acquire(b, read)   # read on demand if it was not read ahead
+            self._read_ahead(blocking=True)   # the next reads run during this kernel
+            eng.registry.init_fresh(b, act, blk, side.read_master)
+            ptrs = side.ptrs(b, act, st)   # waits for the D2H
+            steps = eng.registry.steps[b.group].numpy()
+            table = bucket_rows(b, act, blk.base, ptrs, [steps[pc.param] for pc in act])
+            t0 = time.perf_counter()
+            step_table(table, hyper, mult, self.face.opt._threads or 0)
+            t1 = time.perf_counter()
+            eng.telemetry["kernel_s"] += t1 - t0
+            tier.release(b, blk)
+            side.publish(b, act, st, after)
+        if self.trace is not None:
+            self.trace.span(f"adam b{b.index}", "cpu step", (t0, t1))
+
+    def wait_idle(self) -> None:
+        """Every queued bucket stepped and its upload issued."""
+        done = threading.Event()
+        self._q.put(("barrier", done))
+        if not done.wait(_WAIT_S):
+            raise TimeoutError(f"offload: the CPU worker did not finish within {_WAIT_S} s")
+
+    # ------------------------------------------------------------------ step() (training thread)
+    def step(self, mult: float, grad_scale, found_inf) -> dict:
+        t_step = time.perf_counter()
+        opt = self.face.opt
+        if not self.in_cycle:
+            self._begin()
+        early = bool(self.dispatched)
+        if self.release_grads and found_inf is not None:
+            raise RuntimeError("offload: release_grads=True cannot be combined with torch.amp.GradScaler (it reads "
+                               "the device gradients after backward); use release_grads=False")
+        if early and (grad_scale is not None or found_inf is not None):
+            raise RuntimeError("offload: torch.amp.GradScaler needs check_overflow=True (or step_during_backward="
+                               "False): buckets were already stepped during backward without the loss scale")
+        if early and mult != 1.0:
+            raise RuntimeError(f"offload: step(grad_multiplier={mult}) needs step_during_backward=False: buckets "
+                               "are stepped during backward, before the multiplier is known")
+        self.wait_idle()
+        self._raise_if_failed()
+        eng = self.engine
+        try:
+            self._check_sent()
+            eng._collect(opt.param_groups)   # validates the other gradients; lays out late parameters
+            eng._grads = None
+            self._maps()
+            self.grads += [[None] * len(g) for g in eng.groups[len(self.grads):]]
+            self.advanced += [np.zeros(len(g), dtype=bool) for g in eng.groups[len(self.advanced):]]
+            skip = found_inf is not None and float(found_inf) > 0
+            if not skip:
+                if not math.isfinite(mult):
+                    raise ValueError(f"grad_multiplier must be finite, got {mult}")
+                for gi, ps in enumerate(eng.groups):
+                    for i, p in enumerate(ps):
+                        if (gi, i) not in self.sent and p.grad is not None and (gi, i) in self.buckets_of:
+                            self._capture(gi, i, p)
+                for bi in list(self.order):
+                    if bi not in self.done:
+                        self._dispatch(bi, mult)
+            self.wait_idle()
+            self._raise_if_failed()
+            with eng._lock:
+                self.tier.drain()
+                self.side.finish()
+                active = [np.zeros(len(g), dtype=bool) for g in eng.groups]
+                for gi, i in self.sent:
+                    active[gi][i] = True
+                if skip:
+                    active = [np.zeros(len(g), dtype=bool) for g in eng.groups]
+                fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~eng.registry.ready[gi])]
+                eng.registry.commit(active)
+                for gi, a in enumerate(active):
+                    eng.tracker.record(gi, np.flatnonzero(a))
+                eng._install(fresh, opt.state)
+        except BaseException as e:
+            if self.dispatched and self.error is None:
+                self._failed(e, True)   # buckets were stepped: the state no longer matches any whole step
+            raise
+        finally:
+            nb = len(self.dispatched)
+            self.order = self.dispatched + [bi for bi in self.order if bi not in self.done]
+            self.side.grads = None
+            self._reset()
+            self._q.put(("nudge",))   # read ahead the next step's first buckets during forward
+        tel = self.tier.telemetry
+        first = self._t["first"]
+        return dict(pipeline_s=time.perf_counter() - (t_step if first is None else min(first, t_step)), kernel_s=eng.telemetry["kernel_s"] - self._t["kernel"], buckets=0 if skip else nb,
+                    nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - self._t["io"], skipped=skip,
+                    side0=self._t["side"])
+
+    def _check_sent(self) -> None:
+        """Gradients changed after they were sent (torch clipping / unscale_ on the device gradients)."""
+        for (gi, i), (g, ver) in list(self.sent.items()):
+            p = self.engine.groups[gi][i]
+            now = p.grad
+            same = now is None if self.release_grads else (now is g and now._version == ver)
+            if same:
+                continue
+            if any(bi in self.done for bi in self.buckets_of[(gi, i)]):
+                raise RuntimeError(
+                    "offload: gradients changed after they were sent to the CPU and stepped during backward "
+                    "(e.g. torch.nn.utils.clip_grad_norm_ or GradScaler.unscale_ on the device gradients). "
+                    "Use optimizer.clip_grad_norm_ / max_grad_norm= and check_overflow=True (which turn off "
+                    "stepping during backward), or pass step_during_backward=False.")
+            del self.sent[(gi, i)]
+            self.grads[gi][i] = None
+            if now is not None:
+                self._capture(gi, i, p)
+
+    # ------------------------------------------------------------------ lifecycle
+    def synchronize(self) -> None:
+        """Wait for the worker; a failure not reported yet is raised (later uses of the state then raise
+        StoreFailedError through the tier; close() still works)."""
+        self.wait_idle()
+        if not self._reported:
+            self._raise_if_failed()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._worker is not None:
+            self._q.put(None)
+            self._worker.join(timeout=10)
+            self._worker = None
