@@ -725,6 +725,11 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         if self._store is not None:
             self._store.close()
 
+    @property
+    def kernel_threads(self) -> int:
+        """Native threads each kernel call uses (the ``threads=`` option; 0 = the pool's size)."""
+        return self._threads or 0
+
     def storage_info(self) -> dict:
         """Telemetry of NVMe/mmap state (bytes moved, I/O wait, kernel time, O_DIRECT or not); {} for RAM state."""
         return self._store.info() if self._store is not None else {}

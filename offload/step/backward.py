@@ -34,7 +34,7 @@ from .._dist import local
 from .._kernels import step_table
 from ..params.base import check_grad
 from ..telemetry import Trace
-from .table import bucket_rows
+from .table import bucket_rows, kernel_for
 
 __all__ = ["BackwardFeed"]
 
@@ -292,7 +292,7 @@ class BackwardFeed:
             steps = eng.registry.steps[b.group].numpy()
             table = bucket_rows(b, act, blk.base, ptrs, [steps[pc.param] for pc in act])
             t0 = time.perf_counter()
-            step_table(table, hyper, mult, self.face.opt._threads or 0)
+            (step_table if b.moments == "fp32" else kernel_for(b))(table, hyper, mult, self.face.opt.kernel_threads)
             t1 = time.perf_counter()
             eng.telemetry["kernel_s"] += t1 - t0
             tier.release(b, blk)

@@ -97,7 +97,7 @@ class DeviceStep:
         return [p.grad for ps in self.engine.groups for p in ps if p.grad is not None]
 
     def _sumsq(self) -> float:
-        return self.engine.side.grad_sumsq(self._grads(), self.opt._threads or 0)
+        return self.engine.side.grad_sumsq(self._grads(), self.opt.kernel_threads)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         if float(norm_type) != 2.0:
