@@ -56,7 +56,7 @@ class Size:
 SIZES = {
     "default": Size(vocab=128, contexts=8192, seq=64, batch=32, d_model=128, n_layer=3, n_head=4, steps=400,
                     warmup=40, lr=3e-3),
-    "quick": Size(vocab=64, contexts=2048, seq=32, batch=16, d_model=64, n_layer=2, n_head=4, steps=300,
+    "quick": Size(vocab=64, contexts=2048, seq=32, batch=8, d_model=64, n_layer=2, n_head=4, steps=300,
                   warmup=30, lr=3e-3),
 }
 
@@ -226,8 +226,8 @@ def summarize(runs, skipped, size, floor, checkpoints, hyper) -> dict:
             lim = TARGETS[row["name"]]
             ok = row["ratio"] <= lim
             row["target"] = lim
-            targets.append(f"{'PASS' if ok else 'MISS'} {row['name']} moments: last-{LAST} loss {row['last50']:.4f} = "
-                           f"{row['ratio']:.4f} x fp32 ({base['last50']:.4f}; target <= {lim:.3f})")
+            targets.append(f"{'PASS' if ok else 'MISS'} {row['name']} moments: last-{LAST} loss {row['last50']:.5f} = "
+                           f"{row['ratio']:.5f} x fp32 ({base['last50']:.5f}; target <= {lim:.3f})")
     return dict(size=asdict(size), floor=floor, hyper={**hyper, "betas": list(hyper["betas"])}, rows=rows,
                 skipped=skipped, checkpoints=checkpoints, targets=targets,
                 params=sum(p.numel() for p in runs[0].params) if runs else 0)
@@ -241,7 +241,7 @@ def tables(out: dict) -> str:
     rows = out["rows"]
     lines = [format_table(
         ["contender", "moments", f"loss last {LAST}", "vs fp32", "excess vs fp32", "opt.step ms", "iter ms"],
-        [[r["name"] + ": " + r["impl"], r["moments"], f"{r['last50']:.4f}", _f(r.get("ratio"), ".4f"),
+        [[r["name"] + ": " + r["impl"], r["moments"], f"{r['last50']:.5f}", _f(r.get("ratio"), ".5f"),
           _f(r.get("excess_ratio"), ".3f"), f"{r['step_ms']:.2f}", f"{r['iter_ms']:.1f}"] for r in rows])]
     n0, n1 = out["checkpoints"][0], out["checkpoints"][-1]
     hdr = ["contender", "compressed"]
