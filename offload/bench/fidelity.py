@@ -54,7 +54,7 @@ class Size:
 
 
 SIZES = {
-    "default": Size(vocab=128, contexts=8192, seq=64, batch=32, d_model=128, n_layer=3, n_head=4, steps=400,
+    "default": Size(vocab=128, contexts=8192, seq=64, batch=16, d_model=128, n_layer=2, n_head=4, steps=400,
                     warmup=40, lr=3e-3),
     "quick": Size(vocab=64, contexts=2048, seq=32, batch=8, d_model=64, n_layer=2, n_head=4, steps=300,
                   warmup=30, lr=3e-3),

@@ -9,7 +9,7 @@ exp_avg_sq) decoded to fp32, whatever the optimizer stores.
 Until ``offload.AdamW(moments=...)`` exists (detected by trying the keyword), the compressed
 formats run through :class:`KernelMomentsAdamW`, a small stand-in that steps each parameter through
 the public kernel API (``offload.kernels.adam_step_moments``; fp32 moments through
-``offload.kernels.adam_step`` for parameters under ``min_8bit_size``, as the issue specifies).
+``offload.kernels.adam_step`` for parameters under 4096 elements, as offload.AdamW does).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 import offload
 from offload import kernels
 
-__all__ = ["Skip", "KernelMomentsAdamW", "CONTENDERS", "make_optimizer", "read_moments", "set_lr",
+__all__ = ["Skip", "KernelMomentsAdamW", "CONTENDERS", "make_optimizer", "read_moments", "set_lr", "StochasticBf16AdamW",
            "offload_has_moments", "compressed_fraction", "implementation"]
 
 MIN_8BIT_SIZE = 4096  # parameters with fewer elements keep fp32 moments (bitsandbytes' min_8bit_size)
@@ -32,18 +32,18 @@ class KernelMomentsAdamW(torch.optim.Optimizer):
     """AdamW with compressed moments through the native kernel's public API (a benchmark stand-in).
 
     fp32 master weights (the parameters themselves, fp32), moments as made by
-    ``offload.kernels.moment_state(numel, fmt)``; ``fmt="8bit"`` keeps fp32 moments for parameters
-    under ``min_8bit_size`` elements. Every step validates and calls the kernel once per group and
-    kind, so its step time includes that per-call validation (not the wired optimizer's figure).
+    ``offload.kernels.moment_state(numel, fmt)``; parameters under ``min_size`` elements keep fp32
+    moments (as ``offload.AdamW(moments_min_size=4096)``). Every step validates and calls the kernel
+    once per group and kind, so its step time includes that validation (not the wired optimizer's).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, moments="8bit",
-                 min_8bit_size=MIN_8BIT_SIZE):
+                 min_size=MIN_8BIT_SIZE):
         if moments not in kernels.MOMENT_FORMATS:
             raise ValueError(f"moments must be one of {', '.join(kernels.MOMENT_FORMATS)}, got {moments!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.fmt = moments
-        self.min_size = min_8bit_size if moments == "8bit" else 0
+        self.min_size = min_size
 
     def compressed(self, p) -> bool:
         return p.numel() >= self.min_size
@@ -100,6 +100,56 @@ class KernelMomentsAdamW(torch.optim.Optimizer):
         return m.view_as(p), v.view_as(p)
 
 
+class StochasticBf16AdamW(torch.optim.Optimizer):
+    """AdamW with bf16 moments stored by *stochastic* rounding, emulated in torch (not offload's
+    kernel): decode -> fp32 update (the parameter step uses the fp32 moments, as the kernel does)
+    -> encode with an unbiased random rounding to bf16. Answers the issue's question whether
+    stochastic rounding measurably helps bf16 moments; ``rounding="nearest"`` is the same emulation
+    with round-to-nearest-even (it should track the kernel's bf16 closely)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, rounding="stochastic",
+                 min_size=MIN_8BIT_SIZE, seed=0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.rounding, self.min_size = rounding, min_size
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def compressed(self, p) -> bool:
+        return p.numel() >= self.min_size
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rounding == "nearest":
+            return x.to(torch.bfloat16)
+        bits = x.view(torch.int32) + torch.randint(0, 1 << 16, x.shape, generator=self.gen, dtype=torch.int32)
+        return (bits & -65536).view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            lr = float(group["lr"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    dt = torch.bfloat16 if self.compressed(p) else torch.float32
+                    st.update(step=0, exp_avg=torch.zeros_like(p, dtype=dt), exp_avg_sq=torch.zeros_like(p, dtype=dt))
+                st["step"] += 1
+                t = st["step"]
+                m, v = st["exp_avg"].float(), st["exp_avg_sq"].float()
+                m.lerp_(p.grad, 1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                p.mul_(1 - lr * group["weight_decay"])
+                denom = (v / (1 - b2 ** t)).sqrt_().add_(group["eps"])
+                p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+                if self.compressed(p):
+                    st["exp_avg"], st["exp_avg_sq"] = self._encode(m), self._encode(v)
+                else:
+                    st["exp_avg"], st["exp_avg_sq"] = m, v
+        return loss
+
+
 _HAS_MOMENTS = None
 
 
@@ -154,6 +204,8 @@ CONTENDERS = {
     "fp32": (_offload("fp32"), "fp32", "offload.AdamW, fp32 moments"),
     "bf16": (_offload("bf16"), "bf16", "offload bf16 moments"),
     "8bit": (_offload("8bit"), "8bit", "offload 8-bit moments"),
+    "bf16-sr": (lambda groups, h: StochasticBf16AdamW(groups, **h), "bf16",
+                "bf16 moments, stochastic rounding (torch emulation)"),
     "torchao": (_torchao, "8bit", "torchao.optim.AdamW8bit"),
     "bnb": (_bnb, "8bit", "bitsandbytes.optim.AdamW8bit"),
 }
@@ -179,7 +231,7 @@ def implementation(name: str, opt) -> str:
 def compressed_fraction(opt, params):
     """Share of the elements whose moments the optimizer keeps compressed (None: cannot tell)."""
     total = sum(p.numel() for p in params)
-    if isinstance(opt, KernelMomentsAdamW):
+    if isinstance(opt, (KernelMomentsAdamW, StochasticBf16AdamW)):
         return sum(p.numel() for p in params if opt.compressed(p)) / total
     if isinstance(opt, torch.optim.AdamW):
         return 0.0
