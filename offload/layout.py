@@ -21,13 +21,21 @@ Rules:
     are page-aligned and can be mapped side by side as one tensor).
 Sections are described by (key, element bytes), so a section of another dtype (e.g. compressed
 moments plus a scales section) only needs a new entry in :func:`section_keys`.
+
+Compressed moments (``Shape.moments`` "bf16" / "8bit", issue 9): a bucket holds parameters of one
+moment format; its sections are ``[master_param |]`` followed by the format's tensors as
+``offload/mformat.py`` describes them (e.g. ``exp_avg`` int8, ``exp_avg_sq`` uint8 and one fp32
+scale per 256-element block each). Pieces of such a bucket start on a block boundary, and a
+split parameter is cut on block boundaries, so the kernel's blocks are the same whatever the
+bucketing (RAM == NVMe == mmap bitwise, any ``host_budget``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Shape", "Piece", "Bucket", "Layout", "build_layout", "section_keys", "round_up", "ELEM", "ALIGN"]
+__all__ = ["Shape", "Piece", "Bucket", "Layout", "build_layout", "section_keys", "entries", "unit", "round_up",
+           "ELEM", "ALIGN"]
 
 ELEM = 16          # pieces start on 16-element (64-byte) boundaries inside a section
 ALIGN = 4096       # buckets start (and end) on 4 KiB
@@ -47,6 +55,7 @@ class Shape:
     itemsize: int         # bytes per element of the parameter (and its gradient)
     master: bool          # needs an fp32 master section
     active: bool = True   # requires_grad: only active parameters get state
+    moments: str = "fp32"  # storage of exp_avg / exp_avg_sq: "fp32" | "bf16" | "8bit"
 
 
 @dataclass(frozen=True)
@@ -59,10 +68,30 @@ class Piece:
     itemsize: int
 
 
-def section_keys(master: bool, amsgrad: bool) -> Tuple[Tuple[str, int], ...]:
-    """(state key, bytes per element) of a bucket's sections, in storage order."""
+def section_keys(master: bool, amsgrad: bool, moments: str = "fp32") -> Tuple[Tuple[str, int], ...]:
+    """(state key, bytes per entry) of a bucket's sections, in storage order. For compressed
+    moments some sections have one entry per block, not per element (:func:`entries`)."""
+    if moments != "fp32":
+        from .mformat import sections
+        return ((("master_param", 4),) if master else ()) + tuple((k, size) for k, size, _ in sections(moments))
     keys = ((("master_param", 4),) if master else ()) + (("exp_avg", 4), ("exp_avg_sq", 4))
     return keys + ((("max_exp_avg_sq", 4),) if amsgrad else ())
+
+
+def entries(moments: str, key: str, n: int) -> int:
+    """Entries of section ``key`` for ``n`` elements (n, or its blocks for a per-block section)."""
+    if moments == "fp32" or key == "master_param":
+        return n
+    from .mformat import nentries
+    return nentries(moments, key, n)
+
+
+def unit(moments: str) -> int:
+    """Element granularity of pieces: 16 (64 bytes of fp32), a whole block for compressed moments."""
+    if moments == "fp32":
+        return ELEM
+    from .mformat import BLOCK
+    return round_up(BLOCK, ELEM)
 
 
 @dataclass
@@ -71,15 +100,16 @@ class Bucket:
     group: int
     master: bool
     amsgrad: bool
-    cap: int = 0                      # elements per section (multiple of ELEM)
+    cap: int = 0                      # elements per section (multiple of ELEM, of the block if compressed)
     offset: int = 0                   # byte offset in the state (file / arena), ALIGN-aligned
     nbytes: int = 0                   # ALIGN-aligned state bytes
     stage_bytes: int = 0              # staging bytes (64-byte aligned pieces in the param dtype)
     pieces: List[Piece] = field(default_factory=list)
+    moments: str = "fp32"             # moment format of every piece in this bucket
 
     @property
     def keys(self) -> Tuple[Tuple[str, int], ...]:
-        return section_keys(self.master, self.amsgrad)
+        return section_keys(self.master, self.amsgrad, self.moments)
 
     def section(self, key: str) -> int:
         """Byte offset of section ``key`` inside the bucket."""
@@ -87,12 +117,18 @@ class Bucket:
         for k, size in self.keys:
             if k == key:
                 return off
-            off += self.cap * size
+            off += entries(self.moments, k, self.cap) * size
         raise KeyError(key)
+
+    def span(self, key: str, pc: "Piece") -> Tuple[int, int]:
+        """(byte offset inside the bucket, bytes) of piece ``pc``'s part of section ``key``."""
+        size = dict(self.keys)[key]
+        return (self.section(key) + entries(self.moments, key, pc.pos) * size,
+                entries(self.moments, key, pc.n) * size)
 
     @property
     def state_bytes(self) -> int:
-        return sum(self.cap * size for _, size in self.keys)
+        return sum(entries(self.moments, k, self.cap) * size for k, size in self.keys)
 
 
 @dataclass
@@ -122,8 +158,9 @@ class Layout:
         return self
 
 
-def _per_elem_state(master: bool, amsgrad: bool) -> int:
-    return sum(size for _, size in section_keys(master, amsgrad))
+def _per_elem_state(master: bool, amsgrad: bool, moments: str = "fp32") -> float:
+    u = unit(moments)
+    return sum(entries(moments, k, u) * size for k, size in section_keys(master, amsgrad, moments)) / u
 
 
 def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_bytes: Optional[int] = None,
@@ -156,13 +193,15 @@ def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_
         if not s.active or s.numel == 0:
             continue
         ams = bool(amsgrad[s.group])
-        per = _per_elem_state(s.master, ams)
-        cap_max = (max_state_bytes // per // ELEM * ELEM) if max_state_bytes else None
-        if cap_max is not None and cap_max < ELEM:
-            raise ValueError(f"a state bucket of {max_state_bytes} bytes cannot hold one {ELEM}-element piece "
-                             f"({ELEM * per} bytes): raise host_budget")
-        key = (s.group, s.master)
-        need_cap = round_up(s.numel, ELEM)
+        mf = s.moments
+        u = unit(mf)
+        per = _per_elem_state(s.master, ams, mf)
+        cap_max = (int(max_state_bytes // per) // u * u) if max_state_bytes else None
+        if cap_max is not None and cap_max < u:
+            raise ValueError(f"a state bucket of {max_state_bytes} bytes cannot hold one {u}-element piece "
+                             f"({int(u * per)} bytes): raise host_budget")
+        key = (s.group, s.master) if mf == "fp32" else (s.group, s.master, mf)
+        need_cap = round_up(s.numel, u)
         need_stage = round_up(s.numel * s.itemsize, 64)
         b = open_b.get(key)
         if cap_max is None or need_cap <= cap_max:      # fits alone: never split
@@ -172,7 +211,7 @@ def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_
                 close(b)
                 b = None
             if b is None:
-                b = open_b[key] = Bucket(0, s.group, s.master, ams)
+                b = open_b[key] = Bucket(0, s.group, s.master, ams, moments=mf)
             b.pieces.append(Piece(s.index, 0, s.numel, b.cap, b.stage_bytes, s.itemsize))
             b.cap += need_cap
             b.stage_bytes += need_stage
@@ -182,13 +221,13 @@ def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_
         open_b.pop(key, None)
         # (a budget too small for one page per section: 16-element pieces, views then join by copying)
         step = cap_max // _PAGE_ELEMS * _PAGE_ELEMS or cap_max
-        unit = _PAGE_ELEMS if step % _PAGE_ELEMS == 0 else ELEM
+        punit = _PAGE_ELEMS if step % _PAGE_ELEMS == 0 else u
         start = 0
         while start < s.numel:
             n = min(step, s.numel - start)
-            pb = Bucket(0, s.group, s.master, ams)
+            pb = Bucket(0, s.group, s.master, ams, moments=mf)
             pb.pieces.append(Piece(s.index, start, n, 0, 0, s.itemsize))
-            pb.cap = round_up(n, unit)  # every section page-aligned (see step/views.py)
+            pb.cap = round_up(n, punit)  # every fp32 section page-aligned (see step/views.py)
             pb.stage_bytes = round_up(n * s.itemsize, 64)
             close(pb)
             start += n

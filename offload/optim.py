@@ -23,13 +23,14 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
 
-from . import _C, _kernels, fallback
+from . import _C, _kernels, fallback, mformat
 from ._dist import is_dtensor, like, local  # DTensor (FSDP2): step the local shard
 from ._kernels import (COL_G, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
                        COL_GD, DTYPE_CODES, TASK_COLS, check_tensor)
 from .buffers import round_up
 from ._plan import (REC_KEYS, GroupPlan, OverlapIndex, ParamState, StateMap, check_storage, fingerprint,
                     get_version, no_grad_ref, sync_master)
+from .step.compressed import CompressedState  # opt.state[p] with compressed moments (issue 9)
 from .gpu import GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
 
 __all__ = ["Adam", "AdamW"]
@@ -80,6 +81,18 @@ def _check_param(p: torch.Tensor, where: str, gpu_mode: bool = False) -> None:
 _F32_MAX = float(torch.finfo(torch.float32).max)
 
 
+def _check_moments(moments, min_size, amsgrad, params) -> str:
+    """``moments=`` and ``moments_min_size=`` of the constructor (issue 9)."""
+    mformat.check_moments(moments)
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+        raise ValueError(f"moments_min_size must be an int >= 0, got {min_size!r}")
+    if moments != "fp32":
+        if amsgrad or any(isinstance(g, dict) and g.get("amsgrad") for g in params):
+            raise ValueError(f"amsgrad=True is not supported with moments={moments!r} (compressed moments keep no "
+                             "max_exp_avg_sq); use moments='fp32' for amsgrad")
+    return moments
+
+
 def _check_hyper(lr, betas, eps, weight_decay) -> None:
     # Same checks and messages as torch.optim.Adam.
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
@@ -128,7 +141,8 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
                  differentiable: bool = False, fused: Optional[bool] = None,
                  decoupled_weight_decay: bool = False, threads: Optional[int] = None,
                  state: str = "ram", nvme_dir=None, host_budget="2GiB", keep_files: bool = False,
-                 nvme_options: Optional[dict] = None, offload_device=None, **gpu_options):
+                 nvme_options: Optional[dict] = None, offload_device=None, moments: str = "fp32",
+                 moments_min_size: int = 4096, **gpu_options):
         if isinstance(lr, torch.Tensor) and foreach and not capturable:
             raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
         _check_hyper(lr, betas, eps, weight_decay)
@@ -144,6 +158,9 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         if state == "ram" and (nvme_dir is not None or nvme_options):
             raise ValueError("nvme_dir/nvme_options only apply to state='nvme' or state='mmap'")
         self._store = None
+        # --- compressed Adam moments (issue 9, docs/moments.md): run by the state engine, also for RAM
+        self.moments = _check_moments(moments, moments_min_size, amsgrad, params)
+        self.moments_min_size = int(moments_min_size)
         # ---
         if capturable:
             raise ValueError("capturable=True is not supported by offload (the step runs on the CPU)")
@@ -167,9 +184,12 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         self._gpu = None
         super().__init__(params, defaults)
         # --- NVMe/mmap state (offload/step/engine.py): one engine for all groups, any parameter side
-        if state != "ram":
+        if state != "ram" or self.moments != "fp32":
+            opts = dict(nvme_options or {})
+            if self.moments != "fp32":
+                opts.update(moments=self.moments, moments_min_size=self.moments_min_size)
             self._store = make_state_engine(self.param_groups, state, nvme_dir=nvme_dir, host_budget=host_budget,
-                                            keep=keep_files, nvme_options=nvme_options,
+                                            keep=keep_files, nvme_options=opts,
                                             device=self._gpu_device, gpu_options=gpu_options)
         self._gpu = start_engine(self, self._gpu_device, gpu_options, self._store)
         # --- end GPU offload ---
@@ -203,6 +223,13 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
     def _check_group(self, group: dict, gi: int) -> None:
         gpu = self._gpu_device is not None
         mode = getattr(self, "_state_mode", "ram")
+        if getattr(self, "moments", "fp32") != "fp32":
+            if group.get("amsgrad"):
+                raise ValueError(f"param group {gi}: amsgrad=True with moments={self.moments!r}: compressed moments "
+                                 "have no max_exp_avg_sq; use moments='fp32' for amsgrad")
+        engine = mode != "ram" or getattr(self, "moments", "fp32") != "fp32"   # the state engine's rules
+        label = f"state={mode!r}" if mode != "ram" else f"moments={getattr(self, 'moments', 'fp32')!r}"
+        fix = "state='ram'" if mode != "ram" else "moments='fp32'"
         params = group["params"]
         names = group.get("param_names")
         for i, p in enumerate(params):
@@ -210,13 +237,13 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             why = fallback.reason(p)
             if why is None or gpu:
                 _check_param(p, where, gpu)
-            elif mode != "ram":
-                raise ValueError(f"{where} is {why}: with state={mode!r} offload steps dense float32/bfloat16/"
-                                 "float16 parameters only; use state='ram' (such parameters are then stepped by "
+            elif engine:
+                raise ValueError(f"{where} is {why}: with {label} offload steps dense float32/bfloat16/"
+                                 f"float16 parameters only; use {fix} (such parameters are then stepped by "
                                  "torch's own Adam code) or make the parameter a contiguous float32 tensor")
-        if mode != "ram" and len(set(map(id, params))) != len(params):
+        if engine and len(set(map(id, params))) != len(params):
             i = next(i for i, p in enumerate(params) if any(q is p for q in params[:i]))
-            raise ValueError(f"parameter {i} of group {gi} is listed twice: with state={mode!r} every parameter "
+            raise ValueError(f"parameter {i} of group {gi} is listed twice: with {label} every parameter "
                              "must appear once (torch.optim.AdamW steps a repeated parameter once per listing, "
                              "state='ram' does the same); remove the duplicate")
 
@@ -236,6 +263,8 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         self.__dict__.setdefault("_gpu", None)
         self.__dict__.setdefault("_gpu_device", None)
         self.__dict__.setdefault("_state_mode", "ram")
+        self.__dict__.setdefault("moments", "fp32")
+        self.__dict__.setdefault("moments_min_size", 4096)
         self._plans = {}
         self._router = fallback.Router()
         if self._decoupled is not None:  # AdamW: torch forces decoupled weight decay for any loaded state
@@ -244,8 +273,8 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
 
     def __getstate__(self):
         if getattr(self, "_store", None) is not None:
-            raise TypeError("an optimizer with NVMe/mmap state cannot be pickled or deep-copied; "
-                            "use state_dict() / load_state_dict()")
+            raise TypeError(f"an optimizer with {'NVMe/mmap state' if self._state_mode != 'ram' else 'compressed moments'}"
+                            " cannot be pickled or deep-copied; use state_dict() / load_state_dict()")
         d = super().__getstate__()
         d = dict(d)
         d.pop("_plans", None)
@@ -650,7 +679,8 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         sd = super().state_dict()
         # hand out copies of step counters: ours are views into one shared buffer
         sd["state"] = {k: ({kk: (vv.clone() if kk == "step" and isinstance(vv, torch.Tensor) else vv)
-                            for kk, vv in v.items()} if isinstance(k, int) and isinstance(v, dict) else v)
+                            for kk, vv in (v.plain() if isinstance(v, CompressedState) else v).items()}
+                           if isinstance(k, int) and isinstance(v, (dict, CompressedState)) else v)
                        for k, v in sd["state"].items()}  # a non-parameter key (user data) is kept as is
         if self._store is not None:
             index = 0
@@ -660,6 +690,31 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
                         sd["state"][index].update(tensors[(gi, i)])
                     index += 1
         return sd
+
+    @property
+    def checkpoint_tensors(self):
+        """``offload.save``'s extension point (offload/checkpoint/adapter.py): with compressed moments
+        the checkpoint stores them compressed (``exp_avg.8bit``, scales, ...), so it resumes bitwise.
+        None otherwise: the checkpoint then goes through ``state_dict()`` as for any optimizer."""
+        if getattr(self, "moments", "fp32") == "fp32" or self._store is None:
+            return None
+        return self._checkpoint_tensors
+
+    def _checkpoint_tensors(self, create_from):
+        from .checkpoint.adapter import tensor_ref
+        if create_from is not None:  # never asked: this state loads through load_state_dict (loads_itself)
+            raise RuntimeError("compressed-moment state loads through load_state_dict")
+        tensors = self._store.raw_state_tensors()
+        refs, index = [], 0
+        for gi, g in enumerate(self.param_groups):
+            for i, p in enumerate(g["params"]):
+                if (gi, i) in tensors and self.state.get(p):
+                    for key in sorted(tensors[(gi, i)]):
+                        r = tensor_ref(f"state.{index}.{key}", index, key, tensors[(gi, i)][key])
+                        r.keep = self._store
+                        refs.append(r)
+                index += 1
+        return refs
 
     def close(self) -> None:
         """Release NVMe/mmap state (waits for I/O, deletes the state file unless keep_files) and the
@@ -713,6 +768,13 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
                 if key == "step":
                     st[key] = torch.tensor(_scalar(val), dtype=torch.float32)
                 elif isinstance(val, torch.Tensor):
+                    if mformat.parse_saved_key(key) is not None:   # compressed moments: checked by the engine
+                        if self._store is None:
+                            raise ValueError(f"state '{key}' of saved parameter {k} holds compressed moments; this "
+                                             f"optimizer has moments={self.moments!r}: build it with moments="
+                                             f"{key.rsplit('.', 1)[1]!r}, or load a state_dict() (fp32 moments)")
+                        st[key] = val
+                        continue
                     if val.shape != p.shape:
                         raise ValueError(f"state '{key}' of saved parameter {k} has shape {tuple(val.shape)}, "
                                          f"but the parameter has shape {tuple(p.shape)}")
@@ -762,25 +824,29 @@ class Adam(_AdamBase):
 
     Extra keyword: ``threads`` (native threads per step; default: CPUs in the affinity mask).
     State on disk: ``state="nvme"|"mmap"``, ``nvme_dir``, ``host_budget``, ``keep_files``,
-    ``nvme_options`` (see docs/nvme.md and offload/store.py).
+    ``nvme_options`` (see docs/nvme.md and offload/store.py). Compressed moments:
+    ``moments="fp32"|"bf16"|"8bit"``, ``moments_min_size`` (docs/moments.md).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  decoupled_weight_decay=False, threads=None, state="ram", nvme_dir=None, host_budget="2GiB",
-                 keep_files=False, nvme_options=None, offload_device=None, **gpu_options):
+                 keep_files=False, nvme_options=None, offload_device=None, moments="fp32", moments_min_size=4096,
+                 **gpu_options):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=decoupled_weight_decay, threads=threads, state=state,
                          nvme_dir=nvme_dir, host_budget=host_budget, keep_files=keep_files,
-                         nvme_options=nvme_options, offload_device=offload_device, **gpu_options)
+                         nvme_options=nvme_options, offload_device=offload_device, moments=moments,
+                         moments_min_size=moments_min_size, **gpu_options)
 
 
 class AdamW(_AdamBase):
     """AdamW (decoupled weight decay), same signature and defaults as torch.optim.AdamW.
 
     Extra keywords as for :class:`Adam` (``threads``; ``state``, ``nvme_dir``, ``host_budget``,
-    ``keep_files``, ``nvme_options`` for optimizer state on disk).
+    ``keep_files``, ``nvme_options`` for optimizer state on disk; ``moments``, ``moments_min_size``
+    for compressed Adam moments, docs/moments.md).
     """
 
     _decoupled = True
@@ -788,9 +854,10 @@ class AdamW(_AdamBase):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None, threads=None,
                  state="ram", nvme_dir=None, host_budget="2GiB", keep_files=False, nvme_options=None,
-                 offload_device=None, **gpu_options):
+                 offload_device=None, moments="fp32", moments_min_size=4096, **gpu_options):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, threads=threads, state=state, nvme_dir=nvme_dir,
                          host_budget=host_budget, keep_files=keep_files, nvme_options=nvme_options,
-                         offload_device=offload_device, **gpu_options)
+                         offload_device=offload_device, moments=moments, moments_min_size=moments_min_size,
+                         **gpu_options)

@@ -12,6 +12,11 @@ Every state figure comes from the engine's own layout code (offload/layout.py) a
 state file, the NVMe slots and the pinned staging ring of device parameters with NVMe state.
 Frozen ``nn.Parameter`` s (``requires_grad=False``) get no state. Tests check the figures against
 real optimizers.
+
+``moments="bf16"|"8bit"`` (issue 9, docs/moments.md): tensors of at least ``moments_min_size``
+elements keep compressed moments (the layout's compressed sections: bf16 m, v, or int8 m + uint8 v
++ one fp32 scale per 256-element block each); the state then lives in the engine's RAM tier
+(4 KiB-aligned buckets, never pinned) or shrinks the NVMe/mmap file.
 """
 from __future__ import annotations
 
@@ -148,7 +153,7 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
          world_size: int = 1, sharding: str = "none", bucket_bytes: int = 32 << 20, depth: int = 2,
          host_budget="2GiB", staging_slots: int = 2,
          nvme_path: Optional[str] = None, activation_bytes: Optional[int] = None,
-         verbose: bool = False) -> MemoryPlan:
+         verbose: bool = False, moments: str = "fp32", moments_min_size: int = 4096) -> MemoryPlan:
     """Bytes each place will hold for this configuration, and whether it fits this machine.
 
     ``device``: where forward/backward run ('cpu' or 'cuda'; default: cuda if available).
@@ -157,7 +162,12 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     ``sharding``: 'none', 'zero1' (state split across ``world_size``
     ranks) or 'fsdp' (weights, gradients and state split). ``activation_bytes``: your estimate,
     added to the GPU (or host, in CPU mode) total if given. ``verbose``: print the report.
+    ``moments``/``moments_min_size``: as given to the optimizer (compressed Adam moments).
     """
+    from .mformat import check_moments
+    check_moments(moments)
+    if moments != "fp32" and amsgrad:
+        raise ValueError(f"amsgrad=True is not supported with moments={moments!r}")
     if state not in ("ram", "nvme", "mmap"):
         raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {state!r}")
     if sharding not in ("none", "zero1", "fsdp"):
@@ -185,7 +195,9 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     state_what = f"optimizer state: fp32 exp_avg, exp_avg_sq{', max_exp_avg_sq' if amsgrad else ''}"
     on_gpu = device == "cuda"
     # the engine's own layout (offload/layout.py) over this rank's shards: what it allocates, exactly
-    shapes = [Shape(0, i, per_rank(n, shard), _size(dt), master=on_gpu or dt in _LOW, active=active)
+    shapes = [Shape(0, i, per_rank(n, shard), _size(dt), master=on_gpu or dt in _LOW, active=active,
+                    moments=moments if moments != "fp32" and per_rank(n, shard) and per_rank(n, shard) >= moments_min_size
+                    else "fp32")
               for i, (n, dt, active) in enumerate(inv)]
     budget = parse_size(host_budget)
     nstage = staging_slots if on_gpu else 0
@@ -197,7 +209,8 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     lay = build_layout(shapes, amsgrad=[amsgrad], max_state_bytes=state_cap, max_param_bytes=stage_cap)
     in_sections = sum(b.state_bytes for b in lay.buckets)
     master = sum(b.cap * 4 for b in lay.buckets if b.master)
-    if state == "ram" and not on_gpu:   # optim._init_states: streams of one arena staggered by a gap
+    engine_ram = state == "ram" and moments != "fp32"   # compressed moments: the engine's RAM tier
+    if state == "ram" and not on_gpu and not engine_ram:   # optim._init_states: streams of one arena staggered by a gap
         from .optim import arena_gap   # the gap after each stream of the (one) arena
         in_sections += 4 * arena_gap(sum(b.cap for b in lay.buckets)) * (3 if amsgrad else 2) if lay.buckets else 0
 
@@ -209,7 +222,12 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     if activation_bytes:
         rows.append(Row(compute, "activations (your estimate)", int(activation_bytes)))
     rows.append(Row("host", "optimizer state: step counters", steps))
-    if state == "ram":
+    if engine_ram:
+        _compressed_rows(rows, lay, moments, moments_min_size, "host", "optimizer state")
+        if on_gpu:
+            ring = 2 * staging_slots * max(64, lay.max_stage_bytes)
+            rows.append(Row("host", f"pinned staging ring ({staging_slots} slots of grads + weights)", ring))
+    elif state == "ram":
         rows.append(Row("host", state_what + (" (pinned)" if on_gpu else ""),
                         in_sections - master))
         if master:
@@ -220,8 +238,12 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
             rows.append(Row("host", f"pinned staging (grads down, weights up; {len(lay.buckets)} bucket(s))",
                             2 * stage))
     else:
-        rows.append(Row("nvme", f"optimizer state file ({state}: m, v" + (", vmax" if amsgrad else "")
-                        + (", fp32 master" if master else "") + "; 4 KiB-aligned buckets)", max(ALIGN, lay.nbytes)))
+        if moments != "fp32":
+            _compressed_rows(rows, lay, moments, moments_min_size, "nvme", f"optimizer state file ({state})")
+        else:
+            rows.append(Row("nvme", f"optimizer state file ({state}: m, v" + (", vmax" if amsgrad else "")
+                            + (", fp32 master" if master else "") + "; 4 KiB-aligned buckets)",
+                            max(ALIGN, lay.nbytes)))
         if state == "nvme":
             slot = max(ALIGN, lay.max_bucket_bytes)
             rows.append(Row("host", f"NVMe bucket buffers ({depth + 2} x {_fmt(slot)}, host_budget "
@@ -253,7 +275,7 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
         warnings.append("FSDP also needs room for the largest all-gathered (unsharded) layer, not counted")
     mp = MemoryPlan(config=dict(params=numel, tensors=len(inv), param_dtype=_dtype_names(inv, None),
                                 grad_dtype=_dtype_names(inv, grad_dtype), device=device, state=state,
-                                amsgrad=amsgrad, world_size=world_size, sharding=sharding,
+                                amsgrad=amsgrad, world_size=world_size, sharding=sharding, moments=moments,
                                 bucket_bytes=bucket_bytes, depth=depth),
                     rows=rows, capacity=cap, warnings=warnings)
     for place, ok in mp.fits().items():
@@ -262,6 +284,21 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     if verbose:
         print(mp)
     return mp
+
+
+def _compressed_rows(rows: list, lay, moments: str, min_size: int, place: str, prefix: str) -> None:
+    """State rows of a layout with compressed-moment buckets; they add up to ``lay.nbytes`` (what
+    the RAM tier allocates / the state file holds)."""
+    comp = sum(b.state_bytes - (b.cap * 4 if b.master else 0) for b in lay.buckets if b.moments != "fp32")
+    plain = sum(b.state_bytes - (b.cap * 4 if b.master else 0) for b in lay.buckets if b.moments == "fp32")
+    master = sum(b.cap * 4 for b in lay.buckets if b.master)
+    scales = ", per-block fp32 scales" if moments == "8bit" else ""
+    rows.append(Row(place, f"{prefix}: {moments} exp_avg, exp_avg_sq{scales}", comp))
+    if plain:
+        rows.append(Row(place, f"{prefix}: fp32 exp_avg, exp_avg_sq (tensors < {min_size} elements)", plain))
+    if master:
+        rows.append(Row(place, f"{prefix}: fp32 master weights", master))
+    rows.append(Row(place, f"{prefix}: 4 KiB bucket alignment", max(ALIGN, lay.nbytes) - comp - plain - master))
 
 
 def _dtype_names(inv, override) -> str:

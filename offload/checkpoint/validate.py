@@ -19,6 +19,7 @@ from typing import List, Optional
 import torch
 
 from .._dist import is_dtensor, local
+from ..mformat import parse_saved_key, spec as moment_spec
 from . import adapter
 from .format import (DTYPES, FORMAT, GEN_RE, INDEX, MAX_JSON, TAGS, VERSION, CheckpointError, check_compatible,
                      check_plain_name, decode_json, decode_value, element_size, file_layout, is_int, is_number,
@@ -217,7 +218,18 @@ def _check_tensors(opt, ridx: dict, rpath: str, pplans: List[ParamPlan]) -> List
         _need(pplans[pi].has_state, f"{w}: state for parameter {pi}, which has none: corrupted")
         p = local(ps[pi])
         dtype = DTYPES[tag]
-        if strict:
+        packed = parse_saved_key(key) if strict else None
+        if packed is not None:  # compressed moments (issue 9, offload/mformat.py)
+            k0, sfmt = packed
+            _need(adapter.keepalive(opt) is not None,
+                  f"{name}: the checkpoint holds moments={sfmt!r} (compressed) state, this optimizer has "
+                  f"moments={getattr(opt, 'moments', 'fp32')!r} with state in plain tensors: build it with "
+                  f"moments={sfmt!r} (or any moments= with state='nvme'/'mmap', which converts) to load it")
+            want_dt, want_n = moment_spec(sfmt, p.numel())[k0]
+            _need(dtype == want_dt and _numel(shape) == want_n,
+                  f"{name}: a {sfmt} moment tensor of dtype {dtype} and shape {tuple(shape)}, expected {want_dt} "
+                  f"with {want_n} entries for parameter {pi} ({tuple(p.shape)}): the checkpoint is corrupted")
+        elif strict:
             _need(tuple(shape) == tuple(p.shape),
                   f"{name}: the checkpoint's state tensor has shape {tuple(shape)}, parameter {pi} has shape "
                   f"{tuple(p.shape)}: the checkpoint is corrupted or for another model")

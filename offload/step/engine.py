@@ -35,8 +35,10 @@ __all__ = ["StateEngine"]
 class StateEngine(TorchLayout):
     def __init__(self, groups: list, amsgrad: list, *, mode: str, nvme_dir=None, host_budget="2GiB",
                  keep: bool = False, device=None, staging_slots: int = 3, bucket_bytes: Optional[int] = None,
-                 depth: int = 2, queue_depth: int = 8, block_size: int = 1 << 20, direct: bool = True):
+                 depth: int = 2, queue_depth: int = 8, block_size: int = 1 << 20, direct: bool = True,
+                 moments: str = "fp32", moments_min_size: int = 4096):
         self.mode = mode
+        self.moments, self.moments_min_size = moments, int(moments_min_size)   # issue 9 (offload/mformat.py)
         self.budget = parse_size(host_budget)
         self.depth = depth
         self.groups = [list(g) for g in groups]
@@ -75,9 +77,22 @@ class StateEngine(TorchLayout):
         self.last_stats: Optional[dict] = None
 
     def _lay(self, groups, first_group: int):
-        shapes = shapes_of(groups, self.device is not None, first_group)
+        shapes = self._moment_shapes(shapes_of(groups, self.device is not None, first_group))
         return build_layout(shapes, amsgrad=self.amsgrad, max_state_bytes=self.state_cap,
                             max_param_bytes=self.stage_cap)
+
+    def _moment_shapes(self, shapes: list) -> list:
+        """Compressed moments for parameters of at least ``moments_min_size`` elements; fp32 below."""
+        if self.moments == "fp32":
+            return shapes
+        from dataclasses import replace
+        return [replace(s, moments=self.moments) if s.numel and s.numel >= self.moments_min_size else s
+                for s in shapes]
+
+    def moment_format(self, gi: int, i: int) -> str:
+        """How parameter ``i`` of group ``gi`` stores its moments ("fp32", "bf16" or "8bit")."""
+        n = self.numels[gi][i]
+        return self.moments if n and n >= self.moments_min_size else "fp32"
 
     # ------------------------------------------------------------------ shape of the engine
     def add_group(self, params: list, amsgrad: bool) -> None:
@@ -176,7 +191,7 @@ class StateEngine(TorchLayout):
             lp = local(self.groups[gi][i])
             shapes.append(Shape(gi, i, lp.numel(), lp.element_size(),
                                 master=self.device is not None or lp.dtype in LOW_PRECISION))
-        new = build_layout(shapes, amsgrad=self.amsgrad, max_state_bytes=self.state_cap,
+        new = build_layout(self._moment_shapes(shapes), amsgrad=self.amsgrad, max_state_bytes=self.state_cap,
                            max_param_bytes=self.stage_cap)
         self.layout.extend(new)
         self.tier.allocate(self.layout)

@@ -17,7 +17,7 @@ from collections import deque
 from typing import Callable, Sequence
 
 from .._kernels import step_table
-from .table import bucket_rows
+from .table import bucket_rows, kernel_for
 
 __all__ = ["run"]
 
@@ -48,7 +48,7 @@ def run(jobs: Sequence[tuple], *, tier, side, registry, hyper: Callable[[int], d
             steps = registry.steps[b.group].numpy()
             table = bucket_rows(b, act, blk.base, side.ptrs(b, act, st), [steps[pc.param] for pc in act])
             t = time.perf_counter()
-            step_table(table, hyper(b.group), mult, threads)
+            (step_table if b.moments == "fp32" else kernel_for(b))(table, hyper(b.group), mult, threads)
             timing["kernel_s"] += time.perf_counter() - t
         tier.release(b, blk)
         if compute:

@@ -33,11 +33,16 @@ class Registry:
     def init_fresh(self, b, pieces: Sequence, blk, read_master: Callable) -> None:
         """First step of a piece's parameter: zero moments; master = the parameter (read_master)."""
         r = self.ready[b.group]
-        f32 = blk.data[:b.nbytes].view(torch.float32)
+        data = blk.data[:b.nbytes]
+        f32 = data.view(torch.float32)
         for pc in pieces:
             if r[pc.param]:
                 continue
             for key, _size in b.keys:
+                if b.moments != "fp32" and key != "master_param":   # compressed: all-zero bytes are zero state
+                    off, nb = b.span(key, pc)
+                    data[off:off + nb].zero_()
+                    continue
                 sec = b.section(key) // 4 + pc.pos
                 dst = f32[sec:sec + pc.n]
                 if key == "master_param":

@@ -3,17 +3,23 @@
 A row points the kernel at one piece: its fp32 master (a state section, or the host fp32 parameter
 itself), its moments (state sections), its gradient and, for bf16/fp16 or device parameters, where
 the rounded new weight goes (the parameter, or a staging slot).
+
+Buckets with compressed moments (``b.moments`` "bf16"/"8bit") get rows of the compressed-moment
+kernel (offload/_moments.py) instead; its column order is read once from ``moment_table`` itself
+(:func:`_moment_cols`), not assumed.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from .._kernels import (COL_G, COL_GD, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
                         TASK_COLS)
 
-__all__ = ["bucket_rows"]
+__all__ = ["bucket_rows", "kernel_for"]
 
 
 def bucket_rows(b, pieces: Sequence, base: int, ptrs: Sequence[tuple], steps: Sequence[int]) -> np.ndarray:
@@ -22,6 +28,8 @@ def bucket_rows(b, pieces: Sequence, base: int, ptrs: Sequence[tuple], steps: Se
     ``ptrs[r]`` = (param address or 0 for the master section, grad address, grad dtype code,
     out address or 0, out dtype code); ``steps[r]`` the step count after this update.
     """
+    if b.moments != "fp32":
+        return _moment_rows(b, pieces, base, ptrs, steps)
     t = np.zeros((len(pieces), TASK_COLS), dtype=np.int64)
     m, v = base + b.section("exp_avg"), base + b.section("exp_avg_sq")
     vmax = base + b.section("max_exp_avg_sq") if b.amsgrad else 0
@@ -39,4 +47,90 @@ def bucket_rows(b, pieces: Sequence, base: int, ptrs: Sequence[tuple], steps: Se
         row[COL_STEP] = int(st)
         row[COL_GD] = gc
         row[COL_OD] = oc
+    return t
+
+
+def kernel_for(b):
+    """The native entry that steps bucket ``b``'s rows (fp32 or compressed moments)."""
+    if b.moments == "fp32":
+        from .._kernels import step_table
+        return step_table
+    from .._moments import step_moment_table
+    return step_moment_table
+
+
+@lru_cache(maxsize=None)
+def _moment_cols(fmt: str) -> dict:
+    """Column of each field in a compressed-moment table row, found by building one row with
+    ``moment_table`` from tensors whose addresses and sizes are known."""
+    from .._kernels import DTYPE_CODES
+    from .._moments import MOMENT_FORMATS, moment_state, moment_table
+    n = 3
+    st = moment_state(n, fmt)
+    p, g, out = torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)
+    ms, vs = st.get("exp_avg_scale"), st.get("exp_avg_sq_scale")
+    row = moment_table([p], [g], [st["exp_avg"]], [st["exp_avg_sq"]], [5], fmt=fmt,
+                       m_scales=None if ms is None else [ms], v_scales=None if vs is None else [vs], outs=[out])[0]
+    ptrs = dict(p=p, m=st["exp_avg"], v=st["exp_avg_sq"], g=g, out=out)
+    if ms is not None:
+        ptrs.update(m_scale=ms, v_scale=vs)
+    cols = {}
+    for name, t in ptrs.items():
+        hit = np.flatnonzero(row == t.data_ptr())
+        if len(hit) != 1:
+            raise RuntimeError(f"cannot find the {name!r} column of the compressed-moment table")
+        cols[name] = int(hit[0])
+    rest = [c for c in range(len(row)) if c not in cols.values()]
+    for name, val in (("n", n), ("step", 5), ("gdtype", DTYPE_CODES[torch.float32]),
+                      ("odtype", DTYPE_CODES[torch.bfloat16]), ("mfmt", MOMENT_FORMATS[fmt])):
+        hit = [c for c in rest if row[c] == val and c not in cols.values()]
+        if not hit:
+            raise RuntimeError(f"cannot find the {name!r} column of the compressed-moment table")
+        cols[name] = hit[0]
+    if ms is None:   # unused scale columns: whatever is left (zero)
+        left = [c for c in rest if c not in cols.values()]
+        cols.update(m_scale=left[0], v_scale=left[1]) if len(left) >= 2 else None
+    cols["ncols"] = len(row)
+    return cols
+
+
+def _sections(b) -> dict:
+    """{key: (byte offset in the bucket, bytes per entry, per_block)} of a compressed bucket (cached)."""
+    got = b.__dict__.get("_msecs")
+    if got is not None and got[0] == (b.cap, b.moments, b.master):
+        return got[1]
+    from .. import mformat
+    pb = {k: blk for k, _, blk in mformat.sections(b.moments)}
+    out = {k: (b.section(k), size, pb.get(k, False)) for k, size in b.keys}
+    b.__dict__["_msecs"] = ((b.cap, b.moments, b.master), out)
+    return out
+
+
+def _moment_rows(b, pieces, base, ptrs, steps) -> np.ndarray:
+    from .. import mformat
+    from .._moments import MOMENT_FORMATS
+    c = _moment_cols(b.moments)
+    secs = _sections(b)
+    t = np.zeros((len(pieces), c["ncols"]), dtype=np.int64)
+    pos = np.fromiter((pc.pos for pc in pieces), dtype=np.int64, count=len(pieces))
+    pa, ga, gc, oa, oc = (np.asarray(x, dtype=np.int64).reshape(len(pieces)) for x in zip(*ptrs)) if pieces else \
+        [np.zeros(0, dtype=np.int64)] * 5
+
+    def at(key):
+        off, size, per_block = secs[key]
+        return base + off + (pos // mformat.BLOCK if per_block else pos) * size
+
+    t[:, c["p"]] = np.where(pa != 0, pa, at("master_param")) if b.master else pa
+    t[:, c["m"]] = at("exp_avg")
+    t[:, c["v"]] = at("exp_avg_sq")
+    if "exp_avg_scale" in secs:
+        t[:, c["m_scale"]] = at("exp_avg_scale")
+        t[:, c["v_scale"]] = at("exp_avg_sq_scale")
+    t[:, c["g"]] = ga
+    t[:, c["out"]] = oa
+    t[:, c["n"]] = [pc.n for pc in pieces]
+    t[:, c["step"]] = np.asarray(steps, dtype=np.int64).reshape(len(pieces))
+    t[:, c["gdtype"]] = gc
+    t[:, c["odtype"]] = oc
+    t[:, c["mfmt"]] = MOMENT_FORMATS[b.moments]
     return t

@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import mformat
 from .._dist import like, local
+from . import compressed
 from .views import param_views
 
 __all__ = ["TorchLayout"]
@@ -31,6 +33,42 @@ class TorchLayout:
             for k, v in views.items():
                 st[k] = v
             ptrs[(gi, int(i))] = {k: local(v).data_ptr() for k, v in views.items()}
+            if self.moment_format(gi, int(i)) != "fp32":   # exp_avg / exp_avg_sq decoded on access
+                state[p] = self._compressed_state(gi, int(i), st)
+
+    def _compressed_state(self, gi: int, i: int, base: dict):
+        def decode():
+            return self._decoded(gi, i)
+        return compressed.CompressedState(base, decode, self.moment_format(gi, i))
+
+    def _decoded(self, gi: int, i: int) -> dict:
+        """fp32 exp_avg / exp_avg_sq (shaped like the parameter) of a compressed-moment parameter."""
+        with self._using():
+            view, _fd = self.tier.mapping()
+            fmt = self.moment_format(gi, i)
+            m, v = mformat.decode(compressed.raw(self.layout, gi, i, fmt, view), fmt)
+        p = self.groups[gi][i]
+        shape = local(p).shape
+        return {"exp_avg": like(p, m.view(shape)), "exp_avg_sq": like(p, v.view(shape))}
+
+    def raw_state_tensors(self) -> dict:
+        """(gi, i) -> {key: tensor} in the stored form: fp32 views (master, fp32 moments) and, for
+        compressed moments, copies of the compressed tensors under ``<key>.<format>`` (offload.save)."""
+        with self._using():
+            view, fd = self.tier.mapping()
+            out = {}
+            for gi, params in enumerate(self.groups):
+                for i in range(len(params)):
+                    if not (self.registry.ready[gi][i] or self.numels[gi][i] == 0):
+                        continue
+                    fmt = self.moment_format(gi, i)
+                    st = self._views(gi, i, view, fd)
+                    if fmt != "fp32" and self.numels[gi][i]:
+                        shape = local(params[i]).shape
+                        for k, t in compressed.raw(self.layout, gi, i, fmt, view).items():
+                            st[mformat.saved_key(k, fmt)] = t.view(shape) if not mformat.per_block(fmt, k) else t
+                    out[(gi, i)] = st
+            return out
 
     def _adopt_user_state(self, state: dict) -> None:
         """What a user did to ``opt.state`` since the last step, as torch honours it: a replaced
@@ -68,7 +106,10 @@ class TorchLayout:
             keys = (["master_param"] if (self.device is not None or lp.dtype in (torch.bfloat16, torch.float16))
                     else []) + ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad[gi] else [])
             return {k: like(p, torch.zeros(lp.shape, dtype=torch.float32)) for k in keys}
-        out = param_views(self.tier, self.layout, gi, i, lp.shape, view, fd)
+        if self.moment_format(gi, i) != "fp32":   # only the fp32 master is viewable as it is
+            out = param_views(self.tier, self.layout, gi, i, lp.shape, view, fd, only=("master_param",))
+        else:
+            out = param_views(self.tier, self.layout, gi, i, lp.shape, view, fd)
         if self.device is not None and lp.dtype == torch.float32:
             out.pop("master_param", None)   # torch's layout: an fp32 parameter is its own master
         return {k: like(p, v) for k, v in out.items()}
@@ -83,6 +124,8 @@ class TorchLayout:
                 st.update(views)
                 # what load_state_dict installs in opt.state: a later replacement is detected against it
                 self.__dict__.setdefault("_view_ptrs", {})[(gi, i)] = {k: local(v).data_ptr() for k, v in views.items()}
+                if self.moment_format(gi, i) != "fp32" and self.numels[gi][i]:
+                    return self._compressed_state(gi, i, st)
             return st
 
     def state_tensors(self) -> dict:
@@ -98,6 +141,8 @@ class TorchLayout:
             for i in range(len(params)):
                 if self.registry.ready[gi][i] or self.numels[gi][i] == 0:
                     out[(gi, i)] = self._views(gi, i, view, fd)
+                    if self.moment_format(gi, i) != "fp32" and self.numels[gi][i]:   # torch's fp32 layout
+                        out[(gi, i)].update(self._decoded(gi, i))
         return out
 
     def reload_masters(self, which: set) -> None:
@@ -135,6 +180,20 @@ class TorchLayout:
 
     def _load(self, entries: dict) -> None:
         self.__dict__["_view_ptrs"] = {}   # the views in opt.state are re-made after a load (torch_state)
+        packed = {}   # (gi, i) -> flat compressed tensors of the parameter's format (issue 9)
+        for (gi, i), st in list(entries.items()):
+            fmt = self.moment_format(gi, i)
+            has_packed = any(mformat.parse_saved_key(k) for k in st)
+            if fmt == "fp32" and not has_packed:
+                continue
+            where = f"state of parameter {i} of group {gi}"
+            conv = compressed.to_format(st, fmt, self.numels[gi][i], where)
+            rest = {k: t for k, t in st.items() if not mformat.parse_saved_key(k) and k not in mformat.MOMENT_KEYS}
+            if fmt == "fp32":   # a compressed state loaded into fp32 moments: decoded
+                entries[(gi, i)] = dict(rest, **conv)
+            else:
+                packed[(gi, i)] = conv
+                entries[(gi, i)] = dict(rest, exp_avg=None, exp_avg_sq=None)
         for (gi, i), st in entries.items():
             n = self.numels[gi][i]
             has_layout = bool(self.layout.of_param.get((gi, i)))
@@ -159,7 +218,11 @@ class TorchLayout:
                 f32 = data.view(torch.float32)
                 for pc in hit:
                     st = entries[(b.group, pc.param)]
+                    if b.moments != "fp32":
+                        compressed.write_piece(b, pc, data, packed[(b.group, pc.param)])
                     for key, _size in b.keys:
+                        if b.moments != "fp32" and key != "master_param":
+                            continue
                         sec = b.section(key) // 4 + pc.pos
                         dst = f32[sec:sec + pc.n]
                         src = st.get(key)

@@ -51,7 +51,7 @@ def _joined(fd: int, spans: list, total: int) -> torch.Tensor:
     return base[:total]   # the view holds `region`; freeing it unmaps every part
 
 
-def param_views(tier, layout, gi: int, i: int, shape, mapping, fd: Optional[int]) -> dict:
+def param_views(tier, layout, gi: int, i: int, shape, mapping, fd: Optional[int], only=None) -> dict:
     """{key: fp32 tensor shaped like the parameter} for parameter ``i`` of group ``gi``.
 
     ``mapping``: uint8 tensor over the whole state (a file mapping or the RAM arena view function);
@@ -64,6 +64,8 @@ def param_views(tier, layout, gi: int, i: int, shape, mapping, fd: Optional[int]
     b0 = layout.buckets[entries[0][0]]
     numel = sum(pc.n for _, pc in entries)
     for key, size in b0.keys:
+        if only is not None and key not in only:   # e.g. the fp32 master of a compressed-moment bucket
+            continue
         if len(entries) == 1:
             bi, pc = entries[0]
             b = layout.buckets[bi]

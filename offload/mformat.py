@@ -1,0 +1,132 @@
+"""mformat.py: the storage description of compressed Adam moments (issue 9), as the layout, the
+engine, state_dict and the checkpoint need it.
+
+Everything here is derived from the kernel's public API (``offload._moments.moment_state`` /
+``decode_moments``): which tensors a format has, their dtype, and whether a tensor has one entry
+per element or one per ``MOMENT_BLOCK`` block. Nothing hard-codes a byte size, so a change of the
+kernel's format either flows through or fails loudly here (an unknown tensor shape raises at import).
+
+Names: inside the engine the compressed tensors keep the kernel's keys (``exp_avg``,
+``exp_avg_sq``, ``exp_avg_scale``, ...). In a saved state (``offload.save``, or a state dict
+handed to ``load_state_dict``) they are stored as ``<key>.<format>`` (e.g. ``exp_avg.8bit``,
+``exp_avg_scale.8bit``), so a compressed tensor can never be mistaken for torch's ``exp_avg``.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from ._moments import MOMENT_BLOCK, MOMENT_FORMATS, decode_moments, moment_state
+
+__all__ = ["FORMATS", "BLOCK", "check_moments", "sections", "per_block", "saved_key", "parse_saved_key",
+           "spec", "encode", "decode", "MOMENT_KEYS"]
+
+FORMATS = ("fp32",) + tuple(MOMENT_FORMATS)
+BLOCK = MOMENT_BLOCK
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def check_moments(moments) -> str:
+    if not isinstance(moments, str) or moments not in FORMATS:
+        raise ValueError(f"moments must be one of {', '.join(repr(f) for f in FORMATS)}, got {moments!r}")
+    return moments
+
+
+@lru_cache(maxsize=None)
+def sections(fmt: str) -> Tuple[Tuple[str, int, bool], ...]:
+    """(key, bytes per entry, per_block) of format ``fmt``'s tensors, in moment_state's order."""
+    n = 3 * BLOCK + 1   # 4 blocks, the last one short: tells per-element from per-block tensors
+    st = moment_state(n, fmt)
+    out = []
+    for k, t in st.items():
+        if t.numel() == n:
+            out.append((k, t.element_size(), False))
+        elif t.numel() == (n + BLOCK - 1) // BLOCK:
+            out.append((k, t.element_size(), True))
+        else:  # a format this module does not understand: refuse rather than guess
+            raise RuntimeError(f"moment_state({n}, {fmt!r})[{k!r}] has {t.numel()} entries: not per element "
+                               "or per block; offload/mformat.py needs updating for this format")
+    if not all(k in st for k in MOMENT_KEYS):
+        raise RuntimeError(f"moment_state(..., {fmt!r}) lacks {MOMENT_KEYS}")
+    return tuple(out)
+
+
+@lru_cache(maxsize=None)
+def _dtypes(fmt: str) -> Dict[str, torch.dtype]:
+    return {k: t.dtype for k, t in moment_state(1, fmt).items()}
+
+
+def per_block(fmt: str, key: str) -> bool:
+    return any(k == key and pb for k, _, pb in sections(fmt))
+
+
+def nentries(fmt: str, key: str, n: int) -> int:
+    return (n + BLOCK - 1) // BLOCK if per_block(fmt, key) else n
+
+
+def spec(fmt: str, numel: int) -> Dict[str, Tuple[torch.dtype, int]]:
+    """{key: (dtype, number of entries)} of a parameter of ``numel`` elements."""
+    dt = _dtypes(fmt)
+    return {k: (dt[k], nentries(fmt, k, numel)) for k, _, _ in sections(fmt)}
+
+
+def saved_key(key: str, fmt: str) -> str:
+    return f"{key}.{fmt}"
+
+
+def parse_saved_key(key) -> Optional[Tuple[str, str]]:
+    """(kernel key, format) of a saved compressed key, None for any other key."""
+    if not isinstance(key, str) or "." not in key:
+        return None
+    k, fmt = key.rsplit(".", 1)
+    if fmt not in MOMENT_FORMATS or k not in dict((s[0], 0) for s in sections(fmt)):
+        return None
+    return k, fmt
+
+
+def decode(raw: Dict[str, torch.Tensor], fmt: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (exp_avg, exp_avg_sq), flat, from the flat compressed tensors of one parameter."""
+    extra = [raw[k].reshape(-1) for k, _, _ in sections(fmt) if k not in MOMENT_KEYS]
+    return decode_moments(raw["exp_avg"].reshape(-1), raw["exp_avg_sq"].reshape(-1), fmt, *extra)
+
+
+def encode(m: torch.Tensor, v: torch.Tensor, fmt: str) -> Dict[str, torch.Tensor]:
+    """Compressed tensors of fp32 moments (flat), as the kernel's encoder would store them.
+
+    ``bf16``: round to nearest even. ``8bit``: per block, the absmax scales of sqrt|m| and v^(1/4)
+    and round-to-nearest-even codes (the formula of csrc/adam_reference_moments.cpp). A block with a
+    non-finite value is stored poisoned (NaN scales, zero codes) like the kernel does. The test
+    tests/test_moments_optim.py::test_encode_inverts_decode checks this against ``decode_moments``.
+    """
+    m = m.detach().reshape(-1).to(torch.float32)
+    v = v.detach().reshape(-1).to(torch.float32)
+    if fmt == "bf16":
+        return {"exp_avg": m.to(torch.bfloat16), "exp_avg_sq": v.to(torch.bfloat16)}
+    if fmt != "8bit" or [k for k, _, _ in sections(fmt)] != ["exp_avg", "exp_avg_sq", "exp_avg_scale",
+                                                             "exp_avg_sq_scale"]:
+        raise NotImplementedError(f"no encoder for moment format {fmt!r} (offload/mformat.py)")
+    if bool((v < 0).any()):
+        raise ValueError("exp_avg_sq has negative entries: not a valid Adam second moment")
+    n = m.numel()
+    nb = (n + BLOCK - 1) // BLOCK
+    pad = nb * BLOCK - n
+    r = torch.sqrt(m.abs()).copysign(m)
+    u = torch.sqrt(torch.sqrt(v))
+    rb = torch.nn.functional.pad(r, (0, pad)).view(nb, BLOCK)
+    ub = torch.nn.functional.pad(u, (0, pad)).view(nb, BLOCK)
+    bad = ~(torch.isfinite(rb).all(1) & torch.isfinite(ub).all(1))
+    max_m = rb.abs().amax(1)
+    max_u = ub.amax(1)
+    fmax = torch.finfo(torch.float32).max
+    im = torch.where(max_m > 0, torch.clamp(127.0 / max_m, max=fmax), torch.zeros_like(max_m))
+    iu = torch.where(max_u > 0, torch.clamp(255.0 / max_u, max=fmax), torch.zeros_like(max_u))
+    qm = torch.round(rb * im[:, None]).clamp(-127, 127)
+    qv = torch.round(ub * iu[:, None]).clamp(0, 255)
+    qm[bad] = 0
+    qv[bad] = 0
+    max_m = torch.where(bad, torch.full_like(max_m, float("nan")), max_m)
+    max_u = torch.where(bad, torch.full_like(max_u, float("nan")), max_u)
+    return {"exp_avg": qm.reshape(-1)[:n].to(torch.int8), "exp_avg_sq": qv.reshape(-1)[:n].to(torch.uint8),
+            "exp_avg_scale": max_m.contiguous(), "exp_avg_sq_scale": max_u.contiguous()}

@@ -1,0 +1,134 @@
+"""step/compressed.py: the torch-layout face of compressed moments (issue 9) in the state engine.
+
+A parameter whose bucket stores its moments compressed ("bf16" / "8bit", offload/mformat.py) has
+no fp32 ``exp_avg``/``exp_avg_sq`` bytes anywhere. This module:
+
+* reads its compressed tensors out of the tier (``raw``: copies joined over the pieces of a split
+  parameter; blocks never straddle pieces, see offload/layout.py),
+* decodes them to fp32 for ``opt.state`` / ``state_dict()`` (:class:`CompressedState`: decoded on
+  every access, a copy: writing into it changes nothing),
+* turns whatever ``load_state_dict`` receives (torch's fp32/bf16 moments, or compressed tensors
+  ``<key>.<format>`` of this or another format) into the bytes of the parameter's format.
+"""
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Callable, Dict
+
+import torch
+
+from .. import mformat
+from .._dist import local
+
+__all__ = ["CompressedState", "raw", "to_format", "write_piece"]
+
+
+def raw(layout, gi: int, i: int, fmt: str, mapping) -> Dict[str, torch.Tensor]:
+    """{kernel key: flat tensor} of parameter ``i`` of group ``gi`` (copies, in the tier's dtype)."""
+    entries = layout.of_param.get((gi, i), [])
+    dtypes = {k: d for k, (d, _) in mformat.spec(fmt, 1).items()}
+    out = {}
+    for key, _size, _pb in mformat.sections(fmt):
+        parts = []
+        for bi, pc in entries:
+            b = layout.buckets[bi]
+            off, nb = b.span(key, pc)
+            parts.append(mapping(b.offset + off, nb))
+        flat = torch.cat(parts) if len(parts) != 1 else parts[0].clone()
+        out[key] = flat.view(dtypes[key])
+    return out
+
+
+def write_piece(b, pc, data: torch.Tensor, src: Dict[str, torch.Tensor]) -> None:
+    """Copy piece ``pc``'s part of the parameter-level flat compressed tensors ``src`` into bucket bytes."""
+    for key, _size, pb in mformat.sections(b.moments):
+        off, nb = b.span(key, pc)
+        lo = pc.start // mformat.BLOCK if pb else pc.start
+        cnt = mformat.nentries(b.moments, key, pc.n)
+        data[off:off + nb].copy_(src[key].reshape(-1)[lo:lo + cnt].contiguous().view(torch.uint8))
+
+
+def to_format(st: dict, fmt: str, numel: int, where: str) -> Dict[str, torch.Tensor]:
+    """The flat compressed tensors of format ``fmt`` for a loaded state ``st``: taken as they are
+    (``<key>.fmt``), converted from another compressed format, or encoded from torch's moments."""
+    saved: Dict[str, Dict[str, torch.Tensor]] = {}
+    for k, t in st.items():
+        parsed = mformat.parse_saved_key(k)
+        if parsed is not None and isinstance(t, torch.Tensor):
+            saved.setdefault(parsed[1], {})[parsed[0]] = local(t).detach().reshape(-1)
+    if len(saved) > 1:
+        raise ValueError(f"{where} holds compressed moments of several formats ({sorted(saved)}): corrupted")
+    if saved:
+        (sfmt, tensors), = saved.items()
+        spec = mformat.spec(sfmt, numel)
+        for k, (dt, cnt) in spec.items():
+            t = tensors.get(k)
+            if t is None or t.dtype != dt or t.numel() != cnt:
+                raise ValueError(f"{where}: '{mformat.saved_key(k, sfmt)}' must be a {dt} tensor of {cnt} entries "
+                                 f"for a parameter of {numel} elements, got "
+                                 f"{None if t is None else (t.dtype, t.numel())}")
+        if sfmt == fmt:
+            return tensors
+        m, v = mformat.decode(tensors, sfmt)
+    else:
+        for k in mformat.MOMENT_KEYS:
+            t = st.get(k)
+            if not isinstance(t, torch.Tensor):
+                raise KeyError(f"{where} has no '{k}'")
+            if local(t).numel() != numel:
+                raise ValueError(f"state '{k}' of {where} does not match the parameter's {numel} elements")
+        m, v = local(st["exp_avg"]), local(st["exp_avg_sq"])
+    if fmt == "fp32":
+        return {"exp_avg": m.detach().reshape(-1).float(), "exp_avg_sq": v.detach().reshape(-1).float()}
+    return mformat.encode(m, v, fmt)
+
+
+class CompressedState(MutableMapping):
+    """``opt.state[p]`` of a parameter with compressed moments.
+
+    ``step`` and ``master_param`` are the live objects (as with fp32 moments); ``exp_avg`` and
+    ``exp_avg_sq`` are decoded to fp32 on every access (a fresh copy shaped like the parameter:
+    reading costs one decode of the parameter's moments, writing into the copy changes nothing).
+    Assigning or deleting a moment is refused: use ``load_state_dict``.
+    """
+
+    def __init__(self, base: dict, decode: Callable[[], Dict[str, torch.Tensor]], fmt: str):
+        self._d = dict(base)
+        self._decode = decode
+        self.moments = fmt
+
+    def plain(self) -> dict:
+        """The entries that need no decoding (step, master_param, user additions)."""
+        return dict(self._d)
+
+    def __getitem__(self, key):
+        if key in mformat.MOMENT_KEYS:
+            return self._decode()[key]
+        return self._d[key]
+
+    def __setitem__(self, key, value) -> None:
+        if key in mformat.MOMENT_KEYS:
+            raise ValueError(f"state[{key!r}] of a parameter with moments={self.moments!r} is decoded from the "
+                             "compressed state on each access and cannot be replaced; load a whole state with "
+                             "load_state_dict() (it re-quantizes torch's fp32 moments)")
+        self._d[key] = value
+
+    def __delitem__(self, key) -> None:
+        if key in mformat.MOMENT_KEYS:
+            raise ValueError(f"state[{key!r}] of a parameter with moments={self.moments!r} cannot be deleted; "
+                             "del opt.state[p] (or opt.state[p] = {}) restarts the parameter's state")
+        del self._d[key]
+
+    def __iter__(self):
+        yield from (k for k in self._d if k == "step")
+        yield from mformat.MOMENT_KEYS
+        yield from (k for k in self._d if k != "step")
+
+    def __len__(self) -> int:
+        return len(self._d) + len(mformat.MOMENT_KEYS)
+
+    def __contains__(self, key) -> bool:
+        return key in mformat.MOMENT_KEYS or key in self._d
+
+    def __repr__(self) -> str:
+        return f"CompressedState(moments={self.moments!r}, keys={list(self)})"
