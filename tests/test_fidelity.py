@@ -38,7 +38,7 @@ def test_the_moments_are_really_compressed(quick):
     rows = by_name(quick)
     n = quick["checkpoints"][-1]
     assert rows["fp32"]["error"][n]["m_vs_own_exact"] < 1e-5  # the exact shadow moments agree with fp32 Adam
-    assert rows["bf16"]["compressed"] == 1.0 and rows["8bit"]["compressed"] > 0.9
+    assert rows["bf16"]["compressed"] > 0.9 and rows["8bit"]["compressed"] > 0.9  # all but biases and norms
     for fmt in ("bf16", "8bit"):
         e = rows[fmt]["error"][n]
         assert 1e-4 < e["m_vs_own_exact"] < 0.1 and 1e-4 < e["v_vs_own_exact"] < 0.1, (fmt, e)

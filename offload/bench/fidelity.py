@@ -270,18 +270,29 @@ def plot(path: str, out: dict) -> None:
     except ImportError:
         print("--plot needs matplotlib (pip install 'offload[bench]')")
         return
-    fig, ax = plt.subplots(figsize=(8, 5))
-    w = 10
+    fig, (ax, dx) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw=dict(height_ratios=[3, 2]))
+    base = next((r["losses"] for r in out["rows"] if r["name"] == "fp32"), None)
+
+    def smooth(ls, w):
+        return [sum(ls[max(0, i - w + 1):i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(ls))]
+
     for r in out["rows"]:
         ls = r["losses"]
-        sm = [sum(ls[max(0, i - w + 1):i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(ls))]
-        ax.plot(range(1, len(ls) + 1), sm, label=f"{r['name']} ({r['last50']:.4f})", lw=1.2)
+        steps = range(1, len(ls) + 1)
+        ax.plot(steps, smooth(ls, 10), label=f"{r['name']} ({r['last50']:.4f})", lw=1.2)
+        if base is not None:
+            dx.plot(steps, smooth([100 * (a / b - 1) for a, b in zip(ls, base)], 25), label=r["name"], lw=1.2)
     ax.axhline(out["floor"], color="k", ls=":", lw=1, label=f"entropy floor {out['floor']:.3f}")
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"training loss (moving mean of {w})")
+    ax.set_ylabel("training loss (moving mean of 10)")
     ax.set_yscale("log")
     ax.set_title("fidelity: AdamW with fp32 / bf16 / 8-bit moments, same data and init")
     ax.legend(fontsize=8)
+    if base is not None:
+        dx.axhline(0, color="k", lw=0.8)
+        for fmt, lim in TARGETS.items():
+            dx.axhline(100 * (lim - 1), color="gray", ls="--", lw=0.8)
+        dx.set_ylabel("loss vs fp32 moments, % (mean of 25)")
+    dx.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot written to {path}")

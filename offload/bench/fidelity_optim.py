@@ -235,8 +235,10 @@ def compressed_fraction(opt, params):
         return sum(p.numel() for p in params if opt.compressed(p)) / total
     if isinstance(opt, torch.optim.AdamW):
         return 0.0
-    if isinstance(opt, offload.AdamW):  # fp32 unless built with moments= (whose split it does not expose)
-        return 0.0 if getattr(opt, "moments", "fp32") == "fp32" and not offload_has_moments() else None
+    if isinstance(opt, offload.AdamW):  # its documented rule: tensors under moments_min_size keep fp32 moments
+        if getattr(opt, "moments", "fp32") == "fp32":
+            return 0.0
+        return sum(p.numel() for p in params if p.numel() >= max(1, opt.moments_min_size)) / total
     n = 0
     for p in params:
         st = opt.state.get(p, {})
