@@ -145,7 +145,7 @@ def build_size(args) -> Size:
         c = PRESETS[args.preset]
         s = replace(s, vocab=c.vocab, contexts=max(s.contexts, c.vocab * 4), seq=c.seq, d_model=c.d_model,
                     n_layer=c.n_layer, n_head=c.n_head, batch=8)
-    for k in ("steps", "batch", "lr", "warmup"):
+    for k in ("steps", "batch", "lr", "warmup", "seq"):
         if getattr(args, k, None) is not None:
             s = replace(s, **{k: getattr(args, k)})
     if s.steps <= LAST:
@@ -338,6 +338,7 @@ def add_parser(sub) -> None:
     p.add_argument("--contenders", default=",".join(CONTENDERS), help=f"subset of {','.join(CONTENDERS)}")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the size's / preset's)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--beta1", type=float, default=0.9)
