@@ -17,6 +17,14 @@ float rne_clamp(float x, float lo, float hi) {
   return r > hi ? hi : (r < lo ? lo : r);
 }
 
+// moments.h's multiply-only square root of x >= +0, written from its description.
+float root(float x) {
+  float y = bits_f32(kRootMagic - (f32_bits(x) >> 1));
+  const float h = 0.5f * x;
+  for (int k = 0; k < 2; ++k) y = y * (1.5f - (h * y) * y);
+  return x * y;
+}
+
 }  // namespace
 
 void adam_reference_moments(const AdamQTask& t, const AdamHyper& h) {
@@ -76,8 +84,8 @@ void adam_reference_moments(const AdamQTask& t, const AdamHyper& h) {
         static_cast<uint16_t*>(t.v)[i] = f32_to_bf16(v);
         continue;
       }
-      const float u = std::sqrt(sv);  // v^(1/4)
-      const float r = std::sqrt(std::fabs(m));  // |m|^(1/2), stored with m's sign
+      const float u = root(sv);  // ~ v^(1/4)
+      const float r = root(std::fabs(m));  // ~ |m|^(1/2), stored with m's sign
       newm[k] = std::copysign(r, m);
       newu[k] = u;
       if (!std::isfinite(r) || !std::isfinite(u)) bad = true;
