@@ -17,6 +17,10 @@ float rne_clamp(float x, float lo, float hi) {
   return r > hi ? hi : (r < lo ? lo : r);
 }
 
+// moments.h's bit shifts of a float's pattern.
+float shr1(float x) { return bits_f32(f32_bits(x) >> 1); }
+float shl1(float x) { return bits_f32(f32_bits(x) << 1); }
+
 }  // namespace
 
 void adam_reference_moments(const AdamQTask& t, const AdamHyper& h) {
@@ -44,9 +48,10 @@ void adam_reference_moments(const AdamQTask& t, const AdamHyper& h) {
       float m, v;
       if (q8) {
         const float x = static_cast<float>(static_cast<const int8_t*>(t.m)[i]) * (t.m_scale[blk] / 127.0f);
-        m = x * std::fabs(x);  // signed square code
+        m = bits_f32((f32_bits(x) << 1) | (f32_bits(x) & 0x80000000u));  // shl1(|x|), x's sign
         const float w = static_cast<float>(static_cast<const uint8_t*>(t.v)[i]) * (t.v_scale[blk] / 255.0f);
-        v = (w * w) * (w * w);
+        const float s = shl1(w);
+        v = s * s;
       } else {
         m = bf16_to_f32(static_cast<const uint16_t*>(t.m)[i]);
         v = bf16_to_f32(static_cast<const uint16_t*>(t.v)[i]);
@@ -76,11 +81,11 @@ void adam_reference_moments(const AdamQTask& t, const AdamHyper& h) {
         static_cast<uint16_t*>(t.v)[i] = f32_to_bf16(v);
         continue;
       }
-      const float u = std::sqrt(sv);  // v^(1/4)
-      const float r = std::sqrt(std::fabs(m));  // |m|^(1/2), stored with m's sign
+      const float u = shr1(sv);
+      const float r = shr1(std::fabs(m));  // stored with m's sign
       newm[k] = std::copysign(r, m);
       newu[k] = u;
-      if (!std::isfinite(r) || !std::isfinite(u)) bad = true;
+      if (!std::isfinite(m) || !std::isfinite(v)) bad = true;
       else {
         if (r > max_m) max_m = r;
         if (u > max_u) max_u = u;
@@ -92,7 +97,7 @@ void adam_reference_moments(const AdamQTask& t, const AdamHyper& h) {
     if (bad) {
       std::memset(qm, 0, len);
       std::memset(qv, 0, len);
-      t.m_scale[blk] = t.v_scale[blk] = NAN;
+      t.m_scale[blk] = t.v_scale[blk] = bits_f32(kQPoisonScale);
       continue;
     }
     const float im = max_m > 0.0f ? std::fmin(127.0f / max_m, FLT_MAX) : 0.0f;

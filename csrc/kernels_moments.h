@@ -3,18 +3,116 @@
 // file and provides load_grad, store_out, Coeffs and RareFlags). Same per-element operations in
 // the same order as the fp32 kernel, plus the decode before and the encode after:
 //   bf16:  m = bf16(m16), v = bf16(v16) ... m16 = rne(m), v16 = rne(v)
-//   8bit:  x = q_m * (m_scale / 127);  m = x * |x|;  w = q_v * (v_scale / 255);  v = (w*w) * (w*w)
-//          ... r = copysign(sqrt(|m_new|), m_new), u = sqrt(sqrt(v_new)) (the inner sqrt is the
-//          denominator's), block maxima of |r| and of u, then q_m = rne(r * min(127/max|r|,
-//          FLT_MAX)), q_v = rne(u * min(255/max u, FLT_MAX)), clamped; the scales are the maxima.
+//   8bit:  x = q_m * (m_scale / 127);  m = shl1(x) (sign kept);  w = q_v * (v_scale / 255);
+//          s = shl1(w), v = s * s  ...  r = shr1(|m_new|) with m_new's sign, u = shr1(sqrt(v_new))
+//          (the sqrt is the update's own), block maxima of |r| and u (as integers: the bits of
+//          non-negative floats order like the floats, and a non-finite m or v gives bits >=
+//          shr1(+inf), so the maxima also find a poisoned block), then q_m = rne(r * min(127 /
+//          max|r|, FLT_MAX)), q_v = rne(u * min(255 / max u, FLT_MAX)); the scales are the maxima.
+//          shr1/shl1 shift the float's bit pattern by one (moments.h): no sqrt, no division per
+//          element (on Zen 3 the divide/sqrt unit, not memory, limited the earlier root codes).
 // Everything is elementwise except the two maxima, which are exact in any order, so each ISA's
 // lanes compute bit for bit what the scalar reference computes.
+//
+// Loop structure as adam_loop (kernels_impl.h): pointers, coefficients and flags in locals of the
+// loop's own function (a store through p/m/v may alias the task's fields otherwise), DECAY and
+// RARE as template parameters, the bf16 loop unrolled 4x.
 #pragma once
 #include <cfloat>
+#include <cstring>
+#include <type_traits>
 
 #include "moments.h"
 
 namespace offload {
+
+// Per-ISA pieces of the 8-bit codes that simd.h does not have (integer ops on float bits).
+template <class I>
+struct QOps;
+
+template <>
+struct QOps<ScalarISA> {
+  using V = float;
+  using Vi = uint32_t;
+  static Vi bits(V x) { return f32_bits(x); }
+  static V flt(Vi u) { return bits_f32(u); }
+  static Vi zero() { return 0u; }
+  static Vi shr1(Vi u) { return u >> 1; }
+  static Vi shl1(Vi u) { return u << 1; }
+  static Vi sign(Vi u) { return u & 0x80000000u; }
+  static Vi abs(Vi u) { return u & 0x7FFFFFFFu; }
+  static Vi or_(Vi a, Vi b) { return a | b; }
+  static Vi maxu(Vi a, Vi b) { return a > b ? a : b; }
+  static void lanes(uint32_t* out, Vi a) { *out = a; }
+};
+
+#if defined(__AVX2__)
+template <>
+struct QOps<Avx2ISA> {
+  using V = __m256;
+  using Vi = __m256i;
+  static Vi bits(V x) { return _mm256_castps_si256(x); }
+  static V flt(Vi u) { return _mm256_castsi256_ps(u); }
+  static Vi zero() { return _mm256_setzero_si256(); }
+  static Vi shr1(Vi u) { return _mm256_srli_epi32(u, 1); }
+  static Vi shl1(Vi u) { return _mm256_slli_epi32(u, 1); }
+  static Vi sign(Vi u) { return _mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0x80000000u))); }
+  static Vi abs(Vi u) { return _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)); }
+  static Vi or_(Vi a, Vi b) { return _mm256_or_si256(a, b); }
+  static Vi maxu(Vi a, Vi b) { return _mm256_max_epu32(a, b); }
+  static void lanes(uint32_t* out, Vi a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), a); }
+  // bf16 m and v of 8 elements: round to nearest even (NaN -> 0x7FC0, as f32_to_bf16), both
+  // packed with one shuffle chain; the lsb test by compare instead of shift (Zen 3 has two
+  // shift/shuffle pipes, and this loop is short of them).
+  static __m256i rne_bf16_hi(V x) {  // the bf16 in the high half of each 32-bit lane
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x10000)), _mm256_set1_epi32(0x10000));
+    const __m256i r = _mm256_sub_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd);
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  }
+  static void store2_bf16(uint16_t* pm, uint16_t* pv, V m, V v) {
+    const __m256i x = _mm256_blend_epi16(_mm256_srli_epi32(rne_bf16_hi(m), 16), rne_bf16_hi(v), 0xAA);
+    const __m256i ctrl = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m256i y = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(x, ctrl), 0xD8);  // m0-7 | v0-7
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(pm), _mm256_castsi256_si128(y));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(pv), _mm256_extracti128_si256(y, 1));
+  }
+  // 4 vectors of codes (already in range, see q8_block) -> 32 int8 / uint8, in element order
+  static void store4_i8(int8_t* p, V a, V b, V c, V d) {
+    const __m256i ab = _mm256_packs_epi32(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b));
+    const __m256i cd = _mm256_packs_epi32(_mm256_cvtps_epi32(c), _mm256_cvtps_epi32(d));
+    const __m256i x = _mm256_packs_epi16(ab, cd);  // per 128-bit lane: a0 b0 c0 d0 | a1 b1 c1 d1
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+  static void store4_u8(uint8_t* p, V a, V b, V c, V d) {
+    const __m256i ab = _mm256_packs_epi32(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b));
+    const __m256i cd = _mm256_packs_epi32(_mm256_cvtps_epi32(c), _mm256_cvtps_epi32(d));
+    const __m256i x = _mm256_packus_epi16(ab, cd);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+};
+#endif
+
+#if defined(__AVX512F__)
+template <>
+struct QOps<Avx512ISA> {
+  using V = __m512;
+  using Vi = __m512i;
+  static Vi bits(V x) { return _mm512_castps_si512(x); }
+  static V flt(Vi u) { return _mm512_castsi512_ps(u); }
+  static Vi zero() { return _mm512_setzero_si512(); }
+  static Vi shr1(Vi u) { return _mm512_srli_epi32(u, 1); }
+  static Vi shl1(Vi u) { return _mm512_slli_epi32(u, 1); }
+  static Vi sign(Vi u) { return _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u))); }
+  static Vi abs(Vi u) { return _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)); }
+  static Vi or_(Vi a, Vi b) { return _mm512_or_si512(a, b); }
+  static Vi maxu(Vi a, Vi b) { return _mm512_max_epu32(a, b); }
+  static void lanes(uint32_t* out, Vi a) { _mm512_storeu_si512(out, a); }
+};
+#endif
 
 // The fp32 kernel's update of one vector of elements given decoded m, v; returns new p and
 // leaves new m, v, sqrt(v) in place. (Same operations as adam_block in kernels_impl.h.)
@@ -43,108 +141,185 @@ static inline void q_update(float* __restrict p_, const void* __restrict g_, voi
 }
 
 template <class I, int GD, int OD, bool DECAY, bool RARE>
-static inline void bf16m_elems(const AdamQTask& t, const Coeffs<I>& c, RareFlags f, int64_t i) {
+static inline void bf16m_elems(float* __restrict p, uint16_t* __restrict m16, uint16_t* __restrict v16,
+                               const void* __restrict g, void* __restrict out, const Coeffs<I>& c, RareFlags f,
+                               int64_t i) {
   using V = typename I::V;
-  uint16_t* const m16 = static_cast<uint16_t*>(t.m);
-  uint16_t* const v16 = static_cast<uint16_t*>(t.v);
   V m = I::load_bf16(m16 + i), v = I::load_bf16(v16 + i), sv;
-  q_update<I, GD, OD, DECAY, RARE>(t.p, t.g, t.out, c, f, i, m, v, sv);
+  q_update<I, GD, OD, DECAY, RARE>(p, g, out, c, f, i, m, v, sv);
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<I, Avx2ISA>) {
+    QOps<I>::store2_bf16(m16 + i, v16 + i, m, v);
+    return;
+  }
+#endif
   I::store_bf16(m16 + i, m);
   I::store_bf16(v16 + i, v);
 }
 
-// One 256-element block (or the shorter last one) of an 8-bit tensor.
+// Elements [begin, end) of one tensor with bf16 moments (blocks only matter to the partition).
 template <class I, int GD, int OD, bool DECAY, bool RARE>
-static void q8_block(const AdamQTask& t, const Coeffs<I>& c, const Coeffs<ScalarISA>& cs, RareFlags f,
-                     int64_t blk) {
+static void bf16m_loop(const AdamQTask& t, const AdamScalars& s, int64_t begin, int64_t end) {
+  constexpr int W = I::W;
+  constexpr int kUnroll = 4;
+  float* const __restrict p = t.p;
+  uint16_t* const __restrict m16 = static_cast<uint16_t*>(t.m);
+  uint16_t* const __restrict v16 = static_cast<uint16_t*>(t.v);
+  const void* const __restrict g = t.g;
+  void* const __restrict out = t.out;
+  const RareFlags f{s.use_mult, s.maximize, s.use_wd, s.lerp_low};
+  const Coeffs<I> c(s);
+  int64_t i = begin;
+  for (; i + kUnroll * W <= end; i += kUnroll * W) {
+    for (int u = 0; u < kUnroll; ++u) bf16m_elems<I, GD, OD, DECAY, RARE>(p, m16, v16, g, out, c, f, i + u * W);
+  }
+  for (; i + W <= end; i += W) bf16m_elems<I, GD, OD, DECAY, RARE>(p, m16, v16, g, out, c, f, i);
+  if (i < end) {
+    const Coeffs<ScalarISA> cs(s);
+    for (; i < end; ++i) bf16m_elems<ScalarISA, GD, OD, DECAY, RARE>(p, m16, v16, g, out, cs, f, i);
+  }
+}
+
+// One element (or vector) of an 8-bit block, pass 1: decode, update, codes to the scratch.
+template <class I, int GD, int OD, bool DECAY, bool RARE>
+static inline void q8_elems(float* __restrict p, const int8_t* __restrict mq, const uint8_t* __restrict vq,
+                            const void* __restrict g, void* __restrict out, const Coeffs<I>& c, RareFlags f,
+                            int64_t i, int j, typename I::V vmd, typename I::V vvd, float* __restrict rbuf,
+                            float* __restrict ubuf, typename QOps<I>::Vi& am, typename QOps<I>::Vi& au) {
   using V = typename I::V;
+  using Q = QOps<I>;
+  const auto xb = Q::bits(I::mul(I::load_i8(mq + j), vmd));
+  V m = Q::flt(Q::or_(Q::shl1(xb), Q::sign(xb)));
+  const V s = Q::flt(Q::shl1(Q::bits(I::mul(I::load_u8(vq + j), vvd))));
+  V v = I::mul(s, s), sv;
+  q_update<I, GD, OD, DECAY, RARE>(p, g, out, c, f, i, m, v, sv);
+  const auto mb = Q::bits(m);
+  const auto rb = Q::shr1(Q::abs(mb));
+  const auto ub = Q::shr1(Q::bits(sv));
+  I::store(rbuf + j, Q::flt(Q::or_(rb, Q::sign(mb))));
+  I::store(ubuf + j, Q::flt(ub));
+  am = Q::maxu(am, rb);
+  au = Q::maxu(au, ub);
+}
+
+// A block between its two passes: codes of the new moments in the scratch, their maxima.
+struct Q8Pending {
+  int64_t blk;
+  int len;
+  uint32_t am, au;  // bits of max |r| and max u
+};
+
+// Pass 1 of one 256-element block (or the shorter last one) of an 8-bit tensor.
+template <class I, int GD, int OD, bool DECAY, bool RARE>
+static inline Q8Pending q8_pass1(float* __restrict p, const int8_t* __restrict mq0, const uint8_t* __restrict vq0,
+                                 const float* __restrict msc, const float* __restrict vsc, const void* __restrict g,
+                                 void* __restrict out, int64_t n, const Coeffs<I>& c, const Coeffs<ScalarISA>& cs,
+                                 RareFlags f, int64_t blk, float* __restrict rbuf, float* __restrict ubuf) {
+  using V = typename I::V;
+  using Q = QOps<I>;
   constexpr int W = I::W;
   const int64_t i0 = blk * kQBlock;
-  const int len = static_cast<int>(t.n - i0 < kQBlock ? t.n - i0 : kQBlock);
-  int8_t* const mq = static_cast<int8_t*>(t.m) + i0;
-  uint8_t* const vq = static_cast<uint8_t*>(t.v) + i0;
-  const float md = t.m_scale[blk] / 127.0f, vd = t.v_scale[blk] / 255.0f;
-  alignas(64) float mbuf[kQBlock], ubuf[kQBlock];
-  const V zero = I::set1(0.0f), vmd = I::set1(md), vvd = I::set1(vd);
-  V am = zero, au = zero, bad = zero;  // bad: 0, or NaN once any new m or u is non-finite
+  const int len = static_cast<int>(n - i0 < kQBlock ? n - i0 : kQBlock);
+  const int8_t* const mq = mq0 + i0;
+  const uint8_t* const vq = vq0 + i0;
+  const float md = msc[blk] / 127.0f, vd = vsc[blk] / 255.0f;
+  const V vmd = I::set1(md), vvd = I::set1(vd);
+  typename Q::Vi am = Q::zero(), au = Q::zero();
   int j = 0;
-  for (; j + W <= len; j += W) {
-    const V x = I::mul(I::load_i8(mq + j), vmd);
-    V m = I::mul(x, I::abs(x));
-    const V w = I::mul(I::load_u8(vq + j), vvd);
-    const V w2 = I::mul(w, w);
-    V v = I::mul(w2, w2), sv;
-    q_update<I, GD, OD, DECAY, RARE>(t.p, t.g, t.out, c, f, i0 + j, m, v, sv);
-    const V u = I::sqrt(sv);
-    const V ra = I::sqrt(I::abs(m));
-    I::store(mbuf + j, I::copysign(ra, m));
-    I::store(ubuf + j, u);
-    am = I::maxf(am, ra);
-    au = I::maxf(au, u);
-    bad = I::add(bad, I::add(I::mul(ra, zero), I::mul(u, zero)));
-  }
-  float am_s = 0.0f, au_s = 0.0f, bad_s = 0.0f;
-  for (; j < len; ++j) {
-    const float x = static_cast<float>(mq[j]) * md;
-    float m = x * std::fabs(x);
-    const float w = static_cast<float>(vq[j]) * vd;
-    const float w2 = w * w;
-    float v = w2 * w2, sv;
-    q_update<ScalarISA, GD, OD, DECAY, RARE>(t.p, t.g, t.out, cs, f, i0 + j, m, v, sv);
-    const float u = std::sqrt(sv);
-    const float ra = std::sqrt(std::fabs(m));
-    mbuf[j] = std::copysign(ra, m);
-    ubuf[j] = u;
-    am_s = ScalarISA::maxf(am_s, ra);
-    au_s = ScalarISA::maxf(au_s, u);
-    bad_s = bad_s + (ra * 0.0f + u * 0.0f);
-  }
-  alignas(64) float la[W], lu[W], lb[W];
-  I::lanes(la, am);
-  I::lanes(lu, au);
-  I::lanes(lb, bad);
-  bool poisoned = std::isnan(bad_s);
+  for (; j + W <= len; j += W)
+    q8_elems<I, GD, OD, DECAY, RARE>(p, mq, vq, g, out, c, f, i0 + j, j, vmd, vvd, rbuf, ubuf, am, au);
+  uint32_t am_s = 0, au_s = 0;
+  for (; j < len; ++j)
+    q8_elems<ScalarISA, GD, OD, DECAY, RARE>(p, mq, vq, g, out, cs, f, i0 + j, j, md, vd, rbuf, ubuf, am_s, au_s);
+  alignas(64) uint32_t la[W], lu[W];
+  Q::lanes(la, am);
+  Q::lanes(lu, au);
   for (int k = 0; k < W; ++k) {
-    am_s = ScalarISA::maxf(am_s, la[k]);
-    au_s = ScalarISA::maxf(au_s, lu[k]);
-    poisoned = poisoned || std::isnan(lb[k]);
+    am_s = la[k] > am_s ? la[k] : am_s;
+    au_s = lu[k] > au_s ? lu[k] : au_s;
   }
-  if (poisoned) {
+  return Q8Pending{blk, len, am_s, au_s};
+}
+
+// Pass 2: the scales and the bytes of a block from its scratch.
+template <class I>
+static inline void q8_pass2(int8_t* __restrict mq0, uint8_t* __restrict vq0, float* __restrict msc,
+                            float* __restrict vsc, const Q8Pending& b, const float* __restrict rbuf,
+                            const float* __restrict ubuf) {
+  using V = typename I::V;
+  using Q = QOps<I>;
+  constexpr int W = I::W;
+  int8_t* const mq = mq0 + b.blk * kQBlock;
+  uint8_t* const vq = vq0 + b.blk * kQBlock;
+  const int len = b.len;
+  if (b.am >= kQPoisonBits || b.au >= kQPoisonBits) {  // a non-finite new m or v in the block
     std::memset(mq, 0, len);
     std::memset(vq, 0, len);
-    t.m_scale[blk] = t.v_scale[blk] = std::nanf("");
+    msc[b.blk] = vsc[b.blk] = bits_f32(kQPoisonScale);
     return;
   }
-  const float im = am_s > 0.0f ? std::fmin(127.0f / am_s, FLT_MAX) : 0.0f;
-  const float iu = au_s > 0.0f ? std::fmin(255.0f / au_s, FLT_MAX) : 0.0f;
+  // |r| * im <= 127 (1 + 2^-23) and u * iu <= 255 (1 + 2^-23): every code is in range, so the
+  // reference's clamp never acts and saturating packs give the same bytes.
+  const float mmax = bits_f32(b.am), umax = bits_f32(b.au);
+  const float im = mmax > 0.0f ? std::fmin(127.0f / mmax, FLT_MAX) : 0.0f;
+  const float iu = umax > 0.0f ? std::fmin(255.0f / umax, FLT_MAX) : 0.0f;
   const V vim = I::set1(im), viu = I::set1(iu);
-  j = 0;
+  int j = 0;
+  if constexpr (!std::is_same_v<I, ScalarISA> && W == 8) {
+    for (; j + 4 * W <= len; j += 4 * W) {
+      Q::store4_i8(mq + j, I::mul(I::load(rbuf + j), vim), I::mul(I::load(rbuf + j + W), vim),
+                   I::mul(I::load(rbuf + j + 2 * W), vim), I::mul(I::load(rbuf + j + 3 * W), vim));
+      Q::store4_u8(vq + j, I::mul(I::load(ubuf + j), viu), I::mul(I::load(ubuf + j + W), viu),
+                   I::mul(I::load(ubuf + j + 2 * W), viu), I::mul(I::load(ubuf + j + 3 * W), viu));
+    }
+  }
   for (; j + W <= len; j += W) {
-    I::store_i8(mq + j, I::mul(I::load(mbuf + j), vim));
+    I::store_i8(mq + j, I::mul(I::load(rbuf + j), vim));
     I::store_u8(vq + j, I::mul(I::load(ubuf + j), viu));
   }
   for (; j < len; ++j) {
-    ScalarISA::store_i8(mq + j, mbuf[j] * im);
+    ScalarISA::store_i8(mq + j, rbuf[j] * im);
     ScalarISA::store_u8(vq + j, ubuf[j] * iu);
   }
-  t.m_scale[blk] = am_s;
-  t.v_scale[blk] = au_s;
+  msc[b.blk] = mmax;
+  vsc[b.blk] = umax;
 }
 
-// Blocks [bb, be) of one tensor (bf16 moments: the same element range, block by block).
+// Blocks [bb, be) of an 8-bit tensor, software-pipelined: pass 2 of block b runs after pass 1
+// of block b + 1 (two scratch pairs), so the block's reduction and two divisions are off the
+// critical path. Blocks are independent, so the result is the same as block by block.
 template <class I, int GD, int OD, bool DECAY, bool RARE>
-static void q_loop(const AdamQTask& t, const AdamScalars& s, int64_t bb, int64_t be) {
+static void q8_loop(const AdamQTask& t, const AdamScalars& s, int64_t bb, int64_t be) {
+  float* const __restrict p = t.p;
+  int8_t* const __restrict mq = static_cast<int8_t*>(t.m);
+  uint8_t* const __restrict vq = static_cast<uint8_t*>(t.v);
+  float* const __restrict msc = t.m_scale;
+  float* const __restrict vsc = t.v_scale;
+  const void* const __restrict g = t.g;
+  void* const __restrict out = t.out;
+  const int64_t n = t.n;
   const RareFlags f{s.use_mult, s.maximize, s.use_wd, s.lerp_low};
   const Coeffs<I> c(s);
   const Coeffs<ScalarISA> cs(s);
-  if (t.mfmt == kMom8) {
-    for (int64_t b = bb; b < be; ++b) q8_block<I, GD, OD, DECAY, RARE>(t, c, cs, f, b);
-    return;
+  alignas(64) float rbuf[2][kQBlock], ubuf[2][kQBlock];
+  if (bb >= be) return;
+  Q8Pending prev = q8_pass1<I, GD, OD, DECAY, RARE>(p, mq, vq, msc, vsc, g, out, n, c, cs, f, bb, rbuf[0], ubuf[0]);
+  for (int64_t b = bb + 1; b < be; ++b) {
+    const int k = static_cast<int>((b - bb) & 1);
+    const Q8Pending cur = q8_pass1<I, GD, OD, DECAY, RARE>(p, mq, vq, msc, vsc, g, out, n, c, cs, f, b, rbuf[k], ubuf[k]);
+    q8_pass2<I>(mq, vq, msc, vsc, prev, rbuf[k ^ 1], ubuf[k ^ 1]);
+    prev = cur;
   }
+  const int k = static_cast<int>((be - 1 - bb) & 1);
+  q8_pass2<I>(mq, vq, msc, vsc, prev, rbuf[k], ubuf[k]);
+}
+
+// Blocks [bb, be) of one tensor (bf16 moments: the same element range).
+template <class I, int GD, int OD, bool DECAY, bool RARE>
+static void q_loop(const AdamQTask& t, const AdamScalars& s, int64_t bb, int64_t be) {
+  if (t.mfmt == kMom8) return q8_loop<I, GD, OD, DECAY, RARE>(t, s, bb, be);
   const int64_t end = be * kQBlock < t.n ? be * kQBlock : t.n;
-  int64_t i = bb * kQBlock;
-  for (; i + I::W <= end; i += I::W) bf16m_elems<I, GD, OD, DECAY, RARE>(t, c, f, i);
-  for (; i < end; ++i) bf16m_elems<ScalarISA, GD, OD, DECAY, RARE>(t, cs, f, i);
+  bf16m_loop<I, GD, OD, DECAY, RARE>(t, s, bb * kQBlock, end);
 }
 
 template <class I, int GD, int OD>

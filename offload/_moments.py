@@ -3,7 +3,8 @@ csrc/moments.h). Re-exported by ``offload.kernels``. Not wired into the optimize
 
 Formats: ``"bf16"`` (exp_avg/exp_avg_sq are bfloat16 tensors, round-to-nearest-even) and
 ``"8bit"`` (exp_avg int8, exp_avg_sq uint8, blocks of 256 elements with one float32 scale per
-block and moment: m through its signed square root, v through its 4th root). Use :func:`moment_state` for zeroed
+block and moment: m through a square-root-like code, v through a 4th-root-like one, both bit
+shifts of the float pattern; exact definition in csrc/moments.h). Use :func:`moment_state` for zeroed
 buffers, :func:`adam_step_moments` for a validated call, :func:`moment_table` +
 :func:`step_moment_table` for a prebuilt table, :func:`decode_moments` to read fp32 values back.
 """
@@ -126,6 +127,14 @@ def decode_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fmt: str,
         return exp_avg.float(), exp_avg_sq.float()
     n = exp_avg.numel()
     idx = torch.arange(n) // MOMENT_BLOCK
-    x = exp_avg.float() * (m_scale / 127.0)[idx]
-    w = exp_avg_sq.float() * (v_scale / 255.0)[idx]
-    return x * x.abs(), (w * w) * (w * w)
+    # the kernel's decode (csrc/moments.h): x = q * (scale / 127); m = shl1(|x|) with x's sign;
+    # w = q * (scale / 255); s = shl1(w); v = s * s. shl1: the float bit pattern shifted left by one.
+    xi = (exp_avg.float() * (m_scale / 127.0)[idx]).view(torch.int32)
+    m = (((xi & 0x7FFFFFFF) << 1) | (xi & -2**31)).view(torch.float32)  # |x| < 2: no overflow
+    s = ((exp_avg_sq.float() * (v_scale / 255.0)[idx]).view(torch.int32) << 1).view(torch.float32)
+    v = s * s
+    bad = (torch.isnan(m_scale) | torch.isnan(v_scale))[idx]  # a poisoned block decodes to NaN
+    if bool(bad.any()):
+        m = m.masked_fill(bad, float("nan"))
+        v = v.masked_fill(bad, float("nan"))
+    return m, v

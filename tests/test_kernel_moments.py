@@ -119,7 +119,8 @@ def _run_fp32(p0, grads, **kw):
     return p, m, v
 
 
-@pytest.mark.parametrize("fmt,tol_m,tol_v,tol_p", [("bf16", 0.01, 0.01, 0.01), ("8bit", 0.08, 0.02, 0.05)])
+# measured (csrc/moments.h): bf16 m 0.37%, v 0.88%, change 0.27%; 8bit m 2.14%, v 1.96%, change 3.97%
+@pytest.mark.parametrize("fmt,tol_m,tol_v,tol_p", [("bf16", 0.01, 0.01, 0.01), ("8bit", 0.03, 0.025, 0.05)])
 def test_moment_error_vs_fp32_after_100_steps(fmt, tol_m, tol_v, tol_p):
     """Realistic gradients (a persistent mean plus noise, per-element scales spread log-normally
     within each block): relative error of m, v and of the parameter change vs fp32 moments."""
@@ -147,13 +148,47 @@ def test_moment_error_vs_fp32_after_100_steps(fmt, tol_m, tol_v, tol_p):
     assert bool((v > 0).all())  # no second moment decoded to 0 (that would make the update m / eps)
 
 
+def _shr1(x):
+    return torch.from_numpy((x.numpy().view(np.uint32) >> np.uint32(1)).view(np.float32))
+
+
 def test_decode_matches_the_kernels_view():
-    """decode_moments reads what the kernel wrote: one more step with lr=0 and zero gradient is
-    the plain moment decay applied to the decoded values (checked against torch ops)."""
+    """decode_moments reads what the kernel wrote: each block's largest code decodes back to its
+    scale (shr1 of the decoded magnitude is the stored maximum)."""
     st = make(1000, "8bit", torch.float32, None, seed=9, steps_before=3)
     m, v = kernels.decode_moments(st["exp_avg"], st["exp_avg_sq"], "8bit", st["exp_avg_scale"], st["exp_avg_sq_scale"])
     assert torch.isfinite(m).all() and (v >= 0).all() and m.abs().max() > 0
-    assert torch.isclose(st["exp_avg_scale"][0], m[:256].abs().sqrt().max(), rtol=1e-6)  # max sqrt|m| of the block
+    for b in range(4):
+        sl = slice(256 * b, 256 * (b + 1))
+        assert torch.isclose(st["exp_avg_scale"][b], _shr1(m[sl].abs()).max(), rtol=1e-6)
+        assert torch.isclose(st["exp_avg_sq_scale"][b], _shr1(v[sl].sqrt()).max(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", [300, 4097])
+def test_8bit_codes_follow_the_format_description(isa, n):
+    """One step from the zero state, the codes and scales computed here in numpy from the text of
+    csrc/moments.h (not from the C++ reference): bitwise equal."""
+    gen = torch.Generator().manual_seed(n)
+    g = (torch.randn(n, generator=gen) * torch.exp(2 * torch.randn(n, generator=gen))).numpy()
+    g[::7] = 0.0  # zero moments encode as code 0
+    st = kernels.moment_state(n, "8bit")
+    p = torch.zeros(n)
+    kernels.adam_step_moments([p], [torch.from_numpy(g)], [st["exp_avg"]], [st["exp_avg_sq"]], [1], fmt="8bit",
+                              lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True,
+                              m_scales=[st["exp_avg_scale"]], v_scales=[st["exp_avg_sq_scale"]])
+    f32 = np.float32
+    m = f32(1 - 0.9) * g  # zero state: m = 0 + w1 * (g - 0), v = 0 * beta2 + ((1 - beta2) * g) * g
+    v = (f32(1 - 0.999) * g) * g
+    shr1 = lambda x: (x.view(np.uint32) >> np.uint32(1)).view(np.float32)
+    r, u = np.copysign(shr1(np.abs(m)), m), shr1(np.sqrt(v))
+    for b in range(-(-n // 256)):
+        sl = slice(256 * b, 256 * (b + 1))
+        ms, vs = np.abs(r[sl]).max(), u[sl].max()
+        assert st["exp_avg_scale"][b].item() == ms and st["exp_avg_sq_scale"][b].item() == vs
+        qm = np.rint(r[sl] * np.minimum(f32(127) / ms, f32(3.4028235e38)))
+        qv = np.rint(u[sl] * np.minimum(f32(255) / vs, f32(3.4028235e38)))
+        assert np.array_equal(st["exp_avg"][sl].numpy(), qm.astype(np.int8))
+        assert np.array_equal(st["exp_avg_sq"][sl].numpy(), qv.astype(np.uint8))
 
 
 def test_nonfinite_moment_poisons_its_block_only(isa):
@@ -166,6 +201,13 @@ def test_nonfinite_moment_poisons_its_block_only(isa):
     ref = make(n, "8bit", torch.float32, None, seed=2, steps_before=1)
     ref["g"][300] = float("inf")
     step(ref, "8bit", VARIANTS[0], 2, reference=True)
+    assert_bitwise(st, ref)
+    m, v = kernels.decode_moments(st["exp_avg"], st["exp_avg_sq"], "8bit", sc, st["exp_avg_sq_scale"])
+    assert torch.isnan(m[256:512]).all() and torch.isnan(v[256:512]).all()
+    assert torch.isfinite(m[:256]).all() and torch.isfinite(v[512:]).all()
+    step(st, "8bit", VARIANTS[0], 3)  # a poisoned block stays poisoned (decoded NaN, re-encoded NaN)
+    step(ref, "8bit", VARIANTS[0], 3, reference=True)
+    assert torch.isnan(st["exp_avg_scale"][1]) and torch.isnan(st["p"][256:512]).all()
     assert_bitwise(st, ref)
 
 
