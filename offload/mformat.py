@@ -95,9 +95,11 @@ def decode(raw: Dict[str, torch.Tensor], fmt: str) -> Tuple[torch.Tensor, torch.
 def encode(m: torch.Tensor, v: torch.Tensor, fmt: str) -> Dict[str, torch.Tensor]:
     """Compressed tensors of fp32 moments (flat), as the kernel's encoder would store them.
 
-    ``bf16``: round to nearest even. ``8bit``: per block, the absmax scales of sqrt|m| and v^(1/4)
-    and round-to-nearest-even codes (the formula of csrc/adam_reference_moments.cpp). A block with a
-    non-finite value is stored poisoned (NaN scales, zero codes) like the kernel does. The test
+    ``bf16``: round to nearest even. ``8bit``: the encoder described at the top of csrc/moments.h:
+    r = shr1(|m|) with m's sign and u = shr1(sqrt(v)) (shr1: the float whose bit pattern is the
+    input's shifted right by one), per block the maxima of |r| and u as scales, round-to-nearest-
+    even codes against them. A block with a non-finite value is stored poisoned (the NaN scale
+    0x7FE00000, zero codes) like the kernel does. The test
     tests/test_moments_optim.py::test_encode_inverts_decode checks this against ``decode_moments``.
     """
     m = m.detach().reshape(-1).to(torch.float32)
@@ -112,11 +114,16 @@ def encode(m: torch.Tensor, v: torch.Tensor, fmt: str) -> Dict[str, torch.Tensor
     n = m.numel()
     nb = (n + BLOCK - 1) // BLOCK
     pad = nb * BLOCK - n
-    r = torch.sqrt(m.abs()).copysign(m)
-    u = torch.sqrt(torch.sqrt(v))
+
+    def shr1(x):  # x >= 0 (or NaN/inf magnitudes): bits < 2^31, so the int32 shift is logical
+        return (x.view(torch.int32) >> 1).view(torch.float32)
+
+    r = shr1(m.abs()).copysign(m)
+    u = shr1(torch.sqrt(v))
     rb = torch.nn.functional.pad(r, (0, pad)).view(nb, BLOCK)
     ub = torch.nn.functional.pad(u, (0, pad)).view(nb, BLOCK)
-    bad = ~(torch.isfinite(rb).all(1) & torch.isfinite(ub).all(1))
+    poison_bits = 0x7F800000 >> 1   # shr1(+inf): a magnitude at or above it came from inf/NaN
+    bad = (rb.abs().view(torch.int32) >= poison_bits).any(1) | (ub.view(torch.int32) >= poison_bits).any(1)
     max_m = rb.abs().amax(1)
     max_u = ub.amax(1)
     fmax = torch.finfo(torch.float32).max
@@ -126,7 +133,8 @@ def encode(m: torch.Tensor, v: torch.Tensor, fmt: str) -> Dict[str, torch.Tensor
     qv = torch.round(ub * iu[:, None]).clamp(0, 255)
     qm[bad] = 0
     qv[bad] = 0
-    max_m = torch.where(bad, torch.full_like(max_m, float("nan")), max_m)
-    max_u = torch.where(bad, torch.full_like(max_u, float("nan")), max_u)
+    poison = torch.tensor([0x7FE00000], dtype=torch.int32).view(torch.float32)
+    max_m = torch.where(bad, poison.expand_as(max_m), max_m)
+    max_u = torch.where(bad, poison.expand_as(max_u), max_u)
     return {"exp_avg": qm.reshape(-1)[:n].to(torch.int8), "exp_avg_sq": qv.reshape(-1)[:n].to(torch.uint8),
             "exp_avg_scale": max_m.contiguous(), "exp_avg_sq_scale": max_u.contiguous()}
