@@ -44,9 +44,6 @@ _ROW_FNS = (_TB["grad"], _TB["data_ptr"], _TB["dtype"], _TB["stride"], _TB["is_n
             _TB["shape"], _TB["is_cpu"], _TB["layout"], _TB["storage_offset"], _TB["untyped_storage"],
             torch._C.StorageBase.nbytes, torch.Tensor, torch.nn.Parameter, torch.strided,
             torch.float32, torch.bfloat16, torch.float16, _TensorBase)
-# the gather runs with subclass __torch_function__ dispatch off: it only reads plain Tensor/Parameter
-# rows (others are handed back), for which this changes no result but skips a per-getter MRO lookup
-_RAW_GETTERS = torch._C.DisableTorchFunctionSubclass
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _ARENA_STAGGER = 16400  # floats (64 KiB + 64 B) between state streams of one arena: see _init_states
 
@@ -294,6 +291,7 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             for k, v in state.items():
                 wrapped[k] = v
             self.state = state = wrapped
+            epoch[0] += 1  # a replaced (even empty) opt.state: every row is re-checked below
         if d.get("_state_seen") == epoch[0]:
             return
         for gi, plan in list(self._plans.items()):
@@ -464,9 +462,8 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         and the same of the grad) and validates a new plain CPU gradient of an unchanged param
         itself; every other row with a gradient is (re)validated here.
         """
-        with _RAW_GETTERS():
-            ready, newgrad, changed, other = _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts,
-                                                             plan.table, _ROW_FNS)
+        ready, newgrad, changed, other = _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts,
+                                                         plan.table, _ROW_FNS)
         if len(other):  # DTensor (FSDP2) and other subclasses: their grad as they report it
             changed = np.union1d(changed, np.array([i for i in other.tolist() if plan.params[i].grad is not None],
                                                    dtype=np.int64))
