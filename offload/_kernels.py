@@ -5,8 +5,8 @@ before any pointer crosses into C++, and builds the int64 task tables the privat
 multi-tensor entry points (``_C._adam_step``, ``_C._grad_sumsq``, ``_C._bandwidth_probe``) take.
 Everything above this file deals in tensors; everything below it in pointers and lengths. The
 public, validated subset is re-exported as ``offload.kernels`` (offload/kernels.py);
-``step_table`` and ``collect_grads`` are internal (tables built by the optimizer, the store and
-the GPU pipeline from tensors they validated; see the comment at the top of csrc/bindings.cpp).
+``step_table`` is internal (tables built by the optimizer, the store and the GPU pipeline from
+tensors they validated; see the comment at the top of csrc/bindings.cpp).
 """
 from __future__ import annotations
 
@@ -20,13 +20,9 @@ from . import _C
 
 __all__ = [
     "DTYPE_CODES", "TASK_COLS", "adam_step", "step_table", "grad_sumsq", "bandwidth_probe", "check_tensor",
-    "check_storage", "tensor_signature", "collect_grads", "set_isa", "get_isa", "available_isas",
+    "check_storage", "tensor_signature", "set_isa", "get_isa", "available_isas",
     "get_num_threads", "set_num_threads",
 ]
-
-_TensorBase = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
-_GRAD_DESCR = _TensorBase.__dict__["grad"]
-_DATA_PTR = _TensorBase.data_ptr
 
 # dtype codes shared with csrc/common.h
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -219,16 +215,6 @@ def bandwidth_probe(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.
         check_tensor(t, name, numel=n)
     _check_no_overlap([("p", p), ("m", m), ("v", v)], [("g", g)])
     _C._bandwidth_probe(_ptr(p), _ptr(m), _ptr(v), _ptr(g), n, int(threads))
-
-
-def collect_grads(params: list, cached_grads: list, p_ptrs: np.ndarray, g_ptrs: np.ndarray):
-    """The optimizer's native per-step gather (see ``_C.collect_grads``). Internal.
-
-    Returns (ready, changed): indices whose grad is set and whose param pointer, grad object and
-    grad pointer equal the cached ones, and the indices that need revalidation. ``RuntimeError``
-    if a grad/data_ptr callback (a tensor subclass's ``__torch_function__``) resizes the lists.
-    """
-    return _C.collect_grads(params, cached_grads, p_ptrs, g_ptrs, _GRAD_DESCR, _DATA_PTR)
 
 
 def available_isas() -> list:

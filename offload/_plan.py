@@ -128,8 +128,22 @@ def check_storage(t: torch.Tensor, name: str) -> None:
 
 
 def fingerprint(t: torch.Tensor) -> tuple:
-    """Everything a user can change on a tensor while its object and data pointer stay the same."""
-    return t.data_ptr(), t.shape, t.stride(), t.dtype
+    """Everything a user can change on a tensor while its object and data pointer stay the same
+    (``t.data = t.data.t()``, a reshape, a dtype view, a neg-bit view)."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_neg()
+
+
+# columns of GroupPlan.meta, the per-row record csrc/rows.cpp (collect_rows) compares against
+M_PPTR, M_GPTR, M_CODE, M_DIM, M_SIZE0, M_NUMEL, M_PVER, M_LOWP = range(8)
+M_COLS = 8
+
+
+def record_param(plan, i: int, lp: torch.Tensor, code: int) -> None:
+    """Record validated parameter ``lp`` (a plain contiguous CPU tensor) in row i of ``plan.meta``."""
+    m = plan.meta[i]
+    m[M_PPTR], m[M_CODE], m[M_DIM] = lp.data_ptr(), code, lp.dim()
+    m[M_SIZE0], m[M_NUMEL] = (lp.shape[0] if lp.dim() else 0), lp.numel()
+    plan.layouts[i] = (lp.shape, lp.stride())
 
 
 def sync_master(master: torch.Tensor, p: torch.Tensor) -> None:
@@ -159,40 +173,50 @@ class GroupPlan:
         self.table = np.zeros((n, TASK_COLS), dtype=np.int64)
         self.steps_np = np.zeros(n, dtype=np.float32)
         self.steps = torch.from_numpy(self.steps_np)
-        self.p_ptr = np.full(n, -1, dtype=np.int64)  # param pointer the table row was built for
-        self.g_ptr = np.full(n, -1, dtype=np.int64)  # gradient pointer last validated
-        self.g_ver = np.full(n, -1, dtype=np.int64)  # version counter of that gradient
-        self.g_ref: list = [no_grad_ref] * n        # weakref to that gradient
+        # what collect_rows (csrc/rows.cpp) compares each row against, one int64 record per row
+        # (columns REC_*): param pointer (-1: none, forces revalidation), grad pointer, dtype code
+        # (0: no record), dim, size(0), numel, bf16/fp16 version after the last master sync, lowp
+        self.meta = np.zeros((n, M_COLS), dtype=np.int64)
+        self.meta[:, [M_PPTR, M_GPTR, M_PVER]] = -1
+        self.p_ptr = self.meta[:, M_PPTR]          # views: p_ptr[i] = -1 forces revalidation
+        self.g_ptr = self.meta[:, M_GPTR]
+        self.p_ver = self.meta[:, M_PVER]
+        self.lowp = self.meta[:, M_LOWP]
+        self.lowp[:] = [p.dtype in _LOW_PRECISION for p in params]
+        self.layouts: list = [None] * n              # (torch.Size, strides) of the param last validated
+        self.g_ref: list = [no_grad_ref] * n        # weakref to the gradient last validated
         self.p_meta: list = [None] * n               # fingerprint of the parameter last validated
-        self.p_ver = np.full(n, -1, dtype=np.int64)  # bf16/fp16 rows: parameter version after the last sync
-        self.lowp = np.array([p.dtype in _LOW_PRECISION for p in params], dtype=bool)
         self.rec: list = [None] * n                  # (state dict, *tensors in REC_KEYS) the row points into
 
     def matches(self, params: list) -> bool:
         return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
 
 
+KINDS = ("parameter", "master_param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "gradient")
+
+
 def _intervals(plans: list, rows: list, reads: dict):
     """Byte intervals [start, end) the kernel writes (W) for ``rows[k]`` of ``plans[k]``, and reads only
-    (R, gradients) for ``reads[k]``; each labelled (plan index, row, kind)."""
+    (R, gradients) for ``reads[k]``; each labelled by a (3, n) array of (plan index, row, KINDS index)."""
     ws, we, wl, rs, re_, rl = [], [], [], [], [], []
     for pi, (plan, sel) in enumerate(zip(plans, rows)):
         t = plan.table
-        for col, kind in ((COL_P, None), (COL_M, "exp_avg"), (COL_V, "exp_avg_sq"), (COL_VMAX, "max_exp_avg_sq"),
-                          (COL_OUT, "parameter")):
+        for col, kind in ((COL_P, None), (COL_M, 2), (COL_V, 3), (COL_VMAX, 4), (COL_OUT, 0)):
             r = sel[(t[sel, col] != 0) & (t[sel, COL_N] > 0)]
             esz = 4 if col != COL_OUT else np.where(t[r, COL_OD] == 1, 4, 2)
             ws.append(t[r, col])
             we.append(t[r, col] + esz * t[r, COL_N])
-            wl += [(pi, int(k), kind or ("master_param" if t[k, COL_OUT] else "parameter")) for k in r]
+            kinds = np.where(t[r, COL_OUT] != 0, 1, 0) if kind is None else np.full(r.size, kind)
+            wl.append(np.stack([np.full(r.size, pi), r, kinds]))
         if pi in reads:
             r = np.asarray(reads[pi], dtype=np.int64)
             r = r[(t[r, COL_G] != 0) & (t[r, COL_N] > 0)]
             rs.append(t[r, COL_G])
             re_.append(t[r, COL_G] + np.where(t[r, COL_GD] == 1, 4, 2) * t[r, COL_N])
-            rl += [(pi, int(k), "gradient") for k in r]
+            rl.append(np.stack([np.full(r.size, pi), r, np.full(r.size, 5)]))
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-    return cat(ws), cat(we), wl, cat(rs), cat(re_), rl
+    lab = lambda xs: np.concatenate(xs, axis=1) if xs else np.zeros((3, 0), dtype=np.int64)  # noqa: E731
+    return cat(ws), cat(we), lab(wl), cat(rs), cat(re_), lab(rl)
 
 
 class OverlapIndex:
@@ -203,7 +227,7 @@ class OverlapIndex:
         ws, we, wl, _, _, _ = _intervals(plans, rows, {})
         order = np.argsort(ws, kind="stable")
         self.starts, self.ends = ws[order], we[order]
-        self.labels = [wl[k] for k in order]
+        self.labels = wl[:, order]
         self.rows = rows
         self.name = name
         if len(self.starts) > 1:
@@ -212,7 +236,7 @@ class OverlapIndex:
             if bad.size:
                 k = int(bad[0]) + 1
                 j = int(np.argmax(self.ends[:k] > self.starts[k]))
-                self._raise(self.labels[j], self.labels[k])
+                self._raise(self.labels[:, j], self.labels[:, k])
 
     def check_reads(self, plans: list, reads: dict) -> None:
         _, _, _, rs, re_, rl = _intervals(plans, [np.zeros(0, dtype=np.int64)] * len(plans), reads)
@@ -224,10 +248,11 @@ class OverlapIndex:
         bad = np.flatnonzero(hit)
         if bad.size:
             k = int(bad[0])
-            self._raise(self.labels[int(idx[k])], rl[k])
+            self._raise(self.labels[:, int(idx[k])], rl[:, k])
 
     def _raise(self, a, b) -> None:
-        raise RuntimeError(f"the {a[2]} of {self.name(a[0], a[1])} and the {b[2]} of {self.name(b[0], b[1])} "
+        (ap, ar, ak), (bp, br, bk) = (map(int, a), map(int, b))
+        raise RuntimeError(f"the {KINDS[ak]} of {self.name(ap, ar)} and the {KINDS[bk]} of {self.name(bp, br)} "
                            "share memory (overlapping views, or the same tensor listed twice): the step would "
                            "update them in an undefined order; give each parameter, gradient and state its "
                            "own storage (e.g. .clone())")

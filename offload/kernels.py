@@ -2,7 +2,7 @@
 
 Every function here takes tensors and checks them (CPU, dtype, contiguity, storage bounds, no
 neg/conj bit, no overlap between buffers the update writes) before a pointer reaches C++. The
-implementation and the internal table-level entries (``step_table``, ``collect_grads``) live in
+implementation and the internal table-level entry (``step_table``) live in
 ``offload/_kernels.py``; nothing that accepts a raw address is exported here.
 """
 from __future__ import annotations

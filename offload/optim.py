@@ -11,7 +11,6 @@ straight into the parameter in the same pass. Parameters the kernel cannot take 
 from __future__ import annotations
 
 import math
-import operator
 import weakref
 from collections import defaultdict
 from copy import deepcopy
@@ -26,23 +25,25 @@ from torch.optim.optimizer import _to_scalar
 from . import _C, _kernels, fallback, mformat
 from ._dist import is_dtensor, like, local  # DTensor (FSDP2): step the local shard
 from ._kernels import (COL_G, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
-                       COL_GD, DTYPE_CODES, OUT_USER_PARAM, TASK_COLS, check_tensor)
+                       COL_GD, DTYPE_CODES, OUT_USER_PARAM, check_tensor)
 from .buffers import round_up
 from ._plan import (REC_KEYS, GroupPlan, OverlapIndex, ParamState, StateMap, check_storage, fingerprint,
-                    get_version, no_grad_ref, sync_master)
+                    get_version, no_grad_ref, record_param, sync_master)
 from .step.compressed import CompressedState  # opt.state[p] with compressed moments (issue 9)
 from .gpu import GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
 
 __all__ = ["Adam", "AdamW"]
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# torch's tensor base class: its `grad` descriptor and unbound `data_ptr`, for the native gather
+# what the native fast path (_C.collect_rows, csrc/rows.cpp) reads of each param/grad: the getset
+# descriptors and unbound methods of torch's tensor base class (direct C calls, no attribute lookup),
+# then the constants it compares with; the order is fixed by csrc/rows.cpp
 _TensorBase = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
-_GRAD_DESCR = _TensorBase.__dict__["grad"]
-_DATA_PTR = _TensorBase.data_ptr
-# what the native fast path (_C.collect_rows) reads of each param/grad, as direct C calls
-_ROW_FNS = (_GRAD_DESCR, _DATA_PTR, _TensorBase.__dict__["_version"], _TensorBase.__dict__["shape"],
-            _TensorBase.stride, _TensorBase.__dict__["dtype"])
+_TB = _TensorBase.__dict__
+_ROW_FNS = (_TB["grad"], _TB["data_ptr"], _TB["dtype"], _TB["stride"], _TB["is_neg"], _TB["is_conj"], _TB["_version"],
+            _TB["shape"], _TB["is_cpu"], _TB["layout"], _TB["storage_offset"], _TB["untyped_storage"],
+            torch._C.StorageBase.nbytes, torch.Tensor, torch.nn.Parameter, torch.strided,
+            torch.float32, torch.bfloat16, torch.float16, _TensorBase)
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _ARENA_STAGGER = 16400  # floats (64 KiB + 64 B) between state streams of one arena: see _init_states
 
@@ -76,6 +77,9 @@ def _check_param(p: torch.Tensor, where: str, gpu_mode: bool = False) -> None:
     if not p.is_contiguous():
         raise RuntimeError(f"{where} is not contiguous (strides {tuple(p.stride())}): offload updates "
                            "parameters in place and never a temporary copy; make it contiguous first")
+    if p.is_neg():  # e.g. z.conj().imag: its memory holds the negated values, and is what the kernel updates
+        raise RuntimeError(f"{where} is a lazy negative-bit view: its memory does not hold its values; "
+                           "use p.data = p.data.resolve_neg() first")
 
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
@@ -315,6 +319,7 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             for k, v in state.items():
                 wrapped[k] = v
             self.state = state = wrapped
+            epoch[0] += 1  # a replaced (even empty) opt.state: every row is re-checked below
         if d.get("_state_seen") == epoch[0]:
             return
         for gi, plan in list(self._plans.items()):
@@ -434,6 +439,8 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             if plan.lowp[i] and lp._version != plan.p_ver[i]:
                 sync_master(st["master_param"], lp)  # written in place since the last step
                 plan.p_ver[i] = lp._version
+            if plan.p_ptr[i] == -1:  # record dropped (_track_state), row columns still valid
+                record_param(plan, i, lp, DTYPE_CODES[lp.dtype])
             return
         _check_param(p, f"parameter {i}")
         check_storage(lp, f"parameter {i}")
@@ -461,7 +468,7 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             row[COL_OUT] = 0
             row[COL_OD] = 0
         plan.lowp[i] = lp.dtype in _LOW_PRECISION
-        plan.p_ptr[i] = lp.data_ptr()
+        record_param(plan, i, lp, DTYPE_CODES[lp.dtype])  # what collect_rows compares from now on
         plan.p_meta[i] = meta
         self._plans.pop("overlap", None)
 
@@ -475,22 +482,24 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
                     decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]))
 
     def _collect(self, plan: GroupPlan, group: dict) -> tuple:
-        """Rows of parameters with a gradient, in order, and the rows whose gradient changed;
-        validates whatever changed since the last step.
+        """Rows of parameters with a gradient, in order, and the rows whose gradient is new (to be
+        checked against the buffers the kernel writes); validates whatever changed since the last step.
 
-        The native gather (``_C.collect_rows``) returns the rows whose grad object, pointer and
-        version (in-place metadata changes such as ``t_()``/``resize_()`` keep object and pointer) and
-        whose param pointer, shape, strides, dtype and (bf16/fp16) version are unchanged; every other
-        row with a gradient is (re)validated here.
+        The native gather (``_C.collect_rows``, csrc/rows.cpp) compares each row with its record
+        (param pointer, dtype, exact shape, contiguity, neg bit, bf16/fp16 version; the grad object,
+        and the same of the grad) and validates a new plain CPU gradient of an unchanged param
+        itself; every other row with a gradient is (re)validated here.
         """
-        # one native pass compares, per row, everything the row was validated against: grad object
-        # (weakref), grad pointer and version, param pointer, shape, strides and dtype (`p.data =
-        # p.data.t()` keeps the pointer), and the param version of bf16/fp16 rows (a user write must be
-        # re-read into the master: _refresh_param); any difference sends the row to `changed`
-        ready, changed = _C.collect_rows(plan.params, plan.g_ref, plan.p_ptr, plan.g_ptr, plan.g_ver, plan.p_meta,
-                                         plan.lowp, plan.p_ver, _ROW_FNS)
-        if not changed:
-            return ready, ()
+        ready, newgrad, changed, other = _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts,
+                                                         plan.table, _ROW_FNS)
+        if len(other):  # DTensor (FSDP2) and other subclasses: their grad as they report it
+            changed = np.union1d(changed, np.array([i for i in other.tolist() if plan.params[i].grad is not None],
+                                                   dtype=np.int64))
+        if not len(changed):
+            if not len(newgrad):
+                return ready, newgrad
+            return np.union1d(ready, newgrad), newgrad
+        changed = changed.tolist()
         table, state = plan.table, self.state
         fresh = [i for i in changed if not state.get(plan.params[i])]
         if fresh:
@@ -498,17 +507,16 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         for i in changed:
             p = plan.params[i]
             st = state[p]
-            # DTensor (FSDP2) rows always land here (the native gather sees the wrapper, not the shard)
             lp, g = local(p), local(p.grad)
             self._refresh_param(plan, i, p, st)
             check_tensor(g, f"gradient of parameter {i}", dtypes=(p.dtype,), shape=lp.shape)
             check_storage(g, f"gradient of parameter {i}")
             plan.g_ref[i] = weakref.ref(g)
-            plan.g_ver[i] = g._version
             plan.g_ptr[i] = g.data_ptr()
             table[i, COL_G] = _kernels._ptr(g)
             table[i, COL_GD] = DTYPE_CODES[g.dtype]
-        return np.sort(np.concatenate([ready, np.asarray(changed, dtype=np.int64)])), changed
+        checked = np.union1d(newgrad, changed)
+        return np.union1d(ready, checked), checked
 
     def _name(self, gi: int, i: int) -> str:
         names = self.param_groups[gi].get("param_names") if gi < len(self.param_groups) else None
@@ -586,16 +594,22 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         self._track_state()
         work, changed = [], {}
-        for gi, group in enumerate(native):
-            plan = self._plan(gi, group)
-            rows, ch = self._collect(plan, group)
-            if ch:
-                changed[gi] = np.asarray(ch, dtype=np.int64)
-            if len(rows):
-                work.append((gi, plan, rows, self._group_hyper(group)))
-        self.__dict__["_state_seen"] = self._state_epoch[0]  # our own additions above
-        if changed or "overlap" not in self._plans:
-            self._check_overlap(work, changed)
+        try:
+            for gi, group in enumerate(native):
+                plan = self._plan(gi, group)
+                rows, ch = self._collect(plan, group)
+                if len(ch):
+                    changed[gi] = ch
+                if len(rows):
+                    work.append((gi, plan, rows, self._group_hyper(group)))
+            self.__dict__["_state_seen"] = self._state_epoch[0]  # our own additions above
+            if changed or "overlap" not in self._plans:
+                self._check_overlap(work, changed)
+        except BaseException:
+            # rows validated before the error are cached as validated, but their gradients may not have
+            # been checked against the buffers the kernel writes yet: the next step checks every row
+            self._plans.pop("overlap", None)
+            raise
         self._clear_pending()
         for _, plan, rows, hyper in work:
             if len(rows) == len(plan.params):  # every parameter has a gradient: no row selection

@@ -47,65 +47,70 @@ def _run(code: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
 ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
 
 
-# ---------------------------------------------------------------- collect_grads (item 14)
-@pytest.mark.timeout(60)
-def test_collect_grads_survives_callbacks_that_shrink_the_lists():
-    # The grad descriptor and the data_ptr function may run Python (a tensor subclass's
-    # __torch_function__); here they shrink both lists mid-gather. Without strong references and
-    # size re-checks the gather read freed slots (use after free / segfault).
-    # Plain Python objects stand in for tensors (the gather only calls the two callbacks), and
-    # the extension is loaded without torch, so the subprocess starts in well under a second.
-    r = _run(f"""
-        import importlib.util, numpy as np
-        spec = importlib.util.spec_from_file_location("_C", {_C.__file__!r})
-        _C = importlib.util.module_from_spec(spec); spec.loader.exec_module(_C)
-
-        class T:  # a "tensor": its grad lives in __dict__, its address is id()
-            pass
-        for where in ("descriptor", "data_ptr"):
-            n = 256
-            params = [T() for _ in range(n)]
+# ---------------------------------------------------------------- collect_rows (item 14)
+@pytest.mark.timeout(90)
+def test_collect_rows_survives_callbacks_that_shrink_the_lists():
+    # Every getter collect_rows calls may run Python (here: stand-ins for torch's grad descriptor,
+    # data_ptr, stride, is_neg, untyped_storage) that shrinks the lists mid-gather. Without strong
+    # references and size re-checks the gather read freed slots (use after free / segfault).
+    r = _run("""
+        import torch, offload
+        from offload import _C
+        from offload.optim import _ROW_FNS
+        F = list(_ROW_FNS)
+        for where in ("grad", "data_ptr", "stride", "is_neg", "untyped_storage"):
+            n = 64
+            params = [torch.nn.Parameter(torch.randn(8)) for _ in range(n)]
             for p in params:
-                p.g = T()
-            cached = [p.g for p in params]
-            pp = np.array([id(p) for p in params], dtype=np.int64)
-            gp = np.array([id(p.g) for p in params], dtype=np.int64)
-            class Shrinking:
+                p.grad = torch.randn(8)
+            opt = offload.AdamW(params)
+            opt.step()
+            plan = opt._plans[0]
+            plist, refs, lays = list(plan.params), list(plan.g_ref), list(plan.layouts)
+            if where == "untyped_storage":  # reached for new gradients only
+                for p in params:
+                    p.grad = torch.randn(8)
+            def shrink():
+                del plist[1:], refs[1:], lays[1:]
+            class Grad:
                 def __get__(self, obj, typ):
-                    g = obj.g
-                    if where == "descriptor":
-                        params.clear(); cached.clear()
-                    return g
-            def data_ptr(t):
-                if where == "data_ptr":
-                    del params[1:]; del cached[1:]
-                return id(t)
+                    shrink()
+                    return torch._C.TensorBase.__dict__["grad"].__get__(obj, typ)
+            fns = list(F)
+            k = {"grad": 0, "data_ptr": 1, "stride": 3, "is_neg": 4, "untyped_storage": 11}[where]
+            orig = F[k]
+            fns[k] = Grad() if where == "grad" else (lambda t, orig=orig: (shrink(), orig(t))[1])
             try:
-                _C.collect_grads(params, cached, pp, gp, Shrinking(), data_ptr)
+                _C.collect_rows(plist, refs, plan.meta, lays, plan.table, tuple(fns))
             except RuntimeError as e:
                 print(where, "refused:", e, flush=True)
             else:
                 print(where, "no error", flush=True)
-    """)
-    for where in ("descriptor", "data_ptr"):
-        assert f"{where} refused: collect_grads: the parameter list changed size" in r.stdout, r.stdout
+    """, timeout=60.0)
+    for where in ("grad", "data_ptr", "stride", "is_neg", "untyped_storage"):
+        assert f"{where} refused: collect_rows: the parameter list changed size" in r.stdout, r.stdout
 
 
-def test_collect_grads_still_gathers():
-    import numpy as np
-    params = [torch.zeros(4, requires_grad=True) for _ in range(5)]
-    for i, p in enumerate(params):
-        if i != 2:
-            p.grad = torch.ones(4)
-    cached = [p.grad for p in params]
-    pp = np.array([p.data_ptr() for p in params], dtype=np.int64)
-    gp = np.array([p.grad.data_ptr() if p.grad is not None else -1 for p in params], dtype=np.int64)
-    cached[4] = None  # grad object changed since cached
-    descr = torch._C.TensorBase.__dict__["grad"]
-    ready, changed = _kernels.collect_grads(params, cached, pp, gp)
-    assert list(ready) == [0, 1, 3] and changed == [4]
+def test_collect_rows_refuses_bad_arguments():
+    params = [torch.nn.Parameter(torch.randn(8)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn(8)
+    opt = offload.AdamW(params)
+    opt.step()
+    plan = opt._plans[0]
+    from offload.optim import _ROW_FNS
     with pytest.raises(ValueError, match="one entry per parameter"):
-        _C.collect_grads(params[:4], cached, pp, gp, descr, torch._C.TensorBase.data_ptr)
+        _C.collect_rows(plan.params[:2], plan.g_ref, plan.meta, plan.layouts, plan.table, _ROW_FNS)
+    with pytest.raises(ValueError, match="rec must be a writable"):
+        _C.collect_rows(plan.params, plan.g_ref, plan.meta[:2], plan.layouts, plan.table, _ROW_FNS)
+    with pytest.raises(ValueError, match="table must be a writable"):
+        _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts, plan.table.astype("int32"), _ROW_FNS)
+    ro = plan.table.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="table must be a writable"):
+        _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts, ro, _ROW_FNS)
+    with pytest.raises(ValueError, match="fns must hold"):
+        _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts, plan.table, _ROW_FNS[:5])
 
 
 # ---------------------------------------------------------------- storage bounds (item 10)

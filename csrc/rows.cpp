@@ -1,0 +1,236 @@
+// rows.cpp: _C.collect_rows, the per-step check of the optimizer's cached task table
+// (offload/optim.py _AdamBase._collect; the records it compares are kept by offload/_plan.py).
+//
+// For every parameter row it decides, in one C loop, whether the row may be stepped as cached:
+// - ready: the param and its grad are unchanged since the row was validated;
+// - newgrad: the param is unchanged and its grad is a NEW plain CPU tensor that passed, here, every
+//   check Python's check_tensor/check_storage make (the row's grad columns are updated here);
+// - changed: anything else (param changed, a grad this loop does not take, no record): Python
+//   revalidates the row in full and raises with the precise message where it must;
+// - other: params that are not exactly torch.Tensor / torch.nn.Parameter (DTensor, subclasses):
+//   Python handles them (their getters may mean something else).
+//
+// What "unchanged" compares, per tensor (the param, and the grad against the param's record):
+// data pointer, dtype (identity of torch's cached dtype object), strides (exactly the validated,
+// contiguous ones: they also fix dim), exact shape (size(0) for 1-D, the torch.Size above) and the
+// neg bit (`.data = neg-view` keeps pointer, shape and strides); for bf16/fp16 params the param's
+// `_version` (a user write must be re-read into the fp32 master). `t.data = x` keeps the tensor
+// object and its version counter but may change every one of these, so each is read, for grads
+// too. In-place value writes to a grad need no revalidation (the kernel reads the current values);
+// every in-place METADATA change (t_, resize_, as_strided_, set_, unsqueeze_...) shows in the
+// pointer, strides or shape. A storage resize_ reallocates (new pointer).
+//
+// The getters are called through their C slots (a getset descriptor's tp_descr_get, vectorcall on
+// the unbound method), which are passed in `fns` so that tests can pass callbacks. Safety rules
+// (csrc/bindings.cpp header): never dereferences a tensor address; every object used across a call
+// into Python is held by a strong reference; the list sizes are re-checked after each such call.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// columns of the per-row record (offload/_plan.py REC_* must match)
+enum : int64_t { R_PPTR, R_GPTR, R_CODE, R_DIM, R_SIZE0, R_NUMEL, R_PVER, R_LOWP, R_COLS };
+constexpr int64_t kTaskCols = 10, kColG = 4, kColGD = 8;  // offload/_kernels.py COL_G, COL_GD
+
+using Table = py::array_t<int64_t, py::array::c_style>;
+
+int64_t* table_data(const py::array& a, py::ssize_t rows, py::ssize_t cols, const char* what) {
+  if (!py::isinstance<py::array_t<int64_t>>(a) || a.dtype().kind() != 'i' || a.itemsize() != 8 || a.ndim() != 2 ||
+      a.shape(0) != rows || a.shape(1) != cols || !(a.flags() & py::array::c_style) || !a.writeable())
+    throw std::invalid_argument(std::string("collect_rows: ") + what + " must be a writable C-contiguous int64 array of shape (" +
+                                std::to_string(rows) + ", " + std::to_string(cols) + ")");
+  return static_cast<int64_t*>(const_cast<void*>(a.data()));
+}
+
+// The callables/constants of torch that the loop uses, borrowed from the `fns` tuple (held by the caller).
+struct Torch {
+  PyObject *grad, *data_ptr, *dtype, *stride, *is_neg, *is_conj, *version, *shape, *is_cpu, *layout,
+      *storage_offset, *untyped_storage, *storage_nbytes, *tensor_t, *param_t, *strided;
+  PyObject* dtypes[4];  // by dtype code: -, float32, bfloat16, float16
+  lenfunc size0;        // TensorBase's mp_length: size(0), no allocation
+};
+
+constexpr int kFns = 20;
+
+Torch unpack(const py::tuple& fns) {
+  if (fns.size() != kFns) throw std::invalid_argument("collect_rows: fns must hold " + std::to_string(kFns) + " entries");
+  auto at = [&](int k) { return PyTuple_GET_ITEM(fns.ptr(), k); };
+  Torch t{};
+  PyObject** slots[] = {&t.grad, &t.data_ptr, &t.dtype, &t.stride, &t.is_neg, &t.is_conj, &t.version, &t.shape,
+                        &t.is_cpu, &t.layout, &t.storage_offset, &t.untyped_storage, &t.storage_nbytes,
+                        &t.tensor_t, &t.param_t, &t.strided};
+  for (int k = 0; k < 16; ++k) *slots[k] = at(k);
+  for (PyObject* d : {t.grad, t.dtype, t.version, t.shape, t.is_cpu, t.layout})
+    if (Py_TYPE(d)->tp_descr_get == nullptr) throw std::invalid_argument("collect_rows: fns[grad, dtype, _version, shape, is_cpu, layout] must be descriptors");
+  if (!PyType_Check(t.tensor_t) || !PyType_Check(t.param_t)) throw std::invalid_argument("collect_rows: fns[13, 14] must be types");
+  t.dtypes[0] = nullptr;
+  for (int k = 0; k < 3; ++k) t.dtypes[k + 1] = at(16 + k);
+  PyObject* base = at(19);
+  if (!PyType_Check(base) || reinterpret_cast<PyTypeObject*>(base)->tp_as_mapping == nullptr ||
+      reinterpret_cast<PyTypeObject*>(base)->tp_as_mapping->mp_length == nullptr ||
+      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(t.tensor_t), reinterpret_cast<PyTypeObject*>(base)) ||
+      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(t.param_t), reinterpret_cast<PyTypeObject*>(base)))
+    throw std::invalid_argument("collect_rows: fns[19] must be torch's tensor base type");
+  t.size0 = reinterpret_cast<PyTypeObject*>(base)->tp_as_mapping->mp_length;
+  return t;
+}
+
+py::object get(PyObject* descr, PyObject* obj) {
+  PyObject* r = Py_TYPE(descr)->tp_descr_get(descr, obj, reinterpret_cast<PyObject*>(Py_TYPE(obj)));
+  if (r == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+
+py::object call(PyObject* fn, PyObject* obj) {
+  PyObject* r = PyObject_CallOneArg(fn, obj);
+  if (r == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+
+int64_t as_int(const py::object& o) {
+  const long long v = PyLong_AsLongLong(o.ptr());
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return static_cast<int64_t>(v);
+}
+
+bool truth(const py::object& o) {
+  if (o.ptr() == Py_True) return true;
+  if (o.ptr() == Py_False) return false;
+  const int r = PyObject_IsTrue(o.ptr());
+  if (r < 0) throw py::error_already_set();
+  return r == 1;
+}
+
+// Does tensor t still match row record r and layout = (torch.Size, strides) of the validated param
+// (pointer compared by the caller)? Dtype, strides (exactly the validated contiguous ones), exact
+// shape (the strides give dim; size(0) fixes a 1-D shape, above 1-D the torch.Size is compared), no
+// neg bit. Five calls into torch: each one costs more than everything else done here.
+bool same_layout(const Torch& T, PyObject* t, const int64_t* r, PyObject* layout) {
+  if (get(T.dtype, t).ptr() != T.dtypes[r[R_CODE]]) return false;
+  if (!PyTuple_Check(layout) || PyTuple_GET_SIZE(layout) != 2) return false;
+  const int eq = PyObject_RichCompareBool(call(T.stride, t).ptr(), PyTuple_GET_ITEM(layout, 1), Py_EQ);
+  if (eq < 0) throw py::error_already_set();
+  if (eq != 1) return false;
+  if (r[R_DIM] <= 1) {  // dim equal (strides compared): 1-D size(0) is the shape; 0-D has none
+    const Py_ssize_t s0 = T.size0(t);
+    if (s0 < 0) throw py::error_already_set();
+    if (s0 != r[R_SIZE0]) return false;
+  } else {
+    const int same = PyObject_RichCompareBool(get(T.shape, t).ptr(), PyTuple_GET_ITEM(layout, 0), Py_EQ);
+    if (same < 0) throw py::error_already_set();
+    if (same != 1) return false;
+  }
+  return !truth(call(T.is_neg, t));
+}
+
+}  // namespace
+
+void register_rows(py::module_& m) {
+  m.def(
+      "collect_rows",
+      [](const py::list& params, const py::list& g_refs, const py::array& rec_a, const py::list& layouts,
+         const py::array& table_a, const py::tuple& fns) {
+        const py::ssize_t n = PyList_GET_SIZE(params.ptr());
+        if (PyList_GET_SIZE(g_refs.ptr()) != n || PyList_GET_SIZE(layouts.ptr()) != n)
+          throw std::invalid_argument("collect_rows: lists and arrays must have one entry per parameter");
+        int64_t* rec = table_data(rec_a, n, R_COLS, "rec");
+        int64_t* table = table_data(table_a, n, kTaskCols, "table");
+        const Torch T = unpack(fns);
+        // rec and table are written below, between calls into Python: hold the arrays themselves
+        // (their buffers cannot be freed or moved while referenced and not resizable) ...
+        const py::object hold_rec = rec_a, hold_table = table_a;
+        auto check_sizes = [&] {
+          if (PyList_GET_SIZE(params.ptr()) != n || PyList_GET_SIZE(g_refs.ptr()) != n ||
+              PyList_GET_SIZE(layouts.ptr()) != n)
+            throw std::runtime_error("collect_rows: the parameter list changed size during the call (a "
+                                     "callback modified it)");
+        };
+        std::vector<int64_t> ready, newgrad, changed, other;
+        ready.reserve(static_cast<size_t>(n));
+        for (py::ssize_t i = 0; i < n; ++i) {
+          check_sizes();
+          int64_t* r = rec + i * R_COLS;
+          const py::object p = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(params.ptr(), i));
+          PyObject* pt = reinterpret_cast<PyObject*>(Py_TYPE(p.ptr()));
+          if (pt != T.tensor_t && pt != T.param_t) {
+            other.push_back(i);
+            continue;
+          }
+          const py::object g = get(T.grad, p.ptr());
+          if (g.is_none()) continue;
+          check_sizes();
+          bool same_grad = false;
+          {
+            const py::object ref = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(g_refs.ptr(), i));
+            if (PyWeakref_CheckRef(ref.ptr())) {
+              PyObject* target = PyWeakref_GetObject(ref.ptr());  // borrowed; compared at once, no call between
+              if (target == nullptr) throw py::error_already_set();
+              same_grad = target == g.ptr();
+            }
+          }
+          // the param: its record (code 0 / pointer -1: none yet) and everything in it
+          const int64_t code = r[R_CODE];
+          bool ok = code >= 1 && code <= 3 && r[R_PPTR] != -1 && as_int(call(T.data_ptr, p.ptr())) == r[R_PPTR];
+          check_sizes();
+          const py::object layout = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(layouts.ptr(), i));
+          ok = ok && same_layout(T, p.ptr(), r, layout.ptr());
+          ok = ok && (!r[R_LOWP] || as_int(get(T.version, p.ptr())) == r[R_PVER]);
+          if (!ok) {
+            changed.push_back(i);
+            continue;
+          }
+          if (same_grad) {
+            if (as_int(call(T.data_ptr, g.ptr())) == r[R_GPTR] && same_layout(T, g.ptr(), r, layout.ptr()))
+              ready.push_back(i);
+            else
+              changed.push_back(i);
+            continue;
+          }
+          // a new grad object: everything check_tensor(g, dtypes=(p.dtype,), shape=p.shape) and
+          // check_storage(g) verify, or the Python path (which raises the right message)
+          if (reinterpret_cast<PyObject*>(Py_TYPE(g.ptr())) != T.tensor_t || !truth(get(T.is_cpu, g.ptr())) ||
+              get(T.layout, g.ptr()).ptr() != T.strided || !same_layout(T, g.ptr(), r, layout.ptr()) ||
+              truth(call(T.is_conj, g.ptr()))) {
+            changed.push_back(i);
+            continue;
+          }
+          const int64_t numel = r[R_NUMEL];
+          if (numel > 0) {  // the elements must lie inside the grad's storage
+            const int64_t esize = code == 1 ? 4 : 2;
+            const int64_t off = as_int(call(T.storage_offset, g.ptr()));
+            const py::object st = call(T.untyped_storage, g.ptr());
+            const int64_t nbytes = as_int(call(T.storage_nbytes, st.ptr()));
+            if (off < 0 || off > (INT64_MAX / esize) - numel || (off + numel) * esize > nbytes) {
+              changed.push_back(i);
+              continue;
+            }
+          }
+          const int64_t gptr = as_int(call(T.data_ptr, g.ptr()));
+          PyObject* wr = PyWeakref_NewRef(g.ptr(), nullptr);
+          if (wr == nullptr) throw py::error_already_set();
+          check_sizes();
+          // the replaced item is released only at the end of this iteration, after the last use of
+          // anything borrowed (releasing it may run arbitrary code: the next iteration re-checks)
+          const py::object old_ref = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(g_refs.ptr(), i));
+          PyList_SetItem(g_refs.ptr(), i, wr);  // steals wr
+          r[R_GPTR] = gptr;
+          table[i * kTaskCols + kColG] = numel > 0 ? gptr : 0;
+          table[i * kTaskCols + kColGD] = code;
+          newgrad.push_back(i);
+        }
+        check_sizes();
+        auto arr = [](const std::vector<int64_t>& v) { return py::array_t<int64_t>(v.size(), v.data()); };
+        return py::make_tuple(arr(ready), arr(newgrad), arr(changed), arr(other));
+      },
+      py::arg("params"), py::arg("g_refs"), py::arg("rec"), py::arg("layouts"), py::arg("table"), py::arg("fns"),
+      "(ready, newgrad, changed, other): row indices of params with a grad, unchanged since validated "
+      "(ready); unchanged param with a new grad validated here, grad columns updated (newgrad); to "
+      "revalidate in Python (changed); params of other types (other, grad not read). Internal: "
+      "offload/optim.py. RuntimeError if a callback changes the size of a list.");
+}
