@@ -30,15 +30,7 @@ void adam_reference(const AdamTask& t, const AdamHyper& h) {
     if (h.grad_multiplier != 1.0) g = g * mult;
     if (h.maximize) g = -g;
 
-    float p = t.p[i];
-    // out is the user's parameter: an element that is not round(master) was written by the user
-    if (t.odtype == kBF16Sync) {
-      const uint16_t u = static_cast<const uint16_t*>(t.out)[i];
-      if (f32_to_bf16(p) != u) p = bf16_to_f32(u);
-    } else if (t.odtype == kF16Sync) {
-      const uint16_t u = static_cast<const uint16_t*>(t.out)[i];
-      if (f32_to_f16(p) != u) p = f16_to_f32(u);
-    }
+    float p = adopt_user_write(t.p[i], t.out, t.odtype, i);
     if (h.weight_decay != 0.0) {
       if (h.decoupled) p = p * decay;  // param.mul_(1 - lr * wd)
       else g = g + wd * p;             // grad.add(param, alpha=wd)
@@ -64,9 +56,7 @@ void adam_reference(const AdamTask& t, const AdamHyper& h) {
     t.m[i] = m;
     t.v[i] = v;
     t.p[i] = p;
-    if (t.odtype == kBF16 || t.odtype == kBF16Sync) static_cast<uint16_t*>(t.out)[i] = f32_to_bf16(p);
-    else if (t.odtype == kF16 || t.odtype == kF16Sync) static_cast<uint16_t*>(t.out)[i] = f32_to_f16(p);
-    else if (t.odtype == kF32) static_cast<float*>(t.out)[i] = p;
+    store_out_scalar(t.out, t.odtype, i, p);
   }
 }
 

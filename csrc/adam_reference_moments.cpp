@@ -62,7 +62,7 @@ void adam_reference_moments(const AdamQTask& t, const AdamHyper& h) {
       else g = static_cast<const float*>(t.g)[i];
       if (h.grad_multiplier != 1.0) g = g * mult;
       if (h.maximize) g = -g;
-      float p = t.p[i];
+      float p = adopt_user_write(t.p[i], t.out, t.odtype, i);
       if (h.weight_decay != 0.0) {
         if (h.decoupled) p = p * decay;
         else g = g + wd * p;
@@ -73,9 +73,7 @@ void adam_reference_moments(const AdamQTask& t, const AdamHyper& h) {
       const float sv = std::sqrt(v);
       p = p + ((-step_size) * m) / (sv * inv_bc2_sqrt + eps);
       t.p[i] = p;
-      if (t.odtype == kBF16) static_cast<uint16_t*>(t.out)[i] = f32_to_bf16(p);
-      else if (t.odtype == kF16) static_cast<uint16_t*>(t.out)[i] = f32_to_f16(p);
-      else if (t.odtype == kF32) static_cast<float*>(t.out)[i] = p;
+      store_out_scalar(t.out, t.odtype, i, p);
       if (!q8) {
         static_cast<uint16_t*>(t.m)[i] = f32_to_bf16(m);
         static_cast<uint16_t*>(t.v)[i] = f32_to_bf16(v);

@@ -148,4 +148,26 @@ static inline uint16_t f32_to_f16(float f) {
   return sign | static_cast<uint16_t>(r >> 13);
 }
 
+// Scalar reference helpers shared by adam_reference.cpp and adam_reference_moments.cpp.
+// The master's value before an update when out may be the user's parameter (kBF16Sync/kF16Sync):
+// an element of out that is not round(master) was written by the user and is taken instead.
+static inline float adopt_user_write(float master, const void* out, int64_t odtype, int64_t i) {
+  if (odtype == kBF16Sync) {
+    const uint16_t u = static_cast<const uint16_t*>(out)[i];
+    return f32_to_bf16(master) != u ? bf16_to_f32(u) : master;
+  }
+  if (odtype == kF16Sync) {
+    const uint16_t u = static_cast<const uint16_t*>(out)[i];
+    return f32_to_f16(master) != u ? f16_to_f32(u) : master;
+  }
+  return master;
+}
+
+// out[i] = p rounded to out's type (nothing for kNone).
+static inline void store_out_scalar(void* out, int64_t odtype, int64_t i, float p) {
+  if (odtype == kBF16 || odtype == kBF16Sync) static_cast<uint16_t*>(out)[i] = f32_to_bf16(p);
+  else if (odtype == kF16 || odtype == kF16Sync) static_cast<uint16_t*>(out)[i] = f32_to_f16(p);
+  else if (odtype == kF32) static_cast<float*>(out)[i] = p;
+}
+
 }  // namespace offload

@@ -124,7 +124,7 @@ static inline void q_update(float* __restrict p_, const void* __restrict g_, voi
   V g = load_grad<I, GD>(g_, i);
   if (RARE && f.use_mult) g = I::mul(g, c.mult);
   if (RARE && f.maximize) g = I::neg(g);
-  V p = I::load(p_ + i);
+  V p = adopt_user_writes<I, OD>(out_, i, I::load(p_ + i));  // kBF16Sync/kF16Sync: common.h
   if (RARE && f.use_wd) g = I::add(g, I::mul(c.wd, p));
   if (DECAY) p = I::mul(p, c.decay);
   if (!RARE || f.lerp_low) {
@@ -339,6 +339,8 @@ static void q_range_gd(const AdamQTask& t, const AdamScalars& s, int64_t bb, int
     case kNone: return q_range_t<I, GD, kNone>(t, s, bb, be);
     case kBF16: return q_range_t<I, GD, kBF16>(t, s, bb, be);
     case kF16: return q_range_t<I, GD, kF16>(t, s, bb, be);
+    case kBF16Sync: return q_range_t<I, GD, kBF16Sync>(t, s, bb, be);
+    case kF16Sync: return q_range_t<I, GD, kF16Sync>(t, s, bb, be);
     default: return q_range_t<I, GD, kF32>(t, s, bb, be);
   }
 }

@@ -33,7 +33,9 @@ void validate_adam_moments(const AdamQTask* tasks, int64_t ntasks, const AdamHyp
     const AdamQTask& t = tasks[i];
     if (t.n < 0) fail(i, "negative length");
     if (t.gdtype != kF32 && t.gdtype != kBF16 && t.gdtype != kF16) fail(i, "invalid gradient dtype code");
-    if (t.odtype != kNone && t.odtype != kF32 && t.odtype != kBF16 && t.odtype != kF16) fail(i, "invalid output dtype code");
+    if (t.odtype != kNone && t.odtype != kF32 && t.odtype != kBF16 && t.odtype != kF16 && t.odtype != kBF16Sync &&
+        t.odtype != kF16Sync)
+      fail(i, "invalid output dtype code");
     if (t.mfmt != kMomBF16 && t.mfmt != kMom8)
       fail(i, "invalid moment format code " + std::to_string(t.mfmt) + " (2 = bf16, 8 = 8bit)");
     if (t.n == 0) continue;

@@ -63,7 +63,7 @@ struct AdamQTask {
   int64_t n;         // elements
   int64_t step;      // step count after this update (>= 1)
   int64_t gdtype;
-  int64_t odtype;    // kNone | kBF16 | kF16 | kF32
+  int64_t odtype;    // kNone | kBF16 | kF16 | kF32 | kBF16Sync | kF16Sync (common.h)
   int64_t mfmt;      // kMomBF16 | kMom8
 };
 constexpr int kQTaskCols = 12;

@@ -152,6 +152,18 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp
         raise ValueError("amsgrad=True needs one max_exp_avg_sq per param")
     if outs is not None and len(outs) != n:
         raise ValueError(f"outs has {len(outs)} entries, params has {n}")
+    table = adam_table(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else None, steps, outs)
+    _C._adam_step(table, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                  bool(decoupled), bool(amsgrad), bool(maximize), float(grad_multiplier), int(threads),
+                  bool(reference))
+
+
+def adam_table(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, outs=None) -> np.ndarray:
+    """Validate the tensors of one multi-tensor Adam call and return its task table (rows as in
+    ``TASK_COLS``). ``max_exp_avg_sqs`` is None without amsgrad; ``outs[i]`` may be None. The
+    table holds raw pointers: the tensors must stay alive and unmoved while it is used."""
+    n = len(params)
+    amsgrad = max_exp_avg_sqs is not None
     table = np.zeros((n, TASK_COLS), dtype=np.int64)
     written, read = [], []
     for i in range(n):
@@ -173,9 +185,7 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp
         table[i] = (_ptr(p), _ptr(m), _ptr(v), _ptr(vm), _ptr(g), _ptr(o), k, step,
                     DTYPE_CODES[g.dtype], DTYPE_CODES[o.dtype] if o is not None else OUT_NONE)
     _check_no_overlap(written, read)
-    _C._adam_step(table, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                  bool(decoupled), bool(amsgrad), bool(maximize), float(grad_multiplier), int(threads),
-                  bool(reference))
+    return table
 
 
 def step_table(table: np.ndarray, hyper: dict, grad_multiplier: float, threads: int) -> None:

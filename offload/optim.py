@@ -739,10 +739,21 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         if self._store is not None:
             self._store.close()
 
+    def group_hyper(self, gi: int) -> dict:
+        """The validated hyperparameters of param group ``gi`` as the kernels take them (lr, beta1,
+        beta2, eps, weight_decay, decoupled, amsgrad, maximize); raises ValueError on a bad value."""
+        return self._group_hyper(self.param_groups[gi])
+
     @property
     def kernel_threads(self) -> int:
         """Native threads each kernel call uses (the ``threads=`` option; 0 = the pool's size)."""
         return self._threads or 0
+
+    @kernel_threads.setter
+    def kernel_threads(self, threads: Optional[int]) -> None:
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= 1024):
+            raise ValueError(f"threads must be None or an int in [0, 1024] (0 = the pool's size), got {threads!r}")
+        self._threads = threads or None
 
     def storage_info(self) -> dict:
         """Telemetry of NVMe/mmap state (bytes moved, I/O wait, kernel time, O_DIRECT or not); {} for RAM state."""

@@ -109,7 +109,7 @@ class GpuOffloadEngine:
         groups = [[p for p in g["params"] if p.numel() > small_param_numel] for g in opt.param_groups]
         self.small = DeviceSideAdam(opt, {gi: [p for p in g["params"] if p.numel() <= small_param_numel]
                                           for gi, g in enumerate(opt.param_groups)},
-                                    opt._group_hyper(opt.param_groups[0])["decoupled"])
+                                    opt.group_hyper(0)["decoupled"])
         self.buckets: List[Bucket] = build_buckets(groups, int(bucket_mb * 2 ** 20), device,
                                                    [bool(g["amsgrad"]) for g in opt.param_groups])
         self.slot_of: Dict[int, Slot] = {id(s.param): s for b in self.buckets for s in b.slots}
@@ -279,7 +279,7 @@ class GpuOffloadEngine:
         if len(b.ready) == len(b.slots):
             self._launch(b, sorted(b.ready))
             if self.eager:
-                self._queue_step(b, self.opt._group_hyper(self.opt.param_groups[b.group]), 1.0)
+                self._queue_step(b, self.opt.group_hyper(b.group), 1.0)
 
     def _before_accumulate(self, bi: int, pos: int, grad: torch.Tensor) -> None:
         # a gradient is about to be accumulated into p.grad while an earlier copy of it may still
@@ -367,7 +367,7 @@ class GpuOffloadEngine:
                 b.h2d_ev.synchronize()
             table = b.task_table(positions)
             t0 = time.perf_counter()
-            step_table(table, hyper, mult, self.opt._threads or 0)
+            step_table(table, hyper, mult, self.opt.kernel_threads)
             t1 = time.perf_counter()
             idx = np.asarray(positions, dtype=np.int64)
             b.steps.numpy()[idx] += 1
@@ -534,7 +534,7 @@ class GpuOffloadEngine:
             order = sorted(self.buckets, key=lambda x: x.rank)
             for b in order:
                 if b.copied and not b.queued:
-                    self._queue_step(b, self.opt._group_hyper(self.opt.param_groups[b.group]), mult)
+                    self._queue_step(b, self.opt.group_hyper(b.group), mult)
             for b in order:
                 if b.queued:
                     positions = sorted(b.copied)

@@ -54,22 +54,27 @@ def _bits(x):
     return x.view(torch.int16 if x.element_size() == 2 else torch.int32)
 
 
-@pytest.mark.parametrize("dt", LOWP)
-@pytest.mark.parametrize("n", [1, 7, 8, 33, 1000, 4099])
-def test_every_isa_and_thread_count_adopts_user_writes_like_the_reference(dt, n):
-    ref = _state(n, dt, seed=n)
-    _step(ref, True, 1)
+def _each_isa_and_thread_count():
     before = _kernels.get_isa()
     try:
         for isa in _kernels.available_isas():
             _kernels.set_isa(isa)
             for threads in (1, 2):
-                st = _state(n, dt, seed=n)
-                _step(st, False, threads)
-                for a, b in zip(st, ref):
-                    assert torch.equal(_bits(a), _bits(b)), (isa, threads)
+                yield isa, threads
     finally:
         _kernels.set_isa(before)
+
+
+@pytest.mark.parametrize("dt", LOWP)
+@pytest.mark.parametrize("n", [1, 7, 8, 33, 1000, 4099])
+def test_every_isa_and_thread_count_adopts_user_writes_like_the_reference(dt, n):
+    ref = _state(n, dt, seed=n)
+    _step(ref, True, 1)
+    for isa, threads in _each_isa_and_thread_count():
+        st = _state(n, dt, seed=n)
+        _step(st, False, threads)
+        for a, b in zip(st, ref):
+            assert torch.equal(_bits(a), _bits(b)), (isa, threads)
 
 
 @pytest.mark.parametrize("dt", LOWP)
@@ -88,11 +93,11 @@ def test_reference_takes_the_users_value_where_it_differs(dt):
         assert torch.equal(_bits(a), _bits(b))
 
 
-def _train(dt, mode, through_data):
+def _train(dt, mode, through_data, **opt_kw):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(3000).to(dt))
     kw = {} if mode == "ram" else dict(state=mode, nvme_dir=tempfile.mkdtemp(prefix="offload-uw-"))
-    opt = offload.AdamW([p], lr=1e-2, **kw)
+    opt = offload.AdamW([p], lr=1e-2, **kw, **opt_kw)
     for s in range(3):
         p.grad = torch.randn(3000).to(dt)
         opt.step()
@@ -111,4 +116,50 @@ def _train(dt, mode, through_data):
 @pytest.mark.parametrize("dt", LOWP)
 def test_writes_through_p_data_are_kept_in_every_state_mode(dt, mode):
     unseen, seen = _train(dt, mode, True), _train(dt, mode, False)
+    assert torch.equal(_bits(unseen), _bits(seen))
+
+
+# ---------------------------------------------------------------- compressed moments (issue 9)
+def _q_state(n, dt, fmt, seed):
+    from offload._moments import moment_state
+    master, _, _, g, out = _state(n, dt, seed)
+    st = moment_state(n, fmt)
+    return master, g, out, st
+
+
+def _q_step(s, fmt, reference, threads):
+    from offload._moments import moment_table, step_moment_table
+    from offload.step.table import _moment_cols
+    master, g, out, st = s
+    kw = dict(m_scales=[st["exp_avg_scale"]], v_scales=[st["exp_avg_sq_scale"]]) if fmt == "8bit" else {}
+    t = moment_table([master], [g], [st["exp_avg"]], [st["exp_avg_sq"]], [1], fmt=fmt, outs=[out], **kw)
+    t[:, _moment_cols(fmt)["odtype"]] = OUT_USER_PARAM[out.dtype]
+    step_moment_table(t, H, 1.0, threads, reference)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+@pytest.mark.parametrize("dt", LOWP)
+def test_compressed_moment_kernel_adopts_user_writes_on_every_isa(dt, fmt):
+    n = 1000
+    ref = _q_state(n, dt, fmt, seed=3)
+    master0, out0 = ref[0].clone(), ref[2].clone()
+    _q_step(ref, fmt, True, 1)
+    # the reference took the user's values: the same as starting from them with nothing to adopt
+    written = _bits(out0) != _bits(master0.to(dt))
+    start = torch.where(written, out0.float(), master0)
+    mirror = (start, ref[1], start.to(dt), _q_state(n, dt, fmt, seed=3)[3])
+    _q_step(mirror, fmt, True, 1)
+    assert written.sum() > n // 4 and torch.equal(_bits(ref[0]), _bits(mirror[0]))
+    for isa, threads in _each_isa_and_thread_count():
+        st = _q_state(n, dt, fmt, seed=3)
+        _q_step(st, fmt, False, threads)
+        for a, b in zip(st[:3], ref[:3]):
+            assert torch.equal(_bits(a), _bits(b)), (isa, threads)
+
+
+@pytest.mark.parametrize("mode", ["ram", "nvme"])
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+def test_writes_through_p_data_are_kept_with_compressed_moments(fmt, mode):
+    kw = dict(moments=fmt, moments_min_size=0)
+    unseen, seen = _train(torch.bfloat16, mode, True, **kw), _train(torch.bfloat16, mode, False, **kw)
     assert torch.equal(_bits(unseen), _bits(seen))

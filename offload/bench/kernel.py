@@ -140,7 +140,7 @@ class Ours(Contender):
         self.turn = 0
 
     def set_threads(self, threads: int) -> None:
-        self.opt._threads = threads
+        self.opt.kernel_threads = threads
 
     def prepare(self) -> None:
         if self.grad_sets is not None:
@@ -157,9 +157,13 @@ class OursKernel(Contender):
     name = "offload kernel call"
 
     def __init__(self, ours: Ours, threads: int):
-        plan = ours.opt._plans[0]
-        self.table = plan.table.copy()
-        self.table[:, _kernels.COL_STEP] = 10
+        # the optimizer's own state tensors (public opt.state), so the same memory as its step
+        opt, ps = ours.opt, ours.params
+        sts = [opt.state[p] for p in ps]
+        masters = [st.get("master_param", p) for st, p in zip(sts, ps)]
+        outs = [p if "master_param" in st else None for st, p in zip(sts, ps)]
+        self.table = _kernels.adam_table(masters, [p.grad for p in ps], [st["exp_avg"] for st in sts],
+                                         [st["exp_avg_sq"] for st in sts], None, [10] * len(ps), outs)
         self.threads = threads
 
     def step(self) -> None:

@@ -195,7 +195,7 @@ class BackwardFeed:
         if not act:
             return
         opt = self.face.opt
-        h = opt._group_hyper(opt.param_groups[b.group])
+        h = opt.group_hyper(b.group)
         for k in ("lr", "eps", "weight_decay", "beta1", "beta2"):
             if not math.isfinite(h[k]):
                 raise ValueError(f"group {b.group}: {k} = {h[k]} is not finite")

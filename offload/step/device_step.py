@@ -153,8 +153,8 @@ class DeviceStep:
             changed = {k for k, v in self._snapshot().items() if self._versions.get(k) != v}
             if changed:   # the user wrote parameters (e.g. model.load_state_dict): masters follow
                 self.engine.reload_masters(changed)
-            self.engine.step(opt.param_groups, lambda gi: opt._group_hyper(opt.param_groups[gi]), opt.state,
-                             mult, opt._threads or 0, active=active)
+            self.engine.step(opt.param_groups, opt.group_hyper, opt.state,
+                             mult, opt.kernel_threads, active=active)
             self._versions = self._snapshot()
             stats = self.engine.last_stats
         side.collect_times()

@@ -131,8 +131,6 @@ def _moment_rows(b, pieces, base, ptrs, steps) -> np.ndarray:
     t[:, c["n"]] = [pc.n for pc in pieces]
     t[:, c["step"]] = np.asarray(steps, dtype=np.int64).reshape(len(pieces))
     t[:, c["gdtype"]] = gc
-    # the compressed-moment kernel has no "out is the user's parameter" codes yet (csrc/common.h
-    # kBF16Sync/kF16Sync): plain bf16/fp16 out; writes through p.data are then not adopted here
-    t[:, c["odtype"]] = np.where(oc == 4, 2, np.where(oc == 5, 3, oc))
+    t[:, c["odtype"]] = oc
     t[:, c["mfmt"]] = MOMENT_FORMATS[b.moments]
     return t
