@@ -38,3 +38,16 @@ def test_step_bench_tiny_run_writes_json(tmp_path, state):
     assert (data["io_s"] is not None) == (state == "nvme")
     assert "peak RSS" in stdout
     assert [p for p in os.listdir(tmp_path) if p != "step.json"] == []
+
+
+@pytest.mark.timeout(300)
+def test_step_bench_compares_moment_formats_in_one_run(tmp_path):
+    out = tmp_path / "step.json"
+    stdout = _run(["step", "--dir", str(tmp_path), "--params", "3e5", "--tensors", "2", "--budget", "1MiB",
+                   "--steps", "1", "--no-ram", "--moments", "fp32,8bit", "--json", str(out)])
+    data = json.loads(out.read_text())
+    fp32, q8 = data["runs"]
+    assert (fp32["moments"], q8["moments"]) == ("fp32", "8bit")
+    assert q8["file_bytes"] < 0.75 * fp32["file_bytes"]   # bf16 params: 12 -> ~6 B/param on disk
+    assert "[issue 9] 8bit NVMe step <= 0.6x fp32" in stdout
+    assert [p for p in os.listdir(tmp_path) if p != "step.json"] == []

@@ -12,7 +12,9 @@ state, is reported apart):
   peak RSS    the process's peak resident memory, and its growth once parameters and gradients
               exist (what the optimizer itself costs: bounded by --budget)
 Parameters are bf16 by default (fp32 master|m|v on disk: 12 B/param); gradients are created
-once and reused.
+once and reused. ``--moments fp32,8bit`` runs the whole measurement once per moment format
+(``offload.AdamW(moments=...)``, the same parameters) and prints each format's step time as a
+ratio of the first's (issue 9's target: 8bit <= 0.6x fp32 on NVMe).
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ def _split(n: int, tensors: int) -> list:
     return [base + (1 if i < n % tensors else 0) for i in range(tensors)]
 
 
-def measure(args) -> dict:
+def measure(args, moments: str = "fp32") -> dict:
     n = int(float(args.params))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     budget = parse_size(args.budget)
@@ -76,7 +78,7 @@ def measure(args) -> dict:
     setup_s = time.perf_counter() - t0
     model_bytes = sum(p.numel() * p.element_size() * 2 for p in params)
     per_param = (12 if dtype != torch.float32 else 8)
-    report = dict(bench="step", state=args.state, params=n, tensors=args.tensors, dtype=args.dtype,
+    report = dict(bench="step", state=args.state, moments=moments, params=n, tensors=args.tensors, dtype=args.dtype,
                   host_budget=budget, dir=base, params_and_grads_bytes=model_bytes, state_bytes=n * per_param,
                   command="python -m offload.bench step " + " ".join(args.argv))
     try:
@@ -87,7 +89,7 @@ def measure(args) -> dict:
             cp = [p.detach().clone() for p in params]
             for c, p in zip(cp, params):
                 c.grad = p.grad
-            ram = AdamW(cp, lr=1e-4)
+            ram = AdamW(cp, lr=1e-4, moments=moments)
             times = []
             for _ in range(args.steps + 1):
                 t = time.perf_counter()
@@ -107,7 +109,7 @@ def measure(args) -> dict:
             dev_opts = dict(offload_device=FakeDevice(max_delay=0.0, poison=False, check=False))
         t = time.perf_counter()
         opt = AdamW(params, lr=1e-4, state=args.state, nvme_dir=work, host_budget=budget, nvme_options=opts,
-                    **dev_opts)
+                    moments=moments, **dev_opts)
         ctor_s = time.perf_counter() - t
         info = opt.storage_info()
         t = time.perf_counter()
@@ -150,13 +152,13 @@ def measure(args) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _print(report)
-    write_json(args.json, report)
     return report
 
 
 def _print(r: dict) -> None:
     gib = 2 ** 30
-    print(f"step benchmark: {r['params'] / 1e9:.3f} G {r['dtype']} params in {r['tensors']} tensors, state={r['state']}"
+    print(f"step benchmark: {r['params'] / 1e9:.3f} G {r['dtype']} params in {r['tensors']} tensors, state={r['state']}, "
+          f"moments={r['moments']}"
           f" ({r['file_bytes'] / GB:.2f} GB file, {r['buckets']} buckets, O_DIRECT={r['direct']}) in {r['dir']}; "
           f"host_budget {r['host_budget'] / gib:.2f} GiB = {r['slots']} x {r['slot_bytes'] / 2**20:.0f} MiB buffers")
     print(f"  {'step (median of ' + str(len(r['step_all_s'])) + ')':<34}{r['step_s']:9.3f} s   "
@@ -181,7 +183,21 @@ def _print(r: dict) -> None:
 
 
 def run(args) -> int:
-    measure(args)
+    formats = [f.strip() for f in args.moments.split(",") if f.strip()]
+    bad = [f for f in formats if f not in ("fp32", "bf16", "8bit")]
+    if bad or not formats:
+        raise SystemExit(f"--moments takes a comma-separated list of fp32, bf16, 8bit; got {args.moments!r}")
+    reports = [measure(args, f) for f in formats]
+    if len(reports) > 1:
+        first = reports[0]
+        print(f"moment formats, same run (step time vs moments={first['moments']}):")
+        for r in reports[1:]:
+            ratio = r["step_s"] / first["step_s"]
+            line = f"  moments={r['moments']}: step {r['step_s']:.3f} s = {ratio:.2f}x, file {r['file_bytes'] / GB:.2f} GB"
+            if r["moments"] == "8bit" and first["moments"] == "fp32" and args.state == "nvme":
+                line += f"   {'PASS' if ratio <= 0.6 else 'MISS'} [issue 9] 8bit NVMe step <= 0.6x fp32"
+            print(line)
+    write_json(args.json, reports[0] if len(reports) == 1 else dict(bench="step", runs=reports))
     return 0
 
 
@@ -201,6 +217,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-ram", action="store_true", help="skip the in-RAM kernel-only step")
     p.add_argument("--device-params", choices=("none", "fake"), default="none",
                    help="fake: parameters on offload.device.FakeDevice (GPU-params + NVMe path, copies on threads)")
+    p.add_argument("--moments", default="fp32",
+                   help="moment format(s), comma-separated: fp32, bf16, 8bit (default fp32; e.g. fp32,8bit)")
     p.add_argument("--json", default=None, metavar="PATH")
 
     def _run(args):

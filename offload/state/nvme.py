@@ -110,9 +110,8 @@ class NvmeTier(StateTier):
             raise RuntimeError("offload NvmeTier: no free slot (more buckets acquired than the ring holds)")
         return self._free.pop() if self._free else None
 
-    def _evict_read(self) -> None:
-        """Give up the read-ahead issued last (the furthest ahead): wait for it, free its slot."""
-        bi = next(reversed(self._reads))
+    def _drop_read(self, bi: int) -> None:
+        """Give up bucket ``bi``'s read-ahead: wait for it, free its slot."""
         s, req = self._reads.pop(bi)
         try:
             if req is not None:
@@ -121,16 +120,14 @@ class NvmeTier(StateTier):
             self._free.append(s)
         self.telemetry["evicted"] += 1
 
+    def _evict_read(self) -> None:
+        """Give up the read-ahead issued last (the furthest ahead)."""
+        self._drop_read(next(reversed(self._reads)))
+
     def keep_reads(self, wanted) -> None:
         """Cancel the read-aheads of buckets not in ``wanted`` (mispredicted): wait for them, free the slots."""
         for bi in [bi for bi in self._reads if bi not in wanted]:
-            s, req = self._reads.pop(bi)
-            try:
-                if req is not None:
-                    req.wait()
-            finally:
-                self._free.append(s)
-            self.telemetry["evicted"] += 1
+            self._drop_read(bi)
 
     def reading(self) -> int:
         """Read-aheads issued and not yet acquired."""

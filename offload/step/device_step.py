@@ -157,31 +157,25 @@ class DeviceStep:
                              mult, opt.kernel_threads, active=active)
             self._versions = self._snapshot()
             stats = self.engine.last_stats
-        side.collect_times()
-        self._nsteps += 1
-        dt = time.perf_counter() - t0
-        self._last = dict(step=self._nsteps, d2h_s=side.stats["d2h_s"] - s0["d2h_s"],
-                          kernel_s=stats["kernel_s"], h2d_s=side.stats["h2d_s"] - s0["h2d_s"],
-                          nvme_s=stats["nvme_s"], exposed_s=dt,
-                          d2h_bytes=side.stats["d2h_bytes"] - s0["d2h_bytes"],
-                          h2d_bytes=side.stats["h2d_bytes"] - s0["h2d_bytes"], buckets=stats["buckets"],
-                          skipped=skip, grad_multiplier=mult, overlapped=False, complete=True)
+        self._record(t0, s0, stats, mult, skipped=skip, overlapped=False)
 
     def _step_eager(self, t0: float, mult: float, gs, found_inf) -> None:
-        side = self.engine.side
         stats = self.feed.step(mult, gs, found_inf)
         s0 = stats["side0"]
         self._versions = self._snapshot()
+        self._record(t0, s0, stats, mult, skipped=stats["skipped"], overlapped=True, pipeline_s=stats["pipeline_s"])
+
+    def _record(self, t0: float, s0: dict, stats: dict, mult: float, **extra) -> None:
+        """last_step_stats() of the step that began at t0 (s0: the side's counters then)."""
+        side = self.engine.side
         side.collect_times()
         self._nsteps += 1
-        dt = time.perf_counter() - t0
         self._last = dict(step=self._nsteps, d2h_s=side.stats["d2h_s"] - s0["d2h_s"],
                           kernel_s=stats["kernel_s"], h2d_s=side.stats["h2d_s"] - s0["h2d_s"],
-                          nvme_s=stats["nvme_s"], exposed_s=dt,
+                          nvme_s=stats["nvme_s"], exposed_s=time.perf_counter() - t0,
                           d2h_bytes=side.stats["d2h_bytes"] - s0["d2h_bytes"],
                           h2d_bytes=side.stats["h2d_bytes"] - s0["h2d_bytes"], buckets=stats["buckets"],
-                          skipped=stats["skipped"], grad_multiplier=mult, overlapped=True, complete=True,
-                          pipeline_s=stats["pipeline_s"])
+                          grad_multiplier=mult, complete=True, **extra)
 
     # ------------------------------------------------------------------ the rest of the GPU face
     def synchronize(self) -> None:
