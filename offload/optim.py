@@ -7,139 +7,34 @@ keeps torch's constructor signature, defaults, validation messages and ``state_d
 ``master_param``, the one addition to torch's layout); the kernel writes the rounded new weight
 straight into the parameter in the same pass. Parameters the kernel cannot take but torch steps
 (float64, complex, non-contiguous, listed twice) go through torch's own Adam code (offload/fallback.py).
+
+The class is assembled from: host_ram.py (the host-RAM fp32-moment fast path), state_dict.py
+(state_dict / load_state_dict / checkpoint tensors), gpu.py (the GPU-offload face), checks.py
+(argument checks); this file holds the constructor, param groups, step dispatch and clipping.
 """
 from __future__ import annotations
 
 import math
 import weakref
-from collections import defaultdict
-from copy import deepcopy
-from itertools import chain
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
 
-from . import _C, _kernels, fallback, mformat
-from ._dist import is_dtensor, like, local  # DTensor (FSDP2): step the local shard
-from ._kernels import (COL_G, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
-                       COL_GD, DTYPE_CODES, OUT_USER_PARAM, check_tensor)
-from .buffers import round_up
-from ._plan import (REC_KEYS, GroupPlan, OverlapIndex, ParamState, StateMap, check_storage, fingerprint,
-                    get_version, no_grad_ref, record_param, sync_master)
-from .step.compressed import CompressedState  # opt.state[p] with compressed moments (issue 9)
+from . import _kernels, fallback
+from ._dist import is_dtensor, local  # DTensor (FSDP2): step the local shard
+from ._kernels import COL_STEP
+from ._plan import get_version
+from .checks import _check_hyper, _check_init, _check_moments, _check_param, _scalar
 from .gpu import GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
+from .host_ram import HostRamPath
+from .state_dict import StateDictMixin
 
 __all__ = ["Adam", "AdamW"]
 
-_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# what the native fast path (_C.collect_rows, csrc/rows.cpp) reads of each param/grad: the getset
-# descriptors and unbound methods of torch's tensor base class (direct C calls, no attribute lookup),
-# then the constants it compares with; the order is fixed by csrc/rows.cpp
-_TensorBase = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
-_TB = _TensorBase.__dict__
-_ROW_FNS = (_TB["grad"], _TB["data_ptr"], _TB["dtype"], _TB["stride"], _TB["is_neg"], _TB["is_conj"], _TB["_version"],
-            _TB["shape"], _TB["is_cpu"], _TB["layout"], _TB["storage_offset"], _TB["untyped_storage"],
-            torch._C.StorageBase.nbytes, torch.Tensor, torch.nn.Parameter, torch.strided,
-            torch.float32, torch.bfloat16, torch.float16, _TensorBase)
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-_ARENA_STAGGER = 16400  # floats (64 KiB + 64 B) between state streams of one arena: see _init_states
 
-
-def arena_gap(per_kind: int) -> int:
-    """Floats left after each state stream of an arena whose streams hold per_kind floats."""
-    return _ARENA_STAGGER if per_kind >= (1 << 18) else 16
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
-
-
-def _scalar(x) -> float:
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
-
-
-def _check_param(p: torch.Tensor, where: str, gpu_mode: bool = False) -> None:
-    if not isinstance(p, torch.Tensor):
-        raise TypeError(f"{where}: expected a torch.Tensor, got {type(p).__name__}")
-    p = local(p)  # DTensor (FSDP2): check the local shard
-    if gpu_mode:  # GPU offload: parameters on the device (or CPU tensors driven by a test device)
-        if p.device.type not in ("cpu", "cuda"):
-            raise RuntimeError(f"{where} is on {p.device}: GPU offload supports CUDA parameters")
-    elif p.device.type != "cpu":
-        raise RuntimeError(f"{where} is on {p.device}: offload steps CPU parameters, or CUDA parameters "
-                           "in GPU-offload mode (all parameters on one CUDA device, or offload_device=...)")
-    if p.layout is not torch.strided:
-        raise RuntimeError(f"{where} is a sparse ({p.layout}) tensor: not supported")
-    if p.is_complex():
-        raise TypeError(f"{where} is complex ({p.dtype}): offload supports float32, bfloat16 and float16 parameters")
-    if p.dtype not in _PARAM_DTYPES:
-        raise TypeError(f"{where} has dtype {p.dtype}: offload supports float32, bfloat16 and float16 parameters")
-    if not p.is_contiguous():
-        raise RuntimeError(f"{where} is not contiguous (strides {tuple(p.stride())}): offload updates "
-                           "parameters in place and never a temporary copy; make it contiguous first")
-    if p.is_neg():  # e.g. z.conj().imag: its memory holds the negated values, and is what the kernel updates
-        raise RuntimeError(f"{where} is a lazy negative-bit view: its memory does not hold its values; "
-                           "use p.data = p.data.resolve_neg() first")
-
-
-_F32_MAX = float(torch.finfo(torch.float32).max)
-
-
-def _check_moments(moments, min_size, amsgrad, params) -> str:
-    """``moments=`` and ``moments_min_size=`` of the constructor (issue 9)."""
-    mformat.check_moments(moments)
-    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-        raise ValueError(f"moments_min_size must be an int >= 0, got {min_size!r}")
-    if moments != "fp32":
-        if amsgrad or any(isinstance(g, dict) and g.get("amsgrad") for g in params):
-            raise ValueError(f"amsgrad=True is not supported with moments={moments!r} (compressed moments keep no "
-                             "max_exp_avg_sq); use moments='fp32' for amsgrad")
-    return moments
-
-
-def _check_hyper(lr, betas, eps, weight_decay) -> None:
-    # Same checks and messages as torch.optim.Adam.
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
-    if not 0.0 <= _scalar(lr):
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= _scalar(betas[0]) < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= _scalar(betas[1]) < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    # Beyond torch: torch.optim.AdamW raises "value cannot be converted to type float without
-    # overflow" at its first step for lr/eps above the float32 range and silently gives inf/NaN
-    # weights for lr=inf or a huge weight_decay; the native kernel computes in float32, so refuse.
-    for name, v in (("lr", _scalar(lr)), ("eps", float(eps)), ("weight_decay", float(weight_decay))):
-        if not v <= _F32_MAX:
-            raise ValueError(f"{name}={v} overflows float32 (max {_F32_MAX:.4g}), the precision the optimizer "
-                             "computes in: every weight would become inf/NaN; use a finite value in range")
-    if not _scalar(lr) * float(weight_decay) <= _F32_MAX:
-        raise ValueError(f"lr * weight_decay = {_scalar(lr) * float(weight_decay)} overflows float32: the decay "
-                         "factor 1 - lr*weight_decay would turn every weight into inf; use smaller values")
-
-
-def _check_init(params, betas, foreach, capturable) -> None:
-    """The constructor-only checks of torch.optim.Adam/Optimizer after the value checks, in torch's order."""
-    if not ((isinstance(betas[0], float) and isinstance(betas[1], float))
-            or (isinstance(betas[0], torch.Tensor) and isinstance(betas[1], torch.Tensor))):
-        raise ValueError("betas must be either both floats or both Tensors")
-    for i in (0, 1):
-        if isinstance(betas[i], torch.Tensor):
-            if not capturable and foreach:
-                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
-            if betas[i].numel() != 1:
-                raise ValueError(f"Tensor betas[{i}] must be 1-element")
-    if isinstance(params, torch.Tensor):
-        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
-                        "but got " + torch.typename(params))
-
-
-class _AdamBase(GpuOffloadMixin, Optimizer):
+class _AdamBase(HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None,
@@ -287,192 +182,6 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         d.pop("_gpu_device", None)
         return d
 
-    def _plan(self, gi: int, group: dict) -> GroupPlan:
-        plan = self._plans.get(gi)
-        params = group["params"]
-        if plan is not None and plan.matches(params):
-            return plan
-        plan = GroupPlan(params)
-        for i, p in enumerate(params):
-            st = self.state.get(p)
-            if st:
-                self._adopt_state(plan, i, p, st, group)
-        self._plans[gi] = plan
-        self._plans.pop("overlap", None)
-        return plan
-
-    # ------------------------------------------------------------------ state
-    def _track_state(self) -> None:
-        """Make ``self.state`` a mutation-counting map and re-check every row if anything in it changed.
-
-        ``opt.state = defaultdict(dict)``, ``opt.state.clear()``, ``del opt.state[p]`` and
-        ``opt.state[p] = {}`` give fresh state (step 0) as in torch; a replaced state tensor is
-        adopted (validated, converted to fp32 if needed) and the kernel writes into it from then on.
-        """
-        d = self.__dict__
-        epoch = d.get("_state_epoch")
-        if epoch is None:
-            epoch = d["_state_epoch"] = [0]
-        state = self.state
-        if type(state) is not StateMap or state._epoch is not epoch:
-            wrapped = StateMap(epoch=epoch)
-            for k, v in state.items():
-                wrapped[k] = v
-            self.state = state = wrapped
-            epoch[0] += 1  # a replaced (even empty) opt.state: every row is re-checked below
-        if d.get("_state_seen") == epoch[0]:
-            return
-        for gi, plan in list(self._plans.items()):
-            if not isinstance(gi, int):
-                continue
-            group = self.param_groups[gi] if gi < len(self.param_groups) else None
-            if group is None or not plan.matches(group["params"]):
-                continue  # rebuilt (and every state adopted) by _plan
-            for i, p in enumerate(plan.params):
-                st, rec = state.get(p), plan.rec[i]
-                if not st:
-                    if rec is not None:  # deleted or emptied: fresh state at step 0 on its next gradient
-                        plan.rec[i] = None
-                        plan.p_ptr[i] = -1
-                        plan.g_ref[i] = no_grad_ref
-                elif rec is None or st is not rec[0] or any(st.get(k) is not t for k, t in zip(REC_KEYS, rec[1:])):
-                    self._adopt_state(plan, i, p, st, group)
-        d["_state_seen"] = epoch[0]
-
-    def _init_states(self, plan: GroupPlan, rows: list, group: dict) -> None:
-        """Create the state of several parameters at once, carved out of one zeroed fp32 arena.
-
-        Each state kind is one contiguous stream (all exp_avg, then all exp_avg_sq, ...) with every
-        tensor starting on a 64-byte boundary, so many small parameters still stream like one large
-        one (no page-sized hops, fewer TLB misses). ``state[p][key]`` are ordinary views of it. The
-        arena is numpy-backed: its storage cannot be resized (freed) under the kernel.
-        """
-        dparams = [plan.params[i] for i in rows]
-        for i, p in zip(rows, dparams):
-            _check_param(p, f"parameter {i}")
-        params = [local(p) for p in dparams]  # DTensor (FSDP2): state of the local shard
-        kinds = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-        padded = [round_up(p.numel(), 16) for p in params]  # 64-byte aligned fp32
-        lowp = [p.dtype in _LOW_PRECISION for p in params]
-        per_kind = sum(padded)
-        # Each stream starts `gap` floats after the previous one ends: streams exactly per_kind
-        # apart are congruent modulo a large power of two whenever the sizes are (128M params:
-        # 512 MiB), and then contend for the same cache sets / DRAM banks (measured on an AVX2
-        # EPYC: a 128M step 250 ms instead of 134 ms; issue 11). Small arenas fit the caches:
-        # one cache line of gap is enough there.
-        gap = arena_gap(per_kind)
-        total = (per_kind * len(kinds) + sum(n for n, lp in zip(padded, lowp) if lp)
-                 + gap * len(kinds))
-        arena = torch.from_numpy(np.zeros(total, dtype=np.float32))  # numpy-owned: cannot be resized under the kernel
-        off = 0
-        views: list = [ParamState() for _ in params]
-        for key in kinds:
-            for j, (p, n) in enumerate(zip(params, padded)):
-                views[j][key] = arena[off:off + p.numel()].view(p.shape)
-                off += n
-            off += gap
-        for j, (p, n) in enumerate(zip(params, padded)):
-            if lowp[j]:
-                master = arena[off:off + p.numel()].view(p.shape)
-                master.copy_(p.detach())
-                views[j]["master_param"] = master
-                off += n
-        for i, p, lp, st, low in zip(rows, dparams, params, views, lowp):
-            if is_dtensor(p):
-                st.update({k: like(p, v) for k, v in st.items()})
-            st["step"] = torch.tensor(0.0)
-            self.state[p] = st
-            self._adopt_state(plan, i, p, st, group)
-            if low:
-                plan.p_ver[i] = lp._version  # the master was just read from the parameter
-
-    def _adopt_state(self, plan: GroupPlan, i: int, p: torch.Tensor, st: dict, group: dict) -> None:
-        """Make state[p] native-ready (fp32, contiguous, CPU, p's shape) and record its pointers and objects."""
-        where = f"state of parameter {i}"
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key not in st:
-                raise KeyError(f"{where} has no '{key}'")
-        lp = local(p)
-        if group["amsgrad"] and "max_exp_avg_sq" not in st:
-            st["max_exp_avg_sq"] = like(p, torch.zeros(lp.shape, dtype=torch.float32))
-        if p.dtype in _LOW_PRECISION and "master_param" not in st:
-            st["master_param"] = like(p, lp.detach().to(torch.float32, copy=True))
-            plan.p_ver[i] = lp._version
-        for key in _STATE_KEYS:
-            if key in st:
-                t = st[key]
-                if not isinstance(t, torch.Tensor):
-                    raise TypeError(f"{where}: '{key}' is not a tensor")
-                lt = local(t)
-                if lt.numel() != lp.numel():
-                    raise ValueError(f"{where}: '{key}' has shape {tuple(lt.shape)} but the parameter has "
-                                     f"shape {tuple(lp.shape)}")
-                if lt.dtype != torch.float32 or lt.device.type != "cpu" or not lt.is_contiguous():
-                    lt = lt.detach().to(device="cpu", dtype=torch.float32).contiguous()
-                    st[key] = like(p, lt.view(lp.shape))
-                elif lt.shape != lp.shape:  # same elements, the parameter was reshaped
-                    st[key] = like(p, lt.view(lp.shape))
-                elif is_dtensor(p) and not is_dtensor(t):
-                    st[key] = like(p, lt)
-                check_storage(lt, f"{where}: '{key}'")
-        step = st.get("step", 0.0)
-        if isinstance(step, torch.Tensor) and step.numel() != 1:
-            raise ValueError(f"{where}: 'step' must be a number or a 1-element tensor, got shape {tuple(step.shape)}")
-        plan.steps[i] = _scalar(step)
-        st["step"] = plan.steps[i]  # 0-dim view: one vectorised add advances every step
-        row = plan.table[i]
-        row[COL_M] = _kernels._ptr(local(st["exp_avg"]))
-        row[COL_V] = _kernels._ptr(local(st["exp_avg_sq"]))
-        row[COL_VMAX] = _kernels._ptr(local(st.get("max_exp_avg_sq")))
-        row[COL_N] = lp.numel()
-        plan.rec[i] = (st,) + tuple(st.get(k) for k in REC_KEYS)  # keeps what the kernel writes alive
-        plan.p_ptr[i] = -1  # forces the param columns to be refreshed
-        plan.p_meta[i] = None
-        plan.g_ref[i] = no_grad_ref
-        self._plans.pop("overlap", None)
-
-    def _refresh_param(self, plan: GroupPlan, i: int, p: torch.Tensor, st: dict) -> None:
-        """Re-validate parameter i if anything a user can change on it differs from the last step."""
-        lp = local(p)
-        meta = fingerprint(lp)
-        if meta == plan.p_meta[i]:
-            if plan.lowp[i] and lp._version != plan.p_ver[i]:
-                sync_master(st["master_param"], lp)  # written in place since the last step
-                plan.p_ver[i] = lp._version
-            if plan.p_ptr[i] == -1:  # record dropped (_track_state), row columns still valid
-                record_param(plan, i, lp, DTYPE_CODES[lp.dtype])
-            return
-        _check_param(p, f"parameter {i}")
-        check_storage(lp, f"parameter {i}")
-        if lp.numel() != plan.table[i, COL_N]:
-            raise RuntimeError(f"parameter {i} changed size ({plan.table[i, COL_N]} -> {lp.numel()} elements) "
-                               "since its optimizer state was created")
-        if plan.rec[i] is not None and plan.rec[i][1] is not None and local(plan.rec[i][1]).shape != lp.shape:
-            for key in _STATE_KEYS:  # reshaped (same elements): the state follows the parameter's shape
-                if key in st:
-                    st[key] = like(p, local(st[key]).view(lp.shape))
-            plan.rec[i] = (st,) + tuple(st.get(k) for k in REC_KEYS)
-        row = plan.table[i]
-        if lp.dtype in _LOW_PRECISION:
-            if "master_param" not in st:
-                st["master_param"] = like(p, lp.detach().to(torch.float32, copy=True))
-                plan.rec[i] = (st,) + tuple(st.get(k) for k in REC_KEYS)
-            else:  # a new tensor (p.data = ...) or a write in place: re-read what differs
-                sync_master(st["master_param"], lp)
-            plan.p_ver[i] = lp._version
-            row[COL_P] = _kernels._ptr(local(st["master_param"]))
-            row[COL_OUT] = _kernels._ptr(lp)
-            row[COL_OD] = OUT_USER_PARAM[lp.dtype]  # writes through p.data are adopted natively
-        else:
-            row[COL_P] = _kernels._ptr(lp)
-            row[COL_OUT] = 0
-            row[COL_OD] = 0
-        plan.lowp[i] = lp.dtype in _LOW_PRECISION
-        record_param(plan, i, lp, DTYPE_CODES[lp.dtype])  # what collect_rows compares from now on
-        plan.p_meta[i] = meta
-        self._plans.pop("overlap", None)
-
-    # ------------------------------------------------------------------ step
     def _group_hyper(self, group: dict) -> dict:
         lr, (beta1, beta2) = _scalar(group["lr"]), group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
@@ -480,68 +189,6 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
         decoupled = self._decoupled if self._decoupled is not None else bool(group["decoupled_weight_decay"])
         return dict(lr=lr, beta1=_scalar(beta1), beta2=_scalar(beta2), eps=float(eps), weight_decay=float(wd),
                     decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]))
-
-    def _collect(self, plan: GroupPlan, group: dict) -> tuple:
-        """Rows of parameters with a gradient, in order, and the rows whose gradient is new (to be
-        checked against the buffers the kernel writes); validates whatever changed since the last step.
-
-        The native gather (``_C.collect_rows``, csrc/rows.cpp) compares each row with its record
-        (param pointer, dtype, exact shape, contiguity, neg bit, bf16/fp16 version; the grad object,
-        and the same of the grad) and validates a new plain CPU gradient of an unchanged param
-        itself; every other row with a gradient is (re)validated here.
-        """
-        ready, newgrad, changed, other = _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts,
-                                                         plan.table, _ROW_FNS)
-        if len(other):  # DTensor (FSDP2) and other subclasses: their grad as they report it
-            changed = np.union1d(changed, np.array([i for i in other.tolist() if plan.params[i].grad is not None],
-                                                   dtype=np.int64))
-        if not len(changed):
-            if not len(newgrad):
-                return ready, newgrad
-            return np.union1d(ready, newgrad), newgrad
-        changed = changed.tolist()
-        table, state = plan.table, self.state
-        fresh = [i for i in changed if not state.get(plan.params[i])]
-        if fresh:
-            self._init_states(plan, fresh, group)
-        for i in changed:
-            p = plan.params[i]
-            st = state[p]
-            lp, g = local(p), local(p.grad)
-            self._refresh_param(plan, i, p, st)
-            check_tensor(g, f"gradient of parameter {i}", dtypes=(p.dtype,), shape=lp.shape)
-            check_storage(g, f"gradient of parameter {i}")
-            plan.g_ref[i] = weakref.ref(g)
-            plan.g_ptr[i] = g.data_ptr()
-            table[i, COL_G] = _kernels._ptr(g)
-            table[i, COL_GD] = DTYPE_CODES[g.dtype]
-        checked = np.union1d(newgrad, changed)
-        return np.union1d(ready, checked), checked
-
-    def _name(self, gi: int, i: int) -> str:
-        names = self.param_groups[gi].get("param_names") if gi < len(self.param_groups) else None
-        name = f" ({names[i]!r})" if names and i < len(names) else ""
-        return f"parameter {i}{name} of group {gi}"
-
-    def _check_overlap(self, work: list, changed: dict) -> None:
-        """Refuse rows about to be stepped that share memory, across all groups: what the kernel writes
-        must be disjoint, and no gradient may overlap a write. The write index is rebuilt only when a
-        row's parameter or state, or the set of stepped rows, changed; new gradients are checked
-        against it (binary search)."""
-        index = self._plans.get("overlap")
-        key = [(gi, rows) for gi, _, rows, _ in work]
-        if index is None or len(index.key) != len(key) or any(
-                a[0] != b[0] or not np.array_equal(a[1], b[1]) for a, b in zip(index.key, key)):
-            gis = [gi for gi, _, _, _ in work]
-            index = OverlapIndex([plan for _, plan, _, _ in work], [rows for _, _, rows, _ in work],
-                                 lambda pi, r: self._name(gis[pi], r))
-            index.key = key
-            self._plans["overlap"] = index
-            reads = {pi: rows for pi, (_, _, rows, _) in enumerate(work)}
-        else:
-            reads = {pi: changed[gi] for pi, (gi, _, _, _) in enumerate(work) if gi in changed}
-        if reads:
-            index.check_reads([plan for _, plan, _, _ in work], reads)
 
     def _pending_coefficient(self) -> float:
         """The clip coefficient left by clip_grad_norm_, if the gradients it was computed from are
@@ -684,52 +331,6 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
                    for k, gs in parts.items()}
         return allreduce_sumsq(partial)
 
-    # ------------------------------------------------------------------ state_dict
-    def state_dict(self) -> dict:
-        if self._gpu is not None:
-            self._gpu.synchronize()
-        if self._store is not None:
-            tensors = self._store.state_tensors()  # views of the mapped state file, not copies
-        sd = super().state_dict()
-        # hand out copies of step counters: ours are views into one shared buffer
-        sd["state"] = {k: ({kk: (vv.clone() if kk == "step" and isinstance(vv, torch.Tensor) else vv)
-                            for kk, vv in (v.plain() if isinstance(v, CompressedState) else v).items()}
-                           if isinstance(k, int) and isinstance(v, (dict, CompressedState)) else v)
-                       for k, v in sd["state"].items()}  # a non-parameter key (user data) is kept as is
-        if self._store is not None:
-            index = 0
-            for gi, g in enumerate(self.param_groups):
-                for i, _ in enumerate(g["params"]):
-                    if index in sd["state"] and (gi, i) in tensors:
-                        sd["state"][index].update(tensors[(gi, i)])
-                    index += 1
-        return sd
-
-    @property
-    def checkpoint_tensors(self):
-        """``offload.save``'s extension point (offload/checkpoint/adapter.py): with compressed moments
-        the checkpoint stores them compressed (``exp_avg.8bit``, scales, ...), so it resumes bitwise.
-        None otherwise: the checkpoint then goes through ``state_dict()`` as for any optimizer."""
-        if getattr(self, "moments", "fp32") == "fp32" or self._store is None:
-            return None
-        return self._checkpoint_tensors
-
-    def _checkpoint_tensors(self, create_from):
-        from .checkpoint.adapter import tensor_ref
-        if create_from is not None:  # never asked: this state loads through load_state_dict (loads_itself)
-            raise RuntimeError("compressed-moment state loads through load_state_dict")
-        tensors = self._store.raw_state_tensors()
-        refs, index = [], 0
-        for gi, g in enumerate(self.param_groups):
-            for i, p in enumerate(g["params"]):
-                if (gi, i) in tensors and self.state.get(p):
-                    for key in sorted(tensors[(gi, i)]):
-                        r = tensor_ref(f"state.{index}.{key}", index, key, tensors[(gi, i)][key])
-                        r.keep = self._store
-                        refs.append(r)
-                index += 1
-        return refs
-
     def close(self) -> None:
         """Release NVMe/mmap state (waits for I/O, deletes the state file unless keep_files) and the
         GPU-offload machinery (hooks, worker thread, a device the optimizer created). No-op otherwise."""
@@ -758,85 +359,6 @@ class _AdamBase(GpuOffloadMixin, Optimizer):
     def storage_info(self) -> dict:
         """Telemetry of NVMe/mmap state (bytes moved, I/O wait, kernel time, O_DIRECT or not); {} for RAM state."""
         return self._store.info() if self._store is not None else {}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state saved by this class or by ``torch.optim.Adam/AdamW``.
-
-        Unlike torch, moments stay fp32 for bf16/fp16 parameters (torch would cast them to the
-        parameter dtype); sizes are checked before anything is replaced.
-        """
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            hook_result = pre_hook(self, state_dict)
-            if hook_result is not None:
-                state_dict = hook_result
-        groups = self.param_groups
-        saved_groups = deepcopy(state_dict["param_groups"])
-        if len(groups) != len(saved_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
-            if len(g["params"]) != len(sg["params"]):
-                raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
-                                 f"optimizer's group (group {gi}: {len(sg['params'])} saved, {len(g['params'])} here)")
-        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
-                          chain.from_iterable(g["params"] for g in groups)))
-        new_state: defaultdict = defaultdict(dict)
-        router = fallback.Router()
-        for k, v in state_dict["state"].items():
-            if k not in id_map:
-                new_state[k] = v
-                continue
-            p = id_map[k]
-            if self._store is None and router.is_fallback(groups, p):  # torch's layout (offload/fallback.py)
-                for key, val in v.items():
-                    if isinstance(val, torch.Tensor) and key != "step" and val.shape != p.shape:
-                        raise ValueError(f"state '{key}' of saved parameter {k} has shape {tuple(val.shape)}, "
-                                         f"but the parameter has shape {tuple(p.shape)}")
-                new_state[p] = fallback.cast_state(p, deepcopy(v))
-                continue
-            st = {}
-            for key, val in v.items():
-                if key == "step":
-                    st[key] = torch.tensor(_scalar(val), dtype=torch.float32)
-                elif isinstance(val, torch.Tensor):
-                    if mformat.parse_saved_key(key) is not None:   # compressed moments: checked by the engine
-                        if self._store is None:
-                            raise ValueError(f"state '{key}' of saved parameter {k} holds compressed moments; this "
-                                             f"optimizer has moments={self.moments!r}: build it with moments="
-                                             f"{key.rsplit('.', 1)[1]!r}, or load a state_dict() (fp32 moments)")
-                        st[key] = val
-                        continue
-                    # a DTensor (FSDP2) parameter's state may come as its local shard (offload.load)
-                    want = local(p).shape if is_dtensor(p) and not is_dtensor(val) else p.shape
-                    if val.shape != want:
-                        raise ValueError(f"state '{key}' of saved parameter {k} has shape {tuple(val.shape)}, "
-                                         f"but the parameter has shape {tuple(want)}")
-                    dtype = torch.float32 if val.is_floating_point() else val.dtype
-                    if self._store is not None:
-                        st[key] = val  # streamed into the state file below, one bucket at a time
-                    else:
-                        st[key] = val.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
-                else:
-                    st[key] = deepcopy(val)
-            new_state[p] = st
-        for g, sg in zip(groups, saved_groups):
-            sg["params"] = g["params"]
-            if "param_names" in g and "param_names" not in sg:
-                sg["param_names"] = g["param_names"]
-        if self._gpu is not None:
-            self._gpu.synchronize()
-        if self._store is not None:  # NVMe/mmap state: write tensors to the file, keep only 'step' in RAM
-            where = {id(p): (gi, i) for gi, g in enumerate(groups) for i, p in enumerate(g["params"])}
-            entries = {where[id(p)]: st for p, st in new_state.items() if isinstance(p, torch.Tensor)}
-            self._store.load(entries)
-            for p, st in list(new_state.items()):
-                if isinstance(p, torch.Tensor):
-                    gi, i = where[id(p)]
-                    new_state[p] = self._store.torch_state(gi, i)  # step counter + views of the moments
-        self.__setstate__({"state": new_state, "param_groups": saved_groups})
-        if self._gpu is not None:
-            self._gpu.load_state()
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
 
     _decoupled: Optional[bool] = None
 

@@ -211,7 +211,7 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     master = sum(b.cap * 4 for b in lay.buckets if b.master)
     engine_ram = state == "ram" and moments != "fp32"   # compressed moments: the engine's RAM tier
     if state == "ram" and not on_gpu and not engine_ram:   # optim._init_states: streams of one arena staggered by a gap
-        from .optim import arena_gap   # the gap after each stream of the (one) arena
+        from .host_ram import arena_gap   # the gap after each stream of the (one) arena
         in_sections += 4 * arena_gap(sum(b.cap for b in lay.buckets)) * (3 if amsgrad else 2) if lay.buckets else 0
 
     rows: List[Row] = []

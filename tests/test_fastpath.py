@@ -11,7 +11,7 @@ import torch
 
 import offload
 from offload import _C
-from offload.optim import _ROW_FNS
+from offload.host_ram import _ROW_FNS
 
 
 def _setup(dtype=torch.float32, n=4, shape=(4, 4)):

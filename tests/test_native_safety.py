@@ -56,7 +56,7 @@ def test_collect_rows_survives_callbacks_that_shrink_the_lists():
     r = _run("""
         import torch, offload
         from offload import _C
-        from offload.optim import _ROW_FNS
+        from offload.host_ram import _ROW_FNS
         F = list(_ROW_FNS)
         for where in ("grad", "data_ptr", "stride", "is_neg", "untyped_storage"):
             n = 64
@@ -98,7 +98,7 @@ def test_collect_rows_refuses_bad_arguments():
     opt = offload.AdamW(params)
     opt.step()
     plan = opt._plans[0]
-    from offload.optim import _ROW_FNS
+    from offload.host_ram import _ROW_FNS
     with pytest.raises(ValueError, match="one entry per parameter"):
         _C.collect_rows(plan.params[:2], plan.g_ref, plan.meta, plan.layouts, plan.table, _ROW_FNS)
     with pytest.raises(ValueError, match="rec must be a writable"):

@@ -1,0 +1,144 @@
+"""state_dict.py: offload.Adam/AdamW's state_dict / load_state_dict in torch's layout (every mode:
+RAM arenas, NVMe/mmap state, compressed moments, GPU offload), and the tensors a checkpoint saves.
+A mixin of the optimizer class."""
+from __future__ import annotations
+
+from collections import defaultdict
+from copy import deepcopy
+from itertools import chain
+
+import torch
+
+from . import fallback, mformat
+from ._dist import is_dtensor, local
+from .checks import _scalar
+from .step.compressed import CompressedState
+
+
+class StateDictMixin:
+    """state_dict() / load_state_dict() / checkpoint_tensors of offload.optim._AdamBase."""
+
+    # ------------------------------------------------------------------ state_dict
+    def state_dict(self) -> dict:
+        if self._gpu is not None:
+            self._gpu.synchronize()
+        if self._store is not None:
+            tensors = self._store.state_tensors()  # views of the mapped state file, not copies
+        sd = super().state_dict()
+        # hand out copies of step counters: ours are views into one shared buffer
+        sd["state"] = {k: ({kk: (vv.clone() if kk == "step" and isinstance(vv, torch.Tensor) else vv)
+                            for kk, vv in (v.plain() if isinstance(v, CompressedState) else v).items()}
+                           if isinstance(k, int) and isinstance(v, (dict, CompressedState)) else v)
+                       for k, v in sd["state"].items()}  # a non-parameter key (user data) is kept as is
+        if self._store is not None:
+            index = 0
+            for gi, g in enumerate(self.param_groups):
+                for i, _ in enumerate(g["params"]):
+                    if index in sd["state"] and (gi, i) in tensors:
+                        sd["state"][index].update(tensors[(gi, i)])
+                    index += 1
+        return sd
+
+    @property
+    def checkpoint_tensors(self):
+        """``offload.save``'s extension point (offload/checkpoint/adapter.py): with compressed moments
+        the checkpoint stores them compressed (``exp_avg.8bit``, scales, ...), so it resumes bitwise.
+        None otherwise: the checkpoint then goes through ``state_dict()`` as for any optimizer."""
+        if getattr(self, "moments", "fp32") == "fp32" or self._store is None:
+            return None
+        return self._checkpoint_tensors
+
+    def _checkpoint_tensors(self, create_from):
+        from .checkpoint.adapter import tensor_ref
+        if create_from is not None:  # never asked: this state loads through load_state_dict (loads_itself)
+            raise RuntimeError("compressed-moment state loads through load_state_dict")
+        tensors = self._store.raw_state_tensors()
+        refs, index = [], 0
+        for gi, g in enumerate(self.param_groups):
+            for i, p in enumerate(g["params"]):
+                if (gi, i) in tensors and self.state.get(p):
+                    for key in sorted(tensors[(gi, i)]):
+                        r = tensor_ref(f"state.{index}.{key}", index, key, tensors[(gi, i)][key])
+                        r.keep = self._store
+                        refs.append(r)
+                index += 1
+        return refs
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state saved by this class or by ``torch.optim.Adam/AdamW``.
+
+        Unlike torch, moments stay fp32 for bf16/fp16 parameters (torch would cast them to the
+        parameter dtype); sizes are checked before anything is replaced.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hook_result = pre_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
+        groups = self.param_groups
+        saved_groups = deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                                 f"optimizer's group (group {gi}: {len(sg['params'])} saved, {len(g['params'])} here)")
+        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
+                          chain.from_iterable(g["params"] for g in groups)))
+        new_state: defaultdict = defaultdict(dict)
+        router = fallback.Router()
+        for k, v in state_dict["state"].items():
+            if k not in id_map:
+                new_state[k] = v
+                continue
+            p = id_map[k]
+            if self._store is None and router.is_fallback(groups, p):  # torch's layout (offload/fallback.py)
+                for key, val in v.items():
+                    if isinstance(val, torch.Tensor) and key != "step" and val.shape != p.shape:
+                        raise ValueError(f"state '{key}' of saved parameter {k} has shape {tuple(val.shape)}, "
+                                         f"but the parameter has shape {tuple(p.shape)}")
+                new_state[p] = fallback.cast_state(p, deepcopy(v))
+                continue
+            st = {}
+            for key, val in v.items():
+                if key == "step":
+                    st[key] = torch.tensor(_scalar(val), dtype=torch.float32)
+                elif isinstance(val, torch.Tensor):
+                    if mformat.parse_saved_key(key) is not None:   # compressed moments: checked by the engine
+                        if self._store is None:
+                            raise ValueError(f"state '{key}' of saved parameter {k} holds compressed moments; this "
+                                             f"optimizer has moments={self.moments!r}: build it with moments="
+                                             f"{key.rsplit('.', 1)[1]!r}, or load a state_dict() (fp32 moments)")
+                        st[key] = val
+                        continue
+                    # a DTensor (FSDP2) parameter's state may come as its local shard (offload.load)
+                    want = local(p).shape if is_dtensor(p) and not is_dtensor(val) else p.shape
+                    if val.shape != want:
+                        raise ValueError(f"state '{key}' of saved parameter {k} has shape {tuple(val.shape)}, "
+                                         f"but the parameter has shape {tuple(want)}")
+                    dtype = torch.float32 if val.is_floating_point() else val.dtype
+                    if self._store is not None:
+                        st[key] = val  # streamed into the state file below, one bucket at a time
+                    else:
+                        st[key] = val.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+                else:
+                    st[key] = deepcopy(val)
+            new_state[p] = st
+        for g, sg in zip(groups, saved_groups):
+            sg["params"] = g["params"]
+            if "param_names" in g and "param_names" not in sg:
+                sg["param_names"] = g["param_names"]
+        if self._gpu is not None:
+            self._gpu.synchronize()
+        if self._store is not None:  # NVMe/mmap state: write tensors to the file, keep only 'step' in RAM
+            where = {id(p): (gi, i) for gi, g in enumerate(groups) for i, p in enumerate(g["params"])}
+            entries = {where[id(p)]: st for p, st in new_state.items() if isinstance(p, torch.Tensor)}
+            self._store.load(entries)
+            for p, st in list(new_state.items()):
+                if isinstance(p, torch.Tensor):
+                    gi, i = where[id(p)]
+                    new_state[p] = self._store.torch_state(gi, i)  # step counter + views of the moments
+        self.__setstate__({"state": new_state, "param_groups": saved_groups})
+        if self._gpu is not None:
+            self._gpu.load_state()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
