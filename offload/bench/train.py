@@ -210,7 +210,8 @@ def _fmt(x, spec):
     return format(x, spec)
 
 
-def print_table(out: dict, file=sys.stdout) -> None:
+def print_table(out: dict, file=None) -> None:
+    file = sys.stdout if file is None else file   # looked up per call: pytest's capsys swaps sys.stdout
     p = out["probe_gbps"]
     where = ("CUDA " + out["device"]) if not out["fake_device"] else \
         "CPU-only machine: fake device (copies are host memcpy on threads, not PCIe; times show pipeline overhead)"
