@@ -23,10 +23,7 @@ void adam_reference(const AdamTask& t, const AdamHyper& h) {
   const float mult = static_cast<float>(h.grad_multiplier);
 
   for (int64_t i = 0; i < t.n; ++i) {
-    float g;
-    if (t.gdtype == kBF16) g = bf16_to_f32(static_cast<const uint16_t*>(t.g)[i]);
-    else if (t.gdtype == kF16) g = f16_to_f32(static_cast<const uint16_t*>(t.g)[i]);
-    else g = static_cast<const float*>(t.g)[i];
+    float g = load_grad_scalar(t.g, t.gdtype, i);
     if (h.grad_multiplier != 1.0) g = g * mult;
     if (h.maximize) g = -g;
 

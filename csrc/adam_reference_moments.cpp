@@ -56,10 +56,7 @@ void adam_reference_moments(const AdamQTask& t, const AdamHyper& h) {
         m = bf16_to_f32(static_cast<const uint16_t*>(t.m)[i]);
         v = bf16_to_f32(static_cast<const uint16_t*>(t.v)[i]);
       }
-      float g;
-      if (t.gdtype == kBF16) g = bf16_to_f32(static_cast<const uint16_t*>(t.g)[i]);
-      else if (t.gdtype == kF16) g = f16_to_f32(static_cast<const uint16_t*>(t.g)[i]);
-      else g = static_cast<const float*>(t.g)[i];
+      float g = load_grad_scalar(t.g, t.gdtype, i);
       if (h.grad_multiplier != 1.0) g = g * mult;
       if (h.maximize) g = -g;
       float p = adopt_user_write(t.p[i], t.out, t.odtype, i);

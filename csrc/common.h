@@ -149,6 +149,13 @@ static inline uint16_t f32_to_f16(float f) {
 }
 
 // Scalar reference helpers shared by adam_reference.cpp and adam_reference_moments.cpp.
+// Gradient element i widened exactly to fp32 (dtype kF32 | kBF16 | kF16).
+static inline float load_grad_scalar(const void* g, int64_t dtype, int64_t i) {
+  if (dtype == kBF16) return bf16_to_f32(static_cast<const uint16_t*>(g)[i]);
+  if (dtype == kF16) return f16_to_f32(static_cast<const uint16_t*>(g)[i]);
+  return static_cast<const float*>(g)[i];
+}
+
 // The master's value before an update when out may be the user's parameter (kBF16Sync/kF16Sync):
 // an element of out that is not round(master) was written by the user and is taken instead.
 static inline float adopt_user_write(float master, const void* out, int64_t odtype, int64_t i) {
