@@ -273,8 +273,7 @@ class _AdamBase(HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):
         return loss
 
     def _clear_pending(self) -> None:
-        self._pending_multiplier = 1.0
-        self._plans.pop("clip", None)
+        self.set_clip_coefficient(1.0, [])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad; also discards a clip coefficient computed from the discarded gradients."""
@@ -312,12 +311,23 @@ class _AdamBase(HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total}), so it cannot be clipped")
         coef = float(max_norm) / (total + 1e-6)
-        self._pending_multiplier = pending * coef if coef < 1.0 else pending
-        if self._pending_multiplier != 1.0:  # tied to these gradients (weakly: zero_grad frees them)
+        self.set_clip_coefficient(pending * coef if coef < 1.0 else pending, params)
+        return torch.tensor(total, dtype=torch.float32)
+
+    def pending_clip_coefficient(self) -> float:
+        """The coefficient a clip_grad_norm_ left for the next step, if its gradients are still the
+        ones about to be used (1.0 if they were replaced; RuntimeError if modified in place)."""
+        return self._pending_coefficient()
+
+    def set_clip_coefficient(self, mult: float, params: list) -> None:
+        """Record ``mult`` as the coefficient the next step applies, tied to the current gradients of
+        ``params`` (weakly: zero_grad frees them), as clip_grad_norm_ does (also the GPU path's)."""
+        self._pending_multiplier = mult
+        if mult != 1.0:
+            grads = [p.grad for p in params]
             self._plans["clip"] = (params, list(map(weakref.ref, grads)), list(map(get_version, grads)))
         else:
             self._plans.pop("clip", None)
-        return torch.tensor(total, dtype=torch.float32)
 
     def _grad_sumsq(self, grads: list) -> float:
         """Sum of squares of all gradients; for DTensor (FSDP2) shards, all-reduced across ranks."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import weakref
 from typing import Optional
 
 import torch
@@ -108,26 +107,20 @@ class DeviceStep:
                 "optimizer steps buckets during backward. Construct it with max_grad_norm=... (clipping inside "
                 "step()) or step_during_backward=False.")
         opt = self.opt
-        pending = opt._pending_coefficient()   # a coefficient left by an earlier call, if still valid
+        pending = opt.pending_clip_coefficient()   # a coefficient left by an earlier call, if still valid
         total = math.sqrt(self._sumsq()) * pending
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total}), so it cannot be clipped")
         coef = float(max_norm) / (total + 1e-6)
-        opt._pending_multiplier = pending * coef if coef < 1.0 else pending
-        if opt._pending_multiplier != 1.0:   # tied to these gradients, as in optim.clip_grad_norm_
-            from .._plan import get_version
-            params = [p for ps in self.engine.groups for p in ps if p.grad is not None]
-            grads = [p.grad for p in params]
-            opt._plans["clip"] = (params, list(map(weakref.ref, grads)), list(map(get_version, grads)))
-        else:
-            opt._plans.pop("clip", None)
+        opt.set_clip_coefficient(pending * coef if coef < 1.0 else pending,
+                                 [p for ps in self.engine.groups for p in ps if p.grad is not None])
         return torch.tensor(total, dtype=torch.float32)
 
     def step(self, grad_multiplier: Optional[float]) -> None:
         t0 = time.perf_counter()
         opt = self.opt
-        mult = opt._pending_coefficient() * (1.0 if grad_multiplier is None else float(grad_multiplier))
-        opt._clear_pending()   # a step that happens or is skipped uses the clip coefficient up
+        mult = opt.pending_clip_coefficient() * (1.0 if grad_multiplier is None else float(grad_multiplier))
+        opt.set_clip_coefficient(1.0, [])   # a step that happens or is skipped uses the clip coefficient up
         gs = getattr(opt, "grad_scale", None)
         found_inf = getattr(opt, "found_inf", None)
         if gs is not None:
