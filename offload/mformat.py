@@ -20,12 +20,17 @@ import torch
 
 from ._moments import MOMENT_BLOCK, MOMENT_FORMATS, decode_moments, moment_state
 
-__all__ = ["FORMATS", "BLOCK", "check_moments", "sections", "per_block", "saved_key", "parse_saved_key",
+__all__ = ["FORMATS", "BLOCK", "CODE_VERSIONS", "check_moments", "sections", "per_block", "saved_key", "parse_saved_key",
            "spec", "encode", "decode", "MOMENT_KEYS"]
 
 FORMATS = ("fp32",) + tuple(MOMENT_FORMATS)
 BLOCK = MOMENT_BLOCK
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+# The version of each format's byte code (what bytes a value becomes). offload.save records it in
+# the checkpoint and offload.load refuses compressed moments of another version, which would decode
+# to different values. Bump it whenever the kernel's encoder changes its bytes for the same input:
+# tests/test_moment_codes.py pins a digest of each format's bytes per version and fails until you do.
+CODE_VERSIONS = {"bf16": 1, "8bit": 1}
 
 
 def check_moments(moments) -> str:

@@ -22,6 +22,7 @@ from typing import List, Optional
 import torch
 
 from .._dist import is_dtensor, local, world
+from ..mformat import CODE_VERSIONS, parse_saved_key
 from . import adapter
 from .format import (DEFAULT_CHUNK, FORMAT, INDEX, INTENT_RE, RANK_RE, TMP_RE, VERSION, CheckpointError, GEN_RE,
                      atomic_write_bytes, create_new, dtype_tag, fsync_dir, generation_of, intent_name,
@@ -101,7 +102,10 @@ def describe(opt, sd_state: dict, refs: List[adapter.StateTensor]) -> dict:
             "params": prec, "pending_grad_multiplier": adapter.pending_multiplier(opt),
             "tensors": [{"name": r.name, "param": r.param, "key": r.key,
                          "dtype": dtype_tag(r.dtype, f"state tensor {r.name}"), "shape": list(r.shape)}
-                        for r in refs]}
+                        for r in refs],
+            # compressed moments: the byte code they were written with (offload/mformat.py)
+            "moment_codes": {f: CODE_VERSIONS[f] for f in sorted({parse_saved_key(r.key)[1] for r in refs
+                                                                  if parse_saved_key(r.key)})}}
 
 
 def previous_index(directory: str) -> Optional[dict]:

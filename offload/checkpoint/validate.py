@@ -19,7 +19,7 @@ from typing import List, Optional
 import torch
 
 from .._dist import is_dtensor, local
-from ..mformat import parse_saved_key, spec as moment_spec
+from ..mformat import CODE_VERSIONS, parse_saved_key, spec as moment_spec
 from . import adapter
 from .format import (DTYPES, FORMAT, GEN_RE, INDEX, MAX_JSON, TAGS, VERSION, CheckpointError, check_compatible,
                      check_plain_name, decode_json, decode_value, element_size, file_layout, is_int, is_number,
@@ -225,6 +225,13 @@ def _check_tensors(opt, ridx: dict, rpath: str, pplans: List[ParamPlan]) -> List
                   f"{name}: the checkpoint holds moments={sfmt!r} (compressed) state, this optimizer has "
                   f"moments={getattr(opt, 'moments', 'fp32')!r} with state in plain tensors: build it with "
                   f"moments={sfmt!r} (or any moments= with state='nvme'/'mmap', which converts) to load it")
+            codes = ridx.get("moment_codes", {})   # absent before code versions were recorded: version 1
+            saved_code = codes.get(sfmt, 1) if isinstance(codes, dict) else None
+            _need(saved_code == CODE_VERSIONS[sfmt],
+                  f"{name}: the checkpoint's {sfmt} moments were written with byte code version {saved_code!r}, this "
+                  f"offload decodes version {CODE_VERSIONS[sfmt]}: loading them would give wrong moments. Load the "
+                  f"checkpoint with the offload version that wrote it and save opt.state_dict() (fp32 moments, "
+                  f"which any version loads), or resume with fresh moments")
             want_dt, want_n = moment_spec(sfmt, p.numel())[k0]
             _need(dtype == want_dt and _numel(shape) == want_n,
                   f"{name}: a {sfmt} moment tensor of dtype {dtype} and shape {tuple(shape)}, expected {want_dt} "
