@@ -24,12 +24,7 @@ class StateDictMixin:
             self._gpu.synchronize()
         if self._store is not None:
             tensors = self._store.state_tensors()  # views of the mapped state file, not copies
-        sd = super().state_dict()
-        # hand out copies of step counters: ours are views into one shared buffer
-        sd["state"] = {k: ({kk: (vv.clone() if kk == "step" and isinstance(vv, torch.Tensor) else vv)
-                            for kk, vv in (v.plain() if isinstance(v, CompressedState) else v).items()}
-                           if isinstance(k, int) and isinstance(v, (dict, CompressedState)) else v)
-                       for k, v in sd["state"].items()}  # a non-parameter key (user data) is kept as is
+        sd = self._state_dict_without_tier()
         if self._store is not None:
             index = 0
             for gi, g in enumerate(self.param_groups):
@@ -37,6 +32,24 @@ class StateDictMixin:
                     if index in sd["state"] and (gi, i) in tensors:
                         sd["state"][index].update(tensors[(gi, i)])
                     index += 1
+        return sd
+
+    def checkpoint_state(self) -> dict:
+        """``state_dict()['state']`` without the tensors that ``checkpoint_tensors`` hands out (the
+        moments and master weights kept in a tier): step counts and any other entries. offload.save
+        uses it so that saving compressed moments never decodes them (a transient fp32 copy of every
+        moment, 8 B per parameter in RAM)."""
+        if self._gpu is not None:
+            self._gpu.synchronize()
+        return self._state_dict_without_tier()["state"]
+
+    def _state_dict_without_tier(self) -> dict:
+        sd = super().state_dict()
+        # hand out copies of step counters: ours are views into one shared buffer
+        sd["state"] = {k: ({kk: (vv.clone() if kk == "step" and isinstance(vv, torch.Tensor) else vv)
+                            for kk, vv in (v.plain() if isinstance(v, CompressedState) else v).items()}
+                           if isinstance(k, int) and isinstance(v, (dict, CompressedState)) else v)
+                       for k, v in sd["state"].items()}  # a non-parameter key (user data) is kept as is
         return sd
 
     @property

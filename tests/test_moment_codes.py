@@ -88,3 +88,27 @@ def test_fp32_checkpoint_records_no_codes(tmp_path):
     opt.step()
     offload.save(opt, str(tmp_path / "ck"))
     assert json.load(open(_rank_index(str(tmp_path / "ck"))))["moment_codes"] == {}
+
+
+@pytest.mark.parametrize("state", ["ram", "mmap"])
+def test_save_never_decodes_compressed_moments(tmp_path, monkeypatch, state):
+    """offload.save stores the compressed bytes; decoding them (a transient fp32 copy of every
+    moment) would defeat bounded memory with large NVMe/mmap states."""
+    kw = dict(state=state, nvme_dir=str(tmp_path)) if state != "ram" else {}
+    g = torch.Generator().manual_seed(3)
+    p = torch.randn(4096 + 300, generator=g)
+    opt = offload.AdamW([p], lr=1e-2, moments="8bit", **kw)
+    for _ in range(2):
+        p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    want = _digest(opt)
+
+    def no_decode(*a, **k):
+        raise AssertionError("offload.save decoded the compressed moments")
+    with monkeypatch.context() as m:
+        m.setattr(mformat, "decode", no_decode)
+        offload.save(opt, str(tmp_path / "ck"))
+    other = offload.AdamW([p.detach().clone()], lr=1e-2, moments="8bit")
+    offload.load(other, str(tmp_path / "ck"))
+    assert _digest(other) == want
+    assert other.state[other.param_groups[0]["params"][0]]["step"] == 2

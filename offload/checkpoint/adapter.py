@@ -144,9 +144,11 @@ def saved_state(opt) -> tuple:
     """(per-parameter state dicts by index, StateTensors) of the optimizer, through public API:
     ``checkpoint_tensors`` if defined, else ``state_dict()`` (tensors are references or views)."""
     hook = getattr(opt, "checkpoint_tensors", None)
-    sd_state = opt.state_dict()["state"]
-    if hook is not None:
+    if hook is not None:   # the tensors come from the hook: take the rest without reading any moment
+        scalars = getattr(opt, "checkpoint_state", None)
+        sd_state = scalars() if callable(scalars) else opt.state_dict()["state"]
         return sd_state, list(hook(None))
+    sd_state = opt.state_dict()["state"]
     refs = []
     for pidx in range(len(params(opt))):
         st = sd_state.get(pidx) or {}
