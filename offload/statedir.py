@@ -26,13 +26,14 @@ import time
 import warnings
 from typing import List, NamedTuple, Optional
 
-__all__ = ["STATE_FILE", "MARKER", "make_private_dir", "write_marker", "mark_kept", "remove_own",
+__all__ = ["STATE_FILE", "EXPORT_FILE", "MARKER", "make_private_dir", "write_marker", "mark_kept", "remove_own",
            "find_stale_state", "remove_stale_state", "warn_stale", "StaleState"]
 
 STATE_FILE = "state.bin"
 MARKER = "owner.json"
 _MARKER_TMP = MARKER + ".tmp"
-_OWN_FILES = (STATE_FILE, MARKER, _MARKER_TMP)
+EXPORT_FILE = "export.tmp"   # decoded state_dict() tensors (offload/step/export.py): unlinked once mapped
+_OWN_FILES = (STATE_FILE, MARKER, _MARKER_TMP, EXPORT_FILE)
 _PREFIX = "offload-state-"
 _NAME = re.compile(r"offload-state-[a-z0-9_]{8}")  # tempfile.mkdtemp's random part
 _FORMAT = "offload-state-owner/1"

@@ -11,7 +11,7 @@ import torch
 
 from .. import mformat
 from .._dist import like, local
-from . import compressed
+from . import compressed, export
 from .views import param_views
 
 __all__ = ["TorchLayout"]
@@ -41,12 +41,17 @@ class TorchLayout:
             return self._decoded(gi, i)
         return compressed.CompressedState(base, decode, self.moment_format(gi, i))
 
-    def _decoded(self, gi: int, i: int) -> dict:
-        """fp32 exp_avg / exp_avg_sq (shaped like the parameter) of a compressed-moment parameter."""
+    def _decoded(self, gi: int, i: int, sink=None) -> dict:
+        """fp32 exp_avg / exp_avg_sq (shaped like the parameter) of a compressed-moment parameter,
+        fresh tensors, or decoded into ``sink`` (step/export.py) chunk by chunk."""
         with self._using():
             view, _fd = self.tier.mapping()
             fmt = self.moment_format(gi, i)
-            m, v = mformat.decode(compressed.raw(self.layout, gi, i, fmt, view), fmt)
+            raw = compressed.raw(self.layout, gi, i, fmt, view)
+            if sink is None:
+                m, v = mformat.decode(raw, fmt)
+            else:
+                m, v = export.decode_into(raw, fmt, self.numels[gi][i], sink)
         p = self.groups[gi][i]
         shape = local(p).shape
         return {"exp_avg": like(p, m.view(shape)), "exp_avg_sq": like(p, v.view(shape))}
@@ -137,12 +142,16 @@ class TorchLayout:
     def _state_tensors(self) -> dict:
         view, fd = self.tier.mapping()
         out = {}
-        for gi, params in enumerate(self.groups):
-            for i in range(len(params)):
-                if self.registry.ready[gi][i] or self.numels[gi][i] == 0:
-                    out[(gi, i)] = self._views(gi, i, view, fd)
-                    if self.moment_format(gi, i) != "fp32" and self.numels[gi][i]:   # torch's fp32 layout
-                        out[(gi, i)].update(self._decoded(gi, i))
+        have = [(gi, i) for gi, params in enumerate(self.groups) for i in range(len(params))
+                if self.registry.ready[gi][i] or self.numels[gi][i] == 0]
+        packed = {(gi, i) for gi, i in have if self.moment_format(gi, i) != "fp32" and self.numels[gi][i]}
+        # compressed moments in a disk tier: decoded into file-backed memory, not 8 B/param of RAM
+        sink = export.DecodedSink(getattr(self.tier, "directory", None),   # None: the RAM tier
+                                  2 * sum(self.numels[gi][i] for gi, i in packed)) if packed else None
+        for gi, i in have:
+            out[(gi, i)] = self._views(gi, i, view, fd)
+            if (gi, i) in packed:   # torch's fp32 layout
+                out[(gi, i)].update(self._decoded(gi, i, sink))
         return out
 
     def reload_masters(self, which: set) -> None:
