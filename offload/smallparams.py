@@ -77,7 +77,9 @@ class DeviceSideAdam:
         for i, p in enumerate(self.params):
             st = self.opt.state.get(p)
             if st:
-                state[i] = {k: v for k, v in st.items() if k != "master_param"}
+                # copies: the loaded state_dict's tensors stay the caller's (torch would alias them)
+                state[i] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                            for k, v in st.items() if k != "master_param"}
         sd["state"] = state
         self.inner.load_state_dict(sd)   # torch casts to the parameter's device and dtype
         for p in self.params:

@@ -99,7 +99,7 @@ class DeviceParams:
             out.append((0, gbuf.data_ptr() + pc.boff, code, obuf.data_ptr() + pc.boff, code))
         return out
 
-    def publish(self, b, pieces, staged: Staged, after=None) -> None:
+    def publish(self, b, pieces, staged: Staged, after=None):
         """H2D of the new weights from the slot (after ``after``: during backward, the compute stream's
         event recorded when the bucket's gradients were complete, so no queued kernel still reads them)."""
         params = self.groups[b.group]
@@ -113,6 +113,7 @@ class DeviceParams:
         self._last_up = ev
         self._events.append(("h2d", ev))
         self.stats["h2d_bytes"] += sum(d.numel() * d.element_size() for d, _ in pairs)
+        return ev
 
     def finish(self) -> None:
         """The compute stream waits for the last upload (streams are FIFO: for all of them)."""

@@ -1,8 +1,10 @@
-"""step/backward.py: BackwardFeed, device parameters with state in a tier stepped *during backward*.
+"""step/backward.py: BackwardFeed, the CPU worker that steps the buckets of device parameters.
 
-``offload.AdamW(cuda_params, state="nvme")`` with ``step_during_backward`` (the default without
-clipping / overflow check): a post-accumulate-grad hook marks each parameter ready; when every
-parameter of a bucket is ready the bucket is queued to one CPU worker thread, which, per bucket,
+``offload.AdamW(cuda_params, state=...)`` with ``overlap=True`` (any tier). With
+``step_during_backward`` (the default without clipping / overflow check) a post-accumulate-grad
+hook marks each parameter ready and a bucket whose parameters are all ready is queued at once;
+otherwise (``eager=False``) ``step()`` queues every bucket after deciding the multiplier. The
+one CPU worker thread, per bucket,
   * keeps up to ``depth`` state reads ahead in the *expected backward order* (reverse layout order
     at the first step, the order observed in the previous step afterwards; a bucket that arrives
     out of that order is read on demand: slower, never wrong);
@@ -10,9 +12,10 @@ parameter of a bucket is ready the bucket is queued to one CPU worker thread, wh
   * acquires the bucket's state, runs the kernel, writes the state back (asynchronously) and
     issues the H2D of the new weights.
 So NVMe reads, D2H, the kernel, write-back and H2D overlap each other and backward. ``step()``
-queues the buckets that never completed (parameters without a hooked gradient), waits for the
-worker, and makes the compute stream wait for the last upload. Host memory is the tier's slots plus
-the staging ring (offload/params/device.py), whatever the model size.
+queues the buckets that never completed (parameters without a hooked gradient) and returns; the
+worker finishes the step (write-backs drained, state committed) while forward runs, and each
+module waits only for the uploads of its own buckets (step/uploads.py). Host memory is the tier's
+slots plus the staging ring (offload/params/device.py), whatever the model size.
 
 Bitwise equal to every other mode: the same rows and step counts reach the same kernel. Step
 counts advance when a parameter's first bucket is queued; hyperparameters are read then (as the
@@ -33,8 +36,8 @@ import numpy as np
 from .._dist import local
 from .._kernels import step_table
 from ..params.base import check_grad
-from ..telemetry import Trace
 from .table import bucket_rows, kernel_for
+from .uploads import Upload, UploadWaits
 
 __all__ = ["BackwardFeed"]
 
@@ -69,15 +72,18 @@ def _loop(ref, q) -> None:
 
 
 class BackwardFeed:
-    def __init__(self, face, engine, device, *, release_grads: bool = False, trace: bool = False):
+    def __init__(self, face, engine, device, *, eager: bool = True, release_grads: bool = False, trace=None):
         self.face = face            # DeviceStep: the optimizer's hyperparameters and state dict
         self.engine = engine
         self.side = engine.side
         self.tier = engine.tier
         self.device = device
+        self.eager = bool(eager)    # buckets queued during backward (else all of them in step())
         self.release_grads = bool(release_grads)
-        self.trace = Trace() if trace else None
+        self.trace = trace
         self.boundary = True
+        self.uploads = UploadWaits(device, lambda pid: self.buckets_of.get(self.key_of.get(pid)),
+                                   self._raise_if_failed, trace)
         self.error: Optional[BaseException] = None
         self._reported = False
         self._hooks: list = []
@@ -97,9 +103,10 @@ class BackwardFeed:
     def _hook_params(self) -> None:
         """Hooks on every parameter (also the groups added by add_param_group)."""
         groups = self.engine.groups
+        self.key_of = {id(p): (gi, i) for gi, ps in enumerate(groups) for i, p in enumerate(ps)}
         for gi in range(self._hooked, len(groups)):
             for i, p in enumerate(groups[gi]):
-                if not p.requires_grad:
+                if not p.requires_grad or not self.eager:
                     continue   # frozen: if it gets a gradient later, step() sends it
                 self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self, gi, i)))
         self._hooked = len(groups)
@@ -119,6 +126,9 @@ class BackwardFeed:
         if self._nb >= 0:   # mid-cycle growth (a frozen parameter's first gradient): new buckets wait
             self.missing += [len(ps) for ps in self.params_of[self._nb:]]
         self._nb = len(buckets)
+        eng = self.engine   # parameters with no state yet (frozen at construction): a gradient grows the layout
+        self.unlaid = [(gi, i) for gi, ps in enumerate(eng.groups) for i in range(len(ps))
+                       if eng.numels[gi][i] and (gi, i) not in self.buckets_of and (gi, i) not in eng.excluded]
 
     def extend(self) -> None:
         self._hook_params()
@@ -133,6 +143,8 @@ class BackwardFeed:
         self.stepped = set()         # stepped (worker)
         self.grads = [[None] * len(g) for g in self.engine.groups]
         self.advanced = [np.zeros(len(g), dtype=bool) for g in self.engine.groups]
+        self.ups: list = []          # Upload of each queued bucket, in queue order
+        self.ahead = None            # set by the worker when a step finished: the next step's expected order
 
     # ------------------------------------------------------------------ backward (training / autograd thread)
     def _raise_if_failed(self) -> None:
@@ -145,6 +157,8 @@ class BackwardFeed:
     def _begin(self) -> None:
         self._raise_if_failed()
         self.wait_idle()
+        self.uploads.wait_all()   # (a parameter no module's forward used)
+        self._reset()
         eng = self.engine
         with eng._using():
             eng._adopt_user_state(self.face.opt.state)
@@ -208,7 +222,9 @@ class BackwardFeed:
             self._t["first"] = time.perf_counter()   # the optimizer's part of the step starts here
         self.dispatched.append(bi)
         self.done.add(bi)
-        self._q.put(("step", b, act, eng.registry.has_state(b), h, mult, self.device.record()))
+        up = Upload(bi)
+        self.ups.append(up)
+        self._q.put(("step", b, act, eng.registry.has_state(b), h, mult, self.device.record(), up))
 
     # ------------------------------------------------------------------ the worker
     def _work(self, q, pending: deque, staged: deque) -> bool:
@@ -221,9 +237,10 @@ class BackwardFeed:
         while pending and pending[0] is not None and pending[0][0] == "step" and len(staged) < nslots:
             job = pending.popleft()
             if self.error is not None:
+                job[-1].issued.set()
                 continue
             try:
-                _, b, act, _, _, _, after = job
+                _, b, act, _, _, _, after, _ = job
                 with self.engine._lock:
                     staged.append((job, self.side.arrive(b, act, after)))
             except BaseException as e:
@@ -235,6 +252,7 @@ class BackwardFeed:
                     self._step_bucket(job, st)
                 except BaseException as e:
                     self._failed(e)
+            job[-1].issued.set()
             return False
         if pending:
             item = pending.popleft()
@@ -242,6 +260,11 @@ class BackwardFeed:
                 return True
             if item[0] == "barrier":
                 item[1].set()
+            elif item[0] == "finish" and self.error is None:
+                try:
+                    item[1]()
+                except BaseException as e:
+                    self._failed(e)
         if not pending and not staged and self.error is None:
             self._read_ahead(blocking=False)
         return False
@@ -268,8 +291,12 @@ class BackwardFeed:
                 return
             buckets = eng.layout.buckets
             # queued buckets first (the worker may lag behind backward), then the expected order
-            wanted = [bi for bi in list(self.dispatched) + [bi for bi in self.order if bi not in self.done]
-                      if bi not in self.stepped and bi < len(buckets)][:eng.depth]
+            ahead = self.ahead
+            if ahead is not None:   # between a finished step and the next backward
+                wanted = [bi for bi in ahead if bi < len(buckets)][:eng.depth]
+            else:
+                wanted = [bi for bi in list(self.dispatched) + [bi for bi in self.order if bi not in self.done]
+                          if bi not in self.stepped and bi < len(buckets)][:eng.depth]
             tier.keep_reads(set(wanted))   # a mispredicted read-ahead only holds a slot: give it up
             for bi in wanted:
                 b = buckets[bi]
@@ -281,7 +308,7 @@ class BackwardFeed:
             lock.release()
 
     def _step_bucket(self, job, st) -> None:
-        _, b, act, read, hyper, mult, after = job
+        _, b, act, read, hyper, mult, after, up = job
         eng, side, tier = self.engine, self.side, self.tier
         with eng._lock:
             self.stepped.add(b.index)
@@ -296,7 +323,7 @@ class BackwardFeed:
             t1 = time.perf_counter()
             eng.telemetry["kernel_s"] += t1 - t0
             tier.release(b, blk)
-            side.publish(b, act, st, after)
+            up.ev = side.publish(b, act, st, after)
         if self.trace is not None:
             self.trace.span(f"adam b{b.index}", "cpu step", (t0, t1))
 
@@ -308,7 +335,9 @@ class BackwardFeed:
             raise TimeoutError(f"offload: the CPU worker did not finish within {_WAIT_S} s")
 
     # ------------------------------------------------------------------ step() (training thread)
-    def step(self, mult: float, grad_scale, found_inf) -> dict:
+    def step(self, mult: float, grad_scale, found_inf, skip: bool = False, before=None) -> dict:
+        """Queue what is left of this step and return at once; the returned record is completed by the
+        worker (``done``). ``skip``: decided by the caller (overflow); ``before()``: runs first if not skipped."""
         t_step = time.perf_counter()
         opt = self.face.opt
         if not self.in_cycle:
@@ -323,57 +352,71 @@ class BackwardFeed:
         if early and mult != 1.0:
             raise RuntimeError(f"offload: step(grad_multiplier={mult}) needs step_during_backward=False: buckets "
                                "are stepped during backward, before the multiplier is known")
-        self.wait_idle()
         self._raise_if_failed()
         eng = self.engine
+        rec = dict(done=False, t_step=t_step, side0=self._t["side"], kernel0=self._t["kernel"], io0=self._t["io"])
         try:
             self._check_sent()
-            eng._collect(opt.param_groups)   # validates the other gradients; lays out late parameters
-            eng._grads = None
+            if any(eng.groups[gi][i].grad is not None for gi, i in self.unlaid):
+                self.wait_idle()   # the layout grows (tier, staging ring): nothing may be in flight
+                self._raise_if_failed()
+            with eng._lock:
+                eng._collect(opt.param_groups)   # validates the other gradients; lays out late parameters
+                eng._grads = None
             self._maps()
             self.grads += [[None] * len(g) for g in eng.groups[len(self.grads):]]
             self.advanced += [np.zeros(len(g), dtype=bool) for g in eng.groups[len(self.advanced):]]
-            skip = found_inf is not None and float(found_inf) > 0
+            skip = skip or (found_inf is not None and float(found_inf) > 0)
             if not skip:
                 if not math.isfinite(mult):
                     raise ValueError(f"grad_multiplier must be finite, got {mult}")
+                if before is not None:
+                    before()
                 for gi, ps in enumerate(eng.groups):
                     for i, p in enumerate(ps):
                         if (gi, i) not in self.sent and p.grad is not None and (gi, i) in self.buckets_of:
                             self._capture(gi, i, p)
-                for bi in list(self.order):
+                order = self.order if self.eager else [b.index for b in eng.layout.buckets]   # forward order
+                for bi in list(order):
                     if bi not in self.done:
                         self._dispatch(bi, mult)
-            self.wait_idle()
-            self._raise_if_failed()
-            with eng._lock:
-                self.tier.drain()
-                self.side.finish()
-                active = [np.zeros(len(g), dtype=bool) for g in eng.groups]
+            active = [np.zeros(len(g), dtype=bool) for g in eng.groups]
+            if not skip:
                 for gi, i in self.sent:
                     active[gi][i] = True
-                if skip:
-                    active = [np.zeros(len(g), dtype=bool) for g in eng.groups]
-                fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~eng.registry.ready[gi])]
-                eng.registry.commit(active)
-                for gi, a in enumerate(active):
-                    eng.tracker.record(gi, np.flatnonzero(a))
-                eng._install(fresh, opt.state)
+            fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~eng.registry.ready[gi])]
+            rec.update(first=self._t["first"], buckets=0 if skip else len(self.dispatched), skipped=skip)
+            order = self.dispatched + [bi for bi in self.order if bi not in self.done]
+            self._q.put(("finish", lambda: self._finish(active, fresh, rec, order)))
         except BaseException as e:
             if self.dispatched and self.error is None:
                 self._failed(e, True)   # buckets were stepped: the state no longer matches any whole step
             raise
         finally:
-            nb = len(self.dispatched)
             self.order = self.dispatched + [bi for bi in self.order if bi not in self.done]
-            self.side.grads = None
-            self._reset()
+            self.in_cycle = False
+            self.uploads.start(self.ups)   # forward waits bucket by bucket
             self._q.put(("nudge",))   # read ahead the next step's first buckets during forward
-        tel = self.tier.telemetry
-        first = self._t["first"]
-        return dict(pipeline_s=time.perf_counter() - (t_step if first is None else min(first, t_step)), kernel_s=eng.telemetry["kernel_s"] - self._t["kernel"], buckets=0 if skip else nb,
-                    nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - self._t["io"], skipped=skip,
-                    side0=self._t["side"])
+        return rec
+
+    def _finish(self, active: list, fresh: list, rec: dict, order: list) -> None:
+        """The worker, after the step's last bucket: write-backs done, the state committed."""
+        eng, opt = self.engine, self.face.opt
+        with eng._lock:
+            self.tier.drain()
+            self.ahead = order   # read ahead the next step's first buckets (during forward)
+            eng.registry.commit(active)
+            for gi, a in enumerate(active):
+                eng.tracker.record(gi, np.flatnonzero(a))
+            eng._install(fresh, opt.state)
+            self.side.grads = None
+        self.grads = [[None] * len(g) for g in self.grads]   # no reference to this step's gradients survives it
+        self.sent = {}
+        tel, first = self.tier.telemetry, rec["first"]
+        rec.update(kernel_s=eng.telemetry["kernel_s"] - rec["kernel0"],
+                   nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - rec["io0"],
+                   pipeline_s=time.perf_counter() - (rec["t_step"] if first is None else min(first, rec["t_step"])),
+                   done=True)
 
     def _check_sent(self) -> None:
         """Gradients changed after they were sent (torch clipping / unscale_ on the device gradients)."""
@@ -399,10 +442,14 @@ class BackwardFeed:
         """Wait for the worker; a failure not reported yet is raised (later uses of the state then raise
         StoreFailedError through the tier; close() still works)."""
         self.wait_idle()
-        if not self._reported:
-            self._raise_if_failed()
+        if self.error is not None and self._reported:
+            self.uploads.abandon()   # reported already: later uses raise StoreFailedError
+            return
+        self._raise_if_failed()
+        self.uploads.wait_all()
 
     def close(self) -> None:
+        self.uploads.remove_hook()
         for h in self._hooks:
             h.remove()
         self._hooks = []
