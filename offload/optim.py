@@ -278,6 +278,8 @@ class _AdamBase(HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad; also discards a clip coefficient computed from the discarded gradients."""
         self._clear_pending()
+        if self._gpu is not None and not set_to_none:
+            self._gpu.synchronize()   # zeroing in place: not while the last step's D2H may still read them
         super().zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ clipping

@@ -43,14 +43,6 @@ class DeviceSideAdam:
     def grads(self) -> List[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 
-    def sumsq(self) -> float:
-        """Sum of squared gradient elements, computed on the device; one scalar crosses."""
-        g = self.grads()
-        if not g:
-            return 0.0
-        norms = torch._foreach_norm(g, 2, dtype=torch.float32)
-        return float(torch.stack(norms).square().sum().item())
-
     def step(self, mult: float) -> None:
         if self.inner is None:
             return

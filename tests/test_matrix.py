@@ -46,8 +46,8 @@ def make_opt(ps, side, tier, tmp_path, slots=2, seed=1, **kw):
         d = tmp_path / f"state-{side}-{tier}"
         d.mkdir(exist_ok=True)
         opts.update(state=tier, nvme_dir=d, host_budget=96 * 1024)
-        if side != "host":
-            opts["nvme_options"] = {"staging_slots": slots}
+    if side != "host":   # the staging ring of device parameters, every tier
+        opts["nvme_options"] = {"staging_slots": slots}
     if side == "cpu":
         opts["offload_device"] = CpuDevice()
     elif side == "fake":
@@ -151,7 +151,7 @@ def test_checkpoint_resume(tmp_path, side, tier):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("tier", ("nvme", "mmap"))
+@pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("side", SIDES)
 def test_add_param_group(tmp_path, side, tier):
     dtype = torch.float32
@@ -169,6 +169,8 @@ def test_add_param_group(tmp_path, side, tier):
     opt = make_opt(ps, side, tier, tmp_path)
     opt.close()   # (make_opt builds two groups; this test wants one, then a second added)
     opts = dict(state=tier, nvme_dir=tmp_path / f"state-{side}-{tier}", host_budget=96 * 1024, **kw)
+    if tier == "ram":
+        opts = {}
     if side != "host":
         opts.update(offload_device=FakeDevice(seed=2) if side == "fake" else CpuDevice(), bucket_mb=0.01)
     opt = offload.AdamW(ps[:3], lr=1e-2, **opts)

@@ -36,6 +36,7 @@ import numpy as np
 from .._dist import local
 from .._kernels import step_table
 from ..params.base import check_grad
+from .feedstep import FeedStep
 from .table import bucket_rows, kernel_for
 from .uploads import Upload, UploadWaits
 
@@ -51,6 +52,16 @@ def _weak_hook(feed, gi: int, i: int):
         f = ref()
         if f is not None:
             f._on_grad(gi, i, p)
+    return hook
+
+
+def _weak_pre_accumulate(feed):
+    ref = weakref.ref(feed)
+
+    def hook(grad):
+        f = ref()
+        if f is not None and f.uploads.pending:   # a step is still in flight: its D2H may read p.grad
+            f.wait_idle()
     return hook
 
 
@@ -71,7 +82,7 @@ def _loop(ref, q) -> None:
             return
 
 
-class BackwardFeed:
+class BackwardFeed(FeedStep):
     def __init__(self, face, engine, device, *, eager: bool = True, release_grads: bool = False, trace=None):
         self.face = face            # DeviceStep: the optimizer's hyperparameters and state dict
         self.engine = engine
@@ -106,9 +117,12 @@ class BackwardFeed:
         self.key_of = {id(p): (gi, i) for gi, ps in enumerate(groups) for i, p in enumerate(ps)}
         for gi in range(self._hooked, len(groups)):
             for i, p in enumerate(groups[gi]):
-                if not p.requires_grad or not self.eager:
+                if not p.requires_grad:
                     continue   # frozen: if it gets a gradient later, step() sends it
-                self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self, gi, i)))
+                # accumulating into p.grad in place: not while the last step's D2H may still read it
+                self._hooks.append(p.register_hook(_weak_pre_accumulate(self)))
+                if self.eager:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self, gi, i)))
         self._hooked = len(groups)
 
     def _maps(self) -> None:
@@ -333,109 +347,6 @@ class BackwardFeed:
         self._q.put(("barrier", done))
         if not done.wait(_WAIT_S):
             raise TimeoutError(f"offload: the CPU worker did not finish within {_WAIT_S} s")
-
-    # ------------------------------------------------------------------ step() (training thread)
-    def step(self, mult: float, grad_scale, found_inf, skip: bool = False, before=None) -> dict:
-        """Queue what is left of this step and return at once; the returned record is completed by the
-        worker (``done``). ``skip``: decided by the caller (overflow); ``before()``: runs first if not skipped."""
-        t_step = time.perf_counter()
-        opt = self.face.opt
-        if not self.in_cycle:
-            self._begin()
-        early = bool(self.dispatched)
-        if self.release_grads and found_inf is not None:
-            raise RuntimeError("offload: release_grads=True cannot be combined with torch.amp.GradScaler (it reads "
-                               "the device gradients after backward); use release_grads=False")
-        if early and (grad_scale is not None or found_inf is not None):
-            raise RuntimeError("offload: torch.amp.GradScaler needs check_overflow=True (or step_during_backward="
-                               "False): buckets were already stepped during backward without the loss scale")
-        if early and mult != 1.0:
-            raise RuntimeError(f"offload: step(grad_multiplier={mult}) needs step_during_backward=False: buckets "
-                               "are stepped during backward, before the multiplier is known")
-        self._raise_if_failed()
-        eng = self.engine
-        rec = dict(done=False, t_step=t_step, side0=self._t["side"], kernel0=self._t["kernel"], io0=self._t["io"])
-        try:
-            self._check_sent()
-            if any(eng.groups[gi][i].grad is not None for gi, i in self.unlaid):
-                self.wait_idle()   # the layout grows (tier, staging ring): nothing may be in flight
-                self._raise_if_failed()
-            with eng._lock:
-                eng._collect(opt.param_groups)   # validates the other gradients; lays out late parameters
-                eng._grads = None
-            self._maps()
-            self.grads += [[None] * len(g) for g in eng.groups[len(self.grads):]]
-            self.advanced += [np.zeros(len(g), dtype=bool) for g in eng.groups[len(self.advanced):]]
-            skip = skip or (found_inf is not None and float(found_inf) > 0)
-            if not skip:
-                if not math.isfinite(mult):
-                    raise ValueError(f"grad_multiplier must be finite, got {mult}")
-                if before is not None:
-                    before()
-                for gi, ps in enumerate(eng.groups):
-                    for i, p in enumerate(ps):
-                        if (gi, i) not in self.sent and p.grad is not None and (gi, i) in self.buckets_of:
-                            self._capture(gi, i, p)
-                order = self.order if self.eager else [b.index for b in eng.layout.buckets]   # forward order
-                for bi in list(order):
-                    if bi not in self.done:
-                        self._dispatch(bi, mult)
-            active = [np.zeros(len(g), dtype=bool) for g in eng.groups]
-            if not skip:
-                for gi, i in self.sent:
-                    active[gi][i] = True
-            fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~eng.registry.ready[gi])]
-            rec.update(first=self._t["first"], buckets=0 if skip else len(self.dispatched), skipped=skip)
-            order = self.dispatched + [bi for bi in self.order if bi not in self.done]
-            self._q.put(("finish", lambda: self._finish(active, fresh, rec, order)))
-        except BaseException as e:
-            if self.dispatched and self.error is None:
-                self._failed(e, True)   # buckets were stepped: the state no longer matches any whole step
-            raise
-        finally:
-            self.order = self.dispatched + [bi for bi in self.order if bi not in self.done]
-            self.in_cycle = False
-            self.uploads.start(self.ups)   # forward waits bucket by bucket
-            self._q.put(("nudge",))   # read ahead the next step's first buckets during forward
-        return rec
-
-    def _finish(self, active: list, fresh: list, rec: dict, order: list) -> None:
-        """The worker, after the step's last bucket: write-backs done, the state committed."""
-        eng, opt = self.engine, self.face.opt
-        with eng._lock:
-            self.tier.drain()
-            self.ahead = order   # read ahead the next step's first buckets (during forward)
-            eng.registry.commit(active)
-            for gi, a in enumerate(active):
-                eng.tracker.record(gi, np.flatnonzero(a))
-            eng._install(fresh, opt.state)
-            self.side.grads = None
-        self.grads = [[None] * len(g) for g in self.grads]   # no reference to this step's gradients survives it
-        self.sent = {}
-        tel, first = self.tier.telemetry, rec["first"]
-        rec.update(kernel_s=eng.telemetry["kernel_s"] - rec["kernel0"],
-                   nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - rec["io0"],
-                   pipeline_s=time.perf_counter() - (rec["t_step"] if first is None else min(first, rec["t_step"])),
-                   done=True)
-
-    def _check_sent(self) -> None:
-        """Gradients changed after they were sent (torch clipping / unscale_ on the device gradients)."""
-        for (gi, i), (g, ver) in list(self.sent.items()):
-            p = self.engine.groups[gi][i]
-            now = p.grad
-            same = now is None if self.release_grads else (now is g and now._version == ver)
-            if same:
-                continue
-            if any(bi in self.done for bi in self.buckets_of[(gi, i)]):
-                raise RuntimeError(
-                    "offload: gradients changed after they were sent to the CPU and stepped during backward "
-                    "(e.g. torch.nn.utils.clip_grad_norm_ or GradScaler.unscale_ on the device gradients). "
-                    "Use optimizer.clip_grad_norm_ / max_grad_norm= and check_overflow=True (which turn off "
-                    "stepping during backward), or pass step_during_backward=False.")
-            del self.sent[(gi, i)]
-            self.grads[gi][i] = None
-            if now is not None:
-                self._capture(gi, i, p)
 
     # ------------------------------------------------------------------ lifecycle
     def synchronize(self) -> None:
