@@ -216,18 +216,22 @@ class BackwardFeed(FeedStep):
         if self.release_grads:
             p.grad = None
 
-    def _dispatch(self, bi: int, mult: float) -> None:
-        eng = self.engine
-        b = eng.layout.buckets[bi]
-        act = [pc for pc in b.pieces if (b.group, pc.param) in self.sent]
-        if not act:
-            return
-        opt = self.face.opt
-        h = opt.group_hyper(b.group)
+    def hyper(self, gi: int) -> dict:
+        h = self.face.opt.group_hyper(gi)
         for k in ("lr", "eps", "weight_decay", "beta1", "beta2"):
             if not math.isfinite(h[k]):
-                raise ValueError(f"group {b.group}: {k} = {h[k]} is not finite")
-        adv, steps = self.advanced[b.group], eng.registry.steps[b.group]
+                raise ValueError(f"group {gi}: {k} = {h[k]} is not finite")
+        return h
+
+    def _dispatch(self, bi: int, mult: float, hypers: Optional[dict] = None) -> None:
+        eng = self.engine
+        b = eng.layout.buckets[bi]
+        sent = self.sent
+        act = [pc for pc in b.pieces if (b.group, pc.param) in sent]
+        if not act:
+            return
+        h = hypers[b.group] if hypers is not None else self.hyper(b.group)
+        adv, steps = self.advanced[b.group], eng.registry.steps[b.group].numpy()
         for pc in act:
             if not adv[pc.param]:
                 adv[pc.param] = True

@@ -105,10 +105,11 @@ class DeviceStep:
 
     def reload_changed(self) -> None:
         """The user wrote parameters (e.g. model.load_state_dict): their masters follow."""
-        changed = {k for k, v in self._snapshot().items() if self._versions.get(k) != v}
+        snap = self._snapshot()
+        changed = {k for k, v in snap.items() if self._versions.get(k) != v}
         if changed:
             self.engine.reload_masters(changed)
-        self._versions = self._snapshot()
+        self._versions = snap   # (reloading reads the parameters, it does not write them)
 
     # ------------------------------------------------------------------ norms and the step
     def _grads(self) -> list:

@@ -59,9 +59,11 @@ class FeedStep:
                         if (gi, i) not in self.sent and p.grad is not None and (gi, i) in self.buckets_of:
                             self._capture(gi, i, p)
                 order = self.order if self.eager else [b.index for b in eng.layout.buckets]   # forward order
-                for bi in list(order):
-                    if bi not in self.done:
-                        self._dispatch(bi, mult)
+                todo = [bi for bi in order if bi not in self.done]
+                buckets = eng.layout.buckets
+                hypers = {gi: self.hyper(gi) for gi in {buckets[bi].group for bi in todo}}   # all checked first
+                for bi in todo:
+                    self._dispatch(bi, mult, hypers)
             active = [np.zeros(len(g), dtype=bool) for g in eng.groups]
             if not skip:
                 for gi, i in self.sent:
