@@ -44,6 +44,7 @@ class DeviceParams:
         self._after = None
         self._last_up = None
         self.stats = dict(d2h_s=0.0, h2d_s=0.0, d2h_bytes=0, h2d_bytes=0)
+        self.trace = None             # offload.telemetry.Trace: copy spans (trace=True)
         self._events: list = []
 
     def extend(self, groups) -> None:
@@ -127,6 +128,8 @@ class DeviceParams:
         for kind, ev in self._events:
             if ev.query():
                 self.stats[f"{kind}_s"] += ev.seconds()
+                if self.trace is not None:
+                    self.trace.span(kind, kind, ev.span())
             else:
                 keep.append((kind, ev))
         self._events = keep

@@ -65,6 +65,7 @@ class DeviceStep:
         self.eager = self.overlap and bool(step_during_backward)
         self.release_grads = bool(release_grads)
         self.trace = Trace() if trace else None
+        engine.side.trace = self.trace
         # parameters of at most small_param_numel elements stay on the device (offload/smallparams.py)
         small = sorted(engine.excluded)
         self.small = DeviceSideAdam(opt, {gi: [opt.param_groups[gi]["params"][i] for g2, i in small if g2 == gi]
@@ -263,6 +264,7 @@ class DeviceStep:
         trace = self.trace
         if trace is None:
             raise RuntimeError("construct the optimizer with trace=True to record a timeline")
+        self.engine.side.collect_times()
         return trace.export(path)
 
     @property
