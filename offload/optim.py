@@ -172,8 +172,10 @@ class _AdamBase(HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):
 
     def __getstate__(self):
         if getattr(self, "_store", None) is not None:
-            raise TypeError(f"an optimizer with {'NVMe/mmap state' if self._state_mode != 'ram' else 'compressed moments'}"
-                            " cannot be pickled or deep-copied; use state_dict() / load_state_dict()")
+            what = ("NVMe/mmap state" if self._state_mode != "ram" else
+                    "parameters on a device (GPU offload)" if self._gpu_device is not None else "compressed moments")
+            raise TypeError(f"an optimizer with {what} cannot be pickled or deep-copied; use state_dict() / "
+                            "load_state_dict()")
         d = super().__getstate__()
         d = dict(d)
         d.pop("_plans", None)

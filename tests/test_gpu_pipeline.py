@@ -451,7 +451,8 @@ def test_options_are_validated():
 def test_last_step_stats_in_every_mode(tmp_path):
     """Host params with RAM or NVMe state report the same keys as GPU offload; nvme_s is filled."""
     for kw in ({}, dict(state="nvme", nvme_dir=tmp_path), dict(state="mmap", nvme_dir=tmp_path),
-               dict(offload_device=FakeDevice(), state="nvme", nvme_dir=tmp_path)):
+               dict(offload_device=FakeDevice(), state="nvme", nvme_dir=tmp_path), dict(offload_device=FakeDevice()),
+               dict(offload_device=FakeDevice(), overlap=False)):
         p = torch.nn.Parameter(torch.randn(5000))
         opt = offload.AdamW([p], **kw)
         assert opt.last_step_stats() is None

@@ -181,10 +181,13 @@ def test_add_param_group(tmp_path, side, tier):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("side", SIDES)
-def test_frozen_params_reserve_no_disk(tmp_path, side):
+@pytest.mark.parametrize("tier", ("nvme", "ram"))
+def test_frozen_params_reserve_no_disk(tmp_path, side, tier):
     base = torch.nn.Parameter(torch.randn(1 << 16), requires_grad=False)   # a frozen base: 256 KiB fp32
     lora = torch.nn.Parameter(torch.randn(64))
-    opts = dict(state="nvme", nvme_dir=tmp_path, host_budget=1 << 20)
+    opts = dict(state="nvme", nvme_dir=tmp_path, host_budget=1 << 20) if tier == "nvme" else {}
+    if tier == "ram" and side == "host":
+        pytest.skip("host parameters with RAM state keep torch's per-parameter state (host_ram.py)")
     if side != "host":
         opts.update(offload_device=FakeDevice(seed=4) if side == "fake" else CpuDevice())
     opt = offload.AdamW([base, lora], **opts)
