@@ -646,13 +646,16 @@ def test_buckets_are_stepped_during_backward(tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("opts", [dict(step_during_backward=False), dict(max_grad_norm=1e3)])
-def test_forward_waits_only_for_the_buckets_it_reads(opts):
+@pytest.mark.parametrize("opts", [dict(step_during_backward=False), dict(max_grad_norm=1e3),
+                                  dict(check_overflow=True, state="nvme", host_budget=256 * 1024)])
+def test_forward_waits_only_for_the_buckets_it_reads(opts, tmp_path):
     """step() returns while uploads are in flight; a module's forward waits (in upload order) for the
     buckets holding its parameters, the later buckets keep uploading. Without that wait the first
     layer would read the fake device's poison (NaN) of an upload not done yet."""
     model = _Deep()
     dev = FakeDevice(max_delay=0.0, seed=0)
+    if opts.get("state") == "nvme":
+        opts = dict(opts, nvme_dir=tmp_path)
     opt = offload.AdamW(model.parameters(), lr=1e-3, offload_device=dev, bucket_mb=0.02, **opts)
     x = torch.randn(8, 64)
     model(x).backward()
