@@ -832,3 +832,25 @@ def test_tiered_state_during_backward_refusals(tmp_path):
         _tiered(tmp_path, step_during_backward=True, max_grad_norm=1.0)(make_net(torch.float32))
     with pytest.raises(RuntimeError, match="no_sync"):
         train(_tiered(tmp_path, bucket_mb=100), two_backwards=True)
+
+
+@pytest.mark.timeout(60)
+def test_deferred_uploads_follow_the_observed_forward_order():
+    """Layers registered in the reverse of their use: from the second step on the uploads go in the order
+    the first forward used the buckets, so the first layer to run does not wait for the others."""
+    model = _Reversed()
+    dev = FakeDevice(max_delay=0.0, seed=0)
+    opt = offload.AdamW(model.parameters(), lr=1e-3, offload_device=dev, bucket_mb=0.004, max_grad_norm=1e3)
+    x = torch.randn(4, 32)
+    model(x).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.synchronize()
+    dev.min_delay, dev.max_delay = 0.03, 0.05
+    model(x).backward()
+    opt.step()
+    model.layers[-1](x)   # the first layer of the forward
+    first, last = model.layers[-1].weight.clone(), model.layers[0].weight.clone()
+    opt.synchronize()
+    assert torch.equal(first, model.layers[-1].weight) and not torch.equal(last, model.layers[0].weight)
+    dev.check()

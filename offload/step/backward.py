@@ -32,11 +32,12 @@ from collections import deque
 from typing import Optional
 
 import numpy as np
+import torch
 
 from .._dist import local
 from .._kernels import step_table
 from ..params.base import check_grad
-from .feedstep import FeedStep
+from .feedstep import FeedStep, _weak_observer
 from .table import bucket_rows, kernel_for
 from .uploads import Upload, UploadWaits
 
@@ -104,6 +105,9 @@ class BackwardFeed(FeedStep):
         self._hook_params()
         self._maps()
         self._reset()
+        self.seen: list = []         # buckets in the order the first forward used them (upload order)
+        self._observer = None if self.eager else torch.nn.modules.module.register_module_forward_pre_hook(
+            _weak_observer(self))
         self._q: "queue.Queue" = queue.Queue()
         self._worker = threading.Thread(target=_loop, args=(weakref.ref(self), self._q),
                                         name="offload-backward-step", daemon=True)
@@ -365,6 +369,9 @@ class BackwardFeed(FeedStep):
 
     def close(self) -> None:
         self.uploads.remove_hook()
+        if self._observer is not None:
+            self._observer.remove()
+            self._observer = None
         for h in self._hooks:
             h.remove()
         self._hooks = []

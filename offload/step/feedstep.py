@@ -1,8 +1,9 @@
 """step/feedstep.py: ``step()`` of the CPU worker's feed (step/backward.py), on the training thread.
 
 It checks what the step may do (GradScaler, multiplier, gradients changed after they were sent),
-validates the remaining gradients, queues every bucket not queued during backward (in forward order
-when nothing was: their uploads are what the next forward waits for first) and a ``finish`` job
+validates the remaining gradients, queues every bucket not queued during backward (when nothing was:
+in the order the first forward used the buckets, observed by a module pre-hook until the first step,
+since their uploads are what the next forward waits for) and a ``finish`` job
 that commits the state when the worker is done, then returns: the worker and the uploads run on
 during the next forward (step/uploads.py). A mixin of BackwardFeed, using its attributes.
 """
@@ -10,13 +11,40 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 
 import numpy as np
 
 __all__ = ["FeedStep"]
 
 
+def _weak_observer(feed):
+    ref = weakref.ref(feed)
+
+    def hook(module, args):
+        f = ref()
+        if f is not None:
+            f.observe(module)
+    return hook
+
+
 class FeedStep:
+    def observe(self, module) -> None:
+        """Forward pre-hook until the first step(): the order in which modules use the buckets."""
+        seen = self.seen
+        for p in module._parameters.values():
+            for bi in self.buckets_of.get(self.key_of.get(id(p)), ()) if p is not None else ():
+                if bi not in seen:
+                    seen.append(bi)
+
+    def forward_order(self) -> list:
+        """Buckets in first-use order (observed in the first forward), the rest in layout order."""
+        if self._observer is not None and self.seen:
+            self._observer.remove()
+            self._observer = None
+        known = set(self.seen)
+        return self.seen + [b.index for b in self.engine.layout.buckets if b.index not in known]
+
     def step(self, mult: float, grad_scale, found_inf, skip: bool = False, before=None) -> dict:
         """Queue what is left of this step and return at once; the returned record is completed by the
         worker (``done``). ``skip``: decided by the caller (overflow); ``before()``: runs first if not skipped."""
@@ -58,7 +86,7 @@ class FeedStep:
                     for i, p in enumerate(ps):
                         if (gi, i) not in self.sent and p.grad is not None and (gi, i) in self.buckets_of:
                             self._capture(gi, i, p)
-                order = self.order if self.eager else [b.index for b in eng.layout.buckets]   # forward order
+                order = self.order if self.eager else self.forward_order()
                 todo = [bi for bi in order if bi not in self.done]
                 buckets = eng.layout.buckets
                 hypers = {gi: self.hyper(gi) for gi in {buckets[bi].group for bi in todo}}   # all checked first
