@@ -2,7 +2,8 @@
 
 ``GpuOffloadMixin`` adds the methods that only mean something when parameters live on a GPU
 (accumulation boundary, synchronize, telemetry); ``start_engine`` decides the mode from where the
-parameters are (or an explicit ``offload_device=``) and builds the scheduler of offload/pipeline.py.
+parameters are (or an explicit ``offload_device=``) and builds the device face
+(offload/step/device_step.py) over the one state engine (offload/step/engine.py), any tier.
 Kept apart from optim.py so that the optimizer class only delegates.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Optional
 import torch
 
 from .device import Device, resolve_device
-from .pipeline import GPU_OPTIONS, GpuOffloadEngine
+from .step.device_step import GPU_OPTIONS, DeviceStep, small_params
 
 __all__ = ["GpuOffloadMixin", "make_state_engine", "split_params", "start_engine"]
 
@@ -53,11 +54,16 @@ def split_params(params, offload_device, gpu_options: dict):
 
 def make_state_engine(param_groups: list, state: str, *, nvme_dir, host_budget, keep: bool, nvme_options,
                       device: Optional[Device], gpu_options: dict):
-    """The NVMe/mmap state engine (offload/step/engine.py) for host or device parameters."""
+    """The state engine (offload/step/engine.py): host parameters with NVMe/mmap state or compressed
+    moments, or device parameters with any tier (their small parameters excluded: stepped on the device)."""
     from .step.engine import StateEngine
     opts = dict(nvme_options or {})
     if device is not None:
-        opts.setdefault("bucket_bytes", int(float(gpu_options.get("bucket_mb", 32.0)) * 2 ** 20))
+        mb = gpu_options.get("bucket_mb", 32.0)
+        if isinstance(mb, bool) or not (isinstance(mb, (int, float)) and mb > 0):
+            raise ValueError(f"bucket_mb must be a positive number, got {mb!r}")
+        opts.setdefault("bucket_bytes", int(float(mb) * 2 ** 20))
+        opts["exclude"] = small_params(param_groups, gpu_options.get("small_param_numel", 0))
     return StateEngine([g["params"] for g in param_groups], [g["amsgrad"] for g in param_groups], mode=state,
                        nvme_dir=nvme_dir, host_budget=host_budget, keep=keep, device=device, **opts)
 
@@ -90,11 +96,7 @@ def start_engine(opt, device: Optional[Device], gpu_options: dict, store=None):
             _time_host_steps(opt)
         return None
     opt._step_supports_amp_scaling = True   # GradScaler hands us grad_scale / found_inf instead of unscaling
-    if store is not None:   # state in a tier: the step streams buckets through a staging ring
-        from .step.device_step import DeviceStep
-        engine = DeviceStep(opt, store, device, **gpu_options)
-    else:
-        engine = GpuOffloadEngine(opt, device, **gpu_options)
+    engine = DeviceStep(opt, store, device, **gpu_options)   # buckets stream through a staging ring
     engine.owns_device = getattr(device, "_created_by_offload", False)
     return engine
 
@@ -102,9 +104,9 @@ def start_engine(opt, device: Optional[Device], gpu_options: dict, store=None):
 class GpuOffloadMixin:
     """Methods of the GPU-offload mode; in CPU mode they are harmless no-ops where that makes sense."""
 
-    _gpu: Optional[GpuOffloadEngine] = None
+    _gpu: Optional[DeviceStep] = None
 
-    def _gpu_engine(self, what: str) -> GpuOffloadEngine:
+    def _gpu_engine(self, what: str) -> DeviceStep:
         if self._gpu is None:
             raise RuntimeError(f"{what} is only available in GPU-offload mode (parameters on a GPU)")
         return self._gpu

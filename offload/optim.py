@@ -54,8 +54,9 @@ class _AdamBase(HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):
         # --- NVMe/mmap state (offload/store.py): validated before anything is allocated
         if state not in ("ram", "nvme", "mmap"):
             raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {state!r}")
-        if state == "ram" and (nvme_dir is not None or nvme_options):
-            raise ValueError("nvme_dir/nvme_options only apply to state='nvme' or state='mmap'")
+        if state == "ram" and (nvme_dir is not None or set(nvme_options or ()) - {"staging_slots"}):
+            raise ValueError("nvme_dir/nvme_options only apply to state='nvme' or state='mmap' (with state='ram', "
+                             "nvme_options={'staging_slots': n} sizes the staging ring of device parameters)")
         self._store = None
         # --- compressed Adam moments (issue 9, docs/moments.md): run by the state engine, also for RAM
         self.moments = _check_moments(moments, moments_min_size, amsgrad, params)
@@ -80,10 +81,12 @@ class _AdamBase(HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):
         self._router = fallback.Router()  # float64/complex/strided/duplicate params: torch's code (fallback.py)
         # --- GPU offload: the mode follows from where the parameters are (offload/gpu.py) ---
         params, self._gpu_device = split_params(params, offload_device, gpu_options)
+        if state == "ram" and nvme_options and self._gpu_device is None:
+            raise ValueError("nvme_options={'staging_slots': ...} with state='ram' only applies to device parameters")
         self._gpu = None
         super().__init__(params, defaults)
         # --- NVMe/mmap state (offload/step/engine.py): one engine for all groups, any parameter side
-        if state != "ram" or self.moments != "fp32":
+        if state != "ram" or self.moments != "fp32" or self._gpu_device is not None:
             opts = dict(nvme_options or {})
             if self.moments != "fp32":
                 opts.update(moments=self.moments, moments_min_size=self.moments_min_size)
@@ -99,9 +102,6 @@ class _AdamBase(HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):
         then offload's own checks of every parameter; the group is not added if one fails.
         With NVMe/mmap state the new group is laid out after the existing state (the file grows)."""
         store = getattr(self, "_store", None)
-        if self._gpu is not None and store is None:
-            raise NotImplementedError("add_param_group after construction is not supported in GPU-offload mode "
-                                      "with state='ram' (it is with state='nvme' or 'mmap')")
         n = len(self.param_groups)
         super().add_param_group(param_group)
         try:
@@ -172,8 +172,10 @@ class _AdamBase(HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):
 
     def __getstate__(self):
         if getattr(self, "_store", None) is not None:
-            raise TypeError(f"an optimizer with {'NVMe/mmap state' if self._state_mode != 'ram' else 'compressed moments'}"
-                            " cannot be pickled or deep-copied; use state_dict() / load_state_dict()")
+            what = ("NVMe/mmap state" if self._state_mode != "ram" else
+                    "parameters on a device (GPU offload)" if self._gpu_device is not None else "compressed moments")
+            raise TypeError(f"an optimizer with {what} cannot be pickled or deep-copied; use state_dict() / "
+                            "load_state_dict()")
         d = super().__getstate__()
         d = dict(d)
         d.pop("_plans", None)
@@ -278,6 +280,8 @@ class _AdamBase(HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad; also discards a clip coefficient computed from the discarded gradients."""
         self._clear_pending()
+        if self._gpu is not None and not set_to_none:
+            self._gpu.synchronize()   # zeroing in place: not while the last step's D2H may still read them
         super().zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ clipping

@@ -151,7 +151,7 @@ def _inventory(model_or_params, param_dtype):
 def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Optional[str] = None,
          param_dtype=None, grad_dtype=None, state: str = "ram", amsgrad: bool = False,
          world_size: int = 1, sharding: str = "none", bucket_bytes: int = 32 << 20, depth: int = 2,
-         host_budget="2GiB", staging_slots: int = 2,
+         host_budget="2GiB", staging_slots: int = 3,
          nvme_path: Optional[str] = None, activation_bytes: Optional[int] = None,
          verbose: bool = False, moments: str = "fp32", moments_min_size: int = 4096) -> MemoryPlan:
     """Bytes each place will hold for this configuration, and whether it fits this machine.
@@ -227,16 +227,15 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
         if on_gpu:
             ring = 2 * staging_slots * max(64, lay.max_stage_bytes)
             rows.append(Row("host", f"pinned staging ring ({staging_slots} slots of grads + weights)", ring))
+    elif state == "ram" and on_gpu:   # the engine's RAM tier: one arena of the layout (never pinned) + the ring
+        rows.append(Row("host", state_what + " (not pinned)", max(ALIGN, lay.nbytes) - master))
+        rows.append(Row("host", "optimizer state: fp32 master weights (not pinned)", master))
+        ring = 2 * staging_slots * max(64, lay.max_stage_bytes)
+        rows.append(Row("host", f"pinned staging ring ({staging_slots} slots of grads + weights)", ring))
     elif state == "ram":
-        rows.append(Row("host", state_what + (" (pinned)" if on_gpu else ""),
-                        in_sections - master))
+        rows.append(Row("host", state_what, in_sections - master))
         if master:
-            rows.append(Row("host", "optimizer state: fp32 master weights" +
-                            (" (pinned)" if on_gpu else " (bf16/fp16 params)"), master))
-        if on_gpu:   # offload/buckets.py: grad + weight staging per bucket, pinned
-            stage = sum(b.stage_bytes for b in lay.buckets)
-            rows.append(Row("host", f"pinned staging (grads down, weights up; {len(lay.buckets)} bucket(s))",
-                            2 * stage))
+            rows.append(Row("host", "optimizer state: fp32 master weights (bf16/fp16 params)", master))
     else:
         if moments != "fp32":
             _compressed_rows(rows, lay, moments, moments_min_size, "nvme", f"optimizer state file ({state})")

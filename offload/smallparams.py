@@ -43,14 +43,6 @@ class DeviceSideAdam:
     def grads(self) -> List[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 
-    def sumsq(self) -> float:
-        """Sum of squared gradient elements, computed on the device; one scalar crosses."""
-        g = self.grads()
-        if not g:
-            return 0.0
-        norms = torch._foreach_norm(g, 2, dtype=torch.float32)
-        return float(torch.stack(norms).square().sum().item())
-
     def step(self, mult: float) -> None:
         if self.inner is None:
             return
@@ -77,7 +69,9 @@ class DeviceSideAdam:
         for i, p in enumerate(self.params):
             st = self.opt.state.get(p)
             if st:
-                state[i] = {k: v for k, v in st.items() if k != "master_param"}
+                # copies: the loaded state_dict's tensors stay the caller's (torch would alias them)
+                state[i] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                            for k, v in st.items() if k != "master_param"}
         sd["state"] = state
         self.inner.load_state_dict(sd)   # torch casts to the parameter's device and dtype
         for p in self.params:

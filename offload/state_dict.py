@@ -144,10 +144,12 @@ class StateDictMixin:
             self._gpu.synchronize()
         if self._store is not None:  # NVMe/mmap state: write tensors to the file, keep only 'step' in RAM
             where = {id(p): (gi, i) for gi, g in enumerate(groups) for i, p in enumerate(g["params"])}
-            entries = {where[id(p)]: st for p, st in new_state.items() if isinstance(p, torch.Tensor)}
+            small = self._store.excluded   # GPU offload: small parameters stepped on the device keep torch's state
+            entries = {where[id(p)]: st for p, st in new_state.items()
+                       if isinstance(p, torch.Tensor) and where[id(p)] not in small}
             self._store.load(entries)
             for p, st in list(new_state.items()):
-                if isinstance(p, torch.Tensor):
+                if isinstance(p, torch.Tensor) and where[id(p)] not in small:
                     gi, i = where[id(p)]
                     new_state[p] = self._store.torch_state(gi, i)  # step counter + views of the moments
         self.__setstate__({"state": new_state, "param_groups": saved_groups})

@@ -1,46 +1,17 @@
-"""telemetry.py: per-step timing of the GPU-offload pipeline and an optional Chrome-trace timeline.
+"""telemetry.py: the optional Chrome-trace timeline of GPU offload (``trace=True``).
 
-``StepStats`` is what ``optimizer.last_step_stats()`` returns: seconds spent in D2H copies, in the
-CPU kernel, in H2D copies, in NVMe I/O (always 0: this pipeline keeps state in RAM), and the
-exposed part: time the training thread was blocked waiting for offload work (inside ``step()``, in
-gradient hooks waiting for a staging buffer, in forward pre-hooks waiting for weights), plus on
-CUDA the time the compute stream stalled on an H2D event.
+``Trace`` collects spans (CPU steps of buckets, step() calls, forward waits for weights) and
+``export_chrome_trace`` writes them as Chrome trace JSON. The per-step figures of
+``optimizer.last_step_stats()`` are assembled by offload/step/device_step.py.
 """
 from __future__ import annotations
 
 import json
 import threading
 import time
-from dataclasses import dataclass, field, fields
 from typing import List, Optional, Tuple
 
-__all__ = ["StepStats", "Trace"]
-
-
-@dataclass
-class StepStats:
-    step: int = 0
-    d2h_s: float = 0.0
-    kernel_s: float = 0.0
-    h2d_s: float = 0.0
-    nvme_s: float = 0.0
-    exposed_s: float = 0.0
-    d2h_bytes: int = 0
-    h2d_bytes: int = 0
-    buckets: int = 0
-    skipped: bool = False
-    grad_multiplier: float = 1.0
-    overlapped: bool = True
-    complete: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **kw) -> None:
-        with self._lock:
-            for k, v in kw.items():
-                setattr(self, k, getattr(self, k) + v)
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+__all__ = ["Trace"]
 
 
 class Trace:

@@ -46,8 +46,8 @@ def make_opt(ps, side, tier, tmp_path, slots=2, seed=1, **kw):
         d = tmp_path / f"state-{side}-{tier}"
         d.mkdir(exist_ok=True)
         opts.update(state=tier, nvme_dir=d, host_budget=96 * 1024)
-        if side != "host":
-            opts["nvme_options"] = {"staging_slots": slots}
+    if side != "host":   # the staging ring of device parameters, every tier
+        opts["nvme_options"] = {"staging_slots": slots}
     if side == "cpu":
         opts["offload_device"] = CpuDevice()
     elif side == "fake":
@@ -151,7 +151,7 @@ def test_checkpoint_resume(tmp_path, side, tier):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("tier", ("nvme", "mmap"))
+@pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("side", SIDES)
 def test_add_param_group(tmp_path, side, tier):
     dtype = torch.float32
@@ -169,6 +169,8 @@ def test_add_param_group(tmp_path, side, tier):
     opt = make_opt(ps, side, tier, tmp_path)
     opt.close()   # (make_opt builds two groups; this test wants one, then a second added)
     opts = dict(state=tier, nvme_dir=tmp_path / f"state-{side}-{tier}", host_budget=96 * 1024, **kw)
+    if tier == "ram":
+        opts = {}
     if side != "host":
         opts.update(offload_device=FakeDevice(seed=2) if side == "fake" else CpuDevice(), bucket_mb=0.01)
     opt = offload.AdamW(ps[:3], lr=1e-2, **opts)
@@ -179,16 +181,20 @@ def test_add_param_group(tmp_path, side, tier):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("side", SIDES)
-def test_frozen_params_reserve_no_disk(tmp_path, side):
+@pytest.mark.parametrize("tier", ("nvme", "ram"))
+def test_frozen_params_reserve_no_disk(tmp_path, side, tier):
     base = torch.nn.Parameter(torch.randn(1 << 16), requires_grad=False)   # a frozen base: 256 KiB fp32
     lora = torch.nn.Parameter(torch.randn(64))
-    opts = dict(state="nvme", nvme_dir=tmp_path, host_budget=1 << 20)
+    opts = dict(state="nvme", nvme_dir=tmp_path, host_budget=1 << 20) if tier == "nvme" else {}
+    if tier == "ram" and side == "host":
+        pytest.skip("host parameters with RAM state keep torch's per-parameter state (host_ram.py)")
     if side != "host":
         opts.update(offload_device=FakeDevice(seed=4) if side == "fake" else CpuDevice())
     opt = offload.AdamW([base, lora], **opts)
     assert opt.storage_info()["file_bytes"] == 4096   # one bucket: lora's state only
     lora.grad = torch.randn(64)
     opt.step()
+    opt.synchronize()   # device parameters: read outside a forward only after synchronize()
     assert base not in opt.state or not opt.state[base]
     # unfreezing later still works: the state is laid out when the first gradient arrives
     ref_b, ref_l = base.detach().clone(), lora.detach().clone()
@@ -197,6 +203,7 @@ def test_frozen_params_reserve_no_disk(tmp_path, side):
     for o, (b, l) in ((opt, (base, lora)), (ref, ref.param_groups[0]["params"])):
         b.grad, l.grad = torch.ones_like(b), torch.ones_like(l)
         o.step()
+    opt.synchronize()
     assert torch.equal(base, ref.param_groups[0]["params"][0])
     assert opt.storage_info()["file_bytes"] > 2 * 4 * (1 << 16)   # m and v of the base (+ a master on a device)
     opt.close()
@@ -260,12 +267,12 @@ def test_fake_device_clip_scaler_and_slow_copies(tmp_path, tier, slots):
         if s == 2:   # an overflow: check_overflow skips the step (the reference does not step)
             ps[0].grad[0] = float("inf")
             opt.step()
-            assert opt.last_step_stats()["skipped"]
+            assert opt.last_step_stats(wait=True)["skipped"]
             continue
         ref.clip_grad_norm_(0.5)
         opt.step()
         ref.step()
-        assert opt.last_step_stats()["buckets"] > 2 and not opt.last_step_stats()["skipped"]
+        assert opt.last_step_stats(wait=True)["buckets"] > 2 and not opt.last_step_stats()["skipped"]
     # GradScaler: scaled gradients, 1/scale folded into the kernel; a non-finite step is skipped
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     scaler.scale(torch.ones(()))   # (what scaler.scale(loss) does first: create the scale)
@@ -281,7 +288,7 @@ def test_fake_device_clip_scaler_and_slow_copies(tmp_path, tier, slots):
             ref.step()
         scaler.step(opt)
         scaler.update(2.0 ** 10)   # keep the scale (the reference sees unscaled gradients)
-        assert opt.last_step_stats()["skipped"] == (s == 5)
+        assert opt.last_step_stats(wait=True)["skipped"] == (s == 5)
     opt.synchronize()
     dev.check()
     assert_same(ps_r, ref, ps, opt)

@@ -77,18 +77,21 @@ def test_nvme_figures_match_the_store(tmp_path, amsgrad, budget):
 
 @pytest.mark.timeout(30)
 def test_gpu_mode_figures_match_the_engine(tmp_path):
-    """device='cuda' plans are exact for device parameters (driven here by FakeDevice): RAM state's
-    pinned bucket arenas + staging, and NVMe state's file, slots and staging ring."""
+    """device='cuda' plans are exact for device parameters (driven here by FakeDevice), from the same
+    layout code as the engine: RAM state's (unpinned) arena + the pinned staging ring, and NVMe state's
+    file, slots and staging ring."""
     from offload.device import FakeDevice
     model = _model()
-    p = offload.plan(model, device="cuda", bucket_bytes=1 << 12)
-    opt = offload.AdamW(model.parameters(), offload_device=FakeDevice(), bucket_mb=1 / 256)
-    bks = opt._gpu.buckets
-    arenas = sum(b.arena.numel() * 4 for b in bks)
-    staging = sum(b.grad_stage.numel() + b.out_stage.numel() for b in bks)
-    assert p.bytes_of("host", "optimizer state: fp32") == arenas
-    assert p.bytes_of("host", "pinned staging") == staging
-    opt.close()
+    for slots in (2, 3):
+        p = offload.plan(model, device="cuda", bucket_bytes=1 << 12, staging_slots=slots)
+        opt = offload.AdamW(model.parameters(), offload_device=FakeDevice(), bucket_mb=1 / 256,
+                            nvme_options={"staging_slots": slots} if slots != 3 else None)
+        info = opt.storage_info()
+        assert info["pinned"] is False and info["staging_slots"] == slots
+        assert p.bytes_of("host", "optimizer state: fp32") == info["arena_bytes"] > 0
+        assert p.bytes_of("host", "pinned staging ring") == info["staging_bytes"] > 0
+        assert p.bytes_of("host", "pinned") == info["staging_bytes"]   # only the ring is pinned
+        opt.close()
     budget = 1 << 20
     p = offload.plan(model, device="cuda", state="nvme", host_budget=budget, staging_slots=2)
     opt = offload.AdamW(model.parameters(), offload_device=FakeDevice(), state="nvme", nvme_dir=tmp_path,

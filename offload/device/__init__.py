@@ -1,4 +1,4 @@
-"""device/: the transfer abstraction the parameter side (offload/params/device.py, offload/pipeline.py) talks to.
+"""device/: the transfer abstraction the parameter side (offload/params/device.py) talks to.
 
 Nothing above it touches CUDA directly. It asks a ``Device`` to
   * ``record()``          an event at the current point of the compute stream,

@@ -69,21 +69,12 @@ class Device:
         """Compute stream waits for ``event``; returns host seconds blocked (0 on a real GPU)."""
         raise NotImplementedError
 
-    def timed_wait(self, event: Event) -> Event:
-        """Like ``wait``; the returned event's ``seconds()`` is how long the compute stream stalled
-        (on a GPU: measured with events around the wait; elsewhere: host seconds blocked)."""
-        return _DoneEvent(self.wait(event))
-
     def synchronize(self) -> None:
         """Block until every stream of this device is idle."""
         raise NotImplementedError
 
     def check(self) -> None:
         """Raise if a hazard was detected (only the fake device detects any)."""
-
-    def discard(self, event: Event) -> None:
-        """The scheduler will never use what the copy ending in ``event`` wrote (it was superseded
-        by a new copy of the same sources): a hazard on its sources is harmless."""
 
     def close(self) -> None:
         pass

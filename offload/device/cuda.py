@@ -119,13 +119,5 @@ class CudaDevice(Device):
         torch.cuda.current_stream(self.device).wait_event(event._end)
         return 0.0
 
-    def timed_wait(self, event: Event) -> Event:
-        stream = torch.cuda.current_stream(self.device)
-        start, end = self._event(True), self._event(True)
-        start.record(stream)
-        stream.wait_event(event._end)
-        end.record(stream)
-        return _CudaEvent(start, end)
-
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

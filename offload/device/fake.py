@@ -28,7 +28,6 @@ class _FakeEvent(Event):
         self._span = None
         self.error: Optional[BaseException] = None
         self.hazards: List[str] = []
-        self.discarded = False
 
     def synchronize(self) -> None:
         if not self._done.wait(_WAIT_TIMEOUT_S):
@@ -181,10 +180,7 @@ class FakeDevice(Device):
     @property
     def violations(self) -> List[str]:
         with self._lock:
-            return [h for ev in self._hazardous if not ev.discarded for h in ev.hazards]
-
-    def discard(self, event: Event) -> None:
-        event.discarded = True
+            return [h for ev in self._hazardous for h in ev.hazards]
 
     def check(self) -> None:
         v = self.violations

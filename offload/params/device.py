@@ -44,6 +44,7 @@ class DeviceParams:
         self._after = None
         self._last_up = None
         self.stats = dict(d2h_s=0.0, h2d_s=0.0, d2h_bytes=0, h2d_bytes=0)
+        self.trace = None             # offload.telemetry.Trace: copy spans (trace=True)
         self._events: list = []
 
     def extend(self, groups) -> None:
@@ -99,7 +100,7 @@ class DeviceParams:
             out.append((0, gbuf.data_ptr() + pc.boff, code, obuf.data_ptr() + pc.boff, code))
         return out
 
-    def publish(self, b, pieces, staged: Staged, after=None) -> None:
+    def publish(self, b, pieces, staged: Staged, after=None):
         """H2D of the new weights from the slot (after ``after``: during backward, the compute stream's
         event recorded when the bucket's gradients were complete, so no queued kernel still reads them)."""
         params = self.groups[b.group]
@@ -113,6 +114,7 @@ class DeviceParams:
         self._last_up = ev
         self._events.append(("h2d", ev))
         self.stats["h2d_bytes"] += sum(d.numel() * d.element_size() for d, _ in pairs)
+        return ev
 
     def finish(self) -> None:
         """The compute stream waits for the last upload (streams are FIFO: for all of them)."""
@@ -126,6 +128,8 @@ class DeviceParams:
         for kind, ev in self._events:
             if ev.query():
                 self.stats[f"{kind}_s"] += ev.seconds()
+                if self.trace is not None:
+                    self.trace.span(kind, kind, ev.span())
             else:
                 keep.append((kind, ev))
         self._events = keep

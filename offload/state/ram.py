@@ -44,5 +44,10 @@ class RamTier(StateTier):
         data = self.view(b.offset, b.nbytes)
         return Block(data.data_ptr(), data)
 
+    def info(self) -> dict:
+        d = super().info()
+        d.update(arena_bytes=self.nbytes, pinned=False)
+        return d
+
     def write(self, b, data: torch.Tensor) -> None:
         self.view(b.offset, b.nbytes).copy_(data)

@@ -1,8 +1,10 @@
-"""step/backward.py: BackwardFeed, device parameters with state in a tier stepped *during backward*.
+"""step/backward.py: BackwardFeed, the CPU worker that steps the buckets of device parameters.
 
-``offload.AdamW(cuda_params, state="nvme")`` with ``step_during_backward`` (the default without
-clipping / overflow check): a post-accumulate-grad hook marks each parameter ready; when every
-parameter of a bucket is ready the bucket is queued to one CPU worker thread, which, per bucket,
+``offload.AdamW(cuda_params, state=...)`` with ``overlap=True`` (any tier). With
+``step_during_backward`` (the default without clipping / overflow check) a post-accumulate-grad
+hook marks each parameter ready and a bucket whose parameters are all ready is queued at once;
+otherwise (``eager=False``) ``step()`` queues every bucket after deciding the multiplier. The
+one CPU worker thread, per bucket,
   * keeps up to ``depth`` state reads ahead in the *expected backward order* (reverse layout order
     at the first step, the order observed in the previous step afterwards; a bucket that arrives
     out of that order is read on demand: slower, never wrong);
@@ -10,9 +12,10 @@ parameter of a bucket is ready the bucket is queued to one CPU worker thread, wh
   * acquires the bucket's state, runs the kernel, writes the state back (asynchronously) and
     issues the H2D of the new weights.
 So NVMe reads, D2H, the kernel, write-back and H2D overlap each other and backward. ``step()``
-queues the buckets that never completed (parameters without a hooked gradient), waits for the
-worker, and makes the compute stream wait for the last upload. Host memory is the tier's slots plus
-the staging ring (offload/params/device.py), whatever the model size.
+queues the buckets that never completed (parameters without a hooked gradient) and returns; the
+worker finishes the step (write-backs drained, state committed) while forward runs, and each
+module waits only for the uploads of its own buckets (step/uploads.py). Host memory is the tier's
+slots plus the staging ring (offload/params/device.py), whatever the model size.
 
 Bitwise equal to every other mode: the same rows and step counts reach the same kernel. Step
 counts advance when a parameter's first bucket is queued; hyperparameters are read then (as the
@@ -29,12 +32,14 @@ from collections import deque
 from typing import Optional
 
 import numpy as np
+import torch
 
 from .._dist import local
 from .._kernels import step_table
 from ..params.base import check_grad
-from ..telemetry import Trace
+from .feedstep import FeedStep, _weak_observer
 from .table import bucket_rows, kernel_for
+from .uploads import Upload, UploadWaits
 
 __all__ = ["BackwardFeed"]
 
@@ -48,6 +53,16 @@ def _weak_hook(feed, gi: int, i: int):
         f = ref()
         if f is not None:
             f._on_grad(gi, i, p)
+    return hook
+
+
+def _weak_pre_accumulate(feed):
+    ref = weakref.ref(feed)
+
+    def hook(grad):
+        f = ref()
+        if f is not None and f.uploads.pending:   # a step is still in flight: its D2H may read p.grad
+            f.wait_idle()
     return hook
 
 
@@ -68,16 +83,19 @@ def _loop(ref, q) -> None:
             return
 
 
-class BackwardFeed:
-    def __init__(self, face, engine, device, *, release_grads: bool = False, trace: bool = False):
+class BackwardFeed(FeedStep):
+    def __init__(self, face, engine, device, *, eager: bool = True, release_grads: bool = False, trace=None):
         self.face = face            # DeviceStep: the optimizer's hyperparameters and state dict
         self.engine = engine
         self.side = engine.side
         self.tier = engine.tier
         self.device = device
+        self.eager = bool(eager)    # buckets queued during backward (else all of them in step())
         self.release_grads = bool(release_grads)
-        self.trace = Trace() if trace else None
+        self.trace = trace
         self.boundary = True
+        self.uploads = UploadWaits(device, lambda pid: self.buckets_of.get(self.key_of.get(pid)),
+                                   self._raise_if_failed, trace)
         self.error: Optional[BaseException] = None
         self._reported = False
         self._hooks: list = []
@@ -87,6 +105,9 @@ class BackwardFeed:
         self._hook_params()
         self._maps()
         self._reset()
+        self.seen: list = []         # buckets in the order the first forward used them (upload order)
+        self._observer = None if self.eager else torch.nn.modules.module.register_module_forward_pre_hook(
+            _weak_observer(self))
         self._q: "queue.Queue" = queue.Queue()
         self._worker = threading.Thread(target=_loop, args=(weakref.ref(self), self._q),
                                         name="offload-backward-step", daemon=True)
@@ -97,11 +118,15 @@ class BackwardFeed:
     def _hook_params(self) -> None:
         """Hooks on every parameter (also the groups added by add_param_group)."""
         groups = self.engine.groups
+        self.key_of = {id(p): (gi, i) for gi, ps in enumerate(groups) for i, p in enumerate(ps)}
         for gi in range(self._hooked, len(groups)):
             for i, p in enumerate(groups[gi]):
                 if not p.requires_grad:
                     continue   # frozen: if it gets a gradient later, step() sends it
-                self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self, gi, i)))
+                # accumulating into p.grad in place: not while the last step's D2H may still read it
+                self._hooks.append(p.register_hook(_weak_pre_accumulate(self)))
+                if self.eager:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self, gi, i)))
         self._hooked = len(groups)
 
     def _maps(self) -> None:
@@ -119,6 +144,9 @@ class BackwardFeed:
         if self._nb >= 0:   # mid-cycle growth (a frozen parameter's first gradient): new buckets wait
             self.missing += [len(ps) for ps in self.params_of[self._nb:]]
         self._nb = len(buckets)
+        eng = self.engine   # parameters with no state yet (frozen at construction): a gradient grows the layout
+        self.unlaid = [(gi, i) for gi, ps in enumerate(eng.groups) for i in range(len(ps))
+                       if eng.numels[gi][i] and (gi, i) not in self.buckets_of and (gi, i) not in eng.excluded]
 
     def extend(self) -> None:
         self._hook_params()
@@ -133,6 +161,8 @@ class BackwardFeed:
         self.stepped = set()         # stepped (worker)
         self.grads = [[None] * len(g) for g in self.engine.groups]
         self.advanced = [np.zeros(len(g), dtype=bool) for g in self.engine.groups]
+        self.ups: list = []          # Upload of each queued bucket, in queue order
+        self.ahead = None            # set by the worker when a step finished: the next step's expected order
 
     # ------------------------------------------------------------------ backward (training / autograd thread)
     def _raise_if_failed(self) -> None:
@@ -145,6 +175,8 @@ class BackwardFeed:
     def _begin(self) -> None:
         self._raise_if_failed()
         self.wait_idle()
+        self.uploads.wait_all()   # (a parameter no module's forward used)
+        self._reset()
         eng = self.engine
         with eng._using():
             eng._adopt_user_state(self.face.opt.state)
@@ -188,18 +220,22 @@ class BackwardFeed:
         if self.release_grads:
             p.grad = None
 
-    def _dispatch(self, bi: int, mult: float) -> None:
-        eng = self.engine
-        b = eng.layout.buckets[bi]
-        act = [pc for pc in b.pieces if (b.group, pc.param) in self.sent]
-        if not act:
-            return
-        opt = self.face.opt
-        h = opt.group_hyper(b.group)
+    def hyper(self, gi: int) -> dict:
+        h = self.face.opt.group_hyper(gi)
         for k in ("lr", "eps", "weight_decay", "beta1", "beta2"):
             if not math.isfinite(h[k]):
-                raise ValueError(f"group {b.group}: {k} = {h[k]} is not finite")
-        adv, steps = self.advanced[b.group], eng.registry.steps[b.group]
+                raise ValueError(f"group {gi}: {k} = {h[k]} is not finite")
+        return h
+
+    def _dispatch(self, bi: int, mult: float, hypers: Optional[dict] = None) -> None:
+        eng = self.engine
+        b = eng.layout.buckets[bi]
+        sent = self.sent
+        act = [pc for pc in b.pieces if (b.group, pc.param) in sent]
+        if not act:
+            return
+        h = hypers[b.group] if hypers is not None else self.hyper(b.group)
+        adv, steps = self.advanced[b.group], eng.registry.steps[b.group].numpy()
         for pc in act:
             if not adv[pc.param]:
                 adv[pc.param] = True
@@ -208,7 +244,9 @@ class BackwardFeed:
             self._t["first"] = time.perf_counter()   # the optimizer's part of the step starts here
         self.dispatched.append(bi)
         self.done.add(bi)
-        self._q.put(("step", b, act, eng.registry.has_state(b), h, mult, self.device.record()))
+        up = Upload(bi)
+        self.ups.append(up)
+        self._q.put(("step", b, act, eng.registry.has_state(b), h, mult, self.device.record(), up))
 
     # ------------------------------------------------------------------ the worker
     def _work(self, q, pending: deque, staged: deque) -> bool:
@@ -221,9 +259,10 @@ class BackwardFeed:
         while pending and pending[0] is not None and pending[0][0] == "step" and len(staged) < nslots:
             job = pending.popleft()
             if self.error is not None:
+                job[-1].issued.set()
                 continue
             try:
-                _, b, act, _, _, _, after = job
+                _, b, act, _, _, _, after, _ = job
                 with self.engine._lock:
                     staged.append((job, self.side.arrive(b, act, after)))
             except BaseException as e:
@@ -235,6 +274,7 @@ class BackwardFeed:
                     self._step_bucket(job, st)
                 except BaseException as e:
                     self._failed(e)
+            job[-1].issued.set()
             return False
         if pending:
             item = pending.popleft()
@@ -242,6 +282,11 @@ class BackwardFeed:
                 return True
             if item[0] == "barrier":
                 item[1].set()
+            elif item[0] == "finish" and self.error is None:
+                try:
+                    item[1]()
+                except BaseException as e:
+                    self._failed(e)
         if not pending and not staged and self.error is None:
             self._read_ahead(blocking=False)
         return False
@@ -268,8 +313,12 @@ class BackwardFeed:
                 return
             buckets = eng.layout.buckets
             # queued buckets first (the worker may lag behind backward), then the expected order
-            wanted = [bi for bi in list(self.dispatched) + [bi for bi in self.order if bi not in self.done]
-                      if bi not in self.stepped and bi < len(buckets)][:eng.depth]
+            ahead = self.ahead
+            if ahead is not None:   # between a finished step and the next backward
+                wanted = [bi for bi in ahead if bi < len(buckets)][:eng.depth]
+            else:
+                wanted = [bi for bi in list(self.dispatched) + [bi for bi in self.order if bi not in self.done]
+                          if bi not in self.stepped and bi < len(buckets)][:eng.depth]
             tier.keep_reads(set(wanted))   # a mispredicted read-ahead only holds a slot: give it up
             for bi in wanted:
                 b = buckets[bi]
@@ -281,7 +330,7 @@ class BackwardFeed:
             lock.release()
 
     def _step_bucket(self, job, st) -> None:
-        _, b, act, read, hyper, mult, after = job
+        _, b, act, read, hyper, mult, after, up = job
         eng, side, tier = self.engine, self.side, self.tier
         with eng._lock:
             self.stepped.add(b.index)
@@ -296,7 +345,7 @@ class BackwardFeed:
             t1 = time.perf_counter()
             eng.telemetry["kernel_s"] += t1 - t0
             tier.release(b, blk)
-            side.publish(b, act, st, after)
+            up.ev = side.publish(b, act, st, after)
         if self.trace is not None:
             self.trace.span(f"adam b{b.index}", "cpu step", (t0, t1))
 
@@ -307,102 +356,22 @@ class BackwardFeed:
         if not done.wait(_WAIT_S):
             raise TimeoutError(f"offload: the CPU worker did not finish within {_WAIT_S} s")
 
-    # ------------------------------------------------------------------ step() (training thread)
-    def step(self, mult: float, grad_scale, found_inf) -> dict:
-        t_step = time.perf_counter()
-        opt = self.face.opt
-        if not self.in_cycle:
-            self._begin()
-        early = bool(self.dispatched)
-        if self.release_grads and found_inf is not None:
-            raise RuntimeError("offload: release_grads=True cannot be combined with torch.amp.GradScaler (it reads "
-                               "the device gradients after backward); use release_grads=False")
-        if early and (grad_scale is not None or found_inf is not None):
-            raise RuntimeError("offload: torch.amp.GradScaler needs check_overflow=True (or step_during_backward="
-                               "False): buckets were already stepped during backward without the loss scale")
-        if early and mult != 1.0:
-            raise RuntimeError(f"offload: step(grad_multiplier={mult}) needs step_during_backward=False: buckets "
-                               "are stepped during backward, before the multiplier is known")
-        self.wait_idle()
-        self._raise_if_failed()
-        eng = self.engine
-        try:
-            self._check_sent()
-            eng._collect(opt.param_groups)   # validates the other gradients; lays out late parameters
-            eng._grads = None
-            self._maps()
-            self.grads += [[None] * len(g) for g in eng.groups[len(self.grads):]]
-            self.advanced += [np.zeros(len(g), dtype=bool) for g in eng.groups[len(self.advanced):]]
-            skip = found_inf is not None and float(found_inf) > 0
-            if not skip:
-                if not math.isfinite(mult):
-                    raise ValueError(f"grad_multiplier must be finite, got {mult}")
-                for gi, ps in enumerate(eng.groups):
-                    for i, p in enumerate(ps):
-                        if (gi, i) not in self.sent and p.grad is not None and (gi, i) in self.buckets_of:
-                            self._capture(gi, i, p)
-                for bi in list(self.order):
-                    if bi not in self.done:
-                        self._dispatch(bi, mult)
-            self.wait_idle()
-            self._raise_if_failed()
-            with eng._lock:
-                self.tier.drain()
-                self.side.finish()
-                active = [np.zeros(len(g), dtype=bool) for g in eng.groups]
-                for gi, i in self.sent:
-                    active[gi][i] = True
-                if skip:
-                    active = [np.zeros(len(g), dtype=bool) for g in eng.groups]
-                fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~eng.registry.ready[gi])]
-                eng.registry.commit(active)
-                for gi, a in enumerate(active):
-                    eng.tracker.record(gi, np.flatnonzero(a))
-                eng._install(fresh, opt.state)
-        except BaseException as e:
-            if self.dispatched and self.error is None:
-                self._failed(e, True)   # buckets were stepped: the state no longer matches any whole step
-            raise
-        finally:
-            nb = len(self.dispatched)
-            self.order = self.dispatched + [bi for bi in self.order if bi not in self.done]
-            self.side.grads = None
-            self._reset()
-            self._q.put(("nudge",))   # read ahead the next step's first buckets during forward
-        tel = self.tier.telemetry
-        first = self._t["first"]
-        return dict(pipeline_s=time.perf_counter() - (t_step if first is None else min(first, t_step)), kernel_s=eng.telemetry["kernel_s"] - self._t["kernel"], buckets=0 if skip else nb,
-                    nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - self._t["io"], skipped=skip,
-                    side0=self._t["side"])
-
-    def _check_sent(self) -> None:
-        """Gradients changed after they were sent (torch clipping / unscale_ on the device gradients)."""
-        for (gi, i), (g, ver) in list(self.sent.items()):
-            p = self.engine.groups[gi][i]
-            now = p.grad
-            same = now is None if self.release_grads else (now is g and now._version == ver)
-            if same:
-                continue
-            if any(bi in self.done for bi in self.buckets_of[(gi, i)]):
-                raise RuntimeError(
-                    "offload: gradients changed after they were sent to the CPU and stepped during backward "
-                    "(e.g. torch.nn.utils.clip_grad_norm_ or GradScaler.unscale_ on the device gradients). "
-                    "Use optimizer.clip_grad_norm_ / max_grad_norm= and check_overflow=True (which turn off "
-                    "stepping during backward), or pass step_during_backward=False.")
-            del self.sent[(gi, i)]
-            self.grads[gi][i] = None
-            if now is not None:
-                self._capture(gi, i, p)
-
     # ------------------------------------------------------------------ lifecycle
     def synchronize(self) -> None:
         """Wait for the worker; a failure not reported yet is raised (later uses of the state then raise
         StoreFailedError through the tier; close() still works)."""
         self.wait_idle()
-        if not self._reported:
-            self._raise_if_failed()
+        if self.error is not None and self._reported:
+            self.uploads.abandon()   # reported already: later uses raise StoreFailedError
+            return
+        self._raise_if_failed()
+        self.uploads.wait_all()
 
     def close(self) -> None:
+        self.uploads.remove_hook()
+        if self._observer is not None:
+            self._observer.remove()
+            self._observer = None
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -1,16 +1,19 @@
-"""step/device_step.py: the optimizer face of device parameters whose state lives in a tier (nvme/mmap).
+"""step/device_step.py: the optimizer face of device parameters (GPU offload), state in any tier.
 
-``offload.AdamW(cuda_params, state="nvme")``, two schedules:
+``offload.AdamW(cuda_params, state="ram"|"nvme"|"mmap")``, three schedules:
   * step during backward (the default without clipping / overflow check): buckets are stepped as
-    their gradients arrive, with the state read ahead in the expected backward order
-    (step/backward.py);
-  * deferred (``max_grad_norm=``, ``check_overflow=True``, ``step_during_backward=False`` or
-    ``overlap=False``): backward leaves the gradients on the device; ``step()`` decides the
-    multiplier (1/loss scale, clipping coefficient) or the skip from the gradients' norms, then
-    streams every bucket D2H -> kernel -> H2D through the staging ring while the state is read
-    ahead from NVMe (step/pipeline.py).
-Host memory: the tier's slots + the ring, sized from ``host_budget``. This face is the only part
-that reads the optimizer (its groups, pending clip coefficient and GradScaler attributes).
+    their gradients arrive by the CPU worker, with the state read ahead in the expected backward
+    order (step/backward.py);
+  * deferred (``max_grad_norm=``, ``check_overflow=True``, ``step_during_backward=False``):
+    backward leaves the gradients on the device; ``step()`` decides the multiplier (1/loss scale,
+    clipping coefficient) or the skip from the gradients' norms, then queues every bucket to the
+    same worker (D2H -> kernel -> H2D through the staging ring) and returns;
+  * ``overlap=False``: all of it inside ``step()`` (step/pipeline.py), which then synchronizes.
+In both overlapped schedules the next forward waits per bucket for the new weights (step/uploads.py).
+Parameters of at most ``small_param_numel`` elements stay on the device, stepped by torch there
+(offload/smallparams.py); they reserve nothing in the tier. Host memory: the tier + the pinned
+staging ring. This face is the only part that reads the optimizer (its groups, pending clip
+coefficient and GradScaler attributes).
 """
 from __future__ import annotations
 
@@ -19,24 +22,35 @@ import math
 import time
 from typing import Optional
 
+import numpy as np
 import torch
 
 from .._dist import local
+from ..smallparams import DeviceSideAdam
+from ..telemetry import Trace
 
-__all__ = ["DeviceStep"]
+__all__ = ["DeviceStep", "GPU_OPTIONS", "small_params"]
 
-_UNSUPPORTED = {"small_param_numel": (0,)}
+GPU_OPTIONS = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm", "check_overflow",
+               "release_grads", "trace", "small_param_numel")
+
+
+def small_params(param_groups: list, small_param_numel: int) -> set:
+    """(gi, i) of the parameters of at most ``small_param_numel`` elements: stepped on the device."""
+    if not (isinstance(small_param_numel, int) and not isinstance(small_param_numel, bool) and small_param_numel >= 0):
+        raise ValueError(f"small_param_numel must be an int >= 0, got {small_param_numel!r}")
+    if not small_param_numel:
+        return set()
+    return {(gi, i) for gi, g in enumerate(param_groups) for i, p in enumerate(g["params"])
+            if local(p).numel() <= small_param_numel}
 
 
 class DeviceStep:
     def __init__(self, opt, engine, device, *, bucket_mb: float = 32.0, overlap: bool = True,
                  step_during_backward=None, max_grad_norm=None, check_overflow: bool = False,
                  release_grads: bool = False, trace: bool = False, small_param_numel: int = 0):
-        given = dict(small_param_numel=small_param_numel)
-        for k, ok in _UNSUPPORTED.items():
-            if given[k] not in ok:
-                raise ValueError(f"{k}={given[k]!r} needs state='ram' (with NVMe/mmap state every parameter's "
-                                 "state is in the tier)")
+        if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+            raise ValueError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
         if max_grad_norm is not None and not (float(max_grad_norm) > 0):
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
         if step_during_backward and (max_grad_norm is not None or check_overflow):
@@ -47,20 +61,26 @@ class DeviceStep:
         self.opt = opt
         self.engine = engine
         self.device = device
-        self.eager = bool(overlap) and bool(step_during_backward)
-        if (release_grads or trace) and not self.eager:
-            raise ValueError(f"{'release_grads' if release_grads else 'trace'}=True with state={engine.mode!r} needs "
-                             "the step during backward (no max_grad_norm / check_overflow, overlap=True): the "
-                             "staging ring cannot hold every gradient until step()")
+        self.overlap = bool(overlap)
+        self.eager = self.overlap and bool(step_during_backward)
+        self.release_grads = bool(release_grads)
+        self.trace = Trace() if trace else None
+        engine.side.trace = self.trace
+        # parameters of at most small_param_numel elements stay on the device (offload/smallparams.py)
+        small = sorted(engine.excluded)
+        self.small = DeviceSideAdam(opt, {gi: [opt.param_groups[gi]["params"][i] for g2, i in small if g2 == gi]
+                                          for gi in range(len(opt.param_groups))}, opt.group_hyper(0)["decoupled"])
         self.feed = None
-        if self.eager:
+        if self.overlap:
             from .backward import BackwardFeed
-            self.feed = BackwardFeed(self, engine, device, release_grads=release_grads, trace=trace)
+            self.feed = BackwardFeed(self, engine, device, eager=self.eager, release_grads=release_grads,
+                                     trace=self.trace)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.check_overflow = bool(check_overflow)
         self.owns_device = False
         self._nsteps = 0
         self._last: Optional[dict] = None
+        self._recs: list = []
         self._versions = self._snapshot()
 
     def _snapshot(self) -> dict:
@@ -86,10 +106,11 @@ class DeviceStep:
 
     def reload_changed(self) -> None:
         """The user wrote parameters (e.g. model.load_state_dict): their masters follow."""
-        changed = {k for k, v in self._snapshot().items() if self._versions.get(k) != v}
+        snap = self._snapshot()
+        changed = {k for k, v in snap.items() if self._versions.get(k) != v}
         if changed:
             self.engine.reload_masters(changed)
-        self._versions = self._snapshot()
+        self._versions = snap   # (reloading reads the parameters, it does not write them)
 
     # ------------------------------------------------------------------ norms and the step
     def _grads(self) -> list:
@@ -125,10 +146,11 @@ class DeviceStep:
         found_inf = getattr(opt, "found_inf", None)
         if gs is not None:
             mult /= float(gs)
-        if self.feed is not None:
-            return self._step_eager(t0, mult, gs, found_inf)
-        active = self.engine._collect(opt.param_groups)   # validation first: nothing changes on error
+        if self.feed is not None and self.eager:
+            return self._queued(t0, self.feed.step(mult, gs, found_inf, before=self._small_step(mult)), mult)
         skip = found_inf is not None and float(found_inf) > 0
+        if self.feed is None:
+            active = self.engine._collect(opt.param_groups)   # validation first: nothing changes on error
         if not skip and (self.max_grad_norm is not None or self.check_overflow):
             total = self._sumsq()
             if self.check_overflow and not math.isfinite(total):
@@ -137,12 +159,17 @@ class DeviceStep:
                 coef = self.max_grad_norm / (math.sqrt(total) * abs(mult) + 1e-6)
                 if coef < 1.0:
                     mult *= coef
+        if self.feed is not None:
+            return self._queued(t0, self.feed.step(mult, gs, found_inf, skip=skip, before=self._small_step(mult)), mult)
         if not math.isfinite(mult) and not skip:
             raise ValueError(f"grad_multiplier must be finite, got {mult}")
+        for gi, i in self.engine.excluded:   # small parameters: stepped on the device
+            active[gi][i] = False
         side = self.engine.side
         s0 = dict(side.stats)
         stats = dict(kernel_s=0.0, nvme_s=0.0, buckets=0)
         if not skip:
+            self._small_step(mult)()
             changed = {k for k, v in self._snapshot().items() if self._versions.get(k) != v}
             if changed:   # the user wrote parameters (e.g. model.load_state_dict): masters follow
                 self.engine.reload_masters(changed)
@@ -150,25 +177,62 @@ class DeviceStep:
                              mult, opt.kernel_threads, active=active)
             self._versions = self._snapshot()
             stats = self.engine.last_stats
-        self._record(t0, s0, stats, mult, skipped=skip, overlapped=False)
+            if self.release_grads:
+                for gi, a in enumerate(active):
+                    for i in np.flatnonzero(a):
+                        self.engine.groups[gi][i].grad = None
+        self.synchronize()
+        self._record(t0, s0, stats, mult, skipped=skip, overlapped=False, done=True)
 
-    def _step_eager(self, t0: float, mult: float, gs, found_inf) -> None:
-        stats = self.feed.step(mult, gs, found_inf)
-        s0 = stats["side0"]
+    def _small_step(self, mult: float):
+        def run():
+            if self.small:
+                self.small.step(mult)
+        return run
+
+    def _queued(self, t0: float, rec: dict, mult: float) -> None:
         self._versions = self._snapshot()
-        self._record(t0, s0, stats, mult, skipped=stats["skipped"], overlapped=True, pipeline_s=stats["pipeline_s"])
+        self._record(t0, rec["side0"], rec, mult, overlapped=True)
 
     def _record(self, t0: float, s0: dict, stats: dict, mult: float, **extra) -> None:
-        """last_step_stats() of the step that began at t0 (s0: the side's counters then)."""
+        """Stats of the step that began at t0 (s0: the side's counters then); ``stats`` is completed
+        later by the worker when the step is queued (``done``)."""
+        self._nsteps += 1
+        rec = stats if "done" in stats else dict(stats)
+        rec.update(step=self._nsteps, s0=s0, exposed0=self._exposed(), t0=t0, exposed_step=time.perf_counter() - t0,
+                   grad_multiplier=mult, **extra)
+        rec.setdefault("skipped", False)
+        if self.trace is not None:
+            self.trace.span(f"step() {self._nsteps}", "training thread", (t0, time.perf_counter()))
+        self._recs.append(rec)
+        if len(self._recs) > 4:   # bounded however rarely the stats are read
+            self._settle()
+
+    def _exposed(self) -> float:
+        return self.feed.uploads.exposed_s if self.feed is not None else 0.0
+
+    def _settle(self) -> None:
+        """The latest step whose CPU part is done (and whose uploads were waited for) becomes _last."""
         side = self.engine.side
         side.collect_times()
-        self._nsteps += 1
-        self._last = dict(step=self._nsteps, d2h_s=side.stats["d2h_s"] - s0["d2h_s"],
-                          kernel_s=stats["kernel_s"], h2d_s=side.stats["h2d_s"] - s0["h2d_s"],
-                          nvme_s=stats["nvme_s"], exposed_s=time.perf_counter() - t0,
-                          d2h_bytes=side.stats["d2h_bytes"] - s0["d2h_bytes"],
-                          h2d_bytes=side.stats["h2d_bytes"] - s0["h2d_bytes"], buckets=stats["buckets"],
-                          grad_multiplier=mult, complete=True, **extra)
+        pending = self.feed is not None and self.feed.uploads.pending
+        done = [k for k, r in enumerate(self._recs) if r["done"] and not (pending and k == len(self._recs) - 1)]
+        if not done:
+            return
+        k = done[-1]
+        r = self._recs[k]
+        nxt = self._recs[k + 1] if k + 1 < len(self._recs) else None
+        s1 = nxt["s0"] if nxt is not None else side.stats
+        waits = (nxt["exposed0"] if nxt is not None else self._exposed()) - r["exposed0"]
+        self._last = dict(step=r["step"], d2h_s=s1["d2h_s"] - r["s0"]["d2h_s"], kernel_s=r["kernel_s"],
+                          h2d_s=s1["h2d_s"] - r["s0"]["h2d_s"], nvme_s=r["nvme_s"],
+                          exposed_s=r["exposed_step"] + waits, d2h_bytes=s1["d2h_bytes"] - r["s0"]["d2h_bytes"],
+                          h2d_bytes=s1["h2d_bytes"] - r["s0"]["h2d_bytes"], buckets=r["buckets"],
+                          skipped=r["skipped"], grad_multiplier=r["grad_multiplier"],
+                          overlapped=r["overlapped"], complete=True)
+        if "pipeline_s" in r:
+            self._last["pipeline_s"] = r["pipeline_s"]
+        self._recs = self._recs[k:]
 
     # ------------------------------------------------------------------ the rest of the GPU face
     def synchronize(self) -> None:
@@ -184,15 +248,23 @@ class DeviceStep:
     def load_state(self) -> None:
         if self.feed is not None:
             self.feed.extend()   # add_param_group: hooks and buckets of the new group
+        if self.small:
+            self.small.load()
         self._versions = self._snapshot()
 
     def last_step_stats(self, wait: bool = False) -> Optional[dict]:
+        """Timing of the latest step whose weights are back on the device (``wait=True``: finish the
+        latest step first)."""
+        if wait:
+            self.synchronize()
+        self._settle()
         return None if self._last is None else dict(self._last)
 
     def export_chrome_trace(self, path: str) -> int:
-        trace = self.feed.trace if self.feed is not None else None
+        trace = self.trace
         if trace is None:
             raise RuntimeError("construct the optimizer with trace=True to record a timeline")
+        self.engine.side.collect_times()
         return trace.export(path)
 
     @property

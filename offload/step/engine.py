@@ -36,8 +36,9 @@ class StateEngine(TorchLayout):
     def __init__(self, groups: list, amsgrad: list, *, mode: str, nvme_dir=None, host_budget="2GiB",
                  keep: bool = False, device=None, staging_slots: int = 3, bucket_bytes: Optional[int] = None,
                  depth: int = 2, queue_depth: int = 8, block_size: int = 1 << 20, direct: bool = True,
-                 moments: str = "fp32", moments_min_size: int = 4096):
+                 moments: str = "fp32", moments_min_size: int = 4096, exclude=()):
         self.mode = mode
+        self.excluded = set(exclude)   # (gi, i) stepped elsewhere (device-side small params): no state here
         self.moments, self.moments_min_size = moments, int(moments_min_size)   # issue 9 (offload/mformat.py)
         self.budget = parse_size(host_budget)
         self.depth = depth
@@ -77,7 +78,11 @@ class StateEngine(TorchLayout):
         self.last_stats: Optional[dict] = None
 
     def _lay(self, groups, first_group: int):
-        shapes = self._moment_shapes(shapes_of(groups, self.device is not None, first_group))
+        shapes = shapes_of(groups, self.device is not None, first_group)
+        if self.excluded:
+            from dataclasses import replace
+            shapes = [replace(s, active=False) if (s.group, s.index) in self.excluded else s for s in shapes]
+        shapes = self._moment_shapes(shapes)
         return build_layout(shapes, amsgrad=self.amsgrad, max_state_bytes=self.state_cap,
                             max_param_bytes=self.stage_cap)
 
@@ -176,7 +181,7 @@ class StateEngine(TorchLayout):
                                            if g is not None], self.tier.own_memory(), self.mode)
         self._grads = grads   # the step uses exactly the tensors checked here
         late = [(gi, int(i)) for gi, a in enumerate(active) for i in np.flatnonzero(a)
-                if self.numels[gi][i] and not self.layout.of_param.get((gi, int(i)))]
+                if self.numels[gi][i] and not self.layout.of_param.get((gi, int(i))) and (gi, int(i)) not in self.excluded]
         if late:
             self._lay_out_late(late)
         return active
@@ -310,5 +315,6 @@ class StateEngine(TorchLayout):
         d.update(mode=self.mode, depth=self.depth, host_budget=self.budget, buckets=len(self.layout.buckets),
                  file_bytes=getattr(self.tier, "file_bytes", self.layout.nbytes))
         if self.device is not None:
-            d.update(staging_slots=self.side.nslots, staging_bytes=self.side.pinned_bytes)
+            d.update(staging_slots=self.side.nslots, staging_bytes=self.side.pinned_bytes,
+                     bucket_param_bytes=[sum(pc.n * pc.itemsize for pc in b.pieces) for b in self.layout.buckets])
         return d

@@ -1,0 +1,151 @@
+"""step/feedstep.py: ``step()`` of the CPU worker's feed (step/backward.py), on the training thread.
+
+It checks what the step may do (GradScaler, multiplier, gradients changed after they were sent),
+validates the remaining gradients, queues every bucket not queued during backward (when nothing was:
+in the order the first forward used the buckets, observed by a module pre-hook until the first step,
+since their uploads are what the next forward waits for) and a ``finish`` job
+that commits the state when the worker is done, then returns: the worker and the uploads run on
+during the next forward (step/uploads.py). A mixin of BackwardFeed, using its attributes.
+"""
+from __future__ import annotations
+
+import math
+import time
+import weakref
+
+import numpy as np
+
+__all__ = ["FeedStep"]
+
+
+def _weak_observer(feed):
+    ref = weakref.ref(feed)
+
+    def hook(module, args):
+        f = ref()
+        if f is not None:
+            f.observe(module)
+    return hook
+
+
+class FeedStep:
+    def observe(self, module) -> None:
+        """Forward pre-hook until the first step(): the order in which modules use the buckets."""
+        seen = self.seen
+        for p in module._parameters.values():
+            for bi in self.buckets_of.get(self.key_of.get(id(p)), ()) if p is not None else ():
+                if bi not in seen:
+                    seen.append(bi)
+
+    def forward_order(self) -> list:
+        """Buckets in first-use order (observed in the first forward), the rest in layout order."""
+        if self._observer is not None and self.seen:
+            self._observer.remove()
+            self._observer = None
+        known = set(self.seen)
+        return self.seen + [b.index for b in self.engine.layout.buckets if b.index not in known]
+
+    def step(self, mult: float, grad_scale, found_inf, skip: bool = False, before=None) -> dict:
+        """Queue what is left of this step and return at once; the returned record is completed by the
+        worker (``done``). ``skip``: decided by the caller (overflow); ``before()``: runs first if not skipped."""
+        t_step = time.perf_counter()
+        opt = self.face.opt
+        if not self.in_cycle:
+            self._begin()
+        early = bool(self.dispatched)
+        if self.release_grads and found_inf is not None:
+            raise RuntimeError("offload: release_grads=True cannot be combined with torch.amp.GradScaler (it reads "
+                               "the device gradients after backward); use release_grads=False")
+        if early and (grad_scale is not None or found_inf is not None):
+            raise RuntimeError("offload: torch.amp.GradScaler needs check_overflow=True (or step_during_backward="
+                               "False): buckets were already stepped during backward without the loss scale")
+        if early and mult != 1.0:
+            raise RuntimeError(f"offload: step(grad_multiplier={mult}) needs step_during_backward=False: buckets "
+                               "are stepped during backward, before the multiplier is known")
+        self._raise_if_failed()
+        eng = self.engine
+        rec = dict(done=False, t_step=t_step, side0=self._t["side"], kernel0=self._t["kernel"], io0=self._t["io"])
+        try:
+            self._check_sent()
+            if any(eng.groups[gi][i].grad is not None for gi, i in self.unlaid):
+                self.wait_idle()   # the layout grows (tier, staging ring): nothing may be in flight
+                self._raise_if_failed()
+            with eng._lock:
+                eng._collect(opt.param_groups)   # validates the other gradients; lays out late parameters
+                eng._grads = None
+            self._maps()
+            self.grads += [[None] * len(g) for g in eng.groups[len(self.grads):]]
+            self.advanced += [np.zeros(len(g), dtype=bool) for g in eng.groups[len(self.advanced):]]
+            skip = skip or (found_inf is not None and float(found_inf) > 0)
+            if not skip:
+                if not math.isfinite(mult):
+                    raise ValueError(f"grad_multiplier must be finite, got {mult}")
+                if before is not None:
+                    before()
+                for gi, ps in enumerate(eng.groups):
+                    for i, p in enumerate(ps):
+                        if (gi, i) not in self.sent and p.grad is not None and (gi, i) in self.buckets_of:
+                            self._capture(gi, i, p)
+                order = self.order if self.eager else self.forward_order()
+                todo = [bi for bi in order if bi not in self.done]
+                buckets = eng.layout.buckets
+                hypers = {gi: self.hyper(gi) for gi in {buckets[bi].group for bi in todo}}   # all checked first
+                for bi in todo:
+                    self._dispatch(bi, mult, hypers)
+            active = [np.zeros(len(g), dtype=bool) for g in eng.groups]
+            if not skip:
+                for gi, i in self.sent:
+                    active[gi][i] = True
+            fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~eng.registry.ready[gi])]
+            rec.update(first=self._t["first"], buckets=0 if skip else len(self.dispatched), skipped=skip)
+            order = self.dispatched + [bi for bi in self.order if bi not in self.done]
+            self._q.put(("finish", lambda: self._finish(active, fresh, rec, order)))
+        except BaseException as e:
+            if self.dispatched and self.error is None:
+                self._failed(e, True)   # buckets were stepped: the state no longer matches any whole step
+            raise
+        finally:
+            self.order = self.dispatched + [bi for bi in self.order if bi not in self.done]
+            self.in_cycle = False
+            self.uploads.start(self.ups)   # forward waits bucket by bucket
+            self._q.put(("nudge",))   # read ahead the next step's first buckets during forward
+        return rec
+
+    def _finish(self, active: list, fresh: list, rec: dict, order: list) -> None:
+        """The worker, after the step's last bucket: write-backs done, the state committed."""
+        eng, opt = self.engine, self.face.opt
+        with eng._lock:
+            self.tier.drain()
+            self.ahead = order   # read ahead the next step's first buckets (during forward)
+            eng.registry.commit(active)
+            for gi, a in enumerate(active):
+                eng.tracker.record(gi, np.flatnonzero(a))
+            eng._install(fresh, opt.state)
+            self.side.grads = None
+        self.grads = [[None] * len(g) for g in self.grads]   # no reference to this step's gradients survives it
+        self.sent = {}
+        tel, first = self.tier.telemetry, rec["first"]
+        rec.update(kernel_s=eng.telemetry["kernel_s"] - rec["kernel0"],
+                   nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - rec["io0"],
+                   pipeline_s=time.perf_counter() - (rec["t_step"] if first is None else min(first, rec["t_step"])),
+                   done=True)
+
+    def _check_sent(self) -> None:
+        """Gradients changed after they were sent (torch clipping / unscale_ on the device gradients)."""
+        for (gi, i), (g, ver) in list(self.sent.items()):
+            p = self.engine.groups[gi][i]
+            now = p.grad
+            same = now is None if self.release_grads else (now is g and now._version == ver)
+            if same:
+                continue
+            if any(bi in self.done for bi in self.buckets_of[(gi, i)]):
+                raise RuntimeError(
+                    "offload: gradients changed after they were sent to the CPU and stepped during backward "
+                    "(e.g. torch.nn.utils.clip_grad_norm_ or GradScaler.unscale_ on the device gradients). "
+                    "Use optimizer.clip_grad_norm_ / max_grad_norm= and check_overflow=True (which turn off "
+                    "stepping during backward), or pass step_during_backward=False.")
+            del self.sent[(gi, i)]
+            self.grads[gi][i] = None
+            if now is not None:
+                self._capture(gi, i, p)
+

@@ -1,0 +1,118 @@
+"""step/uploads.py: UploadWaits, the compute stream waits for new weights bucket by bucket.
+
+``step()`` of device parameters returns while the CPU worker still steps buckets and their H2D
+copies run (offload/step/backward.py). The weights a module reads must be up before it runs: a
+module forward pre-hook makes the compute stream wait for the uploads, in upload order, up to the
+last bucket that holds one of the module's own parameters; the other buckets keep uploading
+during forward. Anything that needs every weight (the next backward, ``synchronize``,
+``state_dict``) calls ``wait_all``. A worker failure is raised here instead of waiting forever.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["Upload", "UploadWaits"]
+
+_WAIT_S = 300.0   # a hang is a bug: fail loudly instead
+
+
+class Upload:
+    """One bucket's upload of one step: ``issued`` is set by the worker once ``ev`` (the H2D event)
+    exists, or when the bucket will never be uploaded (failure, nothing to send)."""
+    __slots__ = ("bucket", "issued", "ev")
+
+    def __init__(self, bucket: int):
+        self.bucket = bucket
+        self.issued = threading.Event()
+        self.ev = None
+
+
+def _weak_pre_hook(waits):
+    ref = weakref.ref(waits)
+
+    def hook(module, args):
+        w = ref()
+        if w is not None:
+            w.before_forward(module)
+    return hook
+
+
+class UploadWaits:
+    def __init__(self, device, bucket_of_param: Callable[[int], Optional[list]], error: Callable[[], None],
+                 trace=None):
+        """``bucket_of_param(id(p))``: the bucket indices holding parameter ``p`` (None if none);
+        ``error()`` raises the worker's failure, if any."""
+        self.device = device
+        self.bucket_of_param = bucket_of_param
+        self.error = error
+        self.trace = trace
+        self.seq: list = []            # Upload, in the order the worker issues them
+        self.pos: dict = {}            # bucket index -> position in seq
+        self.next = 0                  # seq[:next] already waited for
+        self.exposed_s = 0.0           # host seconds the training thread was blocked here
+        self._handle = None
+
+    def start(self, seq: list) -> None:
+        """The uploads of a step, in issue order (those of earlier steps were all waited for)."""
+        self.seq, self.next = list(seq), 0
+        self.pos = {u.bucket: k for k, u in enumerate(self.seq)}
+        if self.seq and self._handle is None:
+            self._handle = torch.nn.modules.module.register_module_forward_pre_hook(_weak_pre_hook(self))
+
+    @property
+    def pending(self) -> bool:
+        return self.next < len(self.seq)
+
+    def before_forward(self, module) -> None:
+        need = -1
+        for p in module._parameters.values():
+            if p is None:
+                continue
+            for bi in self.bucket_of_param(id(p)) or ():
+                k = self.pos.get(bi, -1)
+                if k > need:
+                    need = k
+        if need >= self.next:
+            self.wait_upto(need)
+
+    def wait_upto(self, k: int) -> None:
+        """The compute stream waits for the uploads seq[next .. k] (host-blocked until each is issued)."""
+        t0 = time.perf_counter()
+        try:
+            while self.next <= k:
+                u = self.seq[self.next]
+                deadline = time.perf_counter() + _WAIT_S
+                while not u.issued.wait(0.05):
+                    self.error()
+                    if time.perf_counter() > deadline:
+                        raise TimeoutError(f"offload: the upload of bucket {u.bucket} was not issued within {_WAIT_S} s")
+                self.error()
+                if u.ev is not None:
+                    self.device.wait(u.ev)
+                self.next += 1
+        finally:
+            t1 = time.perf_counter()
+            self.exposed_s += t1 - t0
+            if self.trace is not None and t1 - t0 > 0:
+                self.trace.span(f"wait weights up to #{k}", "training thread", (t0, t1))
+            if not self.pending:
+                self.remove_hook()
+
+    def wait_all(self) -> None:
+        if self.pending:
+            self.wait_upto(len(self.seq) - 1)
+
+    def abandon(self) -> None:
+        """The worker failed (reported): nothing more will be uploaded."""
+        self.next = len(self.seq)
+        self.remove_hook()
+
+    def remove_hook(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
