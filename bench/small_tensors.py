@@ -43,15 +43,19 @@ def make_params(case: str):
     return params
 
 
-def time_steps(opt, warmup: int, reps: int) -> float:
+def time_steps(opt, warmup: int, reps: int) -> tuple:
+    """(median step seconds, median seconds of it spent waiting on NVMe I/O: 0 without)."""
     for _ in range(warmup):
         opt.step()
-    times = []
+    times, io = [], []
+    stats = getattr(opt, "last_step_stats", None)
     for _ in range(reps):
         t = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t)
-    return median(times)
+        st = stats() if stats is not None else None
+        io.append(float((st or {}).get("nvme_s", 0.0)))
+    return median(times), median(io)
 
 
 def run_one(case: str, label: str, make, warmup: int, reps: int) -> dict:
@@ -59,13 +63,14 @@ def run_one(case: str, label: str, make, warmup: int, reps: int) -> dict:
     opt = make(params)
     try:
         gc.collect()
-        step_s = time_steps(opt, warmup, reps)
+        step_s, io_s = time_steps(opt, warmup, reps)
     finally:
         close = getattr(opt, "close", None)
         if close is not None:
             close()
     return dict(case=case, config=label, tensors=len(params), elements=sum(p.numel() for p in params),
-                step_ms=step_s * 1e3, us_per_tensor=step_s * 1e6 / len(params))
+                step_ms=step_s * 1e3, io_wait_ms=io_s * 1e3, us_per_tensor=step_s * 1e6 / len(params),
+                us_per_tensor_excl_io=(step_s - io_s) * 1e6 / len(params))
 
 
 def main(argv=None) -> int:
@@ -115,9 +120,10 @@ def main(argv=None) -> int:
         base = next((r for r in rows if r["config"] == "fp32 ram"), None)
         n, el = rows[0]["tensors"], rows[0]["elements"]
         print(f"\ncase {case}: {n} tensors, {el} elements, median of {args.reps} steps")
-        print(format_table(["config", "step ms", "us/tensor", "x fp32 ram"],
+        print(format_table(["config", "step ms", "us/tensor", "x fp32 ram", "I/O wait ms", "us/tensor excl. I/O"],
                            [[r["config"], f"{r['step_ms']:.2f}", f"{r['us_per_tensor']:.2f}",
-                             f"{r['step_ms'] / base['step_ms']:.2f}" if base else "-"] for r in rows]))
+                             f"{r['step_ms'] / base['step_ms']:.2f}" if base else "-", f"{r['io_wait_ms']:.2f}",
+                             f"{r['us_per_tensor_excl_io']:.2f}"] for r in rows]))
     write_json(args.json, dict(machine=machine_info(), build=info, reps=args.reps, results=results))
     return 0
 

@@ -49,10 +49,17 @@ def bucket_rows(b, pieces: Sequence, base: int, ptrs, steps: Sequence[int]) -> n
     t[:, COL_G] = ga
     t[:, COL_OUT] = oa
     t[:, COL_N] = n
-    t[:, COL_STEP] = np.asarray(steps).reshape(k).astype(np.int64)
+    t[:, COL_STEP] = _step_col(steps, k)
     t[:, COL_GD] = gc
     t[:, COL_OD] = oc
     return t
+
+
+def _step_col(steps, k: int) -> np.ndarray:
+    """The step counts (fp32 values, a list of numpy scalars or an array) as int64, like int(step)."""
+    if isinstance(steps, np.ndarray):
+        return steps.reshape(k).astype(np.int64)
+    return np.fromiter(steps, dtype=np.float64, count=k).astype(np.int64)
 
 
 def _piece_cols(b, pieces) -> tuple:
@@ -147,7 +154,7 @@ def _moment_rows(b, pieces, base, ptrs, steps) -> np.ndarray:
     t[:, c["g"]] = ga
     t[:, c["out"]] = oa
     t[:, c["n"]] = n
-    t[:, c["step"]] = np.asarray(steps, dtype=np.int64).reshape(len(pieces))
+    t[:, c["step"]] = _step_col(steps, len(pieces))
     t[:, c["gdtype"]] = gc
     t[:, c["odtype"]] = oc
     t[:, c["mfmt"]] = MOMENT_FORMATS[b.moments]
