@@ -59,7 +59,9 @@ def _step_col(steps, k: int) -> np.ndarray:
     """The step counts (fp32 values, a list of numpy scalars or an array) as int64, like int(step)."""
     if isinstance(steps, np.ndarray):
         return steps.reshape(k).astype(np.int64)
-    return np.fromiter(steps, dtype=np.float64, count=k).astype(np.int64)
+    if k and isinstance(steps[0], np.floating):   # the registry's fp32 counts: read in their own dtype (exact)
+        return np.fromiter(steps, dtype=steps[0].dtype, count=k).astype(np.int64)
+    return np.asarray(steps, dtype=np.float64).reshape(k).astype(np.int64)
 
 
 def _piece_cols(b, pieces) -> tuple:
