@@ -20,6 +20,13 @@
 // every in-place METADATA change (t_, resize_, as_strided_, set_, unsqueeze_...) shows in the
 // pointer, strides or shape. A storage resize_ reallocates (new pointer).
 //
+// collect_rows(..., grads=out) also stores each accepted row's grad object in out[i] (a list of n
+// entries the caller made): the caller keeps exactly the gradients whose pointers are in the table.
+//
+// state_rows (the state engine's check of opt.state, offload/step/torchstate.py) compares, for
+// every row with state, opt.state.get(p) and the entries it was last validated with, by identity,
+// and the data pointers of the recorded tensors: the rows that differ are revalidated in Python.
+//
 // The getters are called through their C slots (a getset descriptor's tp_descr_get, vectorcall on
 // the unbound method), which are passed in `fns` so that tests can pass callbacks. Safety rules
 // (csrc/bindings.cpp header): never dereferences a tensor address; every object used across a call
@@ -129,16 +136,101 @@ bool same_layout(const Torch& T, PyObject* t, const int64_t* r, PyObject* layout
   return !truth(call(T.is_neg, t));
 }
 
+
+// state_rows(state, params, ready, recs, keys, ptrs, fns): rows i with ready[i] whose opt.state entry
+// differs from what recs[i] recorded. recs[i] = (outer, inner, want_0 .. want_{K-1}): outer is
+// state.get(params[i]) as validated (compared by identity), inner the plain dict that holds its
+// entries (outer itself, or the dict inside the engine's CompressedState); want_j the object
+// inner[keys[j]] was (None: absent or None; fns[1]: not compared), and ptrs[i, j] its data_ptr()
+// (-1: not compared). A row whose record is not such a tuple is reported. state must be a dict
+// (exact dict or defaultdict: the caller checks, .get of a subclass may differ); looking a parameter
+// up runs its __hash__ (Python), so every object used afterwards is held and sizes are re-checked.
+py::array_t<int64_t> state_rows(const py::object& state, const py::list& params, const py::array& ready_a,
+                                const py::list& recs, const py::tuple& keys, const py::array& ptrs_a,
+                                const py::tuple& fns) {
+  if (!PyDict_Check(state.ptr())) throw std::invalid_argument("state_rows: state must be a dict");
+  const py::ssize_t n = PyList_GET_SIZE(params.ptr());
+  const py::ssize_t k = PyTuple_GET_SIZE(keys.ptr());
+  if (PyList_GET_SIZE(recs.ptr()) != n) throw std::invalid_argument("state_rows: recs must have one entry per parameter");
+  for (py::ssize_t j = 0; j < k; ++j)
+    if (!PyUnicode_CheckExact(PyTuple_GET_ITEM(keys.ptr(), j))) throw std::invalid_argument("state_rows: keys must be str");
+  if (!py::isinstance<py::array_t<bool>>(ready_a) || ready_a.dtype().kind() != 'b' || ready_a.itemsize() != 1 ||
+      ready_a.ndim() != 1 || ready_a.shape(0) != n || !(ready_a.flags() & py::array::c_style))
+    throw std::invalid_argument("state_rows: ready must be a C-contiguous bool array with one entry per parameter");
+  const int64_t* want_ptr = table_data(ptrs_a, n, k, "ptrs");
+  const bool* ready = static_cast<const bool*>(ready_a.data());
+  if (fns.size() != 2) throw std::invalid_argument("state_rows: fns must be (data_ptr, skip)");
+  PyObject* data_ptr = PyTuple_GET_ITEM(fns.ptr(), 0);
+  PyObject* skip = PyTuple_GET_ITEM(fns.ptr(), 1);
+  const py::object hold_ready = ready_a, hold_ptrs = ptrs_a, hold_state = state;
+  auto check_sizes = [&] {
+    if (PyList_GET_SIZE(params.ptr()) != n || PyList_GET_SIZE(recs.ptr()) != n)
+      throw std::runtime_error("state_rows: the parameter list changed size during the call (a callback modified it)");
+  };
+  std::vector<int64_t> changed;
+  for (py::ssize_t i = 0; i < n; ++i) {
+    check_sizes();
+    if (!ready[i]) continue;
+    const py::object p = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(params.ptr(), i));
+    const py::object rec = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(recs.ptr(), i));
+    if (!PyTuple_CheckExact(rec.ptr()) || PyTuple_GET_SIZE(rec.ptr()) != 2 + k) {
+      changed.push_back(i);
+      continue;
+    }
+    PyObject* d = PyDict_GetItemWithError(state.ptr(), p.ptr());  // borrowed: compared at once, no call between
+    if (d == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    PyObject* inner = PyTuple_GET_ITEM(rec.ptr(), 1);  // held by rec
+    if (d == nullptr || d != PyTuple_GET_ITEM(rec.ptr(), 0) || !PyDict_CheckExact(inner)) {
+      changed.push_back(i);
+      continue;
+    }
+    bool same = true;
+    for (py::ssize_t j = 0; same && j < k; ++j) {
+      PyObject* want = PyTuple_GET_ITEM(rec.ptr(), 2 + j);  // held by rec
+      if (want == skip) continue;
+      PyObject* v = PyDict_GetItemWithError(inner, PyTuple_GET_ITEM(keys.ptr(), j));  // borrowed, compared at once
+      if (v == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        v = Py_None;
+      }
+      if (v != want) {
+        same = false;
+        break;
+      }
+      const int64_t ptr = want_ptr[i * k + j];
+      if (ptr != -1) {
+        const py::object w = py::reinterpret_borrow<py::object>(want);
+        same = as_int(call(data_ptr, w.ptr())) == ptr;
+        check_sizes();
+      }
+    }
+    if (!same) changed.push_back(i);
+  }
+  check_sizes();
+  return py::array_t<int64_t>(changed.size(), changed.data());
+}
+
+void register_state_rows(py::module_& m) {
+  m.def("state_rows", &state_rows, py::arg("state"), py::arg("params"), py::arg("ready"), py::arg("recs"),
+        py::arg("keys"), py::arg("ptrs"), py::arg("fns"),
+        "Row indices (with ready[i]) whose opt.state entry is not the one recorded in recs (identity of "
+        "the state dict and of its entries, data pointers of its tensors): to revalidate in Python. "
+        "Internal: offload/step/torchstate.py. RuntimeError if a callback changes the size of a list.");
+}
+
 }  // namespace
 
 void register_rows(py::module_& m) {
   m.def(
       "collect_rows",
       [](const py::list& params, const py::list& g_refs, const py::array& rec_a, const py::list& layouts,
-         const py::array& table_a, const py::tuple& fns) {
+         const py::array& table_a, const py::tuple& fns, const py::object& grads) {
         const py::ssize_t n = PyList_GET_SIZE(params.ptr());
         if (PyList_GET_SIZE(g_refs.ptr()) != n || PyList_GET_SIZE(layouts.ptr()) != n)
           throw std::invalid_argument("collect_rows: lists and arrays must have one entry per parameter");
+        const bool out = !grads.is_none();
+        if (out && (!PyList_CheckExact(grads.ptr()) || PyList_GET_SIZE(grads.ptr()) != n))
+          throw std::invalid_argument("collect_rows: grads must be None or a list with one entry per parameter");
         int64_t* rec = table_data(rec_a, n, R_COLS, "rec");
         int64_t* table = table_data(table_a, n, kTaskCols, "table");
         const Torch T = unpack(fns);
@@ -147,7 +239,7 @@ void register_rows(py::module_& m) {
         const py::object hold_rec = rec_a, hold_table = table_a;
         auto check_sizes = [&] {
           if (PyList_GET_SIZE(params.ptr()) != n || PyList_GET_SIZE(g_refs.ptr()) != n ||
-              PyList_GET_SIZE(layouts.ptr()) != n)
+              PyList_GET_SIZE(layouts.ptr()) != n || (out && PyList_GET_SIZE(grads.ptr()) != n))
             throw std::runtime_error("collect_rows: the parameter list changed size during the call (a "
                                      "callback modified it)");
         };
@@ -155,6 +247,13 @@ void register_rows(py::module_& m) {
         ready.reserve(static_cast<size_t>(n));
         for (py::ssize_t i = 0; i < n; ++i) {
           check_sizes();
+          py::object old_grad;  // a replaced grads[i]: released at the end of the iteration (may run code)
+          auto keep_grad = [&](const py::object& g) {
+            if (!out) return;
+            check_sizes();
+            old_grad = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(grads.ptr(), i));
+            PyList_SetItem(grads.ptr(), i, g.inc_ref().ptr());  // steals the new reference
+          };
           int64_t* r = rec + i * R_COLS;
           const py::object p = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(params.ptr(), i));
           PyObject* pt = reinterpret_cast<PyObject*>(Py_TYPE(p.ptr()));
@@ -186,9 +285,10 @@ void register_rows(py::module_& m) {
             continue;
           }
           if (same_grad) {
-            if (as_int(call(T.data_ptr, g.ptr())) == r[R_GPTR] && same_layout(T, g.ptr(), r, layout.ptr()))
+            if (as_int(call(T.data_ptr, g.ptr())) == r[R_GPTR] && same_layout(T, g.ptr(), r, layout.ptr())) {
+              keep_grad(g);
               ready.push_back(i);
-            else
+            } else
               changed.push_back(i);
             continue;
           }
@@ -222,6 +322,7 @@ void register_rows(py::module_& m) {
           r[R_GPTR] = gptr;
           table[i * kTaskCols + kColG] = numel > 0 ? gptr : 0;
           table[i * kTaskCols + kColGD] = code;
+          keep_grad(g);
           newgrad.push_back(i);
         }
         check_sizes();
@@ -229,8 +330,11 @@ void register_rows(py::module_& m) {
         return py::make_tuple(arr(ready), arr(newgrad), arr(changed), arr(other));
       },
       py::arg("params"), py::arg("g_refs"), py::arg("rec"), py::arg("layouts"), py::arg("table"), py::arg("fns"),
+      py::arg("grads") = py::none(),
       "(ready, newgrad, changed, other): row indices of params with a grad, unchanged since validated "
       "(ready); unchanged param with a new grad validated here, grad columns updated (newgrad); to "
-      "revalidate in Python (changed); params of other types (other, grad not read). Internal: "
-      "offload/optim.py. RuntimeError if a callback changes the size of a list.");
+      "revalidate in Python (changed); params of other types (other, grad not read). grads (optional "
+      "list): receives the grad of every ready and newgrad row. Internal: offload/optim.py, "
+      "offload/params/hostrows.py. RuntimeError if a callback changes the size of a list.");
+  register_state_rows(m);
 }

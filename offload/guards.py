@@ -3,7 +3,8 @@
 - ``check_overlaps``: parameters that share memory (one listed twice, overlapping views) and
   gradients that share memory with a parameter or with the optimizer's own buffers (``p.grad =
   p.data``) are refused by name, before anything is read or written: the native kernel writes
-  those bytes while it reads them.
+  those bytes while it reads them. ``SpanIndex`` is that check in two halves, so that a caller
+  that knows the parameters did not move (params/hostrows.py) checks only new gradients.
 - ``WriteTracker``: a bf16/fp16 parameter's fp32 master lives apart from the parameter, and the
   kernel writes the parameter through a raw pointer (which does not bump its version counter).
   A user's write in between (``p.mul_(mask)``, ``clamp_``, ``copy_``, ``load_state_dict``,
@@ -20,7 +21,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["check_overlaps", "WriteTracker", "resync_master"]
+__all__ = ["check_overlaps", "SpanIndex", "span_of", "WriteTracker", "resync_master"]
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -40,43 +41,88 @@ def _spans(groups: Sequence[Sequence[torch.Tensor]], own: Optional[torch.Tensor]
     return spans
 
 
+class SpanIndex:
+    """The memory a step writes (parameters, the optimizer's buffers), checked disjoint once, and the
+    check of gradients against it. Built again whenever any of that memory moves; ``where`` keeps,
+    per group, the (address, bytes) of each parameter it was built from (0, 0 when empty)."""
+
+    def __init__(self, groups: Sequence[Sequence[torch.Tensor]], own: Optional[torch.Tensor], mode: str):
+        spans = _spans(groups, own)
+        reach, owner, prefix = -1, "", []  # prefix[k]: (largest end among spans[:k+1], whose)
+        for s, e, name in spans:
+            if s < reach:
+                raise ValueError(f"{name} shares memory with {owner} (a parameter listed twice, or overlapping "
+                                 f"views of one tensor): with state={mode!r} every parameter needs its own memory")
+            if e > reach:
+                reach, owner = e, name
+            prefix.append((reach, owner))
+        self.spans, self.prefix = spans, prefix
+        self.starts = [s for s, _, _ in spans]
+        self.own = span_of(own)
+        self.where = [np.array([span_of(p) for p in ps], dtype=np.int64).reshape(len(ps), 2) for ps in groups]
+
+    def check_grads(self, grads: Iterable) -> None:
+        """Raise ValueError naming the first gradient in ``grads`` ((gi, i, grad) triples) that shares
+        memory with a parameter or with the optimizer's buffers."""
+        spans, prefix, starts = self.spans, self.prefix, self.starts
+        for gi, i, g in grads:
+            if not g.numel():
+                continue
+            a = g.data_ptr()
+            k = bisect.bisect_left(starts, a + g.numel() * g.element_size())  # spans that start before g ends
+            if k and prefix[k - 1][0] > a:
+                other = next(name for s, e, name in spans[:k] if e > a)
+                raise ValueError(f"the gradient of parameter {i} of group {gi} shares memory with {other} (e.g. "
+                                 "p.grad = p.data): the step overwrites that memory while it reads the gradient. "
+                                 "Give the parameter a gradient of its own (p.grad = g.clone())")
+
+
+def span_of(t: Optional[torch.Tensor]) -> tuple:
+    """(address, bytes) of the memory ``t`` covers; (0, 0) for None or an empty tensor."""
+    if t is None or not t.numel():
+        return (0, 0)
+    return (t.data_ptr(), t.numel() * t.element_size())
+
+
 def check_overlaps(groups: Sequence[Sequence[torch.Tensor]], grads: Iterable, own: Optional[torch.Tensor],
                    mode: str) -> None:
     """Raise ValueError naming the first parameter that shares memory with another (or with ``own``),
     or the first gradient in ``grads`` ((gi, i, grad) triples) that shares memory with either."""
-    spans = _spans(groups, own)
-    reach, owner, prefix = -1, "", []  # prefix[k]: (largest end among spans[:k+1], whose)
-    for s, e, name in spans:
-        if s < reach:
-            raise ValueError(f"{name} shares memory with {owner} (a parameter listed twice, or overlapping "
-                             f"views of one tensor): with state={mode!r} every parameter needs its own memory")
-        if e > reach:
-            reach, owner = e, name
-        prefix.append((reach, owner))
-    starts = [s for s, _, _ in spans]
-    for gi, i, g in grads:
-        if not g.numel():
-            continue
-        a = g.data_ptr()
-        k = bisect.bisect_left(starts, a + g.numel() * g.element_size())  # spans that start before g ends
-        if k and prefix[k - 1][0] > a:
-            other = next(name for s, e, name in spans[:k] if e > a)
-            raise ValueError(f"the gradient of parameter {i} of group {gi} shares memory with {other} (e.g. "
-                             "p.grad = p.data): the step overwrites that memory while it reads the gradient. "
-                             "Give the parameter a gradient of its own (p.grad = g.clone())")
+    SpanIndex(groups, own, mode).check_grads(grads)
 
 
 class WriteTracker:
-    """Per bf16/fp16 parameter: (version counter, data pointer) when its master last matched it."""
+    """Per bf16/fp16 parameter: (version counter, data pointer) when its master last matched it.
+
+    With ``dtypes`` (the engine's per-group dtypes at construction) set, only parameters created
+    bf16/fp16 are looked at: only they can be stepped as bf16/fp16 (a changed dtype is refused
+    before this is asked), so the answer for every parameter that is stepped is the same."""
 
     def __init__(self, groups: Sequence[Sequence[torch.Tensor]]):
         self.groups = groups
         self.seen = [np.full((len(ps), 2), -1, dtype=np.int64) for ps in groups]
+        self.dtypes = None   # set by the engine: per group, the dtype of each parameter at construction
+        self._low: list = []
+
+    def _rows(self, gi: int, rows) -> Iterable[int]:
+        """``rows`` (all when None) of group gi that may be bf16/fp16 parameters."""
+        if self.dtypes is None or gi >= len(self.dtypes) or len(self.dtypes[gi]) != len(self.groups[gi]):
+            return range(len(self.groups[gi])) if rows is None else rows
+        while len(self._low) <= gi:
+            self._low.append(None)
+        low = self._low[gi]
+        if low is None or len(low[0]) != len(self.dtypes[gi]):
+            mask = np.array([d in _LOW for d in self.dtypes[gi]], dtype=bool)
+            low = self._low[gi] = (mask, np.flatnonzero(mask))
+        if rows is None:
+            return low[1].tolist()
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        return rows[low[0][rows]].tolist() if rows.size else []
 
     def record(self, gi: int, rows: Iterable[int]) -> None:
         """The masters of these parameters match the parameters now."""
         seen, params = self.seen[gi], self.groups[gi]
-        for i in rows:
+        for i in self._rows(gi, rows):
             p = params[i]
             if p.dtype in _LOW:
                 seen[i] = (p._version, p.data_ptr())
@@ -86,7 +132,8 @@ class WriteTracker:
         out = set()
         for gi, params in enumerate(self.groups):
             seen, rd = self.seen[gi], ready[gi]
-            for i, p in enumerate(params):
+            for i in self._rows(gi, None):
+                p = params[i]
                 if rd[i] and p.dtype in _LOW and (seen[i, 0] != p._version or seen[i, 1] != p.data_ptr()):
                     out.add((gi, i))
         return out

@@ -236,6 +236,15 @@ class HostRamPath:
         """
         ready, newgrad, changed, other = _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts,
                                                          plan.table, _ROW_FNS)
+        n = len(plan.params)
+        if len(ready) + len(newgrad) + len(changed) + len(other) < n:
+            # rows without a gradient: forget the one they had, so that the same tensor given back later is
+            # checked again ("newgrad"), against memory that may have moved meanwhile (overlap index)
+            seen = np.zeros(n, dtype=bool)
+            for rows in (ready, newgrad, changed, other):
+                seen[rows] = True
+            for i in np.flatnonzero(~seen).tolist():
+                plan.g_ref[i] = no_grad_ref
         if len(other):  # DTensor (FSDP2) and other subclasses: their grad as they report it
             changed = np.union1d(changed, np.array([i for i in other.tolist() if plan.params[i].grad is not None],
                                                    dtype=np.int64))

@@ -2,7 +2,8 @@
 
 The kernel reads gradients straight from ``p.grad`` (no copy). An fp32 parameter is its own
 master (updated in place); a bf16/fp16 parameter's master is a state section and the kernel
-writes the rounded weight into the parameter in the same pass.
+writes the rounded weight into the parameter in the same pass. The per-step check of parameters
+and gradients is cached per row (params/hostrows.py); ``ptrs`` reads the addresses it recorded.
 """
 from __future__ import annotations
 
@@ -21,11 +22,24 @@ class HostParams:
     def __init__(self, groups):
         self.groups = groups          # list of lists of parameters (the layout's order)
         self.grads = None             # this step's validated gradients (local shards), set by the engine
+        self.rows = None              # the cached per-row check (HostRows), made on the first collect
 
     def extend(self, groups) -> None:
         self.groups = groups
 
-    def ptrs(self, b, pieces, staged=None) -> list:
+    def collect(self, groups, local_groups, dtypes, numels, own, mode: str) -> tuple:
+        """Validate this step's parameters and gradients: (active masks, gradients) per group."""
+        if self.rows is None:
+            from .hostrows import HostRows
+            self.rows = HostRows()
+        return self.rows.collect(groups, local_groups, dtypes, numels, own, mode)
+
+    def ptrs(self, b, pieces, staged=None):
+        """Per piece: (param address or 0, grad address, grad dtype code, out address or 0, out dtype code)."""
+        if self.rows is not None and self.grads is not None:
+            fast = self.rows.ptrs(b, pieces, self.grads[b.group])
+            if fast is not None:
+                return fast
         out = []
         params = self.groups[b.group]
         for pc in pieces:

@@ -101,6 +101,11 @@ class CompressedState(MutableMapping):
         """The entries that need no decoding (step, master_param, user additions)."""
         return dict(self._d)
 
+    @property
+    def live(self) -> dict:
+        """The dict that holds those entries itself (the state engine's per-step check reads it)."""
+        return self._d
+
     def __getitem__(self, key):
         if key in mformat.MOMENT_KEYS:
             return self._decode()[key]

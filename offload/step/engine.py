@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import os
 import threading
 import time
@@ -151,8 +152,8 @@ class StateEngine(TorchLayout):
 
     # ------------------------------------------------------------------ step
     def _check_groups(self, groups: list) -> None:
-        if len(groups) != len(self.groups) or any(
-                len(g["params"]) != len(ps) or any(a is not b for a, b in zip(g["params"], ps))
+        if len(groups) != len(self.groups) or not all(
+                len(g["params"]) == len(ps) and all(map(operator.is_, g["params"], ps))
                 for g, ps in zip(groups, self.groups)):
             raise RuntimeError(f"the optimizer's parameters changed since it was created with state={self.mode!r} "
                                "(the state file is laid out for the original parameter list)")
@@ -164,6 +165,8 @@ class StateEngine(TorchLayout):
         for gi, group in enumerate(param_groups):
             if bool(group["amsgrad"]) != self.amsgrad[gi]:
                 raise ValueError(f"group {gi}: amsgrad cannot change after construction with state={self.mode!r}")
+            if self.device is None:
+                continue   # host parameters: below
             params = self.groups[gi]
             a = np.zeros(len(params), dtype=bool)
             gs = [None] * len(params)
@@ -177,14 +180,29 @@ class StateEngine(TorchLayout):
                 gs[i] = local(g)
             active.append(a)
             grads.append(gs)
-        check_overlaps(self.local_groups, [(gi, i, g) for gi, gs in enumerate(grads) for i, g in enumerate(gs)
-                                           if g is not None], self.tier.own_memory(), self.mode)
+        if self.device is None:   # each row's check cached, rechecked where anything changed (params/hostrows.py)
+            self.tracker.dtypes = self.dtypes
+            active, grads = self.side.collect(self.groups, self.local_groups, self.dtypes, self.numels,
+                                              self.tier.own_memory(), self.mode)
+        else:
+            check_overlaps(self.local_groups, [(gi, i, g) for gi, gs in enumerate(grads) for i, g in enumerate(gs)
+                                               if g is not None], self.tier.own_memory(), self.mode)
         self._grads = grads   # the step uses exactly the tensors checked here
-        late = [(gi, int(i)) for gi, a in enumerate(active) for i in np.flatnonzero(a)
+        late = [(gi, int(i)) for gi, a in enumerate(active) for i in np.flatnonzero(a & self._unplaced(gi))
                 if self.numels[gi][i] and not self.layout.of_param.get((gi, int(i))) and (gi, int(i)) not in self.excluded]
         if late:
             self._lay_out_late(late)
         return active
+
+    def _unplaced(self, gi: int) -> np.ndarray:
+        """Bool mask of group gi's non-empty parameters that have no state laid out (yet); cached per layout."""
+        key = (id(self.layout), len(self.layout.buckets), len(self.layout.of_param), len(self.groups[gi]))
+        got = self.__dict__.setdefault("_unplaced_masks", {}).get(gi)
+        if got is None or got[0] != key:
+            mask = np.array([bool(n) and not self.layout.of_param.get((gi, i)) for i, n in enumerate(self.numels[gi])],
+                            dtype=bool)
+            got = self._unplaced_masks[gi] = (key, mask)
+        return got[1]
 
     def _lay_out_late(self, late: list) -> None:
         """Parameters frozen (requires_grad=False) at construction reserved nothing; the first time one

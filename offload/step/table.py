@@ -10,6 +10,7 @@ kernel (offload/_moments.py) instead; its column order is read once from ``momen
 """
 from __future__ import annotations
 
+import operator
 from functools import lru_cache
 from typing import Sequence
 
@@ -22,32 +23,59 @@ from .._kernels import (COL_G, COL_GD, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL
 __all__ = ["bucket_rows", "kernel_for"]
 
 
-def bucket_rows(b, pieces: Sequence, base: int, ptrs: Sequence[tuple], steps: Sequence[int]) -> np.ndarray:
+def bucket_rows(b, pieces: Sequence, base: int, ptrs, steps: Sequence[int]) -> np.ndarray:
     """Rows for ``pieces`` of bucket ``b`` whose state starts at address ``base``.
 
     ``ptrs[r]`` = (param address or 0 for the master section, grad address, grad dtype code,
-    out address or 0, out dtype code); ``steps[r]`` the step count after this update.
+    out address or 0, out dtype code), a sequence of tuples or an (n, 5) int64 array;
+    ``steps[r]`` the step count after this update.
     """
     if b.moments != "fp32":
         return _moment_rows(b, pieces, base, ptrs, steps)
-    t = np.zeros((len(pieces), TASK_COLS), dtype=np.int64)
+    k = len(pieces)
+    t = np.zeros((k, TASK_COLS), dtype=np.int64)
+    if not k:
+        return t
+    pa, ga, gc, oa, oc = np.asarray(ptrs, dtype=np.int64).reshape(k, 5).T
+    pos, n = _piece_cols(b, pieces)
+    off = pos * 4
     m, v = base + b.section("exp_avg"), base + b.section("exp_avg_sq")
-    vmax = base + b.section("max_exp_avg_sq") if b.amsgrad else 0
     master = base + b.section("master_param") if b.master else 0
-    for r, (pc, (pa, ga, gc, oa, oc), st) in enumerate(zip(pieces, ptrs, steps)):
-        row = t[r]
-        off = pc.pos * 4
-        row[COL_P] = pa if pa else master + off
-        row[COL_M] = m + off
-        row[COL_V] = v + off
-        row[COL_VMAX] = vmax + off if vmax else 0
-        row[COL_G] = ga
-        row[COL_OUT] = oa
-        row[COL_N] = pc.n
-        row[COL_STEP] = int(st)
-        row[COL_GD] = gc
-        row[COL_OD] = oc
+    t[:, COL_P] = np.where(pa != 0, pa, master + off)
+    t[:, COL_M] = m + off
+    t[:, COL_V] = v + off
+    if b.amsgrad:
+        t[:, COL_VMAX] = base + b.section("max_exp_avg_sq") + off
+    t[:, COL_G] = ga
+    t[:, COL_OUT] = oa
+    t[:, COL_N] = n
+    t[:, COL_STEP] = _step_col(steps, k)
+    t[:, COL_GD] = gc
+    t[:, COL_OD] = oc
     return t
+
+
+def _step_col(steps, k: int) -> np.ndarray:
+    """The step counts (fp32 values, a list of numpy scalars or an array) as int64, like int(step)."""
+    if isinstance(steps, np.ndarray):
+        return steps.reshape(k).astype(np.int64)
+    if k and isinstance(steps[0], np.floating):   # the registry's fp32 counts: read in their own dtype (exact)
+        return np.fromiter(steps, dtype=steps[0].dtype, count=k).astype(np.int64)
+    return np.asarray(steps, dtype=np.float64).reshape(k).astype(np.int64)
+
+
+def _piece_cols(b, pieces) -> tuple:
+    """(section position, length) arrays of ``pieces``; cached for a bucket's full piece list."""
+    full = len(pieces) == len(b.pieces) and all(map(operator.is_, pieces, b.pieces))
+    if full:
+        got = b.__dict__.get("_piece_cols")
+        if got is not None and got[0] == len(b.pieces):
+            return got[1], got[2]
+    pos = np.fromiter((pc.pos for pc in pieces), dtype=np.int64, count=len(pieces))
+    n = np.fromiter((pc.n for pc in pieces), dtype=np.int64, count=len(pieces))
+    if full:
+        b.__dict__["_piece_cols"] = (len(b.pieces), pos, n)
+    return pos, n
 
 
 def kernel_for(b):
@@ -112,9 +140,8 @@ def _moment_rows(b, pieces, base, ptrs, steps) -> np.ndarray:
     c = _moment_cols(b.moments)
     secs = _sections(b)
     t = np.zeros((len(pieces), c["ncols"]), dtype=np.int64)
-    pos = np.fromiter((pc.pos for pc in pieces), dtype=np.int64, count=len(pieces))
-    pa, ga, gc, oa, oc = (np.asarray(x, dtype=np.int64).reshape(len(pieces)) for x in zip(*ptrs)) if pieces else \
-        [np.zeros(0, dtype=np.int64)] * 5
+    pos, n = _piece_cols(b, pieces)
+    pa, ga, gc, oa, oc = np.asarray(ptrs, dtype=np.int64).reshape(len(pieces), 5).T
 
     def at(key):
         off, size, per_block = secs[key]
@@ -128,8 +155,8 @@ def _moment_rows(b, pieces, base, ptrs, steps) -> np.ndarray:
         t[:, c["v_scale"]] = at("exp_avg_sq_scale")
     t[:, c["g"]] = ga
     t[:, c["out"]] = oa
-    t[:, c["n"]] = [pc.n for pc in pieces]
-    t[:, c["step"]] = np.asarray(steps, dtype=np.int64).reshape(len(pieces))
+    t[:, c["n"]] = n
+    t[:, c["step"]] = _step_col(steps, len(pieces))
     t[:, c["gdtype"]] = gc
     t[:, c["odtype"]] = oc
     t[:, c["mfmt"]] = MOMENT_FORMATS[b.moments]

@@ -6,15 +6,32 @@ Tensors are views of the tier (step/views.py), never copies, and keep their memo
 """
 from __future__ import annotations
 
+from collections import defaultdict
+
 import numpy as np
 import torch
 
-from .. import mformat
+from .. import _C, mformat
 from .._dist import like, local
 from . import compressed, export
 from .views import param_views
 
 __all__ = ["TorchLayout"]
+
+# what the per-step check of opt.state compares (csrc/rows.cpp state_rows): these entries of each
+# parameter's state, by identity, and the data pointers of the tensors among them
+_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+_SKIP = object()   # an entry the check does not look at
+_STATE_FNS = ((getattr(torch._C, "TensorBase", None) or torch._C._TensorBase).__dict__["data_ptr"], _SKIP)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class _StateRecords:
+    """Per group: what each parameter's opt.state entry was last validated as (state_rows' input)."""
+
+    def __init__(self, n: int):
+        self.objs: list = [None] * n                         # (outer, inner, entry per _KEYS) or None
+        self.ptrs = np.full((n, len(_KEYS)), -1, dtype=np.int64)
 
 
 class TorchLayout:
@@ -26,6 +43,7 @@ class TorchLayout:
         view, fd = self.tier.mapping()
         ptrs = self.__dict__.setdefault("_view_ptrs", {})
         for gi, i in fresh:
+            self._forget_state(gi, int(i))
             p = self.groups[gi][int(i)]
             st = state[p]
             st["step"] = self.registry.steps[gi][int(i)]
@@ -80,11 +98,27 @@ class TorchLayout:
         ``state[p]['step']`` is adopted; a removed or emptied ``state[p]`` (``opt.state.clear()``,
         ``del opt.state[p]``) starts that parameter afresh at step 0. A replaced moment tensor cannot be
         adopted in place here (the moments live in the state file): it is refused by name instead of
-        being silently ignored."""
+        being silently ignored.
+
+        Each parameter's entry is recorded once validated; each step only the entries that are not
+        the recorded objects, or whose tensors moved (``.data = ...``), are looked at again
+        (``_C.state_rows``, natively). The records go with any change the engine makes itself."""
         ptrs = self.__dict__.get("_view_ptrs", {})
+        recs = self.__dict__.setdefault("_state_recs", [])
+        fast = type(state) is dict or type(state) is defaultdict   # their .get is the C lookup state_rows does
         for gi, ps in enumerate(self.groups):
             ready, steps = self.registry.ready[gi], self.registry.steps[gi]
-            for i in np.flatnonzero(ready).tolist():
+            while len(recs) <= gi:
+                recs.append(_StateRecords(len(self.groups[len(recs)])))
+            rec = recs[gi]
+            if len(rec.objs) != len(ps):
+                rec = recs[gi] = _StateRecords(len(ps))
+            if fast:
+                rows = _C.state_rows(state, ps, ready, rec.objs, _KEYS, rec.ptrs, _STATE_FNS).tolist()
+            else:
+                rows = np.flatnonzero(ready).tolist()
+            for i in rows:
+                rec.objs[i] = None
                 st = state.get(ps[i])
                 if not st:
                     ready[i] = False
@@ -92,7 +126,8 @@ class TorchLayout:
                     ptrs.pop((gi, i), None)
                     continue
                 v = st.get("step")
-                if not (isinstance(v, torch.Tensor) and v._base is steps and v.storage_offset() == i):
+                if not (isinstance(v, torch.Tensor) and v._base is steps and v.storage_offset() == i
+                        and v.data_ptr() == steps.data_ptr() + 4 * i):
                     steps[i] = float(v.item() if isinstance(v, torch.Tensor) else (v or 0.0))
                     st["step"] = steps[i]
                 for key, ptr in ptrs.get((gi, i), {}).items():
@@ -103,6 +138,35 @@ class TorchLayout:
                             f"state={self.mode!r} the moments live in the state file, so a new tensor cannot be "
                             "adopted; write into the existing one in place (e.g. opt.state[p]['exp_avg'].zero_()) "
                             "or load a whole state with load_state_dict()")
+                self._record_state(rec, i, ps[i], st, ptrs.get((gi, i), {}))
+
+    def _record_state(self, rec: "_StateRecords", i: int, p, st, ptrs: dict) -> None:
+        """Record state[p] (just validated by _adopt_user_state) for state_rows to compare with."""
+        if type(p) not in _PLAIN:
+            return   # a DTensor's entries are DTensors (local() needed): checked in Python every step
+        inner = st.live if isinstance(st, compressed.CompressedState) else st if type(st) is dict else None
+        if inner is None:
+            return
+        objs = []
+        for j, key in enumerate(_KEYS):
+            if key != "step" and key not in ptrs:
+                objs.append(_SKIP)
+                continue
+            t = inner.get(key)
+            objs.append(t)
+            if type(t) in _PLAIN:
+                rec.ptrs[i, j] = t.data_ptr()
+            elif t is not None and isinstance(t, torch.Tensor):
+                return   # another tensor type: Python every step
+            else:
+                rec.ptrs[i, j] = -1
+        rec.objs[i] = (st, inner, *objs)
+
+    def _forget_state(self, gi: int, i: int) -> None:
+        """The engine replaced the entries of parameter i of group gi: look at them again next step."""
+        recs = self.__dict__.get("_state_recs", [])
+        if gi < len(recs) and i < len(recs[gi].objs):
+            recs[gi].objs[i] = None
 
     def _views(self, gi: int, i: int, view, fd) -> dict:
         p = self.groups[gi][i]
@@ -129,6 +193,7 @@ class TorchLayout:
                 st.update(views)
                 # what load_state_dict installs in opt.state: a later replacement is detected against it
                 self.__dict__.setdefault("_view_ptrs", {})[(gi, i)] = {k: local(v).data_ptr() for k, v in views.items()}
+                self._forget_state(gi, i)
                 if self.moment_format(gi, i) != "fp32" and self.numels[gi][i]:
                     return self._compressed_state(gi, i, st)
             return st
@@ -189,6 +254,7 @@ class TorchLayout:
 
     def _load(self, entries: dict) -> None:
         self.__dict__["_view_ptrs"] = {}   # the views in opt.state are re-made after a load (torch_state)
+        self.__dict__["_state_recs"] = []
         packed = {}   # (gi, i) -> flat compressed tensors of the parameter's format (issue 9)
         for (gi, i), st in list(entries.items()):
             fmt = self.moment_format(gi, i)

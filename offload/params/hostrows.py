@@ -1,0 +1,191 @@
+"""params/hostrows.py: the state engine's per-step check of host parameters and their gradients, cached.
+
+What ``check_grad`` (params/base.py) and the overlap check (guards.py) establish about a row (a
+parameter and its gradient) is recorded when the row is validated. Each step the native
+``_C.collect_rows`` (csrc/rows.cpp: the check the fp32 RAM path uses) compares every row with its
+record and validates a new plain gradient itself; only rows that changed in any way (a new
+parameter tensor or ``p.data = ...``: pointer, dtype, shape, strides, neg bit; a bf16/fp16
+parameter written in place; a gradient that is not a plain CPU tensor) and parameters of other
+types (DTensor) go through the Python checks again, with the same messages as before.
+
+The write spans (parameters, the tier's buffers) are checked disjoint and indexed once
+(guards.SpanIndex), and built again, with every gradient checked against them, whenever any of
+that memory may have moved: a row revalidated, a parameter without a gradient whose (address,
+bytes) differ, another tier buffer, a new group. Otherwise only new gradients are checked. At a
+rebuild the record of every gradient not checked in it is dropped, so a gradient that comes back
+later is checked again; after any exception nothing is trusted (the next step rebuilds).
+"""
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .. import _C
+from .._dist import is_dtensor, local
+from .._kernels import COL_G, COL_GD, COL_OD, COL_OUT, COL_P, DTYPE_CODES, OUT_USER_PARAM, TASK_COLS, _ptr
+from .._plan import M_CODE, M_COLS, M_GPTR, M_LOWP, M_NUMEL, M_PPTR, M_PVER, no_grad_ref, record_param
+from ..guards import SpanIndex, span_of
+from ..host_ram import _ROW_FNS
+from .base import LOW_PRECISION, check_grad
+
+__all__ = ["HostRows"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_ESIZE = np.array([0, 4, 2, 2], dtype=np.int64)   # bytes per element by DTYPE_CODES
+
+
+class StepGrads(list):
+    """One group's gradients of one step, as collect returns them; ``token`` ties them to the records
+    made in the same collect (ptrs reads the table only for these), without keeping them alive."""
+    __slots__ = ("token",)
+
+
+class GroupRows:
+    """The records of one group (the arrays collect_rows reads and writes), and this step's result."""
+
+    def __init__(self, params: list):
+        n = len(params)
+        self.params = params
+        self.meta = np.zeros((n, M_COLS), dtype=np.int64)
+        self.meta[:, [M_PPTR, M_GPTR, M_PVER]] = -1
+        self.layouts: list = [None] * n
+        self.g_ref: list = [no_grad_ref] * n
+        self.table = np.zeros((n, TASK_COLS), dtype=np.int64)   # P, OUT, OD, G, GD columns as ptrs() needs them
+        self.token = -1                       # the collect whose gradients the table describes
+        self.plain = np.zeros(n, dtype=bool)  # rows whose table columns describe this step's tensors
+
+    def record(self, i: int, lp: torch.Tensor, g: torch.Tensor) -> None:
+        """Row i was validated (check_grad) with plain parameter ``lp`` and gradient ``g``."""
+        low = lp.dtype in LOW_PRECISION
+        record_param(self, i, lp, DTYPE_CODES[lp.dtype])
+        m, t = self.meta[i], self.table[i]
+        m[M_PVER], m[M_LOWP] = (lp._version if low else -1), low
+        t[COL_P], t[COL_OUT] = (0, _ptr(lp)) if low else (_ptr(lp), 0)
+        t[COL_OD] = OUT_USER_PARAM[lp.dtype] if low else 0
+        self.g_ref[i] = weakref.ref(g)
+        m[M_GPTR] = g.data_ptr()
+        t[COL_G], t[COL_GD] = _ptr(g), DTYPE_CODES[g.dtype]
+
+
+class HostRows:
+    def __init__(self):
+        self.groups: List[GroupRows] = []
+        self.spans: Optional[SpanIndex] = None
+        self.steps = 0
+
+    def collect(self, groups: Sequence[list], local_groups: Sequence[list], dtypes: list, numels: list,
+                own: Optional[torch.Tensor], mode: str) -> tuple:
+        """(active, grads): per group a bool mask of the parameters with a gradient and the list of
+        their (local) gradients; raises, as check_grad / check_overlaps do, for what cannot be stepped."""
+        try:
+            return self._collect(groups, local_groups, dtypes, numels, own, mode)
+        except BaseException:
+            self.spans = None
+            raise
+
+    def _collect(self, groups, local_groups, dtypes, numels, own, mode) -> tuple:
+        while len(self.groups) < len(groups):
+            self.groups.append(GroupRows(groups[len(self.groups)]))
+        active, grads, new = [], [], []
+        moved = False
+        self.steps += 1
+        for gi, params in enumerate(groups):
+            rows = self.groups[gi]
+            if rows.params is not params or len(rows.g_ref) != len(params):
+                rows = self.groups[gi] = GroupRows(params)
+            n = len(params)
+            rows.token = -1
+            got = [None] * n
+            ready, newgrad, changed, other = _C.collect_rows(params, rows.g_ref, rows.meta, rows.layouts, rows.table,
+                                                             _ROW_FNS, got)
+            gs = StepGrads(got)
+            a = np.zeros(n, dtype=bool)
+            a[ready] = True
+            a[newgrad] = True
+            rows.plain[:] = a
+            slow = sorted(changed.tolist() + [i for i in other.tolist() if params[i].grad is not None])
+            for i in slow:   # every check as before, its message included
+                p = params[i]
+                g = p.grad
+                check_grad(p, g, gi, i, dtypes[gi][i], numels[gi][i], mode, False)
+                lg = local(g)
+                gs[i] = lg
+                a[i] = True
+                if type(p) in _PLAIN and not is_dtensor(lg):
+                    rows.record(i, p, lg)
+                    rows.plain[i] = True
+            moved = moved or bool(slow) or bool(len(other))
+            gs.token = rows.token = self.steps
+            active.append(a)
+            grads.append(gs)
+            new.append((gi, newgrad.tolist() + slow))
+        self._check_overlaps(local_groups, active, grads, new, own, mode, moved)
+        return active, grads
+
+    def _check_overlaps(self, local_groups, active, grads, new, own, mode, moved: bool) -> None:
+        spans = self.spans
+        if not moved and spans is not None:
+            moved = len(spans.where) != len(local_groups) or spans.own != span_of(own) or \
+                any(len(w) != len(ps) for w, ps in zip(spans.where, local_groups))
+        if not moved and spans is not None:
+            for gi, (rows, a) in enumerate(zip(self.groups, active)):
+                w = spans.where[gi]
+                meta = rows.meta[rows.plain]
+                nb = meta[:, M_NUMEL] * _ESIZE[np.clip(meta[:, M_CODE], 0, 3)]
+                if not (np.array_equal(w[rows.plain, 1], nb) and
+                        np.array_equal(np.where(nb > 0, w[rows.plain, 0], 0), np.where(nb > 0, meta[:, M_PPTR], 0))):
+                    moved = True
+                    break
+                ps = local_groups[gi]
+                if any(span_of(ps[i]) != tuple(w[i]) for i in np.flatnonzero(~a).tolist()):
+                    moved = True   # a parameter without a gradient: its memory is written by no one, but
+                    break          # another's gradient may not overlap it either
+        if moved or spans is None:
+            self.spans = None
+            spans = SpanIndex(local_groups, own, mode)   # raises for parameters that share memory
+            spans.check_grads((gi, i, g) for gi, gs in enumerate(grads) for i, g in enumerate(gs) if g is not None)
+            for rows, a in zip(self.groups, active):
+                for i in np.flatnonzero(~a).tolist():
+                    rows.g_ref[i] = no_grad_ref   # not checked against these spans: checked when it comes back
+            self.spans = spans
+        else:
+            spans.check_grads((gi, i, grads[gi][i]) for gi, rows in new for i in rows)
+
+    def ptrs(self, b, pieces, grads) -> Optional[np.ndarray]:
+        """The (param, grad, grad dtype, out, out dtype) addresses of ``pieces`` of bucket ``b`` as
+        params/host.py computes them, from this step's records; None if a piece is not recorded."""
+        if b.group >= len(self.groups):
+            return None
+        rows = self.groups[b.group]
+        if getattr(grads, "token", None) != rows.token or rows.token < 0:
+            return None
+        idx, starts = _piece_index(b, pieces)
+        if not rows.plain[idx].all():
+            return None
+        t = rows.table[idx]
+        off = starts * _ESIZE[t[:, COL_GD]]
+        out = np.empty((len(idx), 5), dtype=np.int64)
+        out[:, 0] = np.where(t[:, COL_P] != 0, t[:, COL_P] + off, 0)
+        out[:, 1] = t[:, COL_G] + off
+        out[:, 2] = t[:, COL_GD]
+        out[:, 3] = np.where(t[:, COL_OUT] != 0, t[:, COL_OUT] + off, 0)
+        out[:, 4] = t[:, COL_OD]
+        return out
+
+
+def _piece_index(b, pieces) -> tuple:
+    """(parameter index, first element) arrays of ``pieces``; cached for a bucket's full piece list."""
+    full = len(pieces) == len(b.pieces) and all(map(operator.is_, pieces, b.pieces))
+    if full:
+        got = b.__dict__.get("_host_index")
+        if got is not None and got[0] == len(b.pieces):
+            return got[1], got[2]
+    idx = np.fromiter((pc.param for pc in pieces), dtype=np.int64, count=len(pieces))
+    starts = np.fromiter((pc.start for pc in pieces), dtype=np.int64, count=len(pieces))
+    if full:
+        b.__dict__["_host_index"] = (len(b.pieces), idx, starts)
+    return idx, starts
