@@ -160,11 +160,13 @@ static OFFLOAD_QINLINE void q_stage_b(float* __restrict p_, void* __restrict out
 
 // Vectors [i, end) of I::W elements, software-pipelined: stage A of vector k + 1 (with its
 // decode) comes before stage B of vector k (with its encode) in program order. Measured on Zen 3
-// (bench-results/ in the report of issue 9): these loops are neither memory- nor divider-bound
-// but latency-bound, ~60 cycles of dependent operations per vector (decode -> update -> sqrt ->
-// div -> encode) against an out-of-order window of ~100 FP operations; entering stage B's
-// operations one vector later, when their inputs are ready, lets more vectors overlap (in cache,
-// 8 elements: bf16 moments 16.3 -> 14.1 TSC cycles, with bf16 grad + out 24.7 -> 20.4).
+// (bench/moments_ub/): in cache these loops are bound neither by the FP pipes (up to ~12 extra
+// shift/shuffle/mul/add/cvt/pack ops per sqrt + div pair issue for free) nor by the divider
+// (the fp32 kernel sits at its floor; these take 1.6-2.3x as long) but by latency: ~60 cycles
+// of dependent operations per vector (decode -> update -> sqrt -> div -> encode) against an
+// out-of-order window of ~100 FP operations. Issuing stage B's operations one vector later, when
+// their inputs are ready, lets more vectors overlap (TSC cycles per 8 elements in L2: bf16
+// moments 12.3 -> 10.4, with bf16 grad + out 18.7 -> 15.7; 8-bit 15.5 -> 14.1, 22.2 -> 18.9).
 // Returns the first element not done. Elementwise, so the results are those of one-at-a-time.
 template <class I, class Dec, class StageA, class StageB>
 static OFFLOAD_QINLINE int64_t q_pipelined(int64_t i, int64_t end, Dec dec, StageA stage_a, StageB stage_b) {
