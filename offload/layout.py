@@ -31,10 +31,13 @@ bucketing (RAM == NVMe == mmap bitwise, any ``host_budget``).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Shape", "Piece", "Bucket", "Layout", "build_layout", "section_keys", "entries", "unit", "round_up",
+import numpy as np
+
+__all__ = ["Shape", "Piece", "Bucket", "Layout", "build_layout", "piece_columns", "section_keys", "entries", "unit", "round_up",
            "ELEM", "ALIGN"]
 
 ELEM = 16          # pieces start on 16-element (64-byte) boundaries inside a section
@@ -234,3 +237,18 @@ def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_
     for b in open_b.values():
         close(b)
     return Layout(buckets, of_param, offset)
+
+
+def piece_columns(b: "Bucket", pieces, *fields: str) -> tuple:
+    """One int64 array per attribute in ``fields`` (e.g. "param", "start", "pos", "n") of ``pieces``
+    of bucket ``b``; cached on the bucket when ``pieces`` is its full piece list (the per-step case)."""
+    full = len(pieces) == len(b.pieces) and all(map(operator.is_, pieces, b.pieces))
+    key = "_cols_" + "_".join(fields)
+    if full:
+        got = b.__dict__.get(key)
+        if got is not None and got[0] == len(b.pieces):
+            return got[1]
+    cols = tuple(np.fromiter((getattr(pc, f) for pc in pieces), dtype=np.int64, count=len(pieces)) for f in fields)
+    if full:
+        b.__dict__[key] = (len(b.pieces), cols)
+    return cols

@@ -17,7 +17,6 @@ later is checked again; after any exception nothing is trusted (the next step re
 """
 from __future__ import annotations
 
-import operator
 import weakref
 from typing import List, Optional, Sequence
 
@@ -29,6 +28,7 @@ from .._dist import is_dtensor, local
 from .._kernels import COL_G, COL_GD, COL_OD, COL_OUT, COL_P, DTYPE_CODES, OUT_USER_PARAM, TASK_COLS, _ptr
 from .._plan import M_CODE, M_COLS, M_GPTR, M_LOWP, M_NUMEL, M_PPTR, M_PVER, no_grad_ref, record_param
 from ..guards import SpanIndex, span_of
+from ..layout import piece_columns
 from ..host_ram import _ROW_FNS
 from .base import LOW_PRECISION, check_grad
 
@@ -163,7 +163,7 @@ class HostRows:
         rows = self.groups[b.group]
         if getattr(grads, "token", None) != rows.token or rows.token < 0:
             return None
-        idx, starts = _piece_index(b, pieces)
+        idx, starts = piece_columns(b, pieces, "param", "start")
         if not rows.plain[idx].all():
             return None
         t = rows.table[idx]
@@ -177,15 +177,3 @@ class HostRows:
         return out
 
 
-def _piece_index(b, pieces) -> tuple:
-    """(parameter index, first element) arrays of ``pieces``; cached for a bucket's full piece list."""
-    full = len(pieces) == len(b.pieces) and all(map(operator.is_, pieces, b.pieces))
-    if full:
-        got = b.__dict__.get("_host_index")
-        if got is not None and got[0] == len(b.pieces):
-            return got[1], got[2]
-    idx = np.fromiter((pc.param for pc in pieces), dtype=np.int64, count=len(pieces))
-    starts = np.fromiter((pc.start for pc in pieces), dtype=np.int64, count=len(pieces))
-    if full:
-        b.__dict__["_host_index"] = (len(b.pieces), idx, starts)
-    return idx, starts

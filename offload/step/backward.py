@@ -37,33 +37,14 @@ import torch
 from .._dist import local
 from .._kernels import step_table
 from ..params.base import check_grad
-from .feedstep import FeedStep, _weak_observer
+from .feedstep import FeedStep
+from .hooks import weak_hook
 from .table import bucket_rows, kernel_for
 from .uploads import Upload, UploadWaits
 
 __all__ = ["BackwardFeed"]
 
 _WAIT_S = 300.0   # a hang is a bug: fail loudly instead
-
-
-def _weak_hook(feed, gi: int, i: int):
-    ref = weakref.ref(feed)   # tensor hooks live in C++: a strong reference would keep everything alive
-
-    def hook(p):
-        f = ref()
-        if f is not None:
-            f._on_grad(gi, i, p)
-    return hook
-
-
-def _weak_pre_accumulate(feed):
-    ref = weakref.ref(feed)
-
-    def hook(grad):
-        f = ref()
-        if f is not None and f.uploads.pending:   # a step is still in flight: its D2H may read p.grad
-            f.wait_idle()
-    return hook
 
 
 def _loop(ref, q) -> None:
@@ -107,7 +88,7 @@ class BackwardFeed(FeedStep):
         self._reset()
         self.seen: list = []         # buckets in the order the first forward used them (upload order)
         self._observer = None if self.eager else torch.nn.modules.module.register_module_forward_pre_hook(
-            _weak_observer(self))
+            weak_hook(self, "observe"))
         self._q: "queue.Queue" = queue.Queue()
         self._worker = threading.Thread(target=_loop, args=(weakref.ref(self), self._q),
                                         name="offload-backward-step", daemon=True)
@@ -124,9 +105,9 @@ class BackwardFeed(FeedStep):
                 if not p.requires_grad:
                     continue   # frozen: if it gets a gradient later, step() sends it
                 # accumulating into p.grad in place: not while the last step's D2H may still read it
-                self._hooks.append(p.register_hook(_weak_pre_accumulate(self)))
+                self._hooks.append(p.register_hook(weak_hook(self, "_before_accumulate")))
                 if self.eager:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self, gi, i)))
+                    self._hooks.append(p.register_post_accumulate_grad_hook(weak_hook(self, "_on_grad", gi, i)))
         self._hooked = len(groups)
 
     def _maps(self) -> None:
@@ -186,6 +167,11 @@ class BackwardFeed(FeedStep):
         self._t = dict(io=tel["read_wait_s"] + tel["write_wait_s"], kernel=eng.telemetry["kernel_s"],
                        side=dict(self.side.stats), first=None)
         self.in_cycle = True
+
+    def _before_accumulate(self, grad) -> None:
+        """Tensor hook before a gradient accumulates: a step still in flight may read p.grad (D2H)."""
+        if self.uploads.pending:
+            self.wait_idle()
 
     def _on_grad(self, gi: int, i: int, p) -> None:
         if not self.boundary:

@@ -11,25 +11,14 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
 
 import numpy as np
 
 __all__ = ["FeedStep"]
 
 
-def _weak_observer(feed):
-    ref = weakref.ref(feed)
-
-    def hook(module, args):
-        f = ref()
-        if f is not None:
-            f.observe(module)
-    return hook
-
-
 class FeedStep:
-    def observe(self, module) -> None:
+    def observe(self, module, args=None) -> None:
         """Forward pre-hook until the first step(): the order in which modules use the buckets."""
         seen = self.seen
         for p in module._parameters.values():

@@ -10,7 +10,6 @@ kernel (offload/_moments.py) instead; its column order is read once from ``momen
 """
 from __future__ import annotations
 
-import operator
 from functools import lru_cache
 from typing import Sequence
 
@@ -19,6 +18,7 @@ import torch
 
 from .._kernels import (COL_G, COL_GD, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
                         TASK_COLS)
+from ..layout import piece_columns
 
 __all__ = ["bucket_rows", "kernel_for"]
 
@@ -37,7 +37,7 @@ def bucket_rows(b, pieces: Sequence, base: int, ptrs, steps: Sequence[int]) -> n
     if not k:
         return t
     pa, ga, gc, oa, oc = np.asarray(ptrs, dtype=np.int64).reshape(k, 5).T
-    pos, n = _piece_cols(b, pieces)
+    pos, n = piece_columns(b, pieces, "pos", "n")
     off = pos * 4
     m, v = base + b.section("exp_avg"), base + b.section("exp_avg_sq")
     master = base + b.section("master_param") if b.master else 0
@@ -62,20 +62,6 @@ def _step_col(steps, k: int) -> np.ndarray:
     if k and isinstance(steps[0], np.floating):   # the registry's fp32 counts: read in their own dtype (exact)
         return np.fromiter(steps, dtype=steps[0].dtype, count=k).astype(np.int64)
     return np.asarray(steps, dtype=np.float64).reshape(k).astype(np.int64)
-
-
-def _piece_cols(b, pieces) -> tuple:
-    """(section position, length) arrays of ``pieces``; cached for a bucket's full piece list."""
-    full = len(pieces) == len(b.pieces) and all(map(operator.is_, pieces, b.pieces))
-    if full:
-        got = b.__dict__.get("_piece_cols")
-        if got is not None and got[0] == len(b.pieces):
-            return got[1], got[2]
-    pos = np.fromiter((pc.pos for pc in pieces), dtype=np.int64, count=len(pieces))
-    n = np.fromiter((pc.n for pc in pieces), dtype=np.int64, count=len(pieces))
-    if full:
-        b.__dict__["_piece_cols"] = (len(b.pieces), pos, n)
-    return pos, n
 
 
 def kernel_for(b):
@@ -140,7 +126,7 @@ def _moment_rows(b, pieces, base, ptrs, steps) -> np.ndarray:
     c = _moment_cols(b.moments)
     secs = _sections(b)
     t = np.zeros((len(pieces), c["ncols"]), dtype=np.int64)
-    pos, n = _piece_cols(b, pieces)
+    pos, n = piece_columns(b, pieces, "pos", "n")
     pa, ga, gc, oa, oc = np.asarray(ptrs, dtype=np.int64).reshape(len(pieces), 5).T
 
     def at(key):

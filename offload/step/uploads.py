@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from typing import Callable, Optional
 
 import torch
+
+from .hooks import weak_hook
 
 __all__ = ["Upload", "UploadWaits"]
 
@@ -30,16 +31,6 @@ class Upload:
         self.bucket = bucket
         self.issued = threading.Event()
         self.ev = None
-
-
-def _weak_pre_hook(waits):
-    ref = weakref.ref(waits)
-
-    def hook(module, args):
-        w = ref()
-        if w is not None:
-            w.before_forward(module)
-    return hook
 
 
 class UploadWaits:
@@ -62,13 +53,13 @@ class UploadWaits:
         self.seq, self.next = list(seq), 0
         self.pos = {u.bucket: k for k, u in enumerate(self.seq)}
         if self.seq and self._handle is None:
-            self._handle = torch.nn.modules.module.register_module_forward_pre_hook(_weak_pre_hook(self))
+            self._handle = torch.nn.modules.module.register_module_forward_pre_hook(weak_hook(self, "before_forward"))
 
     @property
     def pending(self) -> bool:
         return self.next < len(self.seq)
 
-    def before_forward(self, module) -> None:
+    def before_forward(self, module, args=None) -> None:
         need = -1
         for p in module._parameters.values():
             if p is None:
