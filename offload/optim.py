@@ -9,13 +9,13 @@ straight into the parameter in the same pass. Parameters the kernel cannot take 
 (float64, complex, non-contiguous, listed twice) go through torch's own Adam code (offload/fallback.py).
 
 The class is assembled from: host_ram.py (the host-RAM fp32-moment fast path), state_dict.py
-(state_dict / load_state_dict / checkpoint tensors), gpu.py (the GPU-offload face), checks.py
-(argument checks); this file holds the constructor, param groups, step dispatch and clipping.
+(state_dict / load_state_dict / checkpoint tensors), gpu.py (the GPU-offload face), clipping.py
+(clip_grad_norm_ folded into the step), checks.py (argument checks); this file holds the
+constructor, param groups and step dispatch.
 """
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -23,10 +23,9 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
 
 from . import _kernels, fallback
-from ._dist import is_dtensor, local  # DTensor (FSDP2): step the local shard
 from ._kernels import COL_STEP
-from ._plan import get_version
 from .checks import _check_hyper, _check_init, _check_moments, _check_param, _scalar
+from .clipping import ClippingMixin
 from .gpu import GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
 from .host_ram import HostRamPath
 from .state_dict import StateDictMixin
@@ -34,7 +33,7 @@ from .state_dict import StateDictMixin
 __all__ = ["Adam", "AdamW"]
 
 
-class _AdamBase(HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):
+class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None,
@@ -192,27 +191,6 @@ class _AdamBase(HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):
         return dict(lr=lr, beta1=_scalar(beta1), beta2=_scalar(beta2), eps=float(eps), weight_decay=float(wd),
                     decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]))
 
-    def _pending_coefficient(self) -> float:
-        """The clip coefficient left by clip_grad_norm_, if the gradients it was computed from are
-        still the ones about to be used; 1.0 if they were replaced (zero_grad/backward: stale)."""
-        mult, rec = self._pending_multiplier, self._plans.get("clip")
-        if rec is None:
-            return mult
-        params, refs, vers = rec
-        grads = [p.grad for p in params]
-        same = [g is not None and g is r() for g, r in zip(grads, refs)]
-        if not any(same):  # every gradient is new (or gone): the clipped ones were discarded
-            return 1.0
-        moved = [i for i, s in enumerate(same) if s and grads[i]._version != vers[i]]
-        if moved or not all(same):
-            i = moved[0] if moved else same.index(False)
-            raise RuntimeError(
-                f"the gradient of parameter {i} (in optimizer order) was {'modified' if moved else 'replaced'} after "
-                "clip_grad_norm_, whose coefficient offload applies inside the next step instead of scaling the "
-                "gradients in place (torch would now use clipped + new values): call opt.clip_grad_norm_ after the "
-                "last backward of the step, or opt.zero_grad() to discard the pending coefficient")
-        return mult
-
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_multiplier: Optional[float] = None):
         """Perform one optimization step.
@@ -274,76 +252,12 @@ class _AdamBase(HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):
             fallback.step(self, fb, mult, self._decoupled)
         return loss
 
-    def _clear_pending(self) -> None:
-        self.set_clip_coefficient(1.0, [])
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad; also discards a clip coefficient computed from the discarded gradients."""
         self._clear_pending()
         if self._gpu is not None and not set_to_none:
             self._gpu.synchronize()   # zeroing in place: not while the last step's D2H may still read them
         super().zero_grad(set_to_none=set_to_none)
-
-    # ------------------------------------------------------------------ clipping
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Global L2 gradient norm of all parameters, with clipping folded into the next step.
-
-        Like ``torch.nn.utils.clip_grad_norm_`` it returns the total norm, but instead of
-        rescaling the gradients in a separate pass it records the coefficient
-        ``min(1, max_norm / (norm + 1e-6))`` and the next :meth:`step` applies it inside the Adam
-        kernel (one pass over memory instead of three). The gradients themselves are not modified.
-
-        The coefficient belongs to these gradients: ``zero_grad()`` or new gradients (a step that
-        GradScaler skipped, a skipped batch) discard it; modifying these gradients in place before
-        the step (another backward accumulating into them) makes the step raise, since torch would
-        have accumulated onto clipped values. A second call clips what the first call left.
-        """
-        if self._gpu is not None:
-            return self._gpu.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
-        if float(norm_type) != 2.0:
-            raise ValueError("offload's fused clipping supports norm_type=2.0 only")
-        pending = self._pending_coefficient()
-        groups, fbg = self._router.split(self.param_groups)
-        params = [p for g in groups for p in g["params"] if p.grad is not None]
-        fbp = list({id(p): p for _, ps in fbg for p in ps
-                    if p.grad is not None}.values())  # (offload/fallback.py; a repeated parameter counted once)
-        grads, fbgrads = [p.grad for p in params], [p.grad for p in fbp]
-        sumsq = self._grad_sumsq(grads) + (fallback.grad_sumsq(fbgrads) if fbgrads else 0.0)
-        total = math.sqrt(sumsq) * pending  # the norm of what the step would use
-        params, grads = params + fbp, grads + fbgrads
-        if error_if_nonfinite and not math.isfinite(total):
-            raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total}), so it cannot be clipped")
-        coef = float(max_norm) / (total + 1e-6)
-        self.set_clip_coefficient(pending * coef if coef < 1.0 else pending, params)
-        return torch.tensor(total, dtype=torch.float32)
-
-    def pending_clip_coefficient(self) -> float:
-        """The coefficient a clip_grad_norm_ left for the next step, if its gradients are still the
-        ones about to be used (1.0 if they were replaced; RuntimeError if modified in place)."""
-        return self._pending_coefficient()
-
-    def set_clip_coefficient(self, mult: float, params: list) -> None:
-        """Record ``mult`` as the coefficient the next step applies, tied to the current gradients of
-        ``params`` (weakly: zero_grad frees them), as clip_grad_norm_ does (also the GPU path's)."""
-        self._pending_multiplier = mult
-        if mult != 1.0:
-            grads = [p.grad for p in params]
-            self._plans["clip"] = (params, list(map(weakref.ref, grads)), list(map(get_version, grads)))
-        else:
-            self._plans.pop("clip", None)
-
-    def _grad_sumsq(self, grads: list) -> float:
-        """Sum of squares of all gradients; for DTensor (FSDP2) shards, all-reduced across ranks."""
-        if not any(is_dtensor(g) for g in grads):
-            return _kernels.grad_sumsq(grads, self._threads or 0) if grads else 0.0
-        from ._dist import allreduce_sumsq, layout_key
-        parts: dict = {}
-        for g in grads:
-            parts.setdefault(layout_key(g), []).append(g)
-        partial = {k: (_kernels.grad_sumsq([local(g) for g in gs], self._threads or 0), gs[0] if k else None)
-                   for k, gs in parts.items()}
-        return allreduce_sumsq(partial)
 
     def close(self) -> None:
         """Release NVMe/mmap state (waits for I/O, deletes the state file unless keep_files) and the

@@ -1,0 +1,253 @@
+"""kernel_cases.py: the cases and contenders of ``python -m offload.bench kernel`` (bench/kernel.py).
+
+A ``Case`` is a list of tensor sizes (flat, many tensors, bf16 gradient + output); a ``Contender``
+is one implementation stepping that case: ``offload.AdamW.step()``, our raw kernel call (also
+forced to another ISA), torch's AdamW (fused / foreach), DeepSpeed's CPU Adam, and the native
+bandwidth probe with Adam's access pattern.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+import offload
+from offload import _C, _kernels
+
+STREAM_STAGGER = 16400  # floats between the probe's streams (as offload.optim's state arena)
+BYTES_PER_PARAM = 28  # read g, p, m, v (16 B) + write p, m, v (12 B); bf16 case: 2+12 read, 12+2 written
+
+
+def _human(n: int) -> str:
+    for unit, div in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= div and n % (div // 16 or 1) == 0:
+            return f"{n / div:g}{unit}"
+    return str(n)
+
+
+@dataclass
+class Case:
+    key: str  # flat | multi | small | bf16 | isa | small-newgrads (what check_targets looks up)
+    sizes: list
+    lowp: bool = False  # bf16 grads in, bf16 weights out, fp32 master/moments
+    results: dict = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def name(self) -> str:
+        n = self.sizes[0]
+        shape = f"flat {_human(n)}" if len(self.sizes) == 1 else f"{len(self.sizes)}x{n}"
+        if self.key == "isa":
+            return f"avx2 vs avx512, fp32 {shape}"
+        if self.key == "small-newgrads":
+            return f"fp32 {shape}, new grads"
+        return f"bf16 grad+out, {shape}" if self.lowp else f"fp32 {shape}"
+
+
+CASE_KEYS = ("flat", "multi", "small", "bf16", "isa", "moments", "small-newgrads")
+OPT_IN = ("small-newgrads",)  # only when named in --cases
+DEFAULT_FLAT = 32 * 2**20  # 32M params: 900 MB moved per step, 28x a 32 MiB L3
+FULL_FLAT = 128 * 2**20    # the sizes of the targets of issue 11
+
+
+def make_cases(scale: float, only, full: bool = False) -> list:
+    flat = max(16, int((FULL_FLAT if full else DEFAULT_FLAT) * scale))
+    multi = max(1, int((1000 if full else 250) * min(1.0, scale * 8)))
+    cases = [
+        Case("flat", [flat]),
+        Case("multi", [max(1, int(131072 * min(1.0, scale)))] * multi),
+        Case("small", [1024] * max(1, int(10000 * min(1.0, scale * 8)))),
+        Case("bf16", [flat], lowp=True),
+        Case("isa", [flat]),
+        Case("moments", [flat]),  # compressed moments (offload/bench/moments.py)
+        # a training loop's step: new gradient objects every step (zero_grad(set_to_none=True) +
+        # backward), so every row is re-validated; two preallocated sets swapped before each step
+        Case("small-newgrads", [1024] * max(1, int(10000 * min(1.0, scale * 8)))),
+    ]
+    if only:
+        keys = [k.strip() for k in only.split(",") if k.strip()]
+        unknown = sorted(set(keys) - set(CASE_KEYS))
+        if unknown:
+            raise SystemExit(f"--cases: unknown case(s) {', '.join(unknown)} (choose from {','.join(CASE_KEYS)})")
+        cases = [c for c in cases if c.key in keys]
+    else:
+        cases = [c for c in cases if c.key not in OPT_IN]
+    return cases
+
+
+def has_avx512() -> bool:
+    return "avx512" in _C.available_isas()
+
+
+# --------------------------------------------------------------------------- contenders
+_RANDOM = {}
+
+
+def randn_like_sizes(sizes: list, dtype=torch.float32, scale: float = 1.0) -> list:
+    """Random tensors of the given sizes, copied out of one cached random block (fast setup)."""
+    need = max(sizes)
+    src = _RANDOM.get("src")
+    if src is None or src.numel() < need:
+        src = _RANDOM["src"] = torch.randn(need)
+    out = []
+    for k, n in enumerate(sizes):
+        start = (k * 7919) % max(1, src.numel() - n + 1)
+        out.append((src[start:start + n] * scale).to(dtype))
+    return out
+
+
+class Contender:
+    name = "?"
+    threads = 1
+
+    def set_threads(self, threads: int) -> None:
+        self.threads = threads
+
+    def prepare(self) -> None:
+        """Untimed work before each timed step."""
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+
+class Ours(Contender):
+    """offload.AdamW.step(): the drop-in optimizer, Python bookkeeping included."""
+    name = "offload.AdamW.step"
+
+    def __init__(self, case: Case, grads: list, threads: int):
+        dtype = torch.bfloat16 if case.lowp else torch.float32
+        self.params = [torch.nn.Parameter(t) for t in randn_like_sizes(case.sizes, dtype)]
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        self.opt = offload.AdamW(self.params, lr=1e-3, weight_decay=0.01, threads=threads)
+        # small-newgrads: fresh grad objects before every step (two sets, swapped: no allocation timed)
+        self.grad_sets = [grads, [g.clone() for g in grads]] if case.key == "small-newgrads" else None
+        self.turn = 0
+
+    def set_threads(self, threads: int) -> None:
+        self.opt.kernel_threads = threads
+
+    def prepare(self) -> None:
+        if self.grad_sets is not None:
+            self.turn ^= 1
+            for p, g in zip(self.params, self.grad_sets[self.turn]):
+                p.grad = g
+
+    def step(self) -> None:
+        self.opt.step()
+
+
+class OursKernel(Contender):
+    """One native call on a prebuilt pointer table: the kernel alone."""
+    name = "offload kernel call"
+
+    def __init__(self, ours: Ours, threads: int):
+        # the optimizer's own state tensors (public opt.state), so the same memory as its step
+        opt, ps = ours.opt, ours.params
+        sts = [opt.state[p] for p in ps]
+        masters = [st.get("master_param", p) for st, p in zip(sts, ps)]
+        outs = [p if "master_param" in st else None for st, p in zip(sts, ps)]
+        self.table = _kernels.adam_table(masters, [p.grad for p in ps], [st["exp_avg"] for st in sts],
+                                         [st["exp_avg_sq"] for st in sts], None, [10] * len(ps), outs)
+        self.threads = threads
+
+    def step(self) -> None:
+        _C._adam_step(self.table, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, False, 1.0, self.threads, False)
+
+
+class OursKernelIsa(OursKernel):
+    """The kernel call with the ISA forced (the native one restored after every step)."""
+
+    def __init__(self, ours: Ours, threads: int, isa: str, native: str):
+        super().__init__(ours, threads)
+        self.isa, self.native = isa, native
+        self.name = f"offload kernel call [{isa}]"
+
+    def step(self) -> None:
+        _C.set_isa(self.isa)
+        try:
+            super().step()
+        finally:
+            _C.set_isa(self.native)
+
+
+class TorchAdamW(Contender):
+    def __init__(self, case: Case, grads: list, threads: int, mode: str):
+        self.name = f"torch AdamW({mode}=True)" + (" +casts" if case.lowp else "")
+        self.threads = threads
+        self.params = [torch.nn.Parameter(t) for t in randn_like_sizes(case.sizes)]
+        self.lowp = case.lowp
+        self.grads = grads
+        if case.lowp:
+            # the composite a user writes today: upcast bf16 grads, fp32 step, cast weights down
+            self.model_weights = [torch.empty(n, dtype=torch.bfloat16) for n in case.sizes]
+        else:
+            for p, g in zip(self.params, grads):
+                p.grad = g
+        self.opt = torch.optim.AdamW(self.params, lr=1e-3, weight_decay=0.01, **{mode: True})
+
+    def step(self) -> None:
+        prev = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            if self.lowp:
+                for p, g in zip(self.params, self.grads):
+                    p.grad = g.float()
+            self.opt.step()
+            if self.lowp:
+                torch._foreach_copy_(self.model_weights, self.params)
+        finally:
+            torch.set_num_threads(prev)
+
+
+class DeepSpeed(Contender):
+    name = "DeepSpeedCPUAdam"
+
+    def __init__(self, case: Case, grads: list, threads: int):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: import here, optional
+        self.threads = threads
+        self.params = [torch.nn.Parameter(t) for t in randn_like_sizes(case.sizes)]
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        self.opt = DeepSpeedCPUAdam(self.params, lr=1e-3, weight_decay=0.01, adamw_mode=True)
+
+    def step(self) -> None:
+        prev = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            self.opt.step()
+        finally:
+            torch.set_num_threads(prev)
+
+
+class Probe(Contender):
+    """Bandwidth ceiling: native pass over 7 fp32 streams (Adam's pattern), same size."""
+    name = "bandwidth probe (ceiling)"
+
+    def __init__(self, numel: int, threads: int):
+        # One allocation, streams staggered like offload's state arena: four separate allocations
+        # of a power-of-two size sit a power of two (+ one page) apart, and on some machines that
+        # costs a third of the bandwidth (measured on an AVX2 EPYC at 32M: 750 vs 1050 Mparam/s),
+        # which would make the "ceiling" lower than what a kernel can reach.
+        stride = numel + STREAM_STAGGER
+        self.arena = torch.full((4 * stride,), 0.5)
+        self.bufs = [self.arena[k * stride:k * stride + numel] for k in range(4)]
+        self.threads, self.numel = threads, numel
+
+    def step(self) -> None:
+        p, m, v, g = (b.data_ptr() for b in self.bufs)
+        _C._bandwidth_probe(p, m, v, g, self.numel, self.threads)
+
+
+def deepspeed_available() -> bool:
+    try:
+        import deepspeed.ops.adam  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+# --------------------------------------------------------------------------- running
