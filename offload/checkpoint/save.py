@@ -104,8 +104,8 @@ def describe(opt, sd_state: dict, refs: List[adapter.StateTensor]) -> dict:
                          "dtype": dtype_tag(r.dtype, f"state tensor {r.name}"), "shape": list(r.shape)}
                         for r in refs],
             # compressed moments: the byte code they were written with (offload/mformat.py)
-            "moment_codes": {f: CODE_VERSIONS[f] for f in sorted({parse_saved_key(r.key)[1] for r in refs
-                                                                  if parse_saved_key(r.key)})}}
+            "moment_codes": {f: CODE_VERSIONS[f] for f in sorted({k[1] for k in map(parse_saved_key, (r.key for r in refs))
+                                                                  if k})}}
 
 
 def previous_index(directory: str) -> Optional[dict]:

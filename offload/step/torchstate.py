@@ -59,11 +59,13 @@ class TorchLayout:
             return self._decoded(gi, i)
         return compressed.CompressedState(base, decode, self.moment_format(gi, i))
 
-    def _decoded(self, gi: int, i: int, sink=None) -> dict:
+    def _decoded(self, gi: int, i: int, sink=None, view=None) -> dict:
         """fp32 exp_avg / exp_avg_sq (shaped like the parameter) of a compressed-moment parameter,
-        fresh tensors, or decoded into ``sink`` (step/export.py) chunk by chunk."""
+        fresh tensors, or decoded into ``sink`` (step/export.py) chunk by chunk. ``view``: the tier's
+        mapping when the caller (a loop over every parameter, under the lock) already holds one."""
         with self._using():
-            view, _fd = self.tier.mapping()
+            if view is None:
+                view, _fd = self.tier.mapping()   # NVMe: drains the write-backs and maps the file
             fmt = self.moment_format(gi, i)
             raw = compressed.raw(self.layout, gi, i, fmt, view)
             if sink is None:
@@ -216,7 +218,7 @@ class TorchLayout:
         for gi, i in have:
             out[(gi, i)] = self._views(gi, i, view, fd)
             if (gi, i) in packed:   # torch's fp32 layout
-                out[(gi, i)].update(self._decoded(gi, i, sink))
+                out[(gi, i)].update(self._decoded(gi, i, sink, view))
         return out
 
     def reload_masters(self, which: set) -> None:
