@@ -98,14 +98,14 @@ def describe(opt, sd_state: dict, refs: List[adapter.StateTensor]) -> dict:
                      "global_shape": list(p.shape) if is_dtensor(p) else None,
                      "placements": [str(pl) for pl in p.placements] if is_dtensor(p) else None,
                      "has_state": bool(st), "step": step, "extra": extra})
+    # compressed moments: the byte code they were written with (offload/mformat.py)
+    packed_formats = {k[1] for k in map(parse_saved_key, (r.key for r in refs)) if k}
     return {"optimizer": type(opt).__name__, "optimizer_kind": adapter.kind(opt), "param_groups": groups,
             "params": prec, "pending_grad_multiplier": adapter.pending_multiplier(opt),
             "tensors": [{"name": r.name, "param": r.param, "key": r.key,
                          "dtype": dtype_tag(r.dtype, f"state tensor {r.name}"), "shape": list(r.shape)}
                         for r in refs],
-            # compressed moments: the byte code they were written with (offload/mformat.py)
-            "moment_codes": {f: CODE_VERSIONS[f] for f in sorted({k[1] for k in map(parse_saved_key, (r.key for r in refs))
-                                                                  if k})}}
+            "moment_codes": {f: CODE_VERSIONS[f] for f in sorted(packed_formats)}}
 
 
 def previous_index(directory: str) -> Optional[dict]:
