@@ -141,4 +141,19 @@ void bandwidth_probe(float* p, float* m, float* v, const float* g, int64_t n, in
   });
 }
 
+void bandwidth_probe_fmt(float* p, void* m, void* v, const void* g, void* out, int64_t n, int64_t mbytes,
+                         int64_t gbytes, int nthreads) {
+  if (n < 0) throw std::invalid_argument("negative length");
+  if (mbytes != 1 && mbytes != 2 && mbytes != 4) throw std::invalid_argument("moment element size must be 1, 2 or 4");
+  if (gbytes != 2 && gbytes != 4) throw std::invalid_argument("gradient element size must be 2 or 4");
+  if (n > 0 && (!p || !m || !v || !g)) throw std::invalid_argument("null pointer");
+  if (n == 0) return;
+  const IsaKernels& k = active_kernels();
+  parallel_run(threads_for(n, nthreads), [&](int tid, int T) {
+    int64_t b, e;
+    thread_range(n, tid, T, &b, &e);
+    if (b < e) k.probe_fmt(p, m, v, g, out, mbytes, gbytes, b, e);
+  });
+}
+
 }  // namespace offload

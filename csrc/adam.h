@@ -28,5 +28,8 @@ double grad_sumsq(const GradTask* tasks, int64_t ntasks, int nthreads);
 
 // Bandwidth probe: reads g, p, m, v and writes p, m, v (n floats each).
 void bandwidth_probe(float* p, float* m, float* v, const float* g, int64_t n, int nthreads);
+// The probe with a compressed-moment step's streams (kernels.h IsaKernels::probe_fmt).
+void bandwidth_probe_fmt(float* p, void* m, void* v, const void* g, void* out, int64_t n, int64_t mbytes,
+                         int64_t gbytes, int nthreads);
 
 }  // namespace offload

@@ -3,12 +3,12 @@
 // call that does real work, and maps std::invalid_argument to ValueError.
 //
 // What each Python-reachable entry trusts, and why (issue 10, item 14):
-// - _adam_step, _grad_sumsq, _bandwidth_probe: take raw addresses (int64 tables / ints) and
+// - _adam_step, _grad_sumsq, _bandwidth_probe(_moments): take raw addresses (int64 tables / ints) and
 //   dereference them. The native layer cannot know the extent of torch memory, so it checks only
 //   what a table can tell (shape, dtype codes, lengths, nulls, overlap within a row) and TRUSTS
 //   that every address range lies inside live memory. Hence they are private (underscore, not
 //   documented) and called only from offload/_kernels.py: adam_step / grad_sumsq /
-//   bandwidth_probe there validate each tensor first (CPU, dtype, contiguous, storage bounds,
+//   bandwidth_probe(_moments) there validate each tensor first (CPU, dtype, contiguous, storage bounds,
 //   no neg/conj bit, no overlap between written buffers); _step_table runs tables that the
 //   optimizer, the NVMe store and the GPU pipeline build from tensors they validated and keep
 //   alive (their job to revalidate on change, e.g. with _kernels.tensor_signature).
@@ -136,6 +136,20 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("n"), py::arg("threads") = 0,
       "Memory-bandwidth probe with Adam's access pattern (reads 4, writes 3 fp32 streams).");
+
+  m.def(
+      "_bandwidth_probe_moments",
+      [](int64_t p, int64_t mm, int64_t v, int64_t g, int64_t out, int64_t n, int64_t mbytes, int64_t gbytes,
+         int threads) {
+        const int nt = check_threads(threads);
+        py::gil_scoped_release nogil;
+        bandwidth_probe_fmt(reinterpret_cast<float*>(p), reinterpret_cast<void*>(mm), reinterpret_cast<void*>(v),
+                            reinterpret_cast<const void*>(g), reinterpret_cast<void*>(out), n, mbytes, gbytes, nt);
+      },
+      py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("out"), py::arg("n"), py::arg("mbytes"),
+      py::arg("gbytes"), py::arg("threads") = 0,
+      "Memory-bandwidth probe with a compressed-moment step's streams: fp32 p read+written, g read "
+      "(gbytes 4 or 2), m and v read+written (mbytes 4, 2 or 1), out (2-byte, 0 = none) written.");
 
   m.def(
       "_debug_hold_pool_lock",

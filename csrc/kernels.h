@@ -18,6 +18,10 @@ struct IsaKernels {
   void (*probe)(float* p, float* m, float* v, const float* g, int64_t begin, int64_t end);
   // Adam update over compressed moments (moments.h), blocks [block_begin, block_end) of one tensor.
   void (*adam_q_range)(const AdamQTask&, const AdamScalars&, int64_t block_begin, int64_t block_end);
+  // Bandwidth probe over [begin, end) with a compressed-moment step's streams: m/v elements of
+  // mbytes (1, 2, 4), gradient elements of gbytes (2, 4), out (2-byte) written if not null.
+  void (*probe_fmt)(float* p, void* m, void* v, const void* g, void* out, int64_t mbytes, int64_t gbytes,
+                    int64_t begin, int64_t end);
 };
 
 extern const IsaKernels kernels_scalar;

@@ -227,6 +227,47 @@ static void probe_range(float* p, float* m, float* v, const float* g, int64_t b,
   for (; i < e; ++i) { p[i] += g[i] * 0.5f; m[i] += g[i]; v[i] -= g[i]; }
 }
 
+// The same probe with the streams of a compressed-moment step (bench: each format's ceiling):
+// fp32 p read and written, the gradient read (fp32 or 2-byte), m and v read and written in their
+// own element size (MT: float, uint16_t, uint8_t), an optional 2-byte output written. Plain loops
+// over the ISA's translation unit, vectorized by its compiler flags; trivial arithmetic.
+template <class MT, class GT, bool OUT>
+static void probe_fmt_t(float* __restrict p, MT* __restrict m, MT* __restrict v, const GT* __restrict g,
+                        uint16_t* __restrict out, int64_t b, int64_t e) {
+  for (int64_t i = b; i < e; ++i) {
+    const GT gi = g[i];
+    p[i] += 0.5f * static_cast<float>(gi);
+    m[i] = static_cast<MT>(m[i] + 1);
+    v[i] = static_cast<MT>(v[i] - 1);
+    if (OUT) out[i] = static_cast<uint16_t>(i);  // any value: only the write matters
+  }
+}
+
+template <class MT>
+static void probe_fmt_m(float* p, void* m, void* v, const void* g, void* out, int64_t gbytes, int64_t b, int64_t e) {
+  MT* const mm = static_cast<MT*>(m);
+  MT* const vv = static_cast<MT*>(v);
+  uint16_t* const o = static_cast<uint16_t*>(out);
+  if (gbytes == 2) {
+    const uint16_t* const g16 = static_cast<const uint16_t*>(g);
+    if (o) return probe_fmt_t<MT, uint16_t, true>(p, mm, vv, g16, o, b, e);
+    return probe_fmt_t<MT, uint16_t, false>(p, mm, vv, g16, o, b, e);
+  }
+  const float* const g32 = static_cast<const float*>(g);
+  if (o) return probe_fmt_t<MT, float, true>(p, mm, vv, g32, o, b, e);
+  return probe_fmt_t<MT, float, false>(p, mm, vv, g32, o, b, e);
+}
+
+template <class I>
+static void probe_fmt_range(float* p, void* m, void* v, const void* g, void* out, int64_t mbytes, int64_t gbytes,
+                            int64_t b, int64_t e) {
+  switch (mbytes) {
+    case 1: return probe_fmt_m<uint8_t>(p, m, v, g, out, gbytes, b, e);
+    case 2: return probe_fmt_m<uint16_t>(p, m, v, g, out, gbytes, b, e);
+    default: return probe_fmt_m<float>(p, m, v, g, out, gbytes, b, e);
+  }
+}
+
 }  // namespace offload
 
 #include "kernels_moments.h"  // compressed moments (issue 9): uses the helpers above
@@ -234,5 +275,6 @@ static void probe_range(float* p, float* m, float* v, const float* g, int64_t b,
 #define OFFLOAD_DEFINE_ISA(NAME, ISA)                                                          \
   namespace offload {                                                                          \
   const IsaKernels kernels_##NAME = {                                                          \
-      #NAME, &adam_range<ISA>, &sumsq<ISA>, &probe_range<ISA>, &adam_q_range<ISA>};            \
+      #NAME, &adam_range<ISA>, &sumsq<ISA>, &probe_range<ISA>, &adam_q_range<ISA>,              \
+      &probe_fmt_range<ISA>};                                                                  \
   }

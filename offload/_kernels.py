@@ -19,7 +19,8 @@ import torch
 from . import _C
 
 __all__ = [
-    "DTYPE_CODES", "TASK_COLS", "adam_step", "step_table", "grad_sumsq", "bandwidth_probe", "check_tensor",
+    "DTYPE_CODES", "TASK_COLS", "adam_step", "step_table", "grad_sumsq", "bandwidth_probe", "bandwidth_probe_moments",
+    "check_tensor",
     "check_storage", "tensor_signature", "set_isa", "get_isa", "available_isas",
     "get_num_threads", "set_num_threads",
 ]
@@ -225,6 +226,31 @@ def bandwidth_probe(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.
         check_tensor(t, name, numel=n)
     _check_no_overlap([("p", p), ("m", m), ("v", v)], [("g", g)])
     _C._bandwidth_probe(_ptr(p), _ptr(m), _ptr(v), _ptr(g), n, int(threads))
+
+
+_MOMENT_PROBE_DTYPES = {1: (torch.int8, torch.uint8), 2: (torch.bfloat16, torch.float16, torch.int16), 4: (torch.float32,)}
+
+
+def bandwidth_probe_moments(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            out: Optional[torch.Tensor] = None, threads: int = 0) -> None:
+    """The probe with a compressed-moment step's streams (bench: each format's ceiling): reads and
+    writes fp32 p and the moments m, v (1, 2 or 4 bytes each, as their dtype says), reads g (fp32
+    or 2-byte), writes the optional 2-byte out. All contiguous CPU tensors of p's element count;
+    what is written must not overlap anything."""
+    n = check_tensor(p, "p").numel()
+    mb = m.element_size() if isinstance(m, torch.Tensor) else 0
+    if mb not in _MOMENT_PROBE_DTYPES:
+        raise TypeError("bandwidth_probe_moments: m must be a tensor of 1-, 2- or 4-byte elements")
+    check_tensor(m, "m", dtypes=_MOMENT_PROBE_DTYPES[mb], numel=n)
+    check_tensor(v, "v", dtypes=(m.dtype,), numel=n)
+    check_tensor(g, "g", dtypes=(torch.float32, torch.bfloat16, torch.float16), numel=n)
+    written = [("p", p), ("m", m), ("v", v)]
+    if out is not None:
+        check_tensor(out, "out", dtypes=(torch.bfloat16, torch.float16), numel=n)
+        written.append(("out", out))
+    _check_no_overlap(written, [("g", g)])
+    _C._bandwidth_probe_moments(_ptr(p), _ptr(m), _ptr(v), _ptr(g), _ptr(out) if out is not None else 0, n, mb,
+                                g.element_size(), int(threads))
 
 
 def available_isas() -> list:

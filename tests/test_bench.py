@@ -23,12 +23,25 @@ def test_kernel_bench_tiny_run_writes_json(tmp_path):
     avx512 = "avx512" in data["build"]["available_isas"]
     assert len(cases) == 5 + avx512  # flat, multi, small, bf16, compressed moments (+ avx2 vs avx512)
     assert {"bf16 moments, fp32 grad", "8bit moments, bf16 grad+out"} <= impls
+    assert "floor: 3 torch reads per tensor" in impls  # the many-tensor case's floor (issue 11)
+    mom = [row for row in data["results"] if row["case"] == "moments"]
+    assert mom and all(row["pct_of_own_probe"] > 0 and row["probe_speedup_vs_fp32_streams"] > 0 for row in mom)
+    assert "of its own streams' probe" in r.stdout
     assert all(row["seconds"] > 0 for row in data["results"])
     assert data["targets"] and data["target_definitions"]
     if avx512:  # "is AVX-512 worth it?": forced avx2 vs native in the same run
         assert {"offload kernel call [avx2]", "offload kernel call [avx512]"} <= impls
     else:
         assert "no AVX-512" in data["isa_case"] and "no AVX-512" in r.stdout
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+    import pytest
+    from offload.bench.common import paired_ratio
+    # the second round is slow for both: a ratio of medians would say 4/2.5, pairing says 2
+    assert paired_ratio([2.0, 8.0, 4.0], [1.0, 4.0, 2.5]) == 2.0
+    with pytest.raises(ValueError, match="equally long"):
+        paired_ratio([1.0], [1.0, 2.0])
 
 
 def test_kernel_bench_rejects_unknown_case():

@@ -201,9 +201,50 @@ def test_bandwidth_probe_takes_tensors():
         kernels.bandwidth_probe(p, m, v, torch.zeros(10))
 
 
+@pytest.mark.parametrize("isa", kernels.available_isas())
+@pytest.mark.parametrize("mdtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16])
+def test_moment_streams_probe_touches_every_element_of_its_streams(isa, mdtype, gdtype):
+    n = 1000 + 37  # a vector tail on every ISA
+    kernels.set_isa(isa)
+    try:
+        p = torch.arange(n, dtype=torch.float32)
+        m, v = torch.zeros(n, dtype=mdtype), torch.full((n,), 5, dtype=mdtype)
+        g = (torch.arange(n) % 7).to(gdtype)
+        out = torch.zeros(n, dtype=torch.bfloat16) if gdtype != torch.float32 else None
+        kernels.bandwidth_probe_moments(p, m, v, g, out, threads=2)
+    finally:
+        kernels.set_isa("auto")
+    want_g = g.float() if gdtype == torch.float32 else g.view(torch.int16).float()  # a 2-byte grad: its bits
+    assert torch.equal(p, torch.arange(n, dtype=torch.float32) + 0.5 * want_g)
+    if mdtype == torch.float32:
+        assert torch.equal(m, torch.ones(n)) and torch.equal(v, torch.full((n,), 4.0))
+    else:  # 2- and 1-byte moments: +1 / -1 on their integer bits
+        bits = torch.int16 if mdtype == torch.bfloat16 else torch.int8
+        v0 = torch.full((n,), 5, dtype=mdtype).view(bits)
+        assert torch.equal(m.view(bits), torch.ones(n, dtype=bits)) and torch.equal(v.view(bits), v0 - 1)
+    if out is not None:
+        assert torch.equal(out.view(torch.int16), torch.arange(n).to(torch.int16))
+
+
+def test_moment_streams_probe_validates_its_tensors():
+    p, g = torch.zeros(64), torch.zeros(64)
+    m, v = torch.zeros(64, dtype=torch.int8), torch.zeros(64, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="elements"):
+        kernels.bandwidth_probe_moments(p, m, v[:10], g)
+    with pytest.raises((TypeError, ValueError), match="dtype|m must"):
+        kernels.bandwidth_probe_moments(p, m, torch.zeros(64, dtype=torch.bfloat16), g)
+    with pytest.raises(TypeError, match="1-, 2- or 4-byte"):
+        kernels.bandwidth_probe_moments(p, torch.zeros(64, dtype=torch.float64), v, g)
+    with pytest.raises(ValueError, match="overlap"):
+        kernels.bandwidth_probe_moments(p, m, m, g)
+    with pytest.raises((TypeError, ValueError, RuntimeError), match="contiguous"):
+        kernels.bandwidth_probe_moments(torch.zeros(128)[::2], m, v, g)
+
+
 def test_raw_address_entries_are_private():
     # Entries that dereference integer addresses are underscore-private; the public API takes tensors.
-    for name in ("adam_step", "grad_sumsq", "bandwidth_probe", "adam_step_moments"):
+    for name in ("adam_step", "grad_sumsq", "bandwidth_probe", "bandwidth_probe_moments", "adam_step_moments"):
         assert not hasattr(_C, name), name
         assert hasattr(_C, "_" + name)
     assert not hasattr(kernels, "step_table") and not hasattr(kernels, "step_moment_table")  # internal (offload._kernels._step_table... callers only)

@@ -24,6 +24,15 @@ def median(xs: Iterable[float]) -> float:
     return statistics.median(list(xs))
 
 
+def paired_ratio(num: list, den: list) -> float:
+    """Median over rounds of num[k] / den[k]: two contenders timed in the same round-robin round
+    see the same memory bandwidth, so the per-round ratio cancels the drift that a ratio of two
+    medians (each from a different mix of fast and slow moments) keeps. The targets use it."""
+    if len(num) != len(den) or not num:
+        raise ValueError("paired_ratio needs two equally long, non-empty series (one time per round)")
+    return statistics.median([a / b for a, b in zip(num, den)])
+
+
 class Progress:
     """tqdm when installed, else a one-line counter on stderr (silent when not a terminal)."""
 

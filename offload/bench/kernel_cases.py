@@ -223,6 +223,24 @@ class DeepSpeed(Contender):
             torch.set_num_threads(prev)
 
 
+class MetadataFloor(Contender):
+    """What any correct per-step check of many tensors must at least do, and nothing else: read each
+    parameter's gradient, the parameter's data pointer and the gradient's (torch's own getters, called
+    from C by map). Timed in the same round-robin, after the other contenders have streamed their
+    memory through the caches, as the next step finds it. The optimizer reads more (dtype, shape,
+    strides, neg bit of both: `t.data = ...` keeps the object and the pointer while changing them)."""
+    name = "floor: 3 torch reads per tensor"
+
+    def __init__(self, ours: "Ours"):
+        self.params = ours.params
+        tb = (getattr(torch._C, "TensorBase", None) or torch._C._TensorBase).__dict__
+        self.data_ptr, self.grad = tb["data_ptr"], tb["grad"].__get__
+
+    def step(self) -> None:
+        list(map(self.data_ptr, self.params))
+        list(map(self.data_ptr, list(map(self.grad, self.params))))
+
+
 class Probe(Contender):
     """Bandwidth ceiling: native pass over 7 fp32 streams (Adam's pattern), same size."""
     name = "bandwidth probe (ceiling)"
