@@ -33,6 +33,16 @@ int threads_for(int64_t total, int nthreads) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, by_size)));
 }
 
+// fn(b, e) on each thread's non-empty share of [0, n) (thread_range's split).
+template <class F>
+void split_run(int64_t n, int nthreads, const F& fn) {
+  parallel_run(threads_for(n, nthreads), [&](int tid, int T) {
+    int64_t b, e;
+    thread_range(n, tid, T, &b, &e);
+    if (b < e) fn(b, e);
+  });
+}
+
 }  // namespace
 
 void validate_adam(const AdamTask* tasks, int64_t ntasks, const AdamHyper& h) {
@@ -134,11 +144,7 @@ void bandwidth_probe(float* p, float* m, float* v, const float* g, int64_t n, in
   if (n > 0 && (!p || !m || !v || !g)) throw std::invalid_argument("null pointer");
   if (n == 0) return;
   const IsaKernels& k = active_kernels();
-  parallel_run(threads_for(n, nthreads), [&](int tid, int T) {
-    int64_t b, e;
-    thread_range(n, tid, T, &b, &e);
-    if (b < e) k.probe(p, m, v, g, b, e);
-  });
+  split_run(n, nthreads, [&](int64_t b, int64_t e) { k.probe(p, m, v, g, b, e); });
 }
 
 void bandwidth_probe_fmt(float* p, void* m, void* v, const void* g, void* out, int64_t n, int64_t mbytes,
@@ -149,11 +155,7 @@ void bandwidth_probe_fmt(float* p, void* m, void* v, const void* g, void* out, i
   if (n > 0 && (!p || !m || !v || !g)) throw std::invalid_argument("null pointer");
   if (n == 0) return;
   const IsaKernels& k = active_kernels();
-  parallel_run(threads_for(n, nthreads), [&](int tid, int T) {
-    int64_t b, e;
-    thread_range(n, tid, T, &b, &e);
-    if (b < e) k.probe_fmt(p, m, v, g, out, mbytes, gbytes, b, e);
-  });
+  split_run(n, nthreads, [&](int64_t b, int64_t e) { k.probe_fmt(p, m, v, g, out, mbytes, gbytes, b, e); });
 }
 
 }  // namespace offload
