@@ -71,7 +71,7 @@ def cpu_mode(model):
 
 
 def train(factory, dtype=torch.float32, steps=6, accum=1, torch_clip=None, inf_step=None, scaler=None,
-          two_backwards=False, use_no_sync=True):
+          two_backwards=False, use_no_sync=True, after_step=None):
     model = make_net(dtype)
     opt = factory(model)
     gen = torch.Generator().manual_seed(123)
@@ -99,6 +99,8 @@ def train(factory, dtype=torch.float32, steps=6, accum=1, torch_clip=None, inf_s
         else:
             opt.step()
         opt.zero_grad()
+        if after_step is not None:
+            after_step(model, opt)
     if isinstance(opt, offload.AdamW):
         opt.synchronize()
         if opt._gpu is not None:
@@ -703,6 +705,64 @@ def test_parameters_written_after_construction_are_picked_up(dtype, mode):
         return cpu_mode(model)
     got = train(factory_then_load(MODES[mode]), dtype=dtype, steps=3)
     assert_same(got, train(load_then_cpu, dtype=dtype, steps=3))
+
+
+def _write_through_data(partial, steps):
+    """Weight decay by hand / weight clipping as users write it, after synchronize() (docs/gpu.md),
+    between steps (not after the last: a master that no step adopted yet is compared too)."""
+    done = []
+
+    def write(model, opt):
+        done.append(1)
+        if len(done) == steps:
+            return
+        if isinstance(opt, offload.AdamW):
+            opt.synchronize()
+        with torch.no_grad():
+            for k, p in enumerate(model.parameters()):
+                if partial and k % 2:
+                    p.data.clamp_(-0.05, 0.05)   # changes some elements only
+                else:
+                    p.data.mul_(0.99)
+    return write
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("dtype,partial", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
+                                           (torch.bfloat16, True)])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_writes_through_data_after_synchronize_are_kept(mode, dtype, partial):
+    # p.data.mul_() moves no version counter: before the device fingerprints the next step overwrote
+    # it with round(master) (a reverted write); torch's AdamW and the host path keep it
+    # 5 steps: the layer used on even steps only is stepped last, so its master adopted the writes on
+    # both sides (the host path adopts at the parameter's next step, the device path at the next backward)
+    def write():
+        return _write_through_data(partial, steps=5)
+    got = train(ours(**MODES[mode]), dtype=dtype, steps=5, after_step=write())
+    assert_same(got, train(cpu_mode, dtype=dtype, steps=5, after_step=write()))
+    if dtype == torch.float32:
+        assert_same(got, train(torch_ref, steps=5, after_step=write()), exact=False)
+
+
+@pytest.mark.timeout(60)
+def test_fingerprints_see_every_kind_of_change():
+    from offload.params.fingerprint import fingerprints
+    torch.manual_seed(0)
+    ts = [torch.randn(1000), torch.randn(77).bfloat16(), torch.randn(3, 5).half(), torch.randn((1 << 22) + 9)]
+    base = fingerprints(ts)
+    assert torch.equal(fingerprints(ts), base)             # deterministic
+
+    def changed(k, edit):
+        t = ts[k].clone()
+        edit(t)
+        return bool(torch.ne(fingerprints(ts[:k] + [t] + ts[k + 1:]), base)[k].any())
+    assert changed(0, lambda t: t.__setitem__(3, t[3] * (1 + 2 ** -23)))            # one ulp of one element
+    assert changed(0, lambda t: t.__setitem__(slice(1, 3), t[[2, 1]]))              # two elements swapped
+    assert changed(1, lambda t: t.neg_())
+    assert changed(2, lambda t: t.__setitem__((2, 4), float("nan")))
+    assert changed(3, lambda t: t.__setitem__(-1, t[-1] + 1))                       # the last chunk's tail
+    assert changed(3, lambda t: t.__setitem__((1 << 22) + 1, t[1]))                 # copied across chunks
+    assert not changed(0, lambda t: None)
 
 
 @pytest.mark.timeout(60)

@@ -44,6 +44,7 @@ class DeviceParams:
         self._after = None
         self._last_up = None
         self.stats = dict(d2h_s=0.0, h2d_s=0.0, d2h_bytes=0, h2d_bytes=0)
+        self.publishes = 0            # uploads issued so far: fingerprints older than the last one are stale
         self.trace = None             # offload.telemetry.Trace: copy spans (trace=True)
         self._events: list = []
 
@@ -109,6 +110,7 @@ class DeviceParams:
             p = local(params[pc.param])
             # through .data: our own write must not look like a user's write (version counter)
             pairs.append((p.data.reshape(-1)[pc.start:pc.start + pc.n], self._piece(self.out_bufs[staged.slot], pc, p.dtype)))
+        self.publishes += 1
         ev = self.device.copy_to_device(pairs, after)
         self.slot_ev[staged.slot] = ev
         self._last_up = ev
@@ -143,11 +145,19 @@ class DeviceParams:
         self.collect_times()
 
     # ------------------------------------------------------------------ masters, norms
-    def read_master(self, gi: int, i: int, start: int, n: int, dst: torch.Tensor) -> None:
+    def read_master(self, gi: int, i: int, start: int, n: int, dst: torch.Tensor, changed_only: bool = False) -> None:
+        """dst = the parameter's elements [start, start + n). ``changed_only`` (a user wrote the parameter,
+        dst holds its master): a bf16/fp16 parameter adopts only the elements that differ from
+        round(master), as the host kernel does, so the others keep their fp32 master's precision."""
         p = local(self.groups[gi][i]).detach().reshape(-1)[start:start + n]
         tmp = dst if p.dtype == torch.float32 else torch.empty(n, dtype=p.dtype)
         self.device.copy_to_host([(tmp, p)], self.device.record()).synchronize()
-        if tmp is not dst:
+        if tmp is dst:
+            return
+        if changed_only:
+            same = tmp.view(torch.int16) == dst.to(tmp.dtype).view(torch.int16)   # bits: NaN payloads, -0.0
+            dst.copy_(torch.where(same, dst, tmp.float()))
+        else:
             dst.copy_(tmp)
 
     def grad_sumsq(self, grads, threads: int) -> float:

@@ -54,7 +54,8 @@ class HostParams:
                 out.append((p.data_ptr() + pc.start * isz, ga, DTYPE_CODES[g.dtype], 0, 0))
         return out
 
-    def read_master(self, gi: int, i: int, start: int, n: int, dst: torch.Tensor) -> None:
+    def read_master(self, gi: int, i: int, start: int, n: int, dst: torch.Tensor, changed_only: bool = False) -> None:
+        # (host bf16/fp16 parameters: the kernel adopts user writes element by element anyway)
         dst.copy_(local(self.groups[gi][i]).detach().reshape(-1)[start:start + n])
 
     def arrive(self, b, pieces):

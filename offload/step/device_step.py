@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .._dist import local
+from ..params.fingerprint import fingerprints
 from ..smallparams import DeviceSideAdam
 from ..telemetry import Trace
 
@@ -82,10 +83,43 @@ class DeviceStep:
         self._last: Optional[dict] = None
         self._recs: list = []
         self._versions = self._snapshot()
+        self._prints = None   # (keys, fingerprints, side.publishes then): see _take_prints
 
     def _snapshot(self) -> dict:
         return {(gi, i): (local(p)._version, local(p).data_ptr())
                 for gi, ps in enumerate(self.engine.groups) for i, p in enumerate(ps)}
+
+    # ------------------------------------------------------------------ writes through p.data
+    def _take_prints(self) -> None:
+        """Fingerprints of the device parameters with offloaded state, once our last upload landed
+        (synchronize): a write through ``p.data`` moves no version counter, and without them the
+        next step would overwrite it with round(master) (params/fingerprint.py)."""
+        layout = getattr(self.engine, "layout", None)
+        laid_out = layout.of_param if layout is not None else {}   # parameters with state here (not frozen, not small)
+        keys = [(gi, i) for gi, ps in enumerate(self.engine.groups) for i in range(len(ps)) if laid_out.get((gi, i))]
+        ps = [local(self.engine.groups[gi][i]) for gi, i in keys]
+        if not ps or len({p.device for p in ps}) != 1:
+            self._prints = None
+            return
+        self._prints = (keys, fingerprints(ps), self.engine.side.publishes)
+
+    def _written(self) -> set:
+        """(gi, i) of the parameters whose bytes changed since the fingerprints, if those are still
+        current (no upload of ours since); the fingerprints are used up either way."""
+        prints, self._prints = self._prints, None
+        if prints is None:
+            return set()
+        keys, before, at = prints
+        if at != self.engine.side.publishes:
+            return set()
+        try:
+            now = fingerprints([local(self.engine.groups[gi][i]) for gi, i in keys])
+        except (IndexError, RuntimeError):   # a parameter gone or moved (add_param_group, .data = other device)
+            return set()
+        if now.shape != before.shape or now.device != before.device:
+            return set()
+        differs = torch.ne(now, before).any(dim=1).cpu()   # one host sync
+        return {k for k, d in zip(keys, differs.tolist()) if d}
 
     # ------------------------------------------------------------------ accumulation (nothing moves in backward)
     @contextlib.contextmanager
@@ -105,9 +139,10 @@ class DeviceStep:
             self.feed.boundary = bool(flag)
 
     def reload_changed(self) -> None:
-        """The user wrote parameters (e.g. model.load_state_dict): their masters follow."""
+        """The user wrote parameters (e.g. model.load_state_dict, p.data.mul_ after synchronize()):
+        their masters follow."""
         snap = self._snapshot()
-        changed = {k for k, v in snap.items() if self._versions.get(k) != v}
+        changed = {k for k, v in snap.items() if self._versions.get(k) != v} | self._written()
         if changed:
             self.engine.reload_masters(changed)
         self._versions = snap   # (reloading reads the parameters, it does not write them)
@@ -170,7 +205,7 @@ class DeviceStep:
         stats = dict(kernel_s=0.0, nvme_s=0.0, buckets=0)
         if not skip:
             self._small_step(mult)()
-            changed = {k for k, v in self._snapshot().items() if self._versions.get(k) != v}
+            changed = {k for k, v in self._snapshot().items() if self._versions.get(k) != v} | self._written()
             if changed:   # the user wrote parameters (e.g. model.load_state_dict): masters follow
                 self.engine.reload_masters(changed)
             self.engine.step(opt.param_groups, opt.group_hyper, opt.state,
@@ -239,6 +274,7 @@ class DeviceStep:
         if self.feed is not None:
             self.feed.synchronize()
         self.engine.side.synchronize()
+        self._take_prints()   # the weights are final until our next upload: see _written
 
     def reload_params(self) -> None:
         self.synchronize()

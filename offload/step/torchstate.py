@@ -236,7 +236,7 @@ class TorchLayout:
                 f32 = blk.data[:b.nbytes].view(torch.float32)
                 for pc in hit:
                     sec = b.section("master_param") // 4 + pc.pos
-                    self.side.read_master(b.group, pc.param, pc.start, pc.n, f32[sec:sec + pc.n])
+                    self.side.read_master(b.group, pc.param, pc.start, pc.n, f32[sec:sec + pc.n], changed_only=True)
                 self.tier.release(b, blk)
             self.tier.drain()
         except BaseException as e:

@@ -1,0 +1,61 @@
+"""params/fingerprint.py: exact integer fingerprints of device parameters, to notice writes that move
+no version counter (``p.data.mul_(...)``, ``p.data.clamp_(...)``, ``p.data.copy_(...)``).
+
+A write through ``p.data`` changes neither the parameter's version counter nor its pointer, so the
+device face (step/device_step.py) could not see it and the next step overwrote it with round(master)
+(a reverted write: torch's AdamW keeps it). The face takes these fingerprints once the new weights
+are on the device and compares them before the next update; a parameter whose fingerprint differs
+has its fp32 master re-read, as for a write the version counter shows.
+
+Computed by torch on the tensor's own device (one pass over the parameter's bytes, in chunks, so the
+temporaries stay small): per tensor the sum of its elements' bits as integers and a
+position-weighted sum (int32 products, wrapping, summed exactly in int64). Any single changed
+element changes the first sum; changes that cancel there change the second unless they also cancel
+against pseudo-random odd weights, which a real write does not do.
+"""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import torch
+
+__all__ = ["fingerprints"]
+
+_CHUNK = 1 << 22   # elements per pass: 16 MiB of int32 temporaries at most
+_weights: Dict[torch.device, torch.Tensor] = {}
+
+
+def _chunk_weights(device: torch.device) -> torch.Tensor:
+    w = _weights.get(device)
+    if w is None:
+        # odd, pseudo-random int32 per position in a chunk (Knuth's multiplicative constant, wrapping)
+        idx = torch.arange(_CHUNK, dtype=torch.int64, device=device)
+        w = ((idx * 2654435761 + 0x9E3779B9) % (1 << 32) - (1 << 31)).to(torch.int32) | 1
+        _weights[device] = w
+    return w
+
+
+def _as_ints(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements' bits as a flat integer tensor (wider elements as several int32 words)."""
+    x = t.detach().reshape(-1)
+    es = x.element_size()
+    return x.view(torch.int32) if es >= 4 else x.view(torch.int16 if es == 2 else torch.int8)
+
+
+def fingerprints(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(len(tensors), 2) int64 on the tensors' device (all on one device; empty: on the CPU)."""
+    if not tensors:
+        return torch.zeros((0, 2), dtype=torch.int64)
+    device = tensors[0].device
+    w = _chunk_weights(device)
+    rows = []
+    for t in tensors:
+        ints = _as_ints(t)
+        s1 = torch.zeros((), dtype=torch.int64, device=device)
+        s2 = torch.zeros((), dtype=torch.int64, device=device)
+        for k, start in enumerate(range(0, ints.numel(), _CHUNK)):
+            c = ints[start:start + _CHUNK].to(torch.int32)
+            s1 += c.sum(dtype=torch.int64)
+            s2 += (c * w[:c.numel()]).sum(dtype=torch.int64) * (2 * k + 1)
+        rows.append(torch.stack([s1, s2]))
+    return torch.stack(rows)
