@@ -14,10 +14,11 @@ from . import _C
 from . import kernels
 from .optim import Adam, AdamW
 from .store import StoreFailedError
+from .guards import SharedMemoryError
 from .checkpoint import CheckpointError, load, save, save_async
 from .planner import MemoryPlan, plan
 
-__all__ = ["Adam", "AdamW", "build_info", "kernels", "__version__", "StoreFailedError",
+__all__ = ["Adam", "AdamW", "build_info", "kernels", "__version__", "StoreFailedError", "SharedMemoryError",
            "save", "load", "save_async", "CheckpointError", "plan", "MemoryPlan"]
 
 

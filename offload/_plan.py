@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ._dist import local
+from .guards import SharedMemoryError
 from ._kernels import COL_G, COL_GD, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_V, COL_VMAX, TASK_COLS
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -252,7 +253,7 @@ class OverlapIndex:
 
     def _raise(self, a, b) -> None:
         (ap, ar, ak), (bp, br, bk) = (map(int, a), map(int, b))
-        raise RuntimeError(f"the {KINDS[ak]} of {self.name(ap, ar)} and the {KINDS[bk]} of {self.name(bp, br)} "
+        raise SharedMemoryError(f"the {KINDS[ak]} of {self.name(ap, ar)} and the {KINDS[bk]} of {self.name(bp, br)} "
                            "share memory (overlapping views, or the same tensor listed twice): the step would "
                            "update them in an undefined order; give each parameter, gradient and state its "
                            "own storage (e.g. .clone())")

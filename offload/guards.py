@@ -21,7 +21,15 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["check_overlaps", "SpanIndex", "span_of", "WriteTracker", "resync_master"]
+
+class SharedMemoryError(ValueError, RuntimeError):
+    """Parameters, gradients or optimizer state that share memory (a parameter listed twice,
+    overlapping views, ``p.grad = p.data``): refused before a step reads or writes anything, with
+    the same type on every path (a ValueError; also a RuntimeError, which the host-RAM path raised
+    before the paths were unified). ``offload.SharedMemoryError``."""
+
+
+__all__ = ["SharedMemoryError", "check_overlaps", "SpanIndex", "span_of", "WriteTracker", "resync_master"]
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -51,7 +59,7 @@ class SpanIndex:
         reach, owner, prefix = -1, "", []  # prefix[k]: (largest end among spans[:k+1], whose)
         for s, e, name in spans:
             if s < reach:
-                raise ValueError(f"{name} shares memory with {owner} (a parameter listed twice, or overlapping "
+                raise SharedMemoryError(f"{name} shares memory with {owner} (a parameter listed twice, or overlapping "
                                  f"views of one tensor): with state={mode!r} every parameter needs its own memory")
             if e > reach:
                 reach, owner = e, name
@@ -62,7 +70,7 @@ class SpanIndex:
         self.where = [np.array([span_of(p) for p in ps], dtype=np.int64).reshape(len(ps), 2) for ps in groups]
 
     def check_grads(self, grads: Iterable) -> None:
-        """Raise ValueError naming the first gradient in ``grads`` ((gi, i, grad) triples) that shares
+        """Raise SharedMemoryError naming the first gradient in ``grads`` ((gi, i, grad) triples) that shares
         memory with a parameter or with the optimizer's buffers."""
         spans, prefix, starts = self.spans, self.prefix, self.starts
         for gi, i, g in grads:
@@ -72,7 +80,7 @@ class SpanIndex:
             k = bisect.bisect_left(starts, a + g.numel() * g.element_size())  # spans that start before g ends
             if k and prefix[k - 1][0] > a:
                 other = next(name for s, e, name in spans[:k] if e > a)
-                raise ValueError(f"the gradient of parameter {i} of group {gi} shares memory with {other} (e.g. "
+                raise SharedMemoryError(f"the gradient of parameter {i} of group {gi} shares memory with {other} (e.g. "
                                  "p.grad = p.data): the step overwrites that memory while it reads the gradient. "
                                  "Give the parameter a gradient of its own (p.grad = g.clone())")
 
@@ -86,7 +94,7 @@ def span_of(t: Optional[torch.Tensor]) -> tuple:
 
 def check_overlaps(groups: Sequence[Sequence[torch.Tensor]], grads: Iterable, own: Optional[torch.Tensor],
                    mode: str) -> None:
-    """Raise ValueError naming the first parameter that shares memory with another (or with ``own``),
+    """Raise SharedMemoryError naming the first parameter that shares memory with another (or with ``own``),
     or the first gradient in ``grads`` ((gi, i, grad) triples) that shares memory with either."""
     SpanIndex(groups, own, mode).check_grads(grads)
 

@@ -556,3 +556,14 @@ def test_gradients_are_not_kept_alive(make, how):
             p.grad = None
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])   # fp32: the host-RAM fast path; bf16: the engine
+def test_shared_memory_is_refused_with_one_type_on_every_path(moments):
+    buf = torch.zeros(8192)
+    a, b = torch.nn.Parameter(buf[:4096]), torch.nn.Parameter(buf[2048:6144])   # overlapping views
+    for p in (a, b):
+        p.grad = torch.ones(4096)
+    with pytest.raises(offload.SharedMemoryError, match="share") as e:   # at construction or at the step
+        offload.AdamW([a, b], moments=moments, moments_min_size=0).step()
+    assert isinstance(e.value, ValueError) and isinstance(e.value, RuntimeError)
