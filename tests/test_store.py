@@ -813,3 +813,44 @@ def test_leftovers_of_killed_runs_reported_and_removed(tmp_path):
     live.close()
     opt.close()
     assert not os.path.exists(live_dir)
+
+
+def _mapped_rss(path: str) -> int:
+    """Bytes of ``path``'s mappings resident in this process (/proc/self/smaps)."""
+    rss, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and all(c in "0123456789abcdef-" for c in first):
+                inside = line.rstrip().endswith(path)
+            elif inside and line.startswith("Rss:"):
+                rss += int(line.split()[1]) * 1024
+    return rss
+
+
+@pytest.mark.timeout(60)
+def test_mmap_state_stays_mapped_within_the_budget_and_is_released_beyond(tmp_path):
+    """Every bucket released after each step meant every page faulted back in at the next one (a 16M
+    fp32 step 148 ms instead of 28 in RAM): the buckets that fit in host_budget (with one bucket in
+    flight) now stay mapped; beyond the budget the pages are still released."""
+    import resource
+    ps = [torch.nn.Parameter(torch.randn(1 << 20)) for _ in range(2)]
+    for p in ps:
+        p.grad = torch.randn(1 << 20)
+    state_bytes = 2 * (1 << 20) * 8   # exp_avg + exp_avg_sq (fp32 parameters are their own master)
+    for budget, kept in (("64MiB", True), ("4MiB", False)):
+        d = tmp_path / budget
+        d.mkdir()
+        opt = offload.AdamW(ps, state="mmap", nvme_dir=d, host_budget=budget)
+        opt.step()
+        opt.step()
+        path = opt.storage_info()["path"]
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        opt.step()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+        rss = _mapped_rss(path)
+        if kept:
+            assert rss >= state_bytes and faults < state_bytes // 4096 // 8, (rss, faults)
+        else:
+            assert rss <= 4 * 2**20, rss   # at most the bucket in flight (none after the step)
+        opt.close()

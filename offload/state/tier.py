@@ -115,8 +115,8 @@ def split_budget(kind: str, budget: int, depth: int, staging_slots: int) -> tupl
 
     nvme: ``depth + 2`` state slots and ``staging_slots`` staging slots (gradient + new weights of
     one bucket each) fit in ``budget``; a staging slot holds at most 2/3 of a state slot (fp32
-    parameter: 8 bytes of staging per 12 of state). mmap: buckets only bound what is released at
-    a time. ram: unbounded state buckets.
+    parameter: 8 bytes of staging per 12 of state). mmap: a bucket is at most the budget; the
+    buckets that stay mapped between steps fit in it (state/mmap.py). ram: unbounded state buckets.
     """
     if kind == "ram":
         return None, None
@@ -135,8 +135,8 @@ def make_tier(kind: str, **kw) -> StateTier:
         return RamTier()
     if kind == "nvme":
         from .nvme import NvmeTier
-        return NvmeTier(**kw)
+        return NvmeTier(**{k: v for k, v in kw.items() if k != "budget"})   # its slots are sized by the engine
     if kind == "mmap":
         from .mmap import MmapTier
-        return MmapTier(**{k: v for k, v in kw.items() if k in ("nvme_dir", "keep")})
+        return MmapTier(**{k: v for k, v in kw.items() if k in ("nvme_dir", "keep", "budget")})
     raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {kind!r}")

@@ -71,7 +71,7 @@ class StateEngine(TorchLayout):
         self.layout = self._lay(self.groups, 0)
         self.registry = Registry([len(g) for g in self.groups])
         self.tier = make_tier(mode, nvme_dir=nvme_dir, keep=keep, depth=depth, queue_depth=queue_depth,
-                              block_size=block_size, direct=direct)
+                              block_size=block_size, direct=direct, budget=self.budget)
         self.tier.allocate(self.layout)
         if device is not None:
             self.side.allocate(self.layout)
