@@ -8,10 +8,11 @@ are on the device and compares them before the next update; a parameter whose fi
 has its fp32 master re-read, as for a write the version counter shows.
 
 Computed by torch on the tensor's own device (one pass over the parameter's bytes, in chunks, so the
-temporaries stay small): per tensor the sum of its elements' bits as integers and a
-position-weighted sum (int32 products, wrapping, summed exactly in int64). Any single changed
-element changes the first sum; changes that cancel there change the second unless they also cancel
-against pseudo-random odd weights, which a real write does not do.
+temporaries stay small): per tensor a position-weighted sum of its elements' bits as integers
+(each product with an odd pseudo-random int32 weight, wrapping, summed exactly in int64). A single
+changed element always changes it (an odd weight is invertible modulo 2^32); several changes could
+only cancel against the pseudo-random weights, which a real write does not do. On the CPU devices
+of the tests this is ~2 ms per million parameters; on a GPU it runs at its memory bandwidth.
 """
 from __future__ import annotations
 
@@ -43,19 +44,17 @@ def _as_ints(t: torch.Tensor) -> torch.Tensor:
 
 
 def fingerprints(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(len(tensors), 2) int64 on the tensors' device (all on one device; empty: on the CPU)."""
+    """(len(tensors),) int64 on the tensors' device (all on one device; empty: on the CPU)."""
     if not tensors:
-        return torch.zeros((0, 2), dtype=torch.int64)
+        return torch.zeros(0, dtype=torch.int64)
     device = tensors[0].device
     w = _chunk_weights(device)
     rows = []
     for t in tensors:
         ints = _as_ints(t)
-        s1 = torch.zeros((), dtype=torch.int64, device=device)
-        s2 = torch.zeros((), dtype=torch.int64, device=device)
+        h = torch.zeros((), dtype=torch.int64, device=device)
         for k, start in enumerate(range(0, ints.numel(), _CHUNK)):
-            c = ints[start:start + _CHUNK].to(torch.int32)
-            s1 += c.sum(dtype=torch.int64)
-            s2 += (c * w[:c.numel()]).sum(dtype=torch.int64) * (2 * k + 1)
-        rows.append(torch.stack([s1, s2]))
+            c = ints[start:start + _CHUNK]
+            h += torch.mul(c, w[:c.numel()]).sum(dtype=torch.int64) * (2 * k + 1)
+        rows.append(h)
     return torch.stack(rows)

@@ -118,7 +118,7 @@ class DeviceStep:
             return set()
         if now.shape != before.shape or now.device != before.device:
             return set()
-        differs = torch.ne(now, before).any(dim=1).cpu()   # one host sync
+        differs = torch.ne(now, before).cpu()   # one host sync
         return {k for k, d in zip(keys, differs.tolist()) if d}
 
     # ------------------------------------------------------------------ accumulation (nothing moves in backward)
