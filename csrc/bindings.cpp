@@ -3,12 +3,12 @@
 // call that does real work, and maps std::invalid_argument to ValueError.
 //
 // What each Python-reachable entry trusts, and why (issue 10, item 14):
-// - _adam_step, _grad_sumsq, _bandwidth_probe(_moments): take raw addresses (int64 tables / ints) and
+// - _adam_step, _grad_sumsq, _bandwidth_probe(_moments), _fingerprint: take raw addresses (int64 tables / ints) and
 //   dereference them. The native layer cannot know the extent of torch memory, so it checks only
 //   what a table can tell (shape, dtype codes, lengths, nulls, overlap within a row) and TRUSTS
 //   that every address range lies inside live memory. Hence they are private (underscore, not
 //   documented) and called only from offload/_kernels.py: adam_step / grad_sumsq /
-//   bandwidth_probe(_moments) there validate each tensor first (CPU, dtype, contiguous, storage bounds,
+//   bandwidth_probe(_moments) / fingerprint there validate each tensor first (CPU, dtype, contiguous, storage bounds,
 //   no neg/conj bit, no overlap between written buffers); _step_table runs tables that the
 //   optimizer, the NVMe store and the GPU pipeline build from tensors they validated and keep
 //   alive (their job to revalidate on change, e.g. with _kernels.tensor_signature).
@@ -150,6 +150,18 @@ PYBIND11_MODULE(_C, m) {
       py::arg("gbytes"), py::arg("threads") = 0,
       "Memory-bandwidth probe with a compressed-moment step's streams: fp32 p read+written, g read "
       "(gbytes 4 or 2), m and v read+written (mbytes 4, 2 or 1), out (2-byte, 0 = none) written.");
+
+  m.def(
+      "_fingerprint",
+      [](int64_t ptr, int64_t nbytes) {
+        if (nbytes < 0) throw std::invalid_argument("negative length");
+        if (nbytes > 0 && ptr == 0) throw std::invalid_argument("null pointer");
+        py::gil_scoped_release nogil;
+        return fingerprint_bytes(reinterpret_cast<const void*>(ptr), nbytes);
+      },
+      py::arg("ptr"), py::arg("nbytes"),
+      "Position-weighted sum (int64) of the 32-bit words at [ptr, ptr + nbytes): see "
+      "offload/params/fingerprint.py. Raw address: called only from offload/_kernels.py.");
 
   m.def(
       "_debug_hold_pool_lock",

@@ -253,6 +253,13 @@ def bandwidth_probe_moments(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g
                                 g.element_size(), int(threads))
 
 
+def fingerprint(t: torch.Tensor) -> int:
+    """Position-weighted sum of a contiguous CPU tensor's bytes as 32-bit words (int64; any dtype):
+    the CPU path of offload/params/fingerprint.py."""
+    check_tensor(t, "tensor", dtypes=(t.dtype,))
+    return int(_C._fingerprint(_ptr(t), t.numel() * t.element_size()))
+
+
 def available_isas() -> list:
     """Instruction sets this CPU supports, best last (always starts with 'scalar')."""
     return list(_C.available_isas())

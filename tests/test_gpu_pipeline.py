@@ -745,17 +745,18 @@ def test_writes_through_data_after_synchronize_are_kept(mode, dtype, partial):
 
 
 @pytest.mark.timeout(60)
-def test_fingerprints_see_every_kind_of_change():
+@pytest.mark.parametrize("native", [True, False])   # CPU tensors: native; a GPU's: torch's ops (forced here)
+def test_fingerprints_see_every_kind_of_change(native):
     from offload.params.fingerprint import fingerprints
     torch.manual_seed(0)
     ts = [torch.randn(1000), torch.randn(77).bfloat16(), torch.randn(3, 5).half(), torch.randn((1 << 22) + 9)]
-    base = fingerprints(ts)
-    assert torch.equal(fingerprints(ts), base)             # deterministic
+    base = fingerprints(ts, native=native)
+    assert torch.equal(fingerprints(ts, native=native), base)             # deterministic
 
     def changed(k, edit):
         t = ts[k].clone()
         edit(t)
-        return bool(torch.ne(fingerprints(ts[:k] + [t] + ts[k + 1:]), base)[k])
+        return bool(torch.ne(fingerprints(ts[:k] + [t] + ts[k + 1:], native=native), base)[k])
     assert changed(0, lambda t: t.__setitem__(3, t[3] * (1 + 2 ** -23)))            # one ulp of one element
     assert changed(0, lambda t: t.__setitem__(slice(1, 3), t[[2, 1]]))              # two elements swapped
     assert changed(1, lambda t: t.neg_())
@@ -763,6 +764,7 @@ def test_fingerprints_see_every_kind_of_change():
     assert changed(3, lambda t: t.__setitem__(-1, t[-1] + 1))                       # the last chunk's tail
     assert changed(3, lambda t: t.__setitem__((1 << 22) + 1, t[1]))                 # copied across chunks
     assert not changed(0, lambda t: None)
+    assert changed(1, lambda t: t.__setitem__(76, -t[76]))                          # an odd-length tail element
 
 
 @pytest.mark.timeout(60)

@@ -244,7 +244,7 @@ def test_moment_streams_probe_validates_its_tensors():
 
 def test_raw_address_entries_are_private():
     # Entries that dereference integer addresses are underscore-private; the public API takes tensors.
-    for name in ("adam_step", "grad_sumsq", "bandwidth_probe", "bandwidth_probe_moments", "adam_step_moments"):
+    for name in ("adam_step", "grad_sumsq", "bandwidth_probe", "bandwidth_probe_moments", "adam_step_moments", "fingerprint"):
         assert not hasattr(_C, name), name
         assert hasattr(_C, "_" + name)
     assert not hasattr(kernels, "step_table") and not hasattr(kernels, "step_moment_table")  # internal (offload._kernels._step_table... callers only)

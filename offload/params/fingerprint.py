@@ -11,14 +11,18 @@ Computed by torch on the tensor's own device (one pass over the parameter's byte
 temporaries stay small): per tensor a position-weighted sum of its elements' bits as integers
 (each product with an odd pseudo-random int32 weight, wrapping, summed exactly in int64). A single
 changed element always changes it (an odd weight is invertible modulo 2^32); several changes could
-only cancel against the pseudo-random weights, which a real write does not do. On the CPU devices
-of the tests this is ~2 ms per million parameters; on a GPU it runs at its memory bandwidth.
+only cancel against the pseudo-random weights, which a real write does not do. For CPU tensors (the
+CPU devices of the tests, `bench train` without a GPU) the same kind of sum over 32-bit words is
+computed natively (``_kernels.fingerprint``, at memory speed); on a GPU by torch, at its memory
+bandwidth. Each device's fingerprints are only ever compared with its own.
 """
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
+
+from .. import _kernels
 
 __all__ = ["fingerprints"]
 
@@ -36,6 +40,14 @@ def _chunk_weights(device: torch.device) -> torch.Tensor:
     return w
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's values in plain contiguous memory (what the native sum may read)."""
+    t = t.detach()
+    if t.is_neg() or t.is_conj():
+        t = t.resolve_neg().resolve_conj()
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _as_ints(t: torch.Tensor) -> torch.Tensor:
     """The tensor's elements' bits as a flat integer tensor (wider elements as several int32 words)."""
     x = t.detach().reshape(-1)
@@ -43,11 +55,17 @@ def _as_ints(t: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32) if es >= 4 else x.view(torch.int16 if es == 2 else torch.int8)
 
 
-def fingerprints(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(len(tensors),) int64 on the tensors' device (all on one device; empty: on the CPU)."""
+def fingerprints(tensors: Sequence[torch.Tensor], native: Optional[bool] = None) -> torch.Tensor:
+    """(len(tensors),) int64 on the tensors' device (all on one device; empty: on the CPU).
+    ``native``: the native sum (CPU tensors only; the default there) or torch's ops (elsewhere;
+    tests force it on CPU tensors)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.int64)
     device = tensors[0].device
+    if native is None:
+        native = device.type == "cpu"
+    if native:   # the devices of the tests and of `bench train` here: natively, at memory speed
+        return torch.tensor([_kernels.fingerprint(_plain(t)) for t in tensors], dtype=torch.int64)
     w = _chunk_weights(device)
     rows = []
     for t in tensors:

@@ -101,7 +101,10 @@ class DeviceStep:
         if not ps or len({p.device for p in ps}) != 1:
             self._prints = None
             return
-        self._prints = (keys, fingerprints(ps), self.engine.side.publishes)
+        try:
+            self._prints = (keys, fingerprints(ps), self.engine.side.publishes)
+        except (RuntimeError, ValueError, TypeError):   # a parameter the sums cannot read: its version still counts
+            self._prints = None
 
     def _written(self) -> set:
         """(gi, i) of the parameters whose bytes changed since the fingerprints, if those are still
@@ -114,7 +117,7 @@ class DeviceStep:
             return set()
         try:
             now = fingerprints([local(self.engine.groups[gi][i]) for gi, i in keys])
-        except (IndexError, RuntimeError):   # a parameter gone or moved (add_param_group, .data = other device)
+        except (IndexError, RuntimeError, ValueError, TypeError):   # a parameter gone or moved (.data = other device)
             return set()
         if now.shape != before.shape or now.device != before.device:
             return set()
