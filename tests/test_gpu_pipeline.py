@@ -71,7 +71,7 @@ def cpu_mode(model):
 
 
 def train(factory, dtype=torch.float32, steps=6, accum=1, torch_clip=None, inf_step=None, scaler=None,
-          two_backwards=False, use_no_sync=True, after_step=None):
+          two_backwards=False, use_no_sync=True, after_step=None, before_step=None):
     model = make_net(dtype)
     opt = factory(model)
     gen = torch.Generator().manual_seed(123)
@@ -89,6 +89,8 @@ def train(factory, dtype=torch.float32, steps=6, accum=1, torch_clip=None, inf_s
                 loss.backward()
                 if two_backwards:
                     model(idx, tgt, use_aux=False).backward()
+        if before_step is not None:
+            before_step(model, opt)
         if torch_clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), torch_clip)
         if scaler is not None:
@@ -742,6 +744,17 @@ def test_writes_through_data_after_synchronize_are_kept(mode, dtype, partial):
     assert_same(got, train(cpu_mode, dtype=dtype, steps=5, after_step=write()))
     if dtype == torch.float32:
         assert_same(got, train(torch_ref, steps=5, after_step=write()), exact=False)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deferred_schedule_keeps_writes_made_between_backward_and_step(dtype):
+    # deferred: nothing is stepped before step(), so a write after synchronize() that follows
+    # backward must be what step() updates, as with torch (the eager schedule has stepped by then)
+    def write():
+        return _write_through_data(True, steps=5)
+    got = train(ours(**MODES["deferred"]), dtype=dtype, steps=5, before_step=write())
+    assert_same(got, train(cpu_mode, dtype=dtype, steps=5, before_step=write()))
 
 
 @pytest.mark.timeout(60)
