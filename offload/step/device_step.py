@@ -212,9 +212,7 @@ class DeviceStep:
         stats = dict(kernel_s=0.0, nvme_s=0.0, buckets=0)
         if not skip:
             self._small_step(mult)()
-            changed = {k for k, v in self._snapshot().items() if self._versions.get(k) != v} | self._written()
-            if changed:   # the user wrote parameters (e.g. model.load_state_dict): masters follow
-                self.engine.reload_masters(changed)
+            self.reload_changed()   # the user wrote parameters (e.g. model.load_state_dict): masters follow
             self.engine.step(opt.param_groups, opt.group_hyper, opt.state,
                              mult, opt.kernel_threads, active=active)
             self._versions = self._snapshot()
