@@ -758,6 +758,20 @@ def test_deferred_schedule_keeps_writes_made_between_backward_and_step(dtype):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deferred_schedule_keeps_writes_through_the_parameter_between_backward_and_step(dtype):
+    # a write that moves the version counter (no synchronize() needed: backward uploads nothing in
+    # the deferred schedule) must be what step() updates too
+    def write(model, opt):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.99)
+    # 5 steps: the layer used on even steps only is stepped last, so both sides adopted the writes
+    got = train(ours(**MODES["deferred"]), dtype=dtype, steps=5, before_step=write)
+    assert_same(got, train(cpu_mode, dtype=dtype, steps=5, before_step=write))
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("native", [True, False])   # CPU tensors: native; a GPU's: torch's ops (forced here)
 def test_fingerprints_see_every_kind_of_change(native):
     from offload.params.fingerprint import fingerprints

@@ -186,10 +186,6 @@ class DeviceStep:
             mult /= float(gs)
         if self.feed is not None and self.eager:
             return self._queued(t0, self.feed.step(mult, gs, found_inf, before=self._small_step(mult)), mult)
-        if self.feed is not None:   # deferred: nothing of this step ran yet, the worker is idle
-            written = self._written()   # p.data writes after a synchronize() that followed backward
-            if written:
-                self.engine.reload_masters(written)
         skip = found_inf is not None and float(found_inf) > 0
         if self.feed is None:
             active = self.engine._collect(opt.param_groups)   # validation first: nothing changes on error
