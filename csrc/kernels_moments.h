@@ -188,13 +188,14 @@ static OFFLOAD_QINLINE int64_t q_pipelined(int64_t i, int64_t end, Dec dec, Stag
 
 // Software prefetch kQPrefetchAhead elements ahead, one stream of SIZE-byte elements: one
 // prefetch per 64-byte line (in the vector whose elements start it), none at or past `limit`
-// (the end of the range the loop owns). Measured with bench/moments_ub (Zen 3, one thread, 32M
-// elements out of cache, TSC cycles per 8 elements, medians of 9): 8-bit moments 30.5-35.3 ->
-// 27.0-28.1 (the 8-bit streams' probe: 20-24), 2 threads 20.5 -> 16.3; bf16 moments 31.7 ->
-// 29.0, 21.5 -> 17.4; 512, 1024 and 2048 elements ahead within noise of each other. In cache it
-// costs ~10 % (L2: 8-bit 20.5 -> 22.4). These loops are compute-heavy (about twice the fp32
-// kernel's operations per element), so the out-of-order window runs out before the hardware
-// prefetchers have the next lines in flight; the fp32 kernel does not need this (at its probe).
+// (the end of the range the loop owns). Measured with bench/moments_ub (Zen 3, 32M elements out
+// of cache, fp32 grads, with and without in the same process, five such runs): the 8-bit step's
+// time 11 % less to 1 % more at one thread (median 7 % less), 2-35 % less at two (median 20 %);
+// bf16 moments 20 % less to 12 % more (median 4 % less); 512, 1024 and 2048 elements ahead, locality hints 0-3 and one burst per 64
+// elements all within noise of each other; in cache it costs ~10 % (L2: 8-bit 20.5 -> 22.4 TSC
+// cycles per 8 elements). These loops do about twice the fp32 kernel's operations per element,
+// so the out-of-order window fills before the hardware prefetchers have the next lines in
+// flight; the fp32 kernel (at its probe) gains nothing from the same prefetch.
 constexpr int64_t kQPrefetchAhead = 1024;
 template <int W, int SIZE, bool WRITE>
 static OFFLOAD_QINLINE void q_prefetch(const void* base, int64_t k, int64_t limit) {
