@@ -191,9 +191,11 @@ static OFFLOAD_QINLINE int64_t q_pipelined(int64_t i, int64_t end, Dec dec, Stag
 // (the end of the range the loop owns). Measured with bench/moments_ub (Zen 3, 32M elements out
 // of cache, fp32 grads, with and without in the same process, five such runs): the 8-bit step's
 // time 11 % less to 1 % more at one thread (median 7 % less), 2-35 % less at two (median 20 %);
-// bf16 moments 20 % less to 12 % more (median 4 % less); 512, 1024 and 2048 elements ahead, locality hints 0-3 and one burst per 64
-// elements all within noise of each other; in cache it costs ~10 % (L2: 8-bit 20.5 -> 22.4 TSC
-// cycles per 8 elements). These loops do about twice the fp32 kernel's operations per element,
+// bf16 moments 20 % less to 12 % more (median 4 % less); 512, 1024 and 2048 elements ahead and
+// locality hints 0-3 within noise of each other. In cache it costs ~10 % (L2: 8-bit 20.5 -> 22.4
+// TSC cycles per 8 elements); one burst of all streams' lines per 64 elements (one branch per
+// vector) was 4-8 % cheaper in cache but slower out of cache in the shipped bench (8-bit, fp32
+// grads, 1 thread: 1.16-1.39x the fp32 step in 5 runs against 1.32-1.50x in 2 interleaved ones). These loops do about twice the fp32 kernel's operations per element,
 // so the out-of-order window fills before the hardware prefetchers have the next lines in
 // flight; the fp32 kernel (at its probe) gains nothing from the same prefetch.
 constexpr int64_t kQPrefetchAhead = 1024;
