@@ -195,9 +195,10 @@ static OFFLOAD_QINLINE int64_t q_pipelined(int64_t i, int64_t end, Dec dec, Stag
 // locality hints 0-3 within noise of each other. In cache it costs ~10 % (L2: 8-bit 20.5 -> 22.4
 // TSC cycles per 8 elements); one burst of all streams' lines per 64 elements (one branch per
 // vector) was 4-8 % cheaper in cache but slower out of cache in the shipped bench (8-bit, fp32
-// grads, 1 thread: 1.16-1.39x the fp32 step in 5 runs against 1.32-1.50x in 2 interleaved ones). These loops do about twice the fp32 kernel's operations per element,
-// so the out-of-order window fills before the hardware prefetchers have the next lines in
-// flight; the fp32 kernel (at its probe) gains nothing from the same prefetch.
+// grads, 1 thread: 1.16-1.39x the fp32 step in 5 runs against 1.32-1.50x in 2 interleaved ones).
+// These loops do about twice the fp32 kernel's operations per element, so the out-of-order window
+// fills before the hardware prefetchers have the next lines in flight; the fp32 kernel (at its
+// probe) gains nothing from the same prefetch.
 constexpr int64_t kQPrefetchAhead = 1024;
 template <int W, int SIZE, bool WRITE>
 static OFFLOAD_QINLINE void q_prefetch(const void* base, int64_t k, int64_t limit) {
