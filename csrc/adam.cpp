@@ -162,17 +162,20 @@ void bandwidth_probe_fmt(float* p, void* m, void* v, const void* g, void* out, i
 int64_t fingerprint_bytes(const void* p, int64_t nbytes) {
   const unsigned char* b = static_cast<const unsigned char*>(p);
   const int64_t words = nbytes / 4;
+  // word i times its odd weight; the product wraps mod 2^32, as in the torch formula
+  auto term = [](uint32_t w, int64_t i) {
+    return static_cast<uint64_t>(w * ((static_cast<uint32_t>(i) * 2654435761u + 0x9E3779B9u) | 1u));
+  };
   uint64_t h = 0;
   for (int64_t i = 0; i < words; ++i) {
     uint32_t w;
     std::memcpy(&w, b + 4 * i, 4);
-    const uint32_t weight = (static_cast<uint32_t>(i) * 2654435761u + 0x9E3779B9u) | 1u;
-    h += static_cast<uint64_t>(w * weight);  // the product wraps mod 2^32, as in the torch formula
+    h += term(w, i);
   }
   if (nbytes % 4) {
     uint32_t w = 0;
     std::memcpy(&w, b + 4 * words, static_cast<size_t>(nbytes % 4));
-    h += static_cast<uint64_t>(w * ((static_cast<uint32_t>(words) * 2654435761u + 0x9E3779B9u) | 1u));
+    h += term(w, words);
   }
   return static_cast<int64_t>(h);
 }

@@ -207,14 +207,17 @@ static OFFLOAD_QINLINE void q_prefetch(const void* base, int64_t k, int64_t limi
     __builtin_prefetch(static_cast<const char*>(base) + (k + kQPrefetchAhead) * SIZE, WRITE ? 1 : 0, 3);
 }
 
-// The streams every compressed format has: master, gradient, and the low-precision copy of the
-// weights when there is one (written; also read for kBF16Sync / kF16Sync).
-template <int W, int GD, int OD>
-static OFFLOAD_QINLINE void q_prefetch_common(const float* p, const void* g, const void* out, int64_t k,
-                                              int64_t limit) {
+// Every stream of a compressed-moment loop at vector k: master, gradient, the low-precision copy
+// of the weights when there is one (written; also read for kBF16Sync / kF16Sync), and both
+// moments (MSIZE bytes per element: 2 for bf16, 1 for 8-bit; the 8-bit scales are per block).
+template <int W, int GD, int OD, int MSIZE>
+static OFFLOAD_QINLINE void q_prefetch_streams(const float* p, const void* g, const void* out, const void* m,
+                                               const void* v, int64_t k, int64_t limit) {
   q_prefetch<W, 4, true>(p, k, limit);
   q_prefetch<W, GD == kF32 ? 4 : 2, false>(g, k, limit);
   if constexpr (OD != kNone) q_prefetch<W, OD == kF32 ? 4 : 2, true>(out, k, limit);
+  q_prefetch<W, MSIZE, true>(m, k, limit);
+  q_prefetch<W, MSIZE, true>(v, k, limit);
 }
 
 // Both bf16 moments of W elements, round to nearest even.
@@ -245,9 +248,7 @@ static void bf16m_loop(const AdamQTask& t, const AdamScalars& s, int64_t begin, 
     i = q_pipelined<I>(
         i, end,
         [&](int64_t k, QVec<I>& x) {
-          q_prefetch_common<I::W, GD, OD>(p, g, out, k, end);
-          q_prefetch<I::W, 2, true>(m16, k, end);
-          q_prefetch<I::W, 2, true>(v16, k, end);
+          q_prefetch_streams<I::W, GD, OD, 2>(p, g, out, m16, v16, k, end);
           x.m = I::load_bf16(m16 + k);
           x.v = I::load_bf16(v16 + k);
         },
@@ -321,9 +322,7 @@ static inline Q8Pending q8_pass1(float* __restrict p, const int8_t* __restrict m
     j = q_pipelined<I>(
         j, len,
         [&](int64_t k, QVec<I>& x) {
-          q_prefetch_common<W, GD, OD>(p, g, out, i0 + k, lim);
-          q_prefetch<W, 1, true>(mq0, i0 + k, lim);
-          q_prefetch<W, 1, true>(vq0, i0 + k, lim);
+          q_prefetch_streams<W, GD, OD, 1>(p, g, out, mq0, vq0, i0 + k, lim);
           q8_decode<I>(mq, vq, k, vmd, vvd, x);
         },
         [&](int64_t k, QVec<I>& x) { q_stage_a<I, GD, OD, DECAY, RARE>(p, g, out, c, f, i0 + k, x); },
