@@ -102,6 +102,11 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         With NVMe/mmap state the new group is laid out after the existing state (the file grows)."""
         store = getattr(self, "_store", None)
         n = len(self.param_groups)
+        if getattr(self, "_gpu", None) is not None:
+            # the last step may still run on the CPU worker (overlapped schedules), and the layout,
+            # the tier and the staging ring grow below: nothing may be in flight; writes into the
+            # parameters since then are adopted first
+            self._gpu.quiesce()
         super().add_param_group(param_group)
         try:
             self._check_group(self.param_groups[n], n)

@@ -7,6 +7,7 @@ recorded hazard. Results are compared with torch.optim.AdamW (fp32), with the CP
 offload.AdamW (bitwise, same kernel) and between the overlapped and non-overlapped schedules.
 """
 import contextlib
+import tempfile
 
 import pytest
 import torch
@@ -744,6 +745,56 @@ def test_writes_through_data_after_synchronize_are_kept(mode, dtype, partial):
     assert_same(got, train(cpu_mode, dtype=dtype, steps=5, after_step=write()))
     if dtype == torch.float32:
         assert_same(got, train(torch_ref, steps=5, after_step=write()), exact=False)
+
+
+def _write_then(then, steps, visible):
+    """A write after synchronize() (through p.data as in _write_through_data, or ``visible``: through
+    the parameter, which moves its version counter), then ``then(opt)``: calls that synchronize or
+    reload internally must not make the write look like our own weights."""
+    write = _write_through_data(False, steps)
+    done = []
+
+    def after(model, opt):
+        if not visible:
+            write(model, opt)
+        else:
+            done.append(1)
+            if len(done) < steps:
+                if isinstance(opt, offload.AdamW):
+                    opt.synchronize()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.99)
+        then(opt)
+    return after
+
+
+def _sd_round_trip(opt):
+    opt.load_state_dict(opt.state_dict())
+
+
+def _save_load(opt):
+    d = tempfile.mkdtemp(prefix="offload-wt-")
+    offload.save(opt, d)
+    offload.load(opt, d)
+
+
+def _add_group(opt):
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(300))], "lr": 1e-3})
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("then", [lambda opt: opt.synchronize(), lambda opt: opt.state_dict(), _sd_round_trip,
+                                  _save_load, _add_group],
+                         ids=["synchronize", "state_dict", "load_state_dict", "save_load", "add_param_group"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("visible", [False, True], ids=["p.data", "p"])
+def test_writes_survive_later_synchronizing_calls(dtype, then, visible):
+    # a second synchronize() (or state_dict(), offload.save, load_state_dict, which synchronize) used
+    # to take new fingerprints that included the write, and add_param_group / load_state_dict
+    # restarted the version tracking: the next upload then reverted the write
+    got = train(ours(**MODES["eager"]), dtype=dtype, steps=5, after_step=_write_then(then, 5, visible))
+    assert_same(got, train(cpu_mode, dtype=dtype, steps=5, after_step=_write_then(then, 5, visible)))
 
 
 @pytest.mark.timeout(60)

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 import torch
@@ -292,4 +294,52 @@ def test_fake_device_clip_scaler_and_slow_copies(tmp_path, tier, slots):
     opt.synchronize()
     dev.check()
     assert_same(ps_r, ref, ps, opt)
+    opt.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("moments", ("fp32", "8bit"))
+def test_add_param_group_while_the_last_step_is_in_flight(tmp_path, monkeypatch, tier, moments):
+    """add_param_group right after step(), without synchronize(): the CPU worker is still stepping
+    (here its first bucket waits between its D2H and its kernel: gradients staged) when the layout,
+    the tier and the staging ring grow (the new 5000-element parameter needs bigger slots). The
+    result must be the host's, bitwise; it was not: staged gradients were read from the new,
+    uninitialized slots (wrong updates, NaN)."""
+    from offload.step import backward
+    stage_then_step = backward.BackwardFeed._step_bucket
+    staged = threading.Event()
+
+    def slow_step_bucket(self, job, st):
+        if not staged.is_set():   # the first bucket: its gradients staged (D2H done), the engine lock free
+            staged.set()
+            time.sleep(0.1)
+        return stage_then_step(self, job, st)
+
+    def go(ps, opt, wait=False):
+        for s in range(3):
+            if s == 1:
+                if wait:
+                    assert staged.wait(10)   # the worker is between a D2H and its kernel
+                opt.add_param_group({"params": ps[5:], "lr": 3e-3, "maximize": True})
+            grads(ps if s else ps[:5], s + 5, torch.float32)
+            opt.step()
+        if hasattr(opt, "synchronize"):
+            opt.synchronize()
+
+    def params():
+        big = torch.randn(5000, generator=torch.Generator().manual_seed(9))   # needs bigger staging slots
+        return make_params(torch.float32) + [torch.nn.Parameter(big)]
+
+    kw = dict(moments=moments, moments_min_size=4096)
+    ps_r = params()
+    ref = offload.AdamW(ps_r[:5], lr=1e-2, **kw)
+    go(ps_r, ref)
+    monkeypatch.setattr(backward.BackwardFeed, "_step_bucket", slow_step_bucket)
+    ps = params()
+    opts = dict(state=tier, nvme_dir=tmp_path, host_budget=96 * 1024) if tier != "ram" else {}
+    opt = offload.AdamW(ps[:5], lr=1e-2, offload_device=CpuDevice(), bucket_mb=0.01, **opts, **kw)
+    go(ps, opt, wait=True)
+    for i, (a, b) in enumerate(zip(ps_r, ps)):
+        assert torch.equal(a, b), f"parameter {i}: max diff {(a - b).abs().max().item()}"
     opt.close()

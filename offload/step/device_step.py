@@ -93,7 +93,11 @@ class DeviceStep:
     def _take_prints(self) -> None:
         """Fingerprints of the device parameters with offloaded state, once our last upload landed
         (synchronize): a write through ``p.data`` moves no version counter, and without them the
-        next step would overwrite it with round(master) (params/fingerprint.py)."""
+        next step would overwrite it with round(master) (params/fingerprint.py). Fingerprints still
+        current (no upload of ours since) are kept: a second synchronize() (or state_dict(), save(),
+        ...) after a write must not make that write look like our own weights."""
+        if self._prints is not None and self._prints[2] == self.engine.side.publishes:
+            return
         layout = getattr(self.engine, "layout", None)
         laid_out = layout.of_param if layout is not None else {}   # parameters with state here (not frozen, not small)
         keys = [(gi, i) for gi, ps in enumerate(self.engine.groups) for i in range(len(ps)) if laid_out.get((gi, i))]
@@ -282,12 +286,29 @@ class DeviceStep:
         self.engine.reload_masters({(gi, i) for gi, ps in enumerate(self.engine.groups) for i in range(len(ps))})
         self._versions = self._snapshot()
 
-    def load_state(self) -> None:
+    def quiesce(self) -> None:
+        """Before the engine changes shape (add_param_group): the worker idle, every upload landed, and
+        what the user wrote into parameters since the last step adopted (masters follow), since
+        load_state() below starts the write tracking afresh."""
+        if self.feed is not None:
+            self.feed.synchronize()
+        self.engine.side.synchronize()
+        self.reload_changed()
+
+    def load_state(self, adopt: bool = False) -> None:
+        """After add_param_group / load_state_dict (``adopt``: the parameters as they are now are taken
+        into the loaded masters where they differ from the rounded master, as the host kernel does at
+        every step: a write made before the load is kept, not overwritten by the next upload). The
+        write tracking then starts from the weights as they are (versions and fingerprints)."""
         if self.feed is not None:
             self.feed.extend()   # add_param_group: hooks and buckets of the new group
         if self.small:
             self.small.load()
+        if adopt:
+            self.engine.reload_masters({(gi, i) for gi, ps in enumerate(self.engine.groups) for i in range(len(ps))})
         self._versions = self._snapshot()
+        self._prints = None
+        self._take_prints()
 
     def last_step_stats(self, wait: bool = False) -> Optional[dict]:
         """Timing of the latest step whose weights are back on the device (``wait=True``: finish the
