@@ -1,4 +1,5 @@
-# conftest.py: shared fixtures: force each ISA path in turn, and restore the default afterwards.
+# conftest.py: shared fixtures: force each ISA path in turn, and restore the default afterwards;
+# one torch thread for the modules whose fake devices and CPU workers run threads of their own.
 import pytest
 import torch
 
@@ -13,6 +14,17 @@ def isa(request):
     kernels.set_isa(request.param)
     yield request.param
     kernels.set_isa(prev)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Use with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``: the fake device's stream
+    threads and the CPU worker run beside the "compute stream" (the test's thread); torch's spinning
+    intra-op threads would oversubscribe a small machine."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
 
 
 def pytest_collection_modifyitems(config, items):

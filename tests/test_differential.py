@@ -23,12 +23,7 @@ from offload.device import CpuDevice, FakeDevice
 COMBOS = [(side, tier) for side in ("host", "cpu", "fake") for tier in ("ram", "nvme", "mmap")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)   # the fake device's stream threads run beside this one
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
 
 
 def _plan(seed: int) -> dict:

@@ -20,14 +20,9 @@ from offload.device import FakeDevice
 CFG = PRESETS["tiny"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # the fake device's stream threads and the CPU worker run beside the "compute stream" (this
-    # thread): torch's spinning intra-op threads would oversubscribe a small machine
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
+
+
 LR = 1e-2
 MODES = {  # name -> GPU-offload options
     "eager": dict(overlap=True),

@@ -24,12 +24,7 @@ TIERS = ("ram", "nvme", "mmap")
 SIZES = [(700,), (33, 5), (4100,), (3,), (2, 3, 4)]   # 4100: split over buckets under the small budget
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)   # the fake device's stream threads run beside this one
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
 
 
 def make_params(dtype, seed=0):
