@@ -154,6 +154,6 @@ class StateDictMixin:
                     new_state[p] = self._store.torch_state(gi, i)  # step counter + views of the moments
         self.__setstate__({"state": new_state, "param_groups": saved_groups})
         if self._gpu is not None:
-            self._gpu.load_state(adopt=True)
+            self._gpu.load_state(loaded=True)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

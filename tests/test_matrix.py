@@ -338,3 +338,51 @@ def test_add_param_group_while_the_last_step_is_in_flight(tmp_path, monkeypatch,
     for i, (a, b) in enumerate(zip(ps_r, ps)):
         assert torch.equal(a, b), f"parameter {i}: max diff {(a - b).abs().max().item()}"
     opt.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("order", ("model_first", "optimizer_first"))
+@pytest.mark.parametrize("moments", ("fp32", "8bit"))
+@pytest.mark.parametrize("tier", ("ram", "nvme"))
+@pytest.mark.parametrize("side", ("cpu", "fake"))
+def test_resume_in_either_order_is_bitwise_the_uninterrupted_run(tmp_path, side, tier, moments, order):
+    """bf16 device parameters: a fresh model + optimizer, model.load_state_dict and opt.load_state_dict
+    of the same checkpoint in either order, continue: bitwise the run that was not interrupted. (The
+    parameters before the model's load are the fresh model's: taking them into the loaded masters at
+    load time, as one version of the user-write fix did, cost the masters their fp32 precision.)"""
+    def make(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(70, 90), torch.nn.Linear(90, 50)).to(torch.bfloat16)
+        opts = {}
+        if tier != "ram":
+            (tmp_path / f"{seed}").mkdir()
+            opts = dict(state=tier, nvme_dir=tmp_path / f"{seed}", host_budget=1 << 20)
+        dev = CpuDevice() if side == "cpu" else FakeDevice(max_delay=0.001)
+        opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, moments=moments, moments_min_size=1024,
+                            offload_device=dev, bucket_mb=0.01, **opts)
+        return model, opt
+
+    def train(model, opt, steps, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            model(torch.randn(8, 70, generator=g).to(torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+
+    a, opt_a = make(0)
+    train(a, opt_a, 3, 1)
+    model_sd, opt_sd = {k: v.clone() for k, v in a.state_dict().items()}, opt_a.state_dict()
+    b, opt_b = make(5)
+    if order == "model_first":
+        b.load_state_dict(model_sd)
+        opt_b.load_state_dict(opt_sd)
+    else:
+        opt_b.load_state_dict(opt_sd)
+        b.load_state_dict(model_sd)
+    train(a, opt_a, 2, 2)
+    train(b, opt_b, 2, 2)
+    for (name, x), y in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(x, y), f"{name}: max diff {(x.float() - y.float()).abs().max().item()}"
+    opt_a.close()
+    opt_b.close()

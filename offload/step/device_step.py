@@ -294,19 +294,20 @@ class DeviceStep:
             self.feed.synchronize()
         self.engine.side.synchronize()
         self.reload_changed()
+        self._take_prints()   # (consumed above) a write after a failed add_param_group is still seen
 
-    def load_state(self, adopt: bool = False) -> None:
-        """After add_param_group / load_state_dict (``adopt``: the parameters as they are now are taken
-        into the loaded masters where they differ from the rounded master, as the host kernel does at
-        every step: a write made before the load is kept, not overwritten by the next upload). The
-        write tracking then starts from the weights as they are (versions and fingerprints)."""
+    def load_state(self, loaded: bool = False) -> None:
+        """After add_param_group / load_state_dict: the write tracking starts from the weights as they
+        are now (versions and fingerprints), so that a write after this call is still seen. ``loaded``
+        (load_state_dict): at the next step every parameter is compared with round(its loaded master)
+        and taken where it differs, as the host kernel does at each step: a write made before the load
+        is kept, and the usual resume (model.load_state_dict of the same checkpoint, before or after)
+        changes nothing. Not at load time: the parameters may be loaded after the optimizer."""
         if self.feed is not None:
             self.feed.extend()   # add_param_group: hooks and buckets of the new group
         if self.small:
             self.small.load()
-        if adopt:
-            self.engine.reload_masters({(gi, i) for gi, ps in enumerate(self.engine.groups) for i in range(len(ps))})
-        self._versions = self._snapshot()
+        self._versions = {} if loaded else self._snapshot()   # {}: every parameter counts as changed
         self._prints = None
         self._take_prints()
 
