@@ -705,9 +705,10 @@ def test_parameters_written_after_construction_are_picked_up(dtype, mode):
     assert_same(got, train(load_then_cpu, dtype=dtype, steps=3))
 
 
-def _write_through_data(partial, steps):
+def _write_through_data(partial, steps, visible=False):
     """Weight decay by hand / weight clipping as users write it, after synchronize() (docs/gpu.md),
-    between steps (not after the last: a master that no step adopted yet is compared too)."""
+    between steps (not after the last: a master that no step adopted yet is compared too).
+    ``visible``: through the parameter instead of p.data (its version counter moves)."""
     done = []
 
     def write(model, opt):
@@ -718,10 +719,11 @@ def _write_through_data(partial, steps):
             opt.synchronize()
         with torch.no_grad():
             for k, p in enumerate(model.parameters()):
+                t = p if visible else p.data
                 if partial and k % 2:
-                    p.data.clamp_(-0.05, 0.05)   # changes some elements only
+                    t.clamp_(-0.05, 0.05)   # changes some elements only
                 else:
-                    p.data.mul_(0.99)
+                    t.mul_(0.99)
     return write
 
 
@@ -743,23 +745,12 @@ def test_writes_through_data_after_synchronize_are_kept(mode, dtype, partial):
 
 
 def _write_then(then, steps, visible):
-    """A write after synchronize() (through p.data as in _write_through_data, or ``visible``: through
-    the parameter, which moves its version counter), then ``then(opt)``: calls that synchronize or
-    reload internally must not make the write look like our own weights."""
-    write = _write_through_data(False, steps)
-    done = []
+    """A write after synchronize() (_write_through_data), then ``then(opt)``: calls that synchronize
+    or reload internally must not make the write look like our own weights."""
+    write = _write_through_data(False, steps, visible)
 
     def after(model, opt):
-        if not visible:
-            write(model, opt)
-        else:
-            done.append(1)
-            if len(done) < steps:
-                if isinstance(opt, offload.AdamW):
-                    opt.synchronize()
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.mul_(0.99)
+        write(model, opt)
         then(opt)
     return after
 
