@@ -29,7 +29,7 @@ class SharedMemoryError(ValueError, RuntimeError):
     before the paths were unified). ``offload.SharedMemoryError``."""
 
 
-__all__ = ["SharedMemoryError", "check_overlaps", "SpanIndex", "span_of", "WriteTracker", "resync_master"]
+__all__ = ["SharedMemoryError", "check_overlaps", "SpanIndex", "extent", "span_of", "WriteTracker", "resync_master"]
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -77,12 +77,20 @@ class SpanIndex:
             if not g.numel():
                 continue
             a = g.data_ptr()
-            k = bisect.bisect_left(starts, a + g.numel() * g.element_size())  # spans that start before g ends
+            k = bisect.bisect_left(starts, a + extent(g))  # spans that start before g ends
             if k and prefix[k - 1][0] > a:
                 other = next(name for s, e, name in spans[:k] if e > a)
                 raise SharedMemoryError(f"the gradient of parameter {i} of group {gi} shares memory with {other} (e.g. "
                                  "p.grad = p.data): the step overwrites that memory while it reads the gradient. "
                                  "Give the parameter a gradient of its own (p.grad = g.clone())")
+
+
+def extent(t: torch.Tensor) -> int:
+    """Bytes from ``t.data_ptr()`` to the end of its last element: numel * itemsize when contiguous, else
+    what its strides reach (an expanded gradient covers one element, a strided slice more than numel)."""
+    if t.is_contiguous():
+        return t.numel() * t.element_size()
+    return (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def span_of(t: Optional[torch.Tensor]) -> tuple:

@@ -92,7 +92,8 @@ def _poison(t: torch.Tensor) -> None:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    # (contiguous: a gradient may be a strided or expanded view, which .view(uint8) refuses)
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
 
 
 class FakeDevice(Device):

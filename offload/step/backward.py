@@ -64,6 +64,28 @@ def _loop(ref, q) -> None:
             return
 
 
+def _unchanged(reads) -> None:
+    """The gradients a bucket's copy reads must not be written between its dispatch and the copy's end.
+
+    step() returns while the worker still copies gradients down (D2H), so an in-place write to
+    p.grad after step() (``p.grad.zero_()``, ``model.zero_grad(set_to_none=False)``, a refill of a
+    persistent gradient buffer) races with that copy: the bucket would be stepped with the new
+    values. Checked before the copy is issued and after it finished, by the gradient's version
+    counter (moved by every in-place write, but only once the write is issued (CUDA) or done (CPU),
+    so a write that overlaps the end of the copy can escape this check: docs/gpu.md says when
+    writing is safe; a write after the copy, before this check, is refused too).
+    The step is then failed (some buckets were stepped) rather than silently wrong."""
+    for gi, i, g, ver in reads:
+        if g._version != ver:
+            raise RuntimeError(
+                f"offload: the gradient of parameter {i} of group {gi} was written in place while the CPU worker "
+                "still had to copy it to the host: gradients changed after they were sent to the CPU. step() "
+                "returns before every gradient is copied; write gradients in place (p.grad.zero_(), "
+                "model.zero_grad(set_to_none=False), a refilled gradient buffer, clipping or unscaling during "
+                "backward-stepping) only after optimizer.synchronize(), or use optimizer.zero_grad(), which waits. "
+                "The optimizer state is now partially updated.")
+
+
 class BackwardFeed(FeedStep):
     def __init__(self, face, engine, device, *, eager: bool = True, release_grads: bool = False, trace=None):
         self.face = face            # DeviceStep: the optimizer's hyperparameters and state dict
@@ -232,7 +254,9 @@ class BackwardFeed(FeedStep):
         self.done.add(bi)
         up = Upload(bi)
         self.ups.append(up)
-        self._q.put(("step", b, act, eng.registry.has_state(b), h, mult, self.device.record(), up))
+        gr = self.grads[b.group]
+        reads = [(b.group, pc.param, gr[pc.param], gr[pc.param]._version) for pc in act]   # see _unchanged
+        self._q.put(("step", b, act, eng.registry.has_state(b), h, mult, self.device.record(), reads, up))
 
     # ------------------------------------------------------------------ the worker
     def _work(self, q, pending: deque, staged: deque) -> bool:
@@ -248,7 +272,8 @@ class BackwardFeed(FeedStep):
                 job[-1].issued.set()
                 continue
             try:
-                _, b, act, _, _, _, after, _ = job
+                _, b, act, _, _, _, after, reads, _ = job
+                _unchanged(reads)
                 with self.engine._lock:
                     staged.append((job, self.side.arrive(b, act, after)))
             except BaseException as e:
@@ -316,7 +341,7 @@ class BackwardFeed(FeedStep):
             lock.release()
 
     def _step_bucket(self, job, st) -> None:
-        _, b, act, read, hyper, mult, after, up = job
+        _, b, act, read, hyper, mult, after, reads, up = job
         eng, side, tier = self.engine, self.side, self.tier
         with eng._lock:
             self.stepped.add(b.index)
@@ -324,6 +349,7 @@ class BackwardFeed(FeedStep):
             self._read_ahead(blocking=True)   # the next reads run during this kernel
             eng.registry.init_fresh(b, act, blk, side.read_master)
             ptrs = side.ptrs(b, act, st)   # waits for the D2H
+            _unchanged(reads)
             steps = eng.registry.steps[b.group].numpy()
             table = bucket_rows(b, act, blk.base, ptrs, [steps[pc.param] for pc in act])
             t0 = time.perf_counter()

@@ -1,0 +1,132 @@
+"""Gradients of device parameters (GPU-offload mode, through CpuDevice / FakeDevice): what torch
+accepts gives torch's answer, and a write that would race with the CPU worker's copy is an error.
+
+step() returns while the worker still copies gradients down (D2H). A write into p.grad after
+step() and before that copy finished (``p.grad.zero_()``, ``model.zero_grad(set_to_none=False)``,
+a refilled persistent gradient buffer) used to be stepped silently with the new values; the worker
+now compares each gradient's version counter before issuing its copy and after it finished.
+Gradients that are views of other memory (expanded, strided, slices of a flat bucket) are copied
+as they are; the overlap check reaches exactly as far as their strides do.
+"""
+import threading
+
+import pytest
+import torch
+
+import offload
+from offload.device import CpuDevice, FakeDevice
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
+
+SHAPES = [(70, 80), (9000,), (3,)]
+
+
+def params():
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+
+
+def device(side):
+    return CpuDevice() if side == "cpu" else FakeDevice(max_delay=0.002, seed=3)
+
+
+def flat_views(ps, gen):
+    """Gradients as views into one flat buffer at an odd offset (as DDP's gradient buckets)."""
+    buf = torch.randn(sum(p.numel() for p in ps) + 7, generator=gen)
+    out, o = [], 7
+    for p in ps:
+        out.append(buf[o:o + p.numel()].view(p.shape))
+        o += p.numel()
+    return out
+
+
+GRADS = {
+    "transposed": lambda ps, gen: [torch.randn(p.shape[::-1], generator=gen).t() for p in ps],
+    "expanded": lambda ps, gen: [torch.randn(1, generator=gen).expand(p.shape) for p in ps],
+    "flat_bucket": flat_views,
+    "every_other": lambda ps, gen: [torch.randn(2 * p.numel(), generator=gen)[::2].view(p.shape) for p in ps],
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", sorted(GRADS))
+@pytest.mark.parametrize("side", ("cpu", "fake"))
+def test_gradient_views_give_torch_result(side, kind):
+    ps_t, ps = params(), params()
+    ref = torch.optim.AdamW(ps_t, lr=1e-2, foreach=False)
+    opt = offload.AdamW(ps, lr=1e-2, offload_device=device(side), bucket_mb=0.01)
+    gen_t, gen = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    for _ in range(4):
+        for p, g in zip(ps_t, GRADS[kind](ps_t, gen_t)):
+            p.grad = g
+        for p, g in zip(ps, GRADS[kind](ps, gen)):
+            p.grad = g
+        ref.step()
+        opt.step()
+    opt.synchronize()
+    for a, b in zip(ps_t, ps):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    opt.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("during", ("before_copy", "during_copy"))
+@pytest.mark.parametrize("tier", ("ram", "nvme"))
+def test_gradient_written_in_place_while_the_worker_copies_it_raises(tmp_path, monkeypatch, tier, during):
+    """A persistent gradient buffer refilled in place right after step(): the worker is made to wait
+    before it issues the first bucket's copy (or after the copy, before its check), the refill
+    happens then. The next step() raises instead of stepping those buckets with the new values."""
+    from offload.params.device import DeviceParams
+    hold, held = threading.Event(), threading.Event()
+    where = "arrive" if during == "before_copy" else "ptrs"
+    orig = getattr(DeviceParams, where)
+
+    def waiting(self, *a, **k):
+        if not held.is_set():
+            held.set()
+            assert hold.wait(10)
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(DeviceParams, where, waiting)
+    ps = params()
+    opts = dict(state=tier, nvme_dir=tmp_path) if tier != "ram" else {}
+    opt = offload.AdamW(ps, lr=1e-2, offload_device=CpuDevice(), bucket_mb=0.01, **opts)
+    bufs = [torch.zeros(p.shape) for p in ps]
+    gen = torch.Generator().manual_seed(1)
+    for p, b in zip(ps, bufs):
+        b.copy_(torch.randn(p.shape, generator=gen))
+        p.grad = b
+    opt.step()
+    assert held.wait(10)        # the worker waits inside its first bucket
+    for b in bufs:
+        b.mul_(-3.0)            # the next step's gradient, written into the same tensors
+    hold.set()
+    with pytest.raises(RuntimeError, match="written in place while the CPU worker still had to copy"):
+        opt.step()
+    opt.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ("zero_grad", "synchronize"))
+def test_gradient_written_in_place_after_the_documented_wait_is_fine(how):
+    """The same refill after optimizer.zero_grad(set_to_none=False) or optimizer.synchronize(): the
+    host path's result, bitwise."""
+    ps_h, ps = params(), params()
+    host = offload.AdamW(ps_h, lr=1e-2)
+    opt = offload.AdamW(ps, lr=1e-2, offload_device=FakeDevice(max_delay=0.002, seed=5), bucket_mb=0.01)
+    for o, group in ((host, ps_h), (opt, ps)):
+        bufs = [torch.zeros(p.shape) for p in group]
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            if how == "zero_grad":
+                o.zero_grad(set_to_none=False)
+            elif hasattr(o, "synchronize"):
+                o.synchronize()
+            for p, b in zip(group, bufs):
+                b.add_(torch.randn(p.shape, generator=gen))
+                p.grad = b
+            o.step()
+    opt.synchronize()
+    for a, b in zip(ps_h, ps):
+        assert torch.equal(a, b)
+    opt.close()
