@@ -78,6 +78,7 @@ class MmapTier(StateTier):
         super().__init__()
         self.budget = max(0, int(budget))   # bytes of buckets that stay mapped between steps
         self._kept: dict = {}               # bucket offset -> bytes, of the buckets that stay mapped
+        self._kept_bytes = 0                # their sum
         self.keep = bool(keep)
         self.nvme_dir = files.check_dir(nvme_dir, "mmap")
         self.directory = files.new_state_dir(self.nvme_dir)
@@ -132,14 +133,16 @@ class MmapTier(StateTier):
         if b.offset in self._kept:
             return
         room = self.budget - self.layout.max_bucket_bytes   # one bucket in flight besides the kept ones
-        if b.nbytes + sum(self._kept.values()) <= room:
+        if b.nbytes + self._kept_bytes <= room:
             self._kept[b.offset] = b.nbytes
+            self._kept_bytes += b.nbytes
             return
         if hasattr(_mmap, "MADV_DONTNEED") and b.nbytes >= _mmap.PAGESIZE:
             self._maps[-1].madvise(_mmap.MADV_DONTNEED, b.offset, b.nbytes)
 
     def _drop_all(self) -> None:
         self._kept.clear()
+        self._kept_bytes = 0
         if self._maps and hasattr(_mmap, "MADV_DONTNEED"):
             self._maps[-1].madvise(_mmap.MADV_DONTNEED, 0, len(self._maps[-1]))
 

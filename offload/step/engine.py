@@ -156,7 +156,9 @@ class StateEngine(TorchLayout):
                 len(g["params"]) == len(ps) and all(map(operator.is_, g["params"], ps))
                 for g, ps in zip(groups, self.groups)):
             raise RuntimeError(f"the optimizer's parameters changed since it was created with state={self.mode!r} "
-                               "(the state file is laid out for the original parameter list)")
+                               "(a param group's 'params' list was edited or replaced: the state is laid out for the "
+                               "original parameter list; add parameters with add_param_group(), or build a new "
+                               "optimizer and load_state_dict() into it)")
 
     def _collect(self, param_groups: list) -> list:
         """Validate grads/params of every group (before any I/O); per group: bool mask of active params."""
