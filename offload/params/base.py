@@ -44,6 +44,12 @@ def check_grad(p, g, gi: int, i: int, dtype, numel: int, mode: str, device_side:
         if lg.shape != lp.shape or lg.dtype != lp.dtype:
             raise RuntimeError(f"gradient of parameter {i} of group {gi} has shape {tuple(lg.shape)} and dtype "
                                f"{lg.dtype}; expected {tuple(lp.shape)} and {lp.dtype}")
+        if not lg.is_contiguous():
+            # its flat pieces would be made by a copy kernel on the worker's stream, which no event
+            # orders after backward or before the side stream's D2H
+            raise RuntimeError(f"gradient of parameter {i} of group {gi} is not contiguous (strides {tuple(lg.stride())}): "
+                               "offload copies gradients to the host as flat pieces of their own memory; make it "
+                               "contiguous first (p.grad = p.grad.contiguous())")
         return
     check_tensor(lp, f"parameter {i}", dtypes=(torch.float32,) + LOW_PRECISION)
     check_tensor(lg, f"gradient of parameter {i}", dtypes=(lp.dtype,), shape=lp.shape)
