@@ -85,6 +85,15 @@ class DeviceStep:
         self._versions = self._snapshot()
         self._prints = None   # (keys, fingerprints, side.publishes then): see _take_prints
 
+    def moved_since_step(self, gi: int, i: int) -> bool:
+        """Has parameter (gi, i) been written in place (version) or re-pointed (data pointer) since the
+        snapshot of the last step() (False when there is none, e.g. right after a load)?"""
+        was = self._versions.get((gi, i))
+        if was is None:
+            return False
+        p = local(self.engine.groups[gi][i])
+        return (p._version, p.data_ptr()) != was
+
     def _snapshot(self) -> dict:
         return {(gi, i): (local(p)._version, local(p).data_ptr())
                 for gi, ps in enumerate(self.engine.groups) for i, p in enumerate(ps)}

@@ -96,6 +96,7 @@ class FeedStep:
         finally:
             self.order = self.dispatched + [bi for bi in self.order if bi not in self.done]
             self.in_cycle = False
+            self._race_reported = set()
             self.uploads.start(self.ups)   # forward waits bucket by bucket
             self._q.put(("nudge",))   # read ahead the next step's first buckets during forward
         return rec

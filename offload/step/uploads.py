@@ -35,12 +35,15 @@ class Upload:
 
 class UploadWaits:
     def __init__(self, device, bucket_of_param: Callable[[int], Optional[list]], error: Callable[[], None],
-                 trace=None):
+                 trace=None, unwritten: Optional[Callable[[int], None]] = None):
         """``bucket_of_param(id(p))``: the bucket indices holding parameter ``p`` (None if none);
-        ``error()`` raises the worker's failure, if any."""
+        ``error()`` raises the worker's failure, if any; ``unwritten(bucket)`` raises if a parameter
+        of that bucket was written since step(), i.e. before the compute stream waited for the
+        bucket's upload: that write races with the upload (which may land after it and revert it)."""
         self.device = device
         self.bucket_of_param = bucket_of_param
         self.error = error
+        self.unwritten = unwritten
         self.trace = trace
         self.seq: list = []            # Upload, in the order the worker issues them
         self.pos: dict = {}            # bucket index -> position in seq
@@ -83,6 +86,8 @@ class UploadWaits:
                     if time.perf_counter() > deadline:
                         raise TimeoutError(f"offload: the upload of bucket {u.bucket} was not issued within {_WAIT_S} s")
                 self.error()
+                if self.unwritten is not None:
+                    self.unwritten(u.bucket)
                 if u.ev is not None:
                     self.device.wait(u.ev)
                 self.next += 1

@@ -1,5 +1,6 @@
-"""Gradients of device parameters (GPU-offload mode, through CpuDevice / FakeDevice): what torch
-accepts gives torch's answer, and a write that would race with the CPU worker's copy is an error.
+"""Device parameters (GPU-offload mode, through CpuDevice / FakeDevice): writes that would race with
+the CPU worker are errors, not silently lost or used, and the gradients torch accepts give torch's
+answer or a named error.
 
 step() returns while the worker still copies gradients down (D2H). A write into p.grad after
 step() and before that copy finished (``p.grad.zero_()``, ``model.zero_grad(set_to_none=False)``,
@@ -8,6 +9,10 @@ now compares each gradient's version counter before issuing its copy and after i
 Contiguous gradient views (slices of one flat bucket) are copied as they are; non-contiguous
 gradients are refused by name (as on the host path); the overlap check reaches as far as a
 gradient's strides do.
+
+Likewise step() returns while the new weights are still being uploaded: a parameter written (or its
+.data replaced) before the compute stream waited for its bucket's upload (a module's forward, the
+next backward, synchronize()) may be reverted by that upload. That is now raised when the wait comes.
 """
 import threading
 
@@ -155,3 +160,79 @@ def test_gradient_written_in_place_after_the_documented_wait_is_fine(how):
     for a, b in zip(ps_h, ps):
         assert torch.equal(a, b)
     opt.close()
+
+
+def _hold_upload(monkeypatch):
+    """The worker waits before it issues its first bucket's upload (H2D) until ``release`` is set."""
+    from offload.params.device import DeviceParams
+    release, held = threading.Event(), threading.Event()
+    orig = DeviceParams.publish
+
+    def publish(self, *a, **k):
+        if not held.is_set():
+            held.set()
+            assert release.wait(10)
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(DeviceParams, "publish", publish)
+    return held, release
+
+
+WRITES = {
+    "in_place": lambda p: p.mul_(0.5),
+    "data_replaced": lambda p: setattr(p, "data", p.data.clone() * 0.5),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", sorted(WRITES))
+@pytest.mark.parametrize("wait", ("synchronize", "forward"))
+def test_weight_write_before_its_upload_is_waited_for_raises(monkeypatch, how, wait):
+    """opt.step(), then a write into the weights without opt.synchronize(): the upload of those weights
+    has not even been issued (the worker is held); the write would be reverted when it lands. The wait
+    (synchronize(), or the module's forward) raises, once; after it the optimizer goes on."""
+    held, release = _hold_upload(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Linear(40, 5))
+    opt = offload.AdamW(model.parameters(), lr=1e-2, offload_device=CpuDevice(), bucket_mb=0.001,
+                        step_during_backward=False)
+    x = torch.randn(8, 30)
+    model(x).square().mean().backward()
+    opt.step()
+    assert held.wait(10)
+    with torch.no_grad():
+        WRITES[how](model[0].weight)
+    release.set()
+    with pytest.raises(RuntimeError, match="written .* after step\\(\\) while its new weights were still being uploaded"):
+        opt.synchronize() if wait == "synchronize" else model(x)
+    opt.synchronize()                     # reported once: the optimizer goes on
+    model(x).square().mean().backward()
+    opt.step()
+    opt.synchronize()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    opt.close()
+
+
+@pytest.mark.timeout(60)
+def test_weight_write_after_synchronize_is_kept():
+    """The same write after opt.synchronize() is legal and not reported: bitwise the host path."""
+    def run(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Linear(40, 5))
+        kw = dict(offload_device=device, bucket_mb=0.001, step_during_backward=False) if device else {}
+        opt = offload.AdamW(model.parameters(), lr=1e-2, **kw)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            model(torch.randn(8, 30, generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if device:
+                opt.synchronize()
+            with torch.no_grad():
+                model[0].weight.mul_(0.5)
+        if device:
+            opt.synchronize()
+            opt.close()
+        return [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(run(None), run(FakeDevice(max_delay=0.002, seed=2))):
+        assert torch.equal(a, b)
