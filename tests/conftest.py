@@ -1,5 +1,6 @@
 # conftest.py: shared fixtures: force each ISA path in turn, and restore the default afterwards;
-# one torch thread for the modules whose fake devices and CPU workers run threads of their own.
+# one torch thread for the modules whose fake devices and CPU workers run threads of their own;
+# dynamo's frame counter cleared after each test (see no_compiled_frames_after_the_test).
 import pytest
 import torch
 
@@ -34,3 +35,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_compiled_frames_after_the_test():
+    """A test that ran torch.compile leaves dynamo's frame counter set, and device parameters then
+    wait for every upload in step() (offload/step/uploads.py compiled_code_in_use) in all later
+    tests of the process: clear it, so that the overlapped paths stay tested after such a test."""
+    yield
+    import sys
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is not None:
+        utils.counters.clear()

@@ -236,3 +236,36 @@ def test_weight_write_after_synchronize_is_kept():
         return [p.detach().clone() for p in model.parameters()]
     for a, b in zip(run(None), run(FakeDevice(max_delay=0.002, seed=2))):
         assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ("eager", "deferred"))
+@pytest.mark.parametrize("how", ("wrapper", "in_place", "late"))
+def test_compiled_model_reads_the_new_weights(how, schedule):
+    """torch.compile(model), model.compile() or a compile after two steps: compiled code runs only
+    the global module hooks that existed when it was traced, so the per-module upload waits, which
+    are registered at each step(), did not happen inside a compiled forward: it read weights before
+    their upload landed (FakeDevice with slow copies: different losses and parameters). step() now
+    waits for every upload once torch.compile has compiled anything: bitwise the host path."""
+    def run(device):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.GELU(), torch.nn.Linear(40, 40), torch.nn.Linear(40, 5))
+        kw = dict(offload_device=device, bucket_mb=0.001, step_during_backward=schedule == "eager") if device else {}
+        opt = offload.AdamW(m.parameters(), lr=1e-2, **kw)
+        f = torch.compile(m, backend="eager") if how == "wrapper" else m
+        if how == "in_place":
+            m.compile(backend="eager")
+        gen = torch.Generator().manual_seed(1)
+        for it in range(5):
+            if how == "late" and it == 2:
+                f = torch.compile(m, backend="eager")
+            f(torch.randn(8, 30, generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if device:
+            opt.synchronize()
+            opt.close()
+        return [p.detach().clone() for p in m.parameters()]
+    torch._dynamo.reset()
+    for a, b in zip(run(None), run(FakeDevice(max_delay=0.01, min_delay=0.005, seed=4))):
+        assert torch.equal(a, b)

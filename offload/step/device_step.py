@@ -29,6 +29,7 @@ from .._dist import local
 from ..params.fingerprint import fingerprints
 from ..smallparams import DeviceSideAdam
 from ..telemetry import Trace
+from .uploads import compiled_code_in_use
 
 __all__ = ["DeviceStep", "GPU_OPTIONS", "small_params"]
 
@@ -241,6 +242,8 @@ class DeviceStep:
 
     def _queued(self, t0: float, rec: dict, mult: float) -> None:
         self._versions = self._snapshot()
+        if compiled_code_in_use():   # a compiled forward would not wait for its buckets (step/uploads.py)
+            self.feed.uploads.wait_all()
         self._record(t0, rec["side0"], rec, mult, overlapped=True)
 
     def _record(self, t0: float, s0: dict, stats: dict, mult: float, **extra) -> None:

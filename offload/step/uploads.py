@@ -9,6 +9,7 @@ during forward. Anything that needs every weight (the next backward, ``synchroni
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Callable, Optional
@@ -17,7 +18,22 @@ import torch
 
 from .hooks import weak_hook
 
-__all__ = ["Upload", "UploadWaits"]
+__all__ = ["Upload", "UploadWaits", "compiled_code_in_use"]
+
+
+def compiled_code_in_use() -> bool:
+    """Has torch.compile (dynamo) compiled a frame in this process? Compiled code runs only the
+    global module hooks that existed when it was traced (dynamo does not guard on them), and ours
+    is registered at each step(): inside a compiled forward the per-module waits do not happen, so
+    step() must wait for every upload itself. Conservative: any compiled frame counts (a compiled
+    loss function too), and an unreadable counter counts as one."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return False
+    try:
+        return bool(utils.counters["frames"]["total"])
+    except Exception:   # another torch's counters: assume compiled code
+        return True
 
 _WAIT_S = 300.0   # a hang is a bug: fail loudly instead
 
