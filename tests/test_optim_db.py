@@ -1,8 +1,9 @@
 # test_optim_db.py: offload.Adam/AdamW through PyTorch's own optimizer database
 # (torch.testing._internal.common_optimizers.optim_db, the inputs torch's test_optim.py runs):
-# every constructor input gives torch's results (RAM state; NVMe/mmap on a sample), its state_dict
-# continues in torch.optim, every error input raises torch's error type with a matching message, and
-# the flags torch's CPU tests exercise that offload does not implement are refused by name.
+# every constructor input gives torch's results (RAM state; NVMe/mmap on a sample; device parameters
+# through CpuDevice / FakeDevice), its state_dict continues in torch.optim, every error input raises
+# torch's error type with a matching message, and the flags torch's CPU tests exercise that offload
+# does not implement are refused by name.
 import re
 import warnings
 
@@ -109,6 +110,24 @@ def test_optim_db_cuda_only_inputs(name, oi):
     # without capturable (Tensor lr / Tensor betas on CPU, which torch's for-loop path accepts): torch's results
     kw = {k: v for k, v in oi.kwargs.items() if k != "capturable"}
     _compare(name, kw, torch.float32)
+
+
+@pytest.mark.parametrize("side", ["cpu_eager", "fake_deferred"])
+@pytest.mark.parametrize("name,oi", CPU_INPUTS, ids=_ids(CPU_INPUTS))
+def test_optim_db_input_device_params(name, oi, side):
+    """The same inputs with the parameters treated as device parameters (GPU-offload mode through
+    CpuDevice / FakeDevice, one bucket per tensor): torch's results."""
+    from offload.device import CpuDevice, FakeDevice
+    m1, m2 = _model(torch.float32), _model(torch.float32)
+    dev, extra = (CpuDevice(), {}) if side == "cpu_eager" else (FakeDevice(max_delay=0.002), dict(step_during_backward=False))
+    o1 = OURS[name](m1.parameters(), **_kwargs_dict(oi.kwargs), offload_device=dev, bucket_mb=0.0001, **extra)
+    o2 = getattr(torch.optim, name)(m2.parameters(), **_kwargs_dict(oi.kwargs))
+    _train(m1, o1, 4)
+    _train(m2, o2, 4)
+    o1.synchronize()
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b)
+    o1.close()
 
 
 SAMPLE = [x for x in CPU_INPUTS if x[0] == "AdamW" and x[1].desc in ("default", "amsgrad", "maximize")]
