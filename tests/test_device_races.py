@@ -131,7 +131,7 @@ def test_gradient_written_in_place_while_the_worker_copies_it_raises(tmp_path, m
     for b in bufs:
         b.mul_(-3.0)            # the next step's gradient, written into the same tensors
     hold.set()
-    with pytest.raises(RuntimeError, match="written in place while the CPU worker still had to copy"):
+    with pytest.raises(RuntimeError, match="changed while the CPU worker still had to copy it"):
         opt.step()
     opt.close()
 

@@ -20,7 +20,18 @@ import torch
 from .. import mformat
 from .._dist import local
 
-__all__ = ["CompressedState", "raw", "to_format", "write_piece"]
+__all__ = ["CompressedState", "bitwise_equal", "raw", "to_format", "write_piece"]
+
+
+def bitwise_equal(a, b: torch.Tensor) -> bool:
+    """``a`` is a tensor with ``b``'s shape, dtype and bytes (on any device; NaN payloads and -0 count)."""
+    if not isinstance(a, torch.Tensor):
+        return False
+    a, b = local(a), local(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    flat = lambda t: t.detach().contiguous().reshape(-1).view(torch.uint8)   # noqa: E731
+    return torch.equal(flat(a.to(b.device)), flat(b))
 
 
 def raw(layout, gi: int, i: int, fmt: str, mapping) -> Dict[str, torch.Tensor]:
@@ -89,7 +100,9 @@ class CompressedState(MutableMapping):
     ``step`` and ``master_param`` are the live objects (as with fp32 moments); ``exp_avg`` and
     ``exp_avg_sq`` are decoded to fp32 on every access (a fresh copy shaped like the parameter:
     reading costs one decode of the parameter's moments, writing into the copy changes nothing).
-    Assigning or deleting a moment is refused: use ``load_state_dict``.
+    Assigning or deleting a moment is refused (use ``load_state_dict``), except assigning a tensor
+    that holds exactly the decoded values (frameworks that move every state tensor to the model's
+    device do that): the state stays where it is.
     """
 
     def __init__(self, base: dict, decode: Callable[[], Dict[str, torch.Tensor]], fmt: str):
@@ -113,6 +126,8 @@ class CompressedState(MutableMapping):
 
     def __setitem__(self, key, value) -> None:
         if key in mformat.MOMENT_KEYS:
+            if bitwise_equal(value, self._decode()[key]):
+                return   # its own values back, e.g. Lightning's _optimizer_to_device (v[k] = v[k].to(device))
             raise ValueError(f"state[{key!r}] of a parameter with moments={self.moments!r} is decoded from the "
                              "compressed state on each access and cannot be replaced; load a whole state with "
                              "load_state_dict() (it re-quantizes torch's fp32 moments)")

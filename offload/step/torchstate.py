@@ -26,6 +26,10 @@ _STATE_FNS = ((getattr(torch._C, "TensorBase", None) or torch._C._TensorBase).__
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _on_another_device(t, cur) -> bool:
+    """``t`` lives on another device than the state view ``cur`` (a seam for the CPU-only tests)."""
+    return isinstance(t, torch.Tensor) and local(t).device != local(cur).device
+
 class _StateRecords:
     """Per group: what each parameter's opt.state entry was last validated as (state_rows' input)."""
 
@@ -100,7 +104,8 @@ class TorchLayout:
         ``state[p]['step']`` is adopted; a removed or emptied ``state[p]`` (``opt.state.clear()``,
         ``del opt.state[p]``) starts that parameter afresh at step 0. A replaced moment tensor cannot be
         adopted in place here (the moments live in the state file): it is refused by name instead of
-        being silently ignored.
+        being silently ignored, unless it holds exactly the state's values (a framework moving every
+        state tensor to the model's device): then the view of the state goes back in its place.
 
         Each parameter's entry is recorded once validated; each step only the entries that are not
         the recorded objects, or whose tensors moved (``.data = ...``), are looked at again
@@ -132,15 +137,32 @@ class TorchLayout:
                         and v.data_ptr() == steps.data_ptr() + 4 * i):
                     steps[i] = float(v.item() if isinstance(v, torch.Tensor) else (v or 0.0))
                     st["step"] = steps[i]
-                for key, ptr in ptrs.get((gi, i), {}).items():
+                for key, ptr in list(ptrs.get((gi, i), {}).items()):
                     t = st.get(key)
                     if isinstance(t, torch.Tensor) and local(t).data_ptr() != ptr:
+                        cur = self._holding(gi, i, key, t)
+                        if cur is not None:   # the same values elsewhere (Lightning's _optimizer_to_device)
+                            st[key] = cur
+                            ptrs[(gi, i)][key] = local(cur).data_ptr()
+                            continue
                         raise ValueError(
                             f"state[{key!r}] of parameter {i} of group {gi} was replaced by another tensor: with "
                             f"state={self.mode!r} the moments live in the state file, so a new tensor cannot be "
                             "adopted; write into the existing one in place (e.g. opt.state[p]['exp_avg'].zero_()) "
                             "or load a whole state with load_state_dict()")
                 self._record_state(rec, i, ps[i], st, ptrs.get((gi, i), {}))
+
+    def _holding(self, gi: int, i: int, key: str, t):
+        """The view of the state entry ``key`` of parameter (gi, i) if ``t``, which replaced it, is a copy
+        of it on another device (a framework moving every state tensor to the model's device, e.g.
+        Lightning's _optimizer_to_device on a GPU: the state stays in its tier and the view goes back
+        in), else None. A replacement on the state's own device is refused as before: the user may go
+        on writing into it, and it would not be the state."""
+        view, fd = self.tier.mapping()
+        cur = self._views(gi, i, view, fd).get(key)
+        if cur is None or not _on_another_device(t, cur):
+            return None
+        return cur if compressed.bitwise_equal(t, cur) else None
 
     def _record_state(self, rec: "_StateRecords", i: int, p, st, ptrs: dict) -> None:
         """Record state[p] (just validated by _adopt_user_state) for state_rows to compare with."""
