@@ -269,3 +269,31 @@ def test_compiled_model_reads_the_new_weights(how, schedule):
     torch._dynamo.reset()
     for a, b in zip(run(None), run(FakeDevice(max_delay=0.01, min_delay=0.005, seed=4))):
         assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ("eager", "deferred"))
+def test_the_cpu_worker_records_no_event_on_its_own_thread(monkeypatch, schedule):
+    """The events the worker's copies wait for come from the compute stream (recorded on the training
+    thread or in backward hooks). One recorded on the worker's own thread would be on that thread's
+    current CUDA stream, which is not ordered after a user's compute stream; the first step of each
+    parameter reads its master from the device in the worker (registry.init_fresh) and did that."""
+    names = []
+    orig = FakeDevice.record
+
+    def record(self):
+        names.append(threading.current_thread().name)
+        return orig(self)
+
+    monkeypatch.setattr(FakeDevice, "record", record)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Linear(40, 5)).to(torch.bfloat16)
+    opt = offload.AdamW(model.parameters(), lr=1e-2, offload_device=FakeDevice(max_delay=0.001), bucket_mb=0.001,
+                        step_during_backward=schedule == "eager")
+    for _ in range(3):
+        model(torch.randn(8, 30).bfloat16()).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    opt.close()
+    assert names and "offload-backward-step" not in names, sorted(set(names))

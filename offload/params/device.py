@@ -145,13 +145,17 @@ class DeviceParams:
         self.collect_times()
 
     # ------------------------------------------------------------------ masters, norms
-    def read_master(self, gi: int, i: int, start: int, n: int, dst: torch.Tensor, changed_only: bool = False) -> None:
+    def read_master(self, gi: int, i: int, start: int, n: int, dst: torch.Tensor, changed_only: bool = False,
+                    after=None) -> None:
         """dst = the parameter's elements [start, start + n). ``changed_only`` (a user wrote the parameter,
         dst holds its master): a bf16/fp16 parameter adopts only the elements that differ from
-        round(master), as the host kernel does, so the others keep their fp32 master's precision."""
+        round(master), as the host kernel does, so the others keep their fp32 master's precision.
+        ``after``: the copy waits for it (the CPU worker passes its bucket's event from the compute
+        stream: an event recorded on the worker's own thread would be on that thread's current
+        stream, which is not ordered after a user's compute stream); default: the caller's stream now."""
         p = local(self.groups[gi][i]).detach().reshape(-1)[start:start + n]
         tmp = dst if p.dtype == torch.float32 else torch.empty(n, dtype=p.dtype)
-        self.device.copy_to_host([(tmp, p)], self.device.record()).synchronize()
+        self.device.copy_to_host([(tmp, p)], self.device.record() if after is None else after).synchronize()
         if tmp is dst:
             return
         if changed_only:

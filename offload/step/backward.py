@@ -23,6 +23,7 @@ RAM-state GPU scheduler does). Anything that fails after a bucket was stepped ma
 """
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import threading
@@ -369,7 +370,7 @@ class BackwardFeed(FeedStep):
             self.stepped.add(b.index)
             blk = tier.acquire(b, read)   # read on demand if it was not read ahead
             self._read_ahead(blocking=True)   # the next reads run during this kernel
-            eng.registry.init_fresh(b, act, blk, side.read_master)
+            eng.registry.init_fresh(b, act, blk, functools.partial(side.read_master, after=after))
             ptrs = side.ptrs(b, act, st)   # waits for the D2H
             _unchanged(reads)
             steps = eng.registry.steps[b.group].numpy()
