@@ -207,6 +207,55 @@ def _fsdp2(rank, outdir):
         assert torch.equal(a.to_local(), b.to_local()), f"FSDP2 resumed parameter {i} differs"
 
 
+def _fsdp2_moments(rank, outdir):
+    """Compressed moments on FSDP2's local shards (DTensor parameters): close to single-process torch
+    (a few steps of quantized moments), torch-layout DTensor moments in state_dict(), and offload.save
+    / offload.load resume bitwise (the compressed bytes of each rank's shards)."""
+    from torch.distributed.tensor import DTensor
+    clip = 0.05
+    p0 = [p.detach().clone() for p in _model().parameters()]
+    ref, _ = _reference(STEPS, clip=clip)
+    for fmt, bound in (("bf16", 0.02), ("8bit", 0.08)):
+        model = _fsdp_model()
+        opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=1, moments=fmt,
+                            moments_min_size=0)
+        ckpt = os.path.join(outdir, f"fsdp2-{fmt}")
+        for s in range(STEPS):
+            x, y = _local_batch(s, rank)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.clip_grad_norm_(clip)
+            opt.step()
+            opt.zero_grad()
+            if s == 1:
+                offload.save(opt, ckpt)
+                saved = [p.to_local().detach().clone() for p in model.parameters()]
+        for i, (p, r, a) in enumerate(zip(model.parameters(), ref, p0)):
+            rel = float((p.full_tensor() - r).norm() / (r - a).norm())
+            assert rel < bound, f"{fmt} FSDP2 parameter {i}: {rel:.3g} of the update from torch's"
+        st = opt.state_dict()["state"][0]
+        assert isinstance(st["exp_avg"], DTensor) and st["exp_avg"].dtype == torch.float32
+        model2 = _fsdp_model()
+        opt2 = offload.AdamW(model2.parameters(), lr=1e-2, weight_decay=0.1, threads=1, moments=fmt,
+                             moments_min_size=0)
+        with torch.no_grad():
+            for p, v in zip(model2.parameters(), saved):
+                p.to_local().copy_(v)
+        offload.load(opt2, ckpt)
+        for s in range(2, STEPS):
+            x, y = _local_batch(s, rank)
+            torch.nn.functional.mse_loss(model2(x), y).backward()
+            opt2.clip_grad_norm_(clip)
+            opt2.step()
+            opt2.zero_grad()
+        for i, (a, b) in enumerate(zip(model.parameters(), model2.parameters())):
+            assert torch.equal(a.to_local(), b.to_local()), f"{fmt} FSDP2 resumed parameter {i} differs"
+
+
+@pytest.mark.timeout(90)
+def test_fsdp2_compressed_moments(tmp_path):
+    _run("fsdp2_moments", tmp_path)
+
+
 @pytest.mark.timeout(90)
 def test_fsdp2_local_shards_and_clipping_match_single_process(tmp_path):
     _run("fsdp2", tmp_path)
