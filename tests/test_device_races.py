@@ -297,3 +297,26 @@ def test_the_cpu_worker_records_no_event_on_its_own_thread(monkeypatch, schedule
     opt.synchronize()
     opt.close()
     assert names and "offload-backward-step" not in names, sorted(set(names))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ("eager", "deferred"))
+def test_model_state_dict_right_after_step_holds_the_new_weights(schedule):
+    """model.state_dict() right after step(), as transformers' Trainer, Lightning and accelerate save
+    checkpoints: it waits for the uploads of each module's parameters (a state_dict pre-hook on the
+    modules seen in forward), instead of returning the weights before the step (a checkpoint of the
+    old model beside the new optimizer state; on the FakeDevice, whose copies here take 0.2 s and
+    poison their destination until they land, NaN)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5))
+    opt = offload.AdamW(model.parameters(), lr=1e-2, offload_device=FakeDevice(min_delay=0.2, max_delay=0.2),
+                        bucket_mb=0.001, step_during_backward=schedule == "eager")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randn(8, 30)).square().mean().backward()
+    opt.step()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.synchronize()
+    after = model.state_dict()
+    assert all(torch.equal(saved[k], after[k]) for k in after), [k for k in after if not torch.equal(saved[k], after[k])]
+    assert not any(torch.equal(before[k], after[k]) for k in after)
+    opt.close()

@@ -113,8 +113,9 @@ class BackwardFeed(FeedStep):
         self._maps()
         self._reset()
         self.seen: list = []         # buckets in the order the first forward used them (upload order)
-        self._observer = None if self.eager else torch.nn.modules.module.register_module_forward_pre_hook(
-            weak_hook(self, "observe"))
+        # until the first step(): the order the first forward uses the buckets in (deferred schedule),
+        # and the modules whose state_dict() must wait for uploads (uploads.note)
+        self._observer = torch.nn.modules.module.register_module_forward_pre_hook(weak_hook(self, "observe"))
         self._q: "queue.Queue" = queue.Queue()
         self._worker = threading.Thread(target=_loop, args=(weakref.ref(self), self._q),
                                         name="offload-backward-step", daemon=True)
@@ -403,7 +404,7 @@ class BackwardFeed(FeedStep):
         self.uploads.wait_all()
 
     def close(self) -> None:
-        self.uploads.remove_hook()
+        self.uploads.close()
         if self._observer is not None:
             self._observer.remove()
             self._observer = None

@@ -19,7 +19,9 @@ __all__ = ["FeedStep"]
 
 class FeedStep:
     def observe(self, module, args=None) -> None:
-        """Forward pre-hook until the first step(): the order in which modules use the buckets."""
+        """Forward pre-hook until the first step(): the order in which modules use the buckets, and the
+        modules whose state_dict() waits for their uploads (step/uploads.py note)."""
+        self.uploads.note(module)
         seen = self.seen
         for p in module._parameters.values():
             for bi in self.buckets_of.get(self.key_of.get(id(p)), ()) if p is not None else ():
@@ -76,6 +78,9 @@ class FeedStep:
                         if (gi, i) not in self.sent and p.grad is not None and (gi, i) in self.buckets_of:
                             self._capture(gi, i, p)
                 order = self.order if self.eager else self.forward_order()
+                if self.eager and self._observer is not None:
+                    self._observer.remove()   # (forward_order removes it in the deferred schedule)
+                    self._observer = None
                 todo = [bi for bi in order if bi not in self.done]
                 buckets = eng.layout.buckets
                 hypers = {gi: self.hyper(gi) for gi in {buckets[bi].group for bi in todo}}   # all checked first

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -66,6 +67,7 @@ class UploadWaits:
         self.next = 0                  # seq[:next] already waited for
         self.exposed_s = 0.0           # host seconds the training thread was blocked here
         self._handle = None
+        self._sd_hooks = weakref.WeakKeyDictionary()   # module -> its state_dict pre-hook (see note)
 
     def start(self, seq: list) -> None:
         """The uploads of a step, in issue order (those of earlier steps were all waited for)."""
@@ -78,7 +80,28 @@ class UploadWaits:
     def pending(self) -> bool:
         return self.next < len(self.seq)
 
+    def note(self, module) -> None:
+        """A module seen in a forward: if it owns parameters with buckets, its ``state_dict()`` waits for
+        their uploads first (a pre-hook, kept until close()). Frameworks save ``model.state_dict()``
+        right after ``step()`` (transformers' Trainer checkpoints, Lightning, accelerate): without it a
+        checkpoint held the weights before the step beside the optimizer state after it."""
+        if module in self._sd_hooks or not hasattr(module, "register_state_dict_pre_hook"):
+            return
+        if any(p is not None and self.bucket_of_param(id(p)) for p in module._parameters.values()):
+            self._sd_hooks[module] = module.register_state_dict_pre_hook(weak_hook(self, "before_state_dict"))
+
+    def before_state_dict(self, module, prefix=None, keep_vars=None) -> None:
+        if self.pending:
+            self.before_forward(module)
+
+    def close(self) -> None:
+        self.remove_hook()
+        for handle in list(self._sd_hooks.values()):
+            handle.remove()
+        self._sd_hooks = weakref.WeakKeyDictionary()
+
     def before_forward(self, module, args=None) -> None:
+        self.note(module)
         need = -1
         for p in module._parameters.values():
             if p is None:
