@@ -320,3 +320,28 @@ def test_model_state_dict_right_after_step_holds_the_new_weights(schedule):
     assert all(torch.equal(saved[k], after[k]) for k in after), [k for k in after if not torch.equal(saved[k], after[k])]
     assert not any(torch.equal(before[k], after[k]) for k in after)
     opt.close()
+
+
+_EXIT_SCRIPT = """
+import sys, tempfile, torch, offload
+from offload.device import CpuDevice
+p = torch.nn.Parameter(torch.zeros(12_000_000))
+kw = dict(state="nvme", nvme_dir=tempfile.mkdtemp()) if sys.argv[1] == "nvme" else {}
+opt = offload.AdamW([p], lr=1e-2, offload_device=CpuDevice(), step_during_backward=False, **kw)
+p.grad = torch.ones_like(p)
+opt.step()        # returns while the CPU worker is inside the kernel (GIL released)
+print("end of script")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tier", ("ram", "nvme"))
+def test_script_ending_right_after_step_exits_cleanly(tier):
+    """The worker is joined at interpreter exit (weakref.finalize); it used to be killed on its way
+    back into Python from the kernel, through C++ code: 'terminate called without an active
+    exception', exit code 134, every time."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, tier], capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0 and "terminate" not in r.stderr, (r.returncode, r.stderr[-2000:])
+    assert "end of script" in r.stdout

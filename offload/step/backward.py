@@ -65,6 +65,17 @@ def _loop(ref, q) -> None:
             return
 
 
+def _stop_worker(q, worker: threading.Thread) -> None:
+    """The feed is gone, or the interpreter exits (weakref.finalize runs at exit): the worker finishes
+    what is queued (the last step's buckets) and stops, and exit waits for it. Without the join a
+    worker still inside a kernel (GIL released) when the interpreter finalized was killed on its way
+    back into Python, through C++ code: std::terminate, the process aborted (exit code 134) whenever
+    a script ended right after step()."""
+    q.put(None)
+    if worker is not threading.current_thread():
+        worker.join(timeout=_WAIT_S)
+
+
 def _unchanged(reads) -> None:
     """The gradients a bucket's copy reads must not be written between its dispatch and the copy's end.
 
@@ -120,7 +131,7 @@ class BackwardFeed(FeedStep):
         self._worker = threading.Thread(target=_loop, args=(weakref.ref(self), self._q),
                                         name="offload-backward-step", daemon=True)
         self._worker.start()
-        self._finalizer = weakref.finalize(self, self._q.put, None)
+        self._finalizer = weakref.finalize(self, _stop_worker, self._q, self._worker)
 
     # ------------------------------------------------------------------ shape
     def _hook_params(self) -> None:
