@@ -345,3 +345,30 @@ def test_script_ending_right_after_step_exits_cleanly(tier):
     r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, tier], capture_output=True, text=True, timeout=110)
     assert r.returncode == 0 and "terminate" not in r.stderr, (r.returncode, r.stderr[-2000:])
     assert "end of script" in r.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ("eager", "deferred"))
+def test_model_load_state_dict_right_after_step_is_kept(schedule):
+    """model.load_state_dict() right after step() (a rollback) waits for the uploads of each module's
+    parameters first, so no upload lands after the load and reverts it; the next step takes the loaded
+    weights, as the host path does (bitwise)."""
+    def run(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5))
+        kw = dict(offload_device=device, bucket_mb=0.001, step_during_backward=schedule == "eager") if device else {}
+        opt = offload.AdamW(model.parameters(), lr=1e-2, **kw)
+        snap = {k: v.clone() for k, v in model.state_dict().items()}
+        gen = torch.Generator().manual_seed(1)
+        for s in range(3):
+            model(torch.randn(8, 30, generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if s == 1:
+                model.load_state_dict(snap)   # back to the initial weights, without synchronize()
+        if device:
+            opt.synchronize()
+            opt.close()
+        return [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(run(None), run(FakeDevice(min_delay=0.05, max_delay=0.05))):
+        assert torch.equal(a, b)

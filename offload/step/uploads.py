@@ -81,23 +81,30 @@ class UploadWaits:
         return self.next < len(self.seq)
 
     def note(self, module) -> None:
-        """A module seen in a forward: if it owns parameters with buckets, its ``state_dict()`` waits for
-        their uploads first (a pre-hook, kept until close()). Frameworks save ``model.state_dict()``
-        right after ``step()`` (transformers' Trainer checkpoints, Lightning, accelerate): without it a
-        checkpoint held the weights before the step beside the optimizer state after it."""
+        """A module seen in a forward: if it owns parameters with buckets, its ``state_dict()`` and
+        ``load_state_dict()`` wait for their uploads first (pre-hooks, kept until close()). Frameworks
+        save ``model.state_dict()`` right after ``step()`` (transformers' Trainer checkpoints,
+        Lightning, accelerate): without the wait a checkpoint held the weights before the step beside
+        the optimizer state after it; and a load right after ``step()`` could be overwritten by an
+        upload landing after it."""
         if module in self._sd_hooks or not hasattr(module, "register_state_dict_pre_hook"):
             return
         if any(p is not None and self.bucket_of_param(id(p)) for p in module._parameters.values()):
-            self._sd_hooks[module] = module.register_state_dict_pre_hook(weak_hook(self, "before_state_dict"))
+            hooks = [module.register_state_dict_pre_hook(weak_hook(self, "before_state_dict"))]
+            if hasattr(module, "register_load_state_dict_pre_hook"):
+                hooks.append(module.register_load_state_dict_pre_hook(weak_hook(self, "before_state_dict")))
+            self._sd_hooks[module] = hooks
 
-    def before_state_dict(self, module, prefix=None, keep_vars=None) -> None:
+    def before_state_dict(self, module, *args) -> None:
+        """(state_dict / load_state_dict pre-hook) the module's parameters' uploads first."""
         if self.pending:
             self.before_forward(module)
 
     def close(self) -> None:
         self.remove_hook()
-        for handle in list(self._sd_hooks.values()):
-            handle.remove()
+        for hooks in list(self._sd_hooks.values()):
+            for handle in hooks:
+                handle.remove()
         self._sd_hooks = weakref.WeakKeyDictionary()
 
     def before_forward(self, module, args=None) -> None:
