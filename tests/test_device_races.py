@@ -214,27 +214,33 @@ def test_weight_write_before_its_upload_is_waited_for_raises(monkeypatch, how, w
 
 
 @pytest.mark.timeout(60)
+def _host_vs_device(device, between, schedule="deferred", steps=3):
+    """Three steps of a small MLP (host parameters when ``device`` is None), ``between(step, model, opt)``
+    after each step(); the final parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5))
+    kw = dict(offload_device=device, bucket_mb=0.001, step_during_backward=schedule == "eager") if device else {}
+    opt = offload.AdamW(model.parameters(), lr=1e-2, **kw)
+    gen = torch.Generator().manual_seed(1)
+    for s in range(steps):
+        model(torch.randn(8, 30, generator=gen)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        between(s, model, opt)
+    if device:
+        opt.synchronize()
+        opt.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def test_weight_write_after_synchronize_is_kept():
     """The same write after opt.synchronize() is legal and not reported: bitwise the host path."""
-    def run(device):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Linear(40, 5))
-        kw = dict(offload_device=device, bucket_mb=0.001, step_during_backward=False) if device else {}
-        opt = offload.AdamW(model.parameters(), lr=1e-2, **kw)
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            model(torch.randn(8, 30, generator=gen)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            if device:
-                opt.synchronize()
-            with torch.no_grad():
-                model[0].weight.mul_(0.5)
-        if device:
+    def between(s, model, opt):
+        if hasattr(opt, "synchronize"):
             opt.synchronize()
-            opt.close()
-        return [p.detach().clone() for p in model.parameters()]
-    for a, b in zip(run(None), run(FakeDevice(max_delay=0.002, seed=2))):
+        with torch.no_grad():
+            model[0].weight.mul_(0.5)
+    for a, b in zip(_host_vs_device(None, between), _host_vs_device(FakeDevice(max_delay=0.002, seed=2), between)):
         assert torch.equal(a, b)
 
 
@@ -353,22 +359,13 @@ def test_model_load_state_dict_right_after_step_is_kept(schedule):
     """model.load_state_dict() right after step() (a rollback) waits for the uploads of each module's
     parameters first, so no upload lands after the load and reverts it; the next step takes the loaded
     weights, as the host path does (bitwise)."""
-    def run(device):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5))
-        kw = dict(offload_device=device, bucket_mb=0.001, step_during_backward=schedule == "eager") if device else {}
-        opt = offload.AdamW(model.parameters(), lr=1e-2, **kw)
-        snap = {k: v.clone() for k, v in model.state_dict().items()}
-        gen = torch.Generator().manual_seed(1)
-        for s in range(3):
-            model(torch.randn(8, 30, generator=gen)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            if s == 1:
-                model.load_state_dict(snap)   # back to the initial weights, without synchronize()
-        if device:
-            opt.synchronize()
-            opt.close()
-        return [p.detach().clone() for p in model.parameters()]
-    for a, b in zip(run(None), run(FakeDevice(min_delay=0.05, max_delay=0.05))):
+    torch.manual_seed(0)
+    snap = {k: v.clone() for k, v in torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Tanh(),
+                                                         torch.nn.Linear(40, 5)).state_dict().items()}
+
+    def between(s, model, opt):
+        if s == 1:
+            model.load_state_dict(snap)   # back to the initial weights, without synchronize()
+    host = _host_vs_device(None, between)
+    for a, b in zip(host, _host_vs_device(FakeDevice(min_delay=0.05, max_delay=0.05), between, schedule)):
         assert torch.equal(a, b)

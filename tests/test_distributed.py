@@ -191,12 +191,18 @@ def _fsdp2(rank, outdir):
     assert len(os.listdir(nvdir)) == 1   # this rank's private state directory
     opt_nv.close()
 
+    _fsdp2_resume(rank, model, saved, os.path.join(outdir, "fsdp2"), clip, "FSDP2")
+
+
+def _fsdp2_resume(rank, model, saved, ckpt, clip, what, **opt_kw):
+    """A fresh FSDP2 model with the weights ``saved`` after step 2 and its optimizer from ``ckpt``,
+    continued to STEPS: bitwise ``model``."""
     model2 = _fsdp_model()
-    opt2 = offload.AdamW(model2.parameters(), lr=1e-2, weight_decay=0.1, threads=1)
+    opt2 = offload.AdamW(model2.parameters(), lr=1e-2, weight_decay=0.1, threads=1, **opt_kw)
     with torch.no_grad():
         for p, v in zip(model2.parameters(), saved):
             p.to_local().copy_(v)
-    offload.load(opt2, os.path.join(outdir, "fsdp2"))
+    offload.load(opt2, ckpt)
     for s in range(2, STEPS):
         x, y = _local_batch(s, rank)
         torch.nn.functional.mse_loss(model2(x), y).backward()
@@ -204,7 +210,7 @@ def _fsdp2(rank, outdir):
         opt2.step()
         opt2.zero_grad()
     for i, (a, b) in enumerate(zip(model.parameters(), model2.parameters())):
-        assert torch.equal(a.to_local(), b.to_local()), f"FSDP2 resumed parameter {i} differs"
+        assert torch.equal(a.to_local(), b.to_local()), f"{what} resumed parameter {i} differs"
 
 
 def _fsdp2_moments(rank, outdir):
@@ -234,21 +240,7 @@ def _fsdp2_moments(rank, outdir):
             assert rel < bound, f"{fmt} FSDP2 parameter {i}: {rel:.3g} of the update from torch's"
         st = opt.state_dict()["state"][0]
         assert isinstance(st["exp_avg"], DTensor) and st["exp_avg"].dtype == torch.float32
-        model2 = _fsdp_model()
-        opt2 = offload.AdamW(model2.parameters(), lr=1e-2, weight_decay=0.1, threads=1, moments=fmt,
-                             moments_min_size=0)
-        with torch.no_grad():
-            for p, v in zip(model2.parameters(), saved):
-                p.to_local().copy_(v)
-        offload.load(opt2, ckpt)
-        for s in range(2, STEPS):
-            x, y = _local_batch(s, rank)
-            torch.nn.functional.mse_loss(model2(x), y).backward()
-            opt2.clip_grad_norm_(clip)
-            opt2.step()
-            opt2.zero_grad()
-        for i, (a, b) in enumerate(zip(model.parameters(), model2.parameters())):
-            assert torch.equal(a.to_local(), b.to_local()), f"{fmt} FSDP2 resumed parameter {i} differs"
+        _fsdp2_resume(rank, model, saved, ckpt, clip, f"{fmt} FSDP2", moments=fmt, moments_min_size=0)
 
 
 @pytest.mark.timeout(90)
