@@ -33,6 +33,13 @@ from .uploads import compiled_code_in_use
 
 __all__ = ["DeviceStep", "GPU_OPTIONS", "small_params"]
 
+
+def _mark(p) -> tuple:
+    """What a write to a parameter changes: its version counter (in place) or its data pointer (.data = ...)."""
+    lp = local(p)
+    return (lp._version, lp.data_ptr())
+
+
 GPU_OPTIONS = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm", "check_overflow",
                "release_grads", "trace", "small_param_numel")
 
@@ -90,14 +97,10 @@ class DeviceStep:
         """Has parameter (gi, i) been written in place (version) or re-pointed (data pointer) since the
         snapshot of the last step() (False when there is none, e.g. right after a load)?"""
         was = self._versions.get((gi, i))
-        if was is None:
-            return False
-        p = local(self.engine.groups[gi][i])
-        return (p._version, p.data_ptr()) != was
+        return was is not None and _mark(self.engine.groups[gi][i]) != was
 
     def _snapshot(self) -> dict:
-        return {(gi, i): (local(p)._version, local(p).data_ptr())
-                for gi, ps in enumerate(self.engine.groups) for i, p in enumerate(ps)}
+        return {(gi, i): _mark(p) for gi, ps in enumerate(self.engine.groups) for i, p in enumerate(ps)}
 
     # ------------------------------------------------------------------ writes through p.data
     def _take_prints(self) -> None:

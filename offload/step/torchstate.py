@@ -30,6 +30,7 @@ def _on_another_device(t, cur) -> bool:
     """``t`` lives on another device than the state view ``cur`` (a seam for the CPU-only tests)."""
     return isinstance(t, torch.Tensor) and local(t).device != local(cur).device
 
+
 class _StateRecords:
     """Per group: what each parameter's opt.state entry was last validated as (state_rows' input)."""
 
