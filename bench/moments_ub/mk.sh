@@ -1,6 +1,7 @@
 #!/bin/bash
 # mk.sh: builds drv.cpp with kernel variants, each from its own csrc/ copy (AVX2 flags, the
 # build's -O3 -ffp-contract=off). Usage: bench/moments_ub/mk.sh OUT name:CSRC_DIR[:extra flags] ...
+#   a name ending in 512 gets the AVX-512 kernels (setup.py's flags, -DVISA=Avx512ISA)
 #   e.g. git archive main | tar -x -C /tmp/old; mk.sh /tmp/drv old:/tmp/old/csrc new:$PWD/csrc
 # Run the result under cpu-bench only.
 set -e
@@ -11,6 +12,7 @@ echo -n > $inc/vars.inc; objs=""
 decl=""; arr=""
 for spec in "$@"; do
   IFS=: read name dir flags <<< "$spec"
+  case $name in *512) flags="$flags -mavx512f -mavx512bw -mavx512vl -mavx512dq -Wno-maybe-uninitialized -DVISA=Avx512ISA";; esac
   g++ -std=c++17 -O3 -ffp-contract=off -fno-math-errno -mavx2 -mfma -mf16c -I$dir $flags -DVN=$name -c $here/var.cpp -o $inc/$name.o &
   decl="$decl namespace offload { void ${name}_q(const AdamQTask&, const AdamScalars&, int64_t, int64_t); void ${name}_f(const AdamTask&, const AdamScalars&, int64_t, int64_t); }"
   arr="$arr {\"$name\", offload::${name}_q, offload::${name}_f},"
