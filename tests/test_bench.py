@@ -6,7 +6,7 @@ import sys
 
 
 def test_kernel_bench_tiny_run_writes_json(tmp_path):
-    out = tmp_path / "k.json"
+    out = tmp_path / "not_yet_there" / "k.json"  # the folder is created
     r = subprocess.run([sys.executable, "-m", "offload.bench", "kernel", "--scale", "0.0005", "--reps", "1",
                         "--threads", "1", "--no-deepspeed", "--no-progress", "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
@@ -14,7 +14,7 @@ def test_kernel_bench_tiny_run_writes_json(tmp_path):
     first = r.stdout.splitlines()[0]
     assert first.startswith("CPU: ") and "kernel ISA: " in first  # machine class first (issue 11)
     assert "bandwidth probe (ceiling)" in r.stdout and "torch AdamW(fused=True)" in r.stdout
-    assert "targets (issue 11" in r.stdout
+    assert "targets (issues 9 and 11" in r.stdout
     data = json.loads(out.read_text())
     impls = {row["impl"] for row in data["results"]}
     assert {"offload.AdamW.step", "offload kernel call", "torch AdamW(fused=True)",
@@ -42,6 +42,17 @@ def test_paired_ratio_is_the_median_of_per_round_ratios():
     assert paired_ratio([2.0, 8.0, 4.0], [1.0, 4.0, 2.5]) == 2.0
     with pytest.raises(ValueError, match="equally long"):
         paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_unwritable_result_paths_are_refused_before_the_run(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("mine")
+    for flag, path in (("--json", blocker / "k.json"), ("--json", tmp_path), ("--plot", blocker / "p.png")):
+        r = subprocess.run([sys.executable, "-m", "offload.bench", "kernel", flag, str(path)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and f"{flag} {path}" in r.stderr, r.stderr
+        assert "CPU: " not in r.stdout  # nothing was measured
+    assert blocker.read_text() == "mine"
 
 
 def test_kernel_bench_rejects_unknown_case():

@@ -9,6 +9,7 @@ import importlib
 import sys
 
 from . import SUBCOMMANDS
+from .common import output_path_problem
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +36,11 @@ def main(argv=None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    for flag in ("json", "plot"):  # fail now, not after the run
+        path = getattr(args, flag, None)
+        problem = output_path_problem(path) if path else None
+        if problem:
+            parser.error(f"--{flag} {path}: {problem}")
     return int(args.func(args) or 0)
 
 

@@ -17,7 +17,11 @@ def add_common_options(p, *, reps: int, what: str = "repetitions") -> None:
 
 
 def cpu_model() -> str:
-    return machine_info().get("cpu", "unknown CPU")
+    """The model name, and the family/model numbers (a VM may show only "Intel(R) Xeon(R)
+    Processor", which names no generation)."""
+    info = machine_info()
+    name = info.get("cpu", "unknown CPU")
+    return f"{name} ({info['cpu_id']})" if info.get("cpu_id") else name
 
 
 def median(xs: Iterable[float]) -> float:
@@ -77,11 +81,18 @@ def format_table(headers: list, rows: list) -> str:
 def machine_info() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
     try:
+        fields = {}
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
+                if not line.strip():
+                    break  # the first CPU's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+        if "model name" in fields:
+            info["cpu"] = fields["model name"]
+        if "cpu family" in fields and "model" in fields:
+            info["cpu_id"] = f"family {fields['cpu family']} model {fields['model']}" + (
+                f" stepping {fields['stepping']}" if "stepping" in fields else "")
     except OSError:
         pass
     try:
@@ -92,9 +103,25 @@ def machine_info() -> dict:
     return info
 
 
+def output_path_problem(path: str) -> Optional[str]:
+    """Why a result file could not be written at `path` (None: it can), asked before a run so
+    that minutes of measurements are not lost to a missing folder at the end. Creates the folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        return f"cannot create the folder {folder}: {e.strerror or e}"
+    if os.path.isdir(path):
+        return f"{path} is a folder"
+    if not os.access(folder, os.W_OK):
+        return f"the folder {folder} is not writable"
+    return None
+
+
 def write_json(path: Optional[str], payload: dict) -> None:
     if not path:
         return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=2, sort_keys=True)

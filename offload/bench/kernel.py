@@ -220,7 +220,7 @@ def run(args) -> int:
         print("\n".join("  " + line for line in isa))
     targets = check_targets(cases, thread_counts) + (mom[2] if mom is not None else [])
     if targets:
-        print("\ntargets (issue 11; medians of this run):")
+        print("\ntargets (issues 9 and 11; medians of this run):")
         print("\n".join("  " + t for t in targets))
     write_json(args.json, dict(machine=machine_info(), build=info, reps=args.reps, scale=args.scale, full=args.full,
                                results=records, targets=targets, target_definitions=list(TARGETS), isa_case=isa or isa_note,
