@@ -28,9 +28,9 @@ double grad_sumsq(const GradTask* tasks, int64_t ntasks, int nthreads);
 
 // Bandwidth probe: reads g, p, m, v and writes p, m, v (n floats each).
 void bandwidth_probe(float* p, float* m, float* v, const float* g, int64_t n, int nthreads);
-// Position-weighted sum of the 32-bit words of [p, p + nbytes) (odd pseudo-random weight per word,
-// products wrapping mod 2^32, summed mod 2^64); a trailing 1-3 bytes count as one more word. Any
-// single changed word changes it. (offload/params/fingerprint.py: CPU tensors.)
+// Position-weighted sum of the 32-bit words of [p, p + nbytes) (each word as int32 times an odd
+// pseudo-random int32 weight, exact 64-bit products, summed mod 2^64); a trailing 1-3 bytes count
+// as one more word. Any single changed word changes it. (offload/params/fingerprint.py: CPU tensors.)
 int64_t fingerprint_bytes(const void* p, int64_t nbytes);
 // The probe with a compressed-moment step's streams (kernels.h IsaKernels::probe_fmt).
 void bandwidth_probe_fmt(float* p, void* m, void* v, const void* g, void* out, int64_t n, int64_t mbytes,

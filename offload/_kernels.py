@@ -254,7 +254,8 @@ def bandwidth_probe_moments(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g
 
 
 def fingerprint(t: torch.Tensor) -> int:
-    """Position-weighted sum of a contiguous CPU tensor's bytes as 32-bit words (int64; any dtype):
+    """Position-weighted sum of a contiguous CPU tensor's bytes as 32-bit words (exact 64-bit products,
+    summed mod 2^64, returned as int64; any dtype):
     the CPU path of offload/params/fingerprint.py."""
     check_tensor(t, "tensor", dtypes=(t.dtype,))
     return int(_C._fingerprint(_ptr(t), t.numel() * t.element_size()))

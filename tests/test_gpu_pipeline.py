@@ -831,6 +831,25 @@ def test_fingerprints_see_every_kind_of_change(native):
     assert changed(1, lambda t: t.__setitem__(76, -t[76]))                          # an odd-length tail element
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("native", [True, False])
+def test_fingerprints_see_uniform_scalings(native):
+    # p.data.mul_(0.5) changes every element's bits by the same amount. With products wrapped mod
+    # 2^32 the change of the sum was (wrap carries) * 2^32 minus a constant: it cancelled for 10 of
+    # 300 random 1024-element tensors, and a halving write was silently reverted (found by
+    # tests/test_differential.py seed 1256).
+    from offload.params.fingerprint import fingerprints
+    g = torch.Generator().manual_seed(0)
+    for n in (1024, 2048, 4096, 8192):
+        for dtype in (torch.float32, torch.bfloat16):
+            ts = [torch.randn(n, generator=g).to(dtype) for _ in range(60)]
+            base = fingerprints(ts, native=native)
+            for factor in (0.5, 2.0, 0.25):
+                got = fingerprints([t * factor for t in ts], native=native)
+                same = torch.eq(got, base).nonzero().flatten().tolist()
+                assert not same, f"{n} x {dtype}, * {factor}: fingerprint unchanged for tensors {same}"
+
+
 @pytest.mark.timeout(60)
 def test_threads_end_when_optimizer_and_model_are_gone():
     import gc
