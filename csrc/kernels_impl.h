@@ -277,33 +277,27 @@ static void probe_fmt_t(float* __restrict p, MT* __restrict m, MT* __restrict v,
   // Software prefetch as the kernels do (kQPrefetchAhead): without it this Xeon's hardware
   // prefetchers left the bf16 grad + out probes slower than the kernels.
   constexpr int64_t kChunk = 64;
+  auto streams = [&](int64_t from, int64_t to) {
+    for (int64_t k = from; k < to; ++k) p[k] += 0.5f * static_cast<float>(g[k]);
+    for (int64_t k = from; k < to; ++k) m[k] = static_cast<MT>(m[k] + 1);
+    for (int64_t k = from; k < to; ++k) v[k] = static_cast<MT>(v[k] - 1);
+    if constexpr (OUT && std::is_same_v<GT, uint16_t>)  // any value: only the write matters
+      for (int64_t k = from; k < to; ++k) out[k] = static_cast<uint16_t>(g[k] ^ 1u);
+    else if constexpr (OUT)
+      for (int64_t k = from; k < to; ++k) out[k] = static_cast<uint16_t>(k);
+  };
   int64_t i = b;
   for (; i + kChunk <= e; i += kChunk) {
     if (i + kChunk + kQPrefetchAhead <= e) {
-      const int64_t a = i + kQPrefetchAhead;
-      for (int64_t k = 0; k < kChunk; k += 16) __builtin_prefetch(p + a + k, 1, 3);
-      for (int64_t k = 0; k < kChunk; k += 64 / sizeof(GT)) __builtin_prefetch(g + a + k, 0, 3);
-      for (int64_t k = 0; k < kChunk; k += 64 / sizeof(MT)) {
-        __builtin_prefetch(m + a + k, 1, 3);
-        __builtin_prefetch(v + a + k, 1, 3);
-      }
-      if constexpr (OUT) for (int64_t k = 0; k < kChunk; k += 32) __builtin_prefetch(out + a + k, 1, 3);
+      prefetch_chunk<kChunk, 4, true>(p, i);
+      prefetch_chunk<kChunk, sizeof(GT), false>(g, i);
+      prefetch_chunk<kChunk, sizeof(MT), true>(m, i);
+      prefetch_chunk<kChunk, sizeof(MT), true>(v, i);
+      if constexpr (OUT) prefetch_chunk<kChunk, 2, true>(out, i);
     }
-    for (int64_t k = i; k < i + kChunk; ++k) p[k] += 0.5f * static_cast<float>(g[k]);
-    for (int64_t k = i; k < i + kChunk; ++k) m[k] = static_cast<MT>(m[k] + 1);
-    for (int64_t k = i; k < i + kChunk; ++k) v[k] = static_cast<MT>(v[k] - 1);
-    if constexpr (OUT && std::is_same_v<GT, uint16_t>)  // any value: only the write matters
-      for (int64_t k = i; k < i + kChunk; ++k) out[k] = static_cast<uint16_t>(g[k] ^ 1u);
-    else if constexpr (OUT)
-      for (int64_t k = i; k < i + kChunk; ++k) out[k] = static_cast<uint16_t>(k);
+    streams(i, i + kChunk);
   }
-  for (; i < e; ++i) {
-    p[i] += 0.5f * static_cast<float>(g[i]);
-    m[i] = static_cast<MT>(m[i] + 1);
-    v[i] = static_cast<MT>(v[i] - 1);
-    if constexpr (OUT && std::is_same_v<GT, uint16_t>) out[i] = static_cast<uint16_t>(g[i] ^ 1u);
-    else if constexpr (OUT) out[i] = static_cast<uint16_t>(i);
-  }
+  streams(i, e);
 }
 
 template <class MT>

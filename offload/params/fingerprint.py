@@ -77,6 +77,6 @@ def fingerprints(tensors: Sequence[torch.Tensor], native: Optional[bool] = None)
         h = torch.zeros((), dtype=torch.int64, device=device)
         for k, start in enumerate(range(0, ints.numel(), _CHUNK)):
             c = ints[start:start + _CHUNK]
-            h += torch.mul(c.to(torch.int64), w[:c.numel()]).sum(dtype=torch.int64) * (2 * k + 1)
+            h += torch.mul(c, w[:c.numel()]).sum(dtype=torch.int64) * (2 * k + 1)   # int64 products (promotion)
         rows.append(h)
     return torch.stack(rows)
