@@ -16,7 +16,8 @@
 //
 // Loop structure as adam_loop (kernels_impl.h): pointers, coefficients and flags in locals of the
 // loop's own function (a store through p/m/v may alias the task's fields otherwise), DECAY and
-// RARE as template parameters; the vector loops software-pipelined (q_pipelined, below).
+// RARE as template parameters; the vector loops software-pipelined (q_pipelined, below), whole
+// 64-element groups unrolled with their prefetches in fixed places (q_pipelined_groups).
 #pragma once
 #include <cfloat>
 #include <cstring>
@@ -47,6 +48,7 @@ struct QOps<ScalarISA> {
   static Vi sign(Vi u) { return u & 0x80000000u; }
   static Vi abs(Vi u) { return u & 0x7FFFFFFFu; }
   static Vi or_(Vi a, Vi b) { return a | b; }
+  static Vi shl1_keep_sign(Vi u) { return (u << 1) | (u & 0x80000000u); }
   static Vi maxu(Vi a, Vi b) { return a > b ? a : b; }
   static void lanes(uint32_t* out, Vi a) { *out = a; }
 };
@@ -64,6 +66,7 @@ struct QOps<Avx2ISA> {
   static Vi sign(Vi u) { return _mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0x80000000u))); }
   static Vi abs(Vi u) { return _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)); }
   static Vi or_(Vi a, Vi b) { return _mm256_or_si256(a, b); }
+  static Vi shl1_keep_sign(Vi u) { return or_(shl1(u), sign(u)); }
   static Vi maxu(Vi a, Vi b) { return _mm256_max_epu32(a, b); }
   static void lanes(uint32_t* out, Vi a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), a); }
   // bf16 m and v of 8 elements: round to nearest even (NaN -> 0x7FC0, as f32_to_bf16), both
@@ -114,6 +117,10 @@ struct QOps<Avx512ISA> {
   static Vi sign(Vi u) { return _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u))); }
   static Vi abs(Vi u) { return _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)); }
   static Vi or_(Vi a, Vi b) { return _mm512_or_si512(a, b); }
+  // (u << 1) | (u & sign bit) in one ternary-logic op (A | (B & C): 0xF8)
+  static Vi shl1_keep_sign(Vi u) {
+    return _mm512_ternarylogic_epi32(shl1(u), u, _mm512_set1_epi32(static_cast<int>(0x80000000u)), 0xF8);
+  }
   static Vi maxu(Vi a, Vi b) { return _mm512_max_epu32(a, b); }
   static void lanes(uint32_t* out, Vi a) { _mm512_storeu_si512(out, a); }
   // 4 vectors of codes (in range, see q8_pass2) -> 64 int8 / uint8 in element order: two packs
@@ -201,6 +208,62 @@ static OFFLOAD_QINLINE int64_t q_pipelined(int64_t i, int64_t end, Dec dec, Stag
   return i + W;
 }
 
+// Elements per group of q_pipelined_groups: one 64-byte line of an 8-bit stream, a quarter block.
+constexpr int kQGroup = 64;
+
+// q_pipelined over `groups` whole groups of kQGroup elements from i, unrolled by the group's
+// vectors: two QVecs alternate (no copy per vector) and each software prefetch has a fixed vector
+// of the group (pf(i, u): vector u's prefetches for the group at element i; no branch per stream
+// and vector). The caller owns the groups and every line their prefetches ask for. Same
+// operations per element as q_pipelined, so the same results.
+template <class I, class Dec, class StageA, class StageB, class Pf>
+static OFFLOAD_QINLINE void q_pipelined_groups(int64_t i, int64_t groups, Dec dec, StageA stage_a, StageB stage_b, Pf pf) {
+  constexpr int W = I::W;
+  constexpr int GV = kQGroup / W;  // vectors per group
+  static_assert(GV >= 2 && GV % 2 == 0, "two alternating vectors per group");
+  if (groups <= 0) return;
+  QVec<I> x[2]{};
+  dec(i, x[0]);
+  stage_a(i, x[0]);
+  for (int64_t k = 0; k < groups; ++k, i += kQGroup) {
+    const bool more = k + 1 < groups;
+#pragma GCC unroll 8
+    for (int u = 0; u < GV; ++u) {
+      pf(i, u);
+      if (u + 1 < GV || more) {
+        dec(i + (u + 1) * W, x[(u + 1) & 1]);
+        stage_a(i + (u + 1) * W, x[(u + 1) & 1]);
+      }
+      stage_b(i + u * W, x[u & 1]);
+    }
+  }
+}
+
+// The prefetches of one stream (SIZE-byte elements) that fall to vector u of a group at element
+// i: each line start of the group, kQPrefetchAhead elements ahead, in the vector holding it,
+// moved PHASE vectors on (so that the streams' prefetches spread over the group's vectors).
+template <int W, int SIZE, bool WRITE, int PHASE>
+static OFFLOAD_QINLINE void q_prefetch_group(const void* base, int64_t i, int u) {
+  constexpr int kLine = 64 / SIZE;  // elements per line
+  constexpr int GV = kQGroup / W;
+#pragma GCC unroll 16
+  for (int e = 0; e < kQGroup; e += kLine)
+    if ((e / W + PHASE) % GV == u)
+      __builtin_prefetch(static_cast<const char*>(base) + (i + e + kQPrefetchAhead) * SIZE, WRITE ? 1 : 0, 3);
+}
+
+// Every stream's prefetches for vector u of a group (the streams of q_prefetch_streams).
+template <int W, int GD, int OD, int MSIZE>
+static OFFLOAD_QINLINE void q_prefetch_group_streams(const float* p, const void* g, const void* out, const void* m,
+                                                     const void* v, int64_t i, int u) {
+  constexpr int GV = kQGroup / W;
+  q_prefetch_group<W, 4, true, 0>(p, i, u);
+  q_prefetch_group<W, GD == kF32 ? 4 : 2, false, 1>(g, i, u);
+  if constexpr (OD != kNone) q_prefetch_group<W, OD == kF32 ? 4 : 2, true, 0>(out, i, u);
+  q_prefetch_group<W, MSIZE, true, 1>(m, i, u);
+  q_prefetch_group<W, MSIZE, true, GV / 2 + 1>(v, i, u);
+}
+
 // Software prefetch kQPrefetchAhead elements ahead, one stream of SIZE-byte elements: one
 // prefetch per 64-byte line (in the vector whose elements start it), none at or past `limit`
 // (the end of the range the loop owns). Measured with bench/moments_ub (Zen 3, 32M elements out
@@ -260,6 +323,17 @@ static void bf16m_loop(const AdamQTask& t, const AdamScalars& s, int64_t begin, 
   const Coeffs<I> c(s);
   int64_t i = begin;
   if constexpr (I::W > 1) {
+    const int64_t groups = end - i - kQPrefetchAhead >= kQGroup ? (end - i - kQPrefetchAhead) / kQGroup : 0;
+    q_pipelined_groups<I>(
+        i, groups,
+        [&](int64_t k, QVec<I>& x) {
+          x.m = I::load_bf16(m16 + k);
+          x.v = I::load_bf16(v16 + k);
+        },
+        [&](int64_t k, QVec<I>& x) { q_stage_a<I, GD, OD, DECAY, RARE>(p, g, out, c, f, k, x); },
+        [&](int64_t k, const QVec<I>& x) { q_stage_b<I, OD>(p, out, c, k, x); bf16m_store<I>(m16, v16, k, x); },
+        [&](int64_t k, int u) { q_prefetch_group_streams<I::W, GD, OD, 2>(p, g, out, m16, v16, k, u); });
+    i += groups * kQGroup;
     i = q_pipelined<I>(
         i, end,
         [&](int64_t k, QVec<I>& x) {
@@ -290,8 +364,7 @@ template <class I>
 static OFFLOAD_QINLINE void q8_decode(const int8_t* __restrict mq, const uint8_t* __restrict vq, int64_t j, typename I::V vmd,
                              typename I::V vvd, QVec<I>& x) {
   using Q = QOps<I>;
-  const auto xb = Q::bits(I::mul(I::load_i8(mq + j), vmd));
-  x.m = Q::flt(Q::or_(Q::shl1(xb), Q::sign(xb)));
+  x.m = Q::flt(Q::shl1_keep_sign(Q::bits(I::mul(I::load_i8(mq + j), vmd))));
   const typename I::V s = Q::flt(Q::shl1(Q::bits(I::mul(I::load_u8(vq + j), vvd))));
   x.v = I::mul(s, s);
 }
@@ -334,6 +407,14 @@ static inline Q8Pending q8_pass1(float* __restrict p, const int8_t* __restrict m
   typename Q::Vi am = Q::zero(), au = Q::zero();
   int64_t j = 0;  // index in the block; the element is i0 + j
   if constexpr (W > 1) {
+    if (len == kQBlock && i0 + kQBlock + kQPrefetchAhead <= lim) {
+      q_pipelined_groups<I>(
+          0, kQBlock / kQGroup, [&](int64_t k, QVec<I>& x) { q8_decode<I>(mq, vq, k, vmd, vvd, x); },
+          [&](int64_t k, QVec<I>& x) { q_stage_a<I, GD, OD, DECAY, RARE>(p, g, out, c, f, i0 + k, x); },
+          [&](int64_t k, const QVec<I>& x) { q_stage_b<I, OD>(p, out, c, i0 + k, x); q8_encode<I>(rbuf, ubuf, k, x, am, au); },
+          [&](int64_t k, int u) { q_prefetch_group_streams<W, GD, OD, 1>(p, g, out, mq0, vq0, i0 + k, u); });
+      j = kQBlock;
+    }
     j = q_pipelined<I>(
         j, len,
         [&](int64_t k, QVec<I>& x) {

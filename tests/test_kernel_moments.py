@@ -11,7 +11,10 @@ import torch
 from offload import _C, _kernels, kernels
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-SIZES = [0, 1, 8, 23, 255, 256, 257, 4097]  # 8, 23: one and two AVX2 vectors (the pipelined loops)
+# 8, 23: one and two AVX2 vectors (the pipelined loops); 1280, 1343: the last size whose first block,
+# or whose bf16 range, ends exactly where the unrolled groups' prefetches must stop (kQPrefetchAhead
+# = 1024 elements ahead), and one with a remainder of 3 AVX-512 vectors + 15 elements after the groups
+SIZES = [0, 1, 8, 23, 255, 256, 257, 1280, 1343, 4097]
 FORMATS = ["bf16", "8bit"]
 # (decoupled, maximize, weight_decay, grad_multiplier, beta1): every flag the kernel specialises on
 VARIANTS = [(True, False, 0.01, 1.0, 0.9), (False, True, 0.1, 0.5, 0.9), (True, False, 0.0, 1.0, 0.3),
