@@ -49,6 +49,7 @@ struct QOps<ScalarISA> {
   static Vi abs(Vi u) { return u & 0x7FFFFFFFu; }
   static Vi or_(Vi a, Vi b) { return a | b; }
   static Vi shl1_keep_sign(Vi u) { return (u << 1) | (u & 0x80000000u); }
+  static Vi shr1_keep_sign(Vi u) { return ((u & 0x7FFFFFFFu) >> 1) | (u & 0x80000000u); }
   static Vi maxu(Vi a, Vi b) { return a > b ? a : b; }
   static void lanes(uint32_t* out, Vi a) { *out = a; }
 };
@@ -67,6 +68,14 @@ struct QOps<Avx2ISA> {
   static Vi abs(Vi u) { return _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)); }
   static Vi or_(Vi a, Vi b) { return _mm256_or_si256(a, b); }
   static Vi shl1_keep_sign(Vi u) { return or_(shl1(u), sign(u)); }
+  // shr1(|u|) with u's sign: the arithmetic shift copies the sign into bits 31 and 30, the and
+  // clears bit 30 (which shr1 of |u| leaves 0). Two ops instead of and + shift + and + or; with
+  // the maximum taken over |m| (q8_encode) the 8-bit loop in L2 took 12.2 -> 11.6-11.8 TSC cycles
+  // per 8 elements on Zen 5 (AVX2 path, fp32 grads, five runs; bf16 grad + out 16.6 -> 16.3-16.5;
+  // the AVX-512 path, where one ternary-logic op did the or, within noise).
+  static Vi shr1_keep_sign(Vi u) {
+    return _mm256_and_si256(_mm256_srai_epi32(u, 1), _mm256_set1_epi32(static_cast<int>(0xBFFFFFFFu)));
+  }
   static Vi maxu(Vi a, Vi b) { return _mm256_max_epu32(a, b); }
   static void lanes(uint32_t* out, Vi a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), a); }
   // bf16 m and v of 8 elements: round to nearest even (NaN -> 0x7FC0, as f32_to_bf16), both
@@ -120,6 +129,9 @@ struct QOps<Avx512ISA> {
   // (u << 1) | (u & sign bit) in one ternary-logic op (A | (B & C): 0xF8)
   static Vi shl1_keep_sign(Vi u) {
     return _mm512_ternarylogic_epi32(shl1(u), u, _mm512_set1_epi32(static_cast<int>(0x80000000u)), 0xF8);
+  }
+  static Vi shr1_keep_sign(Vi u) {  // as QOps<Avx2ISA>
+    return _mm512_and_si512(_mm512_srai_epi32(u, 1), _mm512_set1_epi32(static_cast<int>(0xBFFFFFFFu)));
   }
   static Vi maxu(Vi a, Vi b) { return _mm512_max_epu32(a, b); }
   static void lanes(uint32_t* out, Vi a) { _mm512_storeu_si512(out, a); }
@@ -374,11 +386,10 @@ static OFFLOAD_QINLINE void q8_encode(float* __restrict rbuf, float* __restrict 
                              typename QOps<I>::Vi& am, typename QOps<I>::Vi& au) {
   using Q = QOps<I>;
   const auto mb = Q::bits(x.m);
-  const auto rb = Q::shr1(Q::abs(mb));
   const auto ub = Q::shr1(Q::bits(x.sv));
-  I::store(rbuf + j, Q::flt(Q::or_(rb, Q::sign(mb))));
+  I::store(rbuf + j, Q::flt(Q::shr1_keep_sign(mb)));
   I::store(ubuf + j, Q::flt(ub));
-  am = Q::maxu(am, rb);
+  am = Q::maxu(am, Q::abs(mb));  // max |m| bits: shr1 is monotonic, so shr1(max) = max |r| (q8_pass1)
   au = Q::maxu(au, ub);
 }
 
@@ -440,7 +451,7 @@ static inline Q8Pending q8_pass1(float* __restrict p, const int8_t* __restrict m
     am_s = la[k] > am_s ? la[k] : am_s;
     au_s = lu[k] > au_s ? lu[k] : au_s;
   }
-  return Q8Pending{blk, len, am_s, au_s};
+  return Q8Pending{blk, len, am_s >> 1, au_s};
 }
 
 // Pass 2: the scales and the bytes of a block from its scratch.

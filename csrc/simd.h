@@ -160,10 +160,13 @@ struct Avx512ISA {
     const __mmask16 odd = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x10000));
     __m512i r = _mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF));
     r = _mm512_mask_add_epi32(r, odd, r, _mm512_set1_epi32(1));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
     const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                          31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(_mm512_permutexvar_epi16(idx, r)));
+    // word k of the result is lane k's high half where lane k is not NaN, 0x7FC0 where it is
+    // (the NaN mask is the permute's write mask: no separate select)
+    const __mmask32 ord = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+    const __m512i w = _mm512_mask_permutexvar_epi16(_mm512_set1_epi16(0x7FC0), ord, idx, r);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(w));
   }
   static void store_f16(uint16_t* p, V x) {
     __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -194,6 +194,25 @@ def test_8bit_codes_follow_the_format_description(isa, n):
         assert np.array_equal(st["exp_avg_sq"][sl].numpy(), qv.astype(np.uint8))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("gd,od", [("f32", "bf16"), ("bf16", "bf16"), ("f32", "f16"), ("f32", "f32")])
+def test_nonfinite_inputs_match_reference_bitwise(isa, fmt, gd, od):
+    """NaN payloads and signs, infinities and subnormals in the master and the gradient: every ISA
+    gives the scalar reference's bits (8-bit: poisoned blocks; bf16: NaN moments -> 0x7FC0)."""
+    from test_kernel import nonfinite_inputs
+
+    n = 4133
+    for vi, variant in enumerate(VARIANTS):
+        state = make(n, fmt, DTYPES[gd], DTYPES[od], seed=vi, steps_before=2)
+        p, g = nonfinite_inputs(n, seed=vi)
+        state["p"].copy_(p)
+        state["g"].copy_(g.to(DTYPES[gd]))
+        ref = clone(state)
+        step(state, fmt, variant, 3)
+        step(ref, fmt, variant, 3, reference=True)
+        assert_bitwise(state, ref)
+
+
 def test_nonfinite_moment_poisons_its_block_only(isa):
     n = 600
     st = make(n, "8bit", torch.float32, None, seed=2, steps_before=1)
