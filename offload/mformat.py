@@ -21,7 +21,7 @@ import torch
 from ._moments import MOMENT_BLOCK, MOMENT_FORMATS, decode_moments, moment_state
 
 __all__ = ["FORMATS", "BLOCK", "CODE_VERSIONS", "check_moments", "sections", "per_block", "saved_key", "parse_saved_key",
-           "spec", "encode", "decode", "MOMENT_KEYS"]
+           "spec", "encode", "decode", "check_values", "MOMENT_KEYS"]
 
 FORMATS = ("fp32",) + tuple(MOMENT_FORMATS)
 BLOCK = MOMENT_BLOCK
@@ -95,6 +95,41 @@ def decode(raw: Dict[str, torch.Tensor], fmt: str) -> Tuple[torch.Tensor, torch.
     """fp32 (exp_avg, exp_avg_sq), flat, from the flat compressed tensors of one parameter."""
     extra = [raw[k].reshape(-1) for k, _, _ in sections(fmt) if k not in MOMENT_KEYS]
     return decode_moments(raw["exp_avg"].reshape(-1), raw["exp_avg_sq"].reshape(-1), fmt, *extra)
+
+
+# 8bit: the largest scale bits the encoder can write (shr1 of the largest finite float's bits) and
+# the scale of a poisoned block (csrc/moments.h kQPoisonScale)
+_MAX_SCALE_BITS = 0x7F7FFFFF >> 1
+_POISON_BITS = 0x7FE00000
+
+
+def check_values(raw: Dict[str, torch.Tensor], fmt: str, where: str) -> None:
+    """Refuse compressed tensors (flat, of the shapes spec() gives) that the kernel's encoder cannot
+    have written, naming the first bad entry: such a state would decode to values no training
+    produced (a negative or huge scale flips or inflates a whole block of moments) and train on them
+    silently. 8bit: scales are the bits of a non-negative float up to shr1(FLT_MAX) or the poison
+    NaN, m codes lie in [-127, 127]; bf16: exp_avg_sq is non-negative or NaN."""
+    def refuse(key, idx, what):
+        raise ValueError(f"{where}: '{saved_key(key, fmt)}'[{idx}] {what}: not a state the {fmt} encoder "
+                         "writes (a corrupted or hand-made state)")
+
+    if fmt == "8bit":
+        for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+            bits = raw[key].reshape(-1).view(torch.int32)
+            bad = ((bits < 0) | (bits > _MAX_SCALE_BITS)) & (bits != _POISON_BITS)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0])
+                refuse(key, i, f"= {raw[key].reshape(-1)[i].item()!r} (bits {int(bits[i]) & 0xFFFFFFFF:#010x}) is no "
+                               "block scale")
+        low = raw["exp_avg"].reshape(-1) == -128
+        if bool(low.any()):
+            refuse("exp_avg", int(low.nonzero()[0]), "= -128 is outside the codes [-127, 127]")
+    elif fmt == "bf16":
+        v = raw["exp_avg_sq"].reshape(-1)
+        neg = v < 0
+        if bool(neg.any()):
+            i = int(neg.nonzero()[0])
+            refuse("exp_avg_sq", i, f"= {v[i].item()!r} is negative")
 
 
 def encode(m: torch.Tensor, v: torch.Tensor, fmt: str) -> Dict[str, torch.Tensor]:

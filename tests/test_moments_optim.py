@@ -256,6 +256,32 @@ def test_compressed_checkpoint_into_fp32_ram_refused(tmp_path):
         offload.AdamW([p.clone()]).load_state_dict(sd)
 
 
+@pytest.mark.parametrize("fmt,key,bad,match", [
+    ("8bit", "exp_avg_scale.8bit", -1.0, "is no block scale"),
+    ("8bit", "exp_avg_sq_scale.8bit", float("inf"), "is no block scale"),
+    ("8bit", "exp_avg_scale.8bit", 3.0, "is no block scale"),      # above shr1(FLT_MAX) ~ 1.5
+    ("8bit", "exp_avg_scale.8bit", float("-nan"), "is no block scale"),
+    ("8bit", "exp_avg.8bit", -128, "outside the codes"),
+    ("bf16", "exp_avg_sq.bf16", -2.0, "is negative"),
+])
+def test_load_refuses_compressed_values_the_encoder_cannot_write(fmt, key, bad, match):
+    """A hand-made or damaged compressed state would decode to moments no training produced (a
+    negative scale flips a block's m): refused by name, in every format it could load into."""
+    torch.manual_seed(8)
+    p = torch.randn(N)
+    opt = offload.AdamW([p], lr=1e-3, moments=fmt)
+    _run(opt, [p], 2)
+    raw = {k: v.clone() for k, v in opt._store.raw_state_tensors()[(0, 0)].items()}
+    sd = {"state": {0: dict(raw, step=torch.tensor(2.0))}, "param_groups": opt.state_dict()["param_groups"]}
+    good = {k: v.clone() for k, v in raw.items()}
+    raw[key].reshape(-1)[1] = bad
+    for dst in (fmt, "8bit" if fmt == "bf16" else "bf16"):
+        with pytest.raises(ValueError, match=match):
+            offload.AdamW([p.clone()], lr=1e-3, moments=dst).load_state_dict(sd)
+    sd["state"][0].update(good)                    # the untouched state still loads
+    offload.AdamW([p.clone()], lr=1e-3, moments=fmt).load_state_dict(sd)
+
+
 # ---------------------------------------------------------------------------------------------- tiers / sides
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("state,budget", [("nvme", "2GiB"), ("nvme", "96KiB"), ("mmap", "16KiB")])

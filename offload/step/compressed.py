@@ -78,6 +78,7 @@ def to_format(st: dict, fmt: str, numel: int, where: str) -> Dict[str, torch.Ten
                 raise ValueError(f"{where}: '{mformat.saved_key(k, sfmt)}' must be a {dt} tensor of {cnt} entries "
                                  f"for a parameter of {numel} elements, got "
                                  f"{None if t is None else (t.dtype, t.numel())}")
+        mformat.check_values(tensors, sfmt, where)
         if sfmt == fmt:
             return tensors
         m, v = mformat.decode(tensors, sfmt)
