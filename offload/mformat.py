@@ -21,7 +21,7 @@ import torch
 from ._moments import MOMENT_BLOCK, MOMENT_FORMATS, decode_moments, moment_state
 
 __all__ = ["FORMATS", "BLOCK", "CODE_VERSIONS", "check_moments", "sections", "per_block", "saved_key", "parse_saved_key",
-           "spec", "encode", "decode", "check_values", "MOMENT_KEYS"]
+           "spec", "encode", "decode", "check_values", "keys_of", "MOMENT_KEYS"]
 
 FORMATS = ("fp32",) + tuple(MOMENT_FORMATS)
 BLOCK = MOMENT_BLOCK
@@ -89,6 +89,12 @@ def parse_saved_key(key) -> Optional[Tuple[str, str]]:
     if fmt not in MOMENT_FORMATS or k not in dict((s[0], 0) for s in sections(fmt)):
         return None
     return k, fmt
+
+
+def keys_of(fmt: str, moment: str) -> Tuple[str, ...]:
+    """The tensors of format ``fmt`` that hold ``moment`` ("exp_avg" or "exp_avg_sq"): the codes and
+    their scales, if any (``<moment>_scale``); each moment is encoded on its own."""
+    return tuple(k for k, _, _ in sections(fmt) if k == moment or k == moment + "_scale")
 
 
 def decode(raw: Dict[str, torch.Tensor], fmt: str) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -282,6 +282,108 @@ def test_load_refuses_compressed_values_the_encoder_cannot_write(fmt, key, bad, 
     offload.AdamW([p.clone()], lr=1e-3, moments=fmt).load_state_dict(sd)
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("state", ["ram", "nvme"])
+def test_held_moment_tensors_behave_like_torchs_live_state(fmt, state, tmp_path):
+    """opt.state[p]['exp_avg'] with compressed moments is a decoded copy; while the caller holds it,
+    an in-place write is adopted at the next step (as torch's live state tensors) and after each
+    step it holds the new moments. Checked against the same writes into a kernel-level state."""
+    torch.manual_seed(11)
+    kw = dict(state=state, nvme_dir=str(tmp_path)) if state != "ram" else {}
+    ps = [torch.randn(N)]
+    opt = offload.AdamW(ps, lr=1e-2, moments=fmt, **kw)
+    twin = offload.AdamW([ps[0].clone()], lr=1e-2, moments=fmt)
+    q = twin.param_groups[0]["params"][0]
+    _run(opt, ps, 2)
+    _run(twin, [q], 2)
+    m = opt.state[ps[0]]["exp_avg"]                      # held across steps
+    m[:300] = 0.0                                        # in place: adopted at the next step
+    v = opt.state[ps[0]]["exp_avg_sq"]
+    v.numpy()[-5:] *= 4.0                                # a write no version counter sees
+    sd = twin.state_dict()                               # the twin gets the same moments through load_state_dict
+    sd["state"][0]["exp_avg"][:300] = 0.0
+    sd["state"][0]["exp_avg_sq"].view(-1)[-5:] *= 4.0
+    twin.load_state_dict(sd)
+    _run(opt, ps, 1, seed=5)
+    _run(twin, [q], 1, seed=5)
+    assert torch.equal(ps[0], q)                         # the written moments took part in the step
+    for key, held in (("exp_avg", m), ("exp_avg_sq", v)):
+        assert torch.equal(held, opt.state[ps[0]][key])  # refreshed after the step
+        assert torch.equal(held, twin.state[q][key])
+    opt.state[ps[0]]["exp_avg"].zero_()                  # a temporary: dropped at once, nothing to adopt
+    _run(opt, ps, 1, seed=6)
+    _run(twin, [q], 1, seed=6)
+    assert torch.equal(ps[0], q)
+    a, b = opt.state[ps[0]]["exp_avg"], opt.state[ps[0]]["exp_avg"]
+    a.fill_(1.0)
+    b.fill_(2.0)
+    with pytest.raises(ValueError, match="written in place with different values"):
+        _run(opt, ps, 1, seed=7)
+    del a, b
+    del opt.state[ps[0]]                                 # restarts the state: what was held is not it any more
+    _run(opt, ps, 1, seed=8)
+    assert not torch.equal(m, opt.state[ps[0]]["exp_avg"]) and int(opt.state[ps[0]]["step"]) == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ("after_backward", "during_backward"))
+def test_held_moment_tensors_on_the_device_path(schedule):
+    """The same with device parameters (FakeDevice) in both step schedules: the write is adopted before the
+    buckets are stepped, the held tensor is refreshed when the step's last bucket is done."""
+    from offload.device import FakeDevice
+
+    def make():
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(70, 90), torch.nn.Linear(90, 50)).to(torch.bfloat16)
+        opt = offload.AdamW(model.parameters(), lr=1e-2, moments="8bit", moments_min_size=1024,
+                            offload_device=FakeDevice(max_delay=0.001), bucket_mb=0.01,
+                            step_during_backward=schedule == "during_backward")
+        return model, opt
+
+    def train(model, opt, steps, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            model(torch.randn(8, 70, generator=g).to(torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+
+    (a, opt_a), (b, opt_b) = make(), make()
+    train(a, opt_a, 2, 1)
+    train(b, opt_b, 2, 1)
+    w = a[0].weight
+    held = opt_a.state[w]["exp_avg"]
+    held[:7] = 0.0
+    sd = opt_b.state_dict()
+    sd["state"][0]["exp_avg"][:7] = 0.0
+    opt_b.load_state_dict(sd)
+    train(a, opt_a, 2, 2)
+    train(b, opt_b, 2, 2)
+    for x, y in zip(a.parameters(), b.parameters()):
+        assert torch.equal(x, y)
+    assert torch.equal(held, opt_a.state[w]["exp_avg"]) and torch.equal(held, opt_b.state[b[0].weight]["exp_avg"])
+    opt_a.close()
+    opt_b.close()
+
+
+def test_held_moment_write_with_a_negative_second_moment_is_refused():
+    p = torch.randn(N)
+    opt = offload.AdamW([p], lr=1e-3, moments="8bit")
+    _run(opt, [p], 1)
+    before = {k: t.clone() for k, t in opt._store.raw_state_tensors()[(0, 0)].items()}
+    v = opt.state[p]["exp_avg_sq"]
+    v[0] = -1.0
+    with pytest.raises(ValueError, match=r"parameter 0 of group 0, written in place.*negative"):
+        _run(opt, [p], 1)
+    with pytest.raises(ValueError, match="negative"):   # every read of the state says so too
+        opt.state_dict()
+    v[0] = 0.0
+    del v
+    after = opt._store.raw_state_tensors()[(0, 0)]
+    assert all(torch.equal(before[k], after[k]) for k in before)   # nothing changed
+    assert int(opt.state[p]["step"]) == 1
+
+
 # ---------------------------------------------------------------------------------------------- tiers / sides
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("state,budget", [("nvme", "2GiB"), ("nvme", "96KiB"), ("mmap", "16KiB")])

@@ -6,14 +6,15 @@ no fp32 ``exp_avg``/``exp_avg_sq`` bytes anywhere. This module:
 * reads its compressed tensors out of the tier (``raw``: copies joined over the pieces of a split
   parameter; blocks never straddle pieces, see offload/layout.py),
 * decodes them to fp32 for ``opt.state`` / ``state_dict()`` (:class:`CompressedState`: decoded on
-  every access, a copy: writing into it changes nothing),
+  every access into a fresh tensor, which the engine keeps in step with the state while the caller
+  holds it: step/handouts.py),
 * turns whatever ``load_state_dict`` receives (torch's fp32/bf16 moments, or compressed tensors
   ``<key>.<format>`` of this or another format) into the bytes of the parameter's format.
 """
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -50,9 +51,12 @@ def raw(layout, gi: int, i: int, fmt: str, mapping) -> Dict[str, torch.Tensor]:
     return out
 
 
-def write_piece(b, pc, data: torch.Tensor, src: Dict[str, torch.Tensor]) -> None:
-    """Copy piece ``pc``'s part of the parameter-level flat compressed tensors ``src`` into bucket bytes."""
+def write_piece(b, pc, data: torch.Tensor, src: Dict[str, torch.Tensor], keys=None) -> None:
+    """Copy piece ``pc``'s part of the parameter-level flat compressed tensors ``src`` into bucket bytes
+    (only the sections ``keys``, when given)."""
     for key, _size, pb in mformat.sections(b.moments):
+        if keys is not None and key not in keys:
+            continue
         off, nb = b.span(key, pc)
         lo = pc.start // mformat.BLOCK if pb else pc.start
         cnt = mformat.nentries(b.moments, key, pc.n)
@@ -99,16 +103,21 @@ class CompressedState(MutableMapping):
     """``opt.state[p]`` of a parameter with compressed moments.
 
     ``step`` and ``master_param`` are the live objects (as with fp32 moments); ``exp_avg`` and
-    ``exp_avg_sq`` are decoded to fp32 on every access (a fresh copy shaped like the parameter:
-    reading costs one decode of the parameter's moments, writing into the copy changes nothing).
+    ``exp_avg_sq`` are decoded to fp32 on every access (a fresh tensor shaped like the parameter:
+    reading costs one decode of the parameter's moments). Each one is handed to ``watch(key,
+    tensor)``, through which the engine adopts in-place writes into it at the next step and
+    refreshes it after each step while the caller holds it (step/handouts.py), as torch's live
+    state tensors behave.
     Assigning or deleting a moment is refused (use ``load_state_dict``), except assigning a tensor
     that holds exactly the decoded values (frameworks that move every state tensor to the model's
     device do that): the state stays where it is.
     """
 
-    def __init__(self, base: dict, decode: Callable[[], Dict[str, torch.Tensor]], fmt: str):
+    def __init__(self, base: dict, decode: Callable[[], Dict[str, torch.Tensor]], fmt: str,
+                 watch: Optional[Callable[[str, torch.Tensor], None]] = None):
         self._d = dict(base)
         self._decode = decode
+        self._watch = watch
         self.moments = fmt
 
     def plain(self) -> dict:
@@ -122,7 +131,10 @@ class CompressedState(MutableMapping):
 
     def __getitem__(self, key):
         if key in mformat.MOMENT_KEYS:
-            return self._decode()[key]
+            t = self._decode()[key]
+            if self._watch is not None:
+                self._watch(key, t)
+            return t
         return self._d[key]
 
     def __setitem__(self, key, value) -> None:

@@ -14,6 +14,7 @@ import torch
 from .. import _C, mformat
 from .._dist import like, local
 from . import compressed, export
+from .handouts import Handouts
 from .views import param_views
 
 __all__ = ["TorchLayout"]
@@ -42,7 +43,10 @@ class _StateRecords:
 class TorchLayout:
     # ------------------------------------------------------------------ torch-layout views
     def _install(self, fresh: list, state: dict) -> None:
-        """Give ``state[p]`` its step counter and moments (views of the tier) when its state was created."""
+        """Give ``state[p]`` its step counter and moments (views of the tier) when its state was created.
+        Runs at the end of every step (both schedules): the decoded moments a caller holds take the
+        step's new values here."""
+        self._handouts().refresh(self._decode_current)
         if not fresh:
             return
         view, fd = self.tier.mapping()
@@ -62,12 +66,53 @@ class TorchLayout:
     def _compressed_state(self, gi: int, i: int, base: dict):
         def decode():
             return self._decoded(gi, i)
-        return compressed.CompressedState(base, decode, self.moment_format(gi, i))
+
+        def watch(key, t):
+            self._handouts().watch(gi, i, key, t)
+        return compressed.CompressedState(base, decode, self.moment_format(gi, i), watch)
+
+    def _handouts(self) -> Handouts:
+        """The decoded moments handed out through opt.state (step/handouts.py)."""
+        h = self.__dict__.get("_handouts_")
+        if h is None:
+            h = self.__dict__["_handouts_"] = Handouts()
+        return h
+
+    def _write_moments(self, gi: int, i: int, new: dict, cur: dict) -> None:
+        """Re-encode the moments ``new`` ({key: tensor shaped like the parameter}) of compressed-moment
+        parameter (gi, i) into its buckets, leaving its other moment as it is (``cur``: both, decoded)."""
+        fmt = self.moment_format(gi, i)
+        flat = lambda t: local(t).detach().to(device="cpu", dtype=torch.float32).reshape(-1)   # noqa: E731
+        try:   # validates (e.g. a negative exp_avg_sq) before the tier is touched
+            conv = mformat.encode(flat(new.get("exp_avg", cur["exp_avg"])),
+                                  flat(new.get("exp_avg_sq", cur["exp_avg_sq"])), fmt)
+        except ValueError as e:
+            raise ValueError(f"state {sorted(new)} of parameter {i} of group {gi}, written in place through "
+                             f"opt.state: {e}") from None
+        keys = {k for mk in new for k in mformat.keys_of(fmt, mk)}
+        try:
+            for bi, pc in self.layout.of_param.get((gi, i), []):
+                b = self.layout.buckets[bi]
+                blk = self.tier.acquire(b, True)
+                compressed.write_piece(b, pc, blk.data, conv, keys)
+                self.tier.release(b, blk)
+            self.tier.drain()
+        except BaseException as e:
+            self.tier.fail(e)
+            raise
 
     def _decoded(self, gi: int, i: int, sink=None, view=None) -> dict:
         """fp32 exp_avg / exp_avg_sq (shaped like the parameter) of a compressed-moment parameter,
         fresh tensors, or decoded into ``sink`` (step/export.py) chunk by chunk. ``view``: the tier's
-        mapping when the caller (a loop over every parameter, under the lock) already holds one."""
+        mapping when the caller (a loop over every parameter, under the lock) already holds one.
+        In-place writes into this parameter's held decoded moments are adopted first (as torch's
+        state would show them)."""
+        with self._using():
+            self._handouts().adopt(self._decode_current, self._write_moments, only=(gi, i))
+            return self._decode_current(gi, i, sink, view)
+
+    def _decode_current(self, gi: int, i: int, sink=None, view=None) -> dict:
+        """_decoded without adopting held writes: the state as its buckets hold it."""
         with self._using():
             if view is None:
                 view, _fd = self.tier.mapping()   # NVMe: drains the write-backs and maps the file
@@ -85,6 +130,7 @@ class TorchLayout:
         """(gi, i) -> {key: tensor} in the stored form: fp32 views (master, fp32 moments) and, for
         compressed moments, copies of the compressed tensors under ``<key>.<format>`` (offload.save)."""
         with self._using():
+            self._handouts().adopt(self._decode_current, self._write_moments)   # held writes first
             view, fd = self.tier.mapping()
             out = {}
             for gi, params in enumerate(self.groups):
@@ -132,6 +178,7 @@ class TorchLayout:
                     ready[i] = False
                     steps[i] = 0.0
                     ptrs.pop((gi, i), None)
+                    self._handouts().forget(gi, i)
                     continue
                 v = st.get("step")
                 if not (isinstance(v, torch.Tensor) and v._base is steps and v.storage_offset() == i
@@ -152,6 +199,8 @@ class TorchLayout:
                             "adopted; write into the existing one in place (e.g. opt.state[p]['exp_avg'].zero_()) "
                             "or load a whole state with load_state_dict()")
                 self._record_state(rec, i, ps[i], st, ptrs.get((gi, i), {}))
+        # decoded compressed moments written in place by a caller who holds them (step/handouts.py)
+        self._handouts().adopt(self._decode_current, self._write_moments)
 
     def _holding(self, gi: int, i: int, key: str, t):
         """The view of the state entry ``key`` of parameter (gi, i) if ``t``, which replaced it, is a copy
@@ -230,6 +279,7 @@ class TorchLayout:
             return self._state_tensors()
 
     def _state_tensors(self) -> dict:
+        self._handouts().adopt(self._decode_current, self._write_moments)   # held writes first
         view, fd = self.tier.mapping()
         out = {}
         have = [(gi, i) for gi, params in enumerate(self.groups) for i in range(len(params))
@@ -241,7 +291,7 @@ class TorchLayout:
         for gi, i in have:
             out[(gi, i)] = self._views(gi, i, view, fd)
             if (gi, i) in packed:   # torch's fp32 layout
-                out[(gi, i)].update(self._decoded(gi, i, sink, view))
+                out[(gi, i)].update(self._decode_current(gi, i, sink, view))
         return out
 
     def reload_masters(self, which: set) -> None:
@@ -280,6 +330,7 @@ class TorchLayout:
     def _load(self, entries: dict) -> None:
         self.__dict__["_view_ptrs"] = {}   # the views in opt.state are re-made after a load (torch_state)
         self.__dict__["_state_recs"] = []
+        self._handouts().clear()           # as torch's: tensors read from the old state are not the new state
         packed = {}   # (gi, i) -> flat compressed tensors of the parameter's format (issue 9)
         for (gi, i), st in list(entries.items()):
             fmt = self.moment_format(gi, i)

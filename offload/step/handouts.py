@@ -1,0 +1,92 @@
+"""step/handouts.py: the decoded moment tensors that ``opt.state[p]['exp_avg']`` / ``['exp_avg_sq']``
+hand out for compressed moments (step/compressed.py CompressedState), kept to the semantics of
+torch's live state tensors for as long as the caller holds one:
+
+* an in-place write into it (``.zero_()``, ``[mask] = 0``, ``.mul_()``, even through ``.data`` or
+  numpy) is adopted before the next step or the next read of the state (``opt.state[p][key]``,
+  ``state_dict()``, ``offload.save``): the written moment is re-encoded into the state (quantized
+  like any state the format stores, as ``load_state_dict`` would);
+* after each step it holds the new moments.
+
+Held tensors are found through weak references, so this costs nothing when none is alive (the usual
+case: a moment read and dropped). Per held tensor, each step costs one decode and compare before
+the update and one decode and copy after it. Writes are found by comparing bytes with the state,
+not by version counters, which ``.data`` and numpy writes do not bump.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Dict
+
+import torch
+
+from .._dist import local
+from .compressed import bitwise_equal
+
+__all__ = ["Handouts"]
+
+
+class Handouts:
+    def __init__(self):
+        self._held: Dict[tuple, list] = {}   # (gi, i, key) -> weak references to the tensors handed out
+
+    def watch(self, gi: int, i: int, key: str, t: torch.Tensor) -> None:
+        self._held.setdefault((gi, i, key), []).append(weakref.ref(t))
+
+    def forget(self, gi: int, i: int) -> None:
+        """Parameter (gi, i)'s state was replaced or restarted: what it handed out before is no longer
+        its state (as torch's old state tensors after ``del opt.state[p]`` or ``load_state_dict``)."""
+        for key in [k for k in self._held if k[:2] == (gi, i)]:
+            del self._held[key]
+
+    def clear(self) -> None:
+        self._held.clear()
+
+    def _alive(self) -> Dict[tuple, Dict[str, list]]:
+        """{(gi, i): {key: [tensors]}} of the tensors still held; the dead references are dropped."""
+        out: Dict[tuple, Dict[str, list]] = {}
+        for k, refs in list(self._held.items()):
+            ts = [t for t in (r() for r in refs) if t is not None]
+            if not ts:
+                del self._held[k]
+                continue
+            self._held[k] = [weakref.ref(t) for t in ts]
+            out.setdefault(k[:2], {})[k[2]] = ts
+        return out
+
+    def adopt(self, decoded: Callable[[int, int], dict], write: Callable[[int, int, dict, dict], None],
+              only=None) -> None:
+        """Before a step or a read of the state: ``write(gi, i, {key: tensor}, current)`` the moments a
+        caller changed in place (``current``: the state's decoded moments); ``only``: of that (gi, i).
+        Two held tensors of one moment written with different values are refused by name: which one
+        the state should take is not defined."""
+        for (gi, i), keys in self._alive().items():
+            if only is not None and (gi, i) != only:
+                continue
+            cur = decoded(gi, i)
+            new = {}
+            for key, ts in keys.items():
+                changed = [t for t in ts if not bitwise_equal(t, cur[key])]
+                if not changed:
+                    continue
+                bad = [t for t in changed if local(t).shape != local(cur[key]).shape]
+                if bad:
+                    raise ValueError(f"state[{key!r}] of parameter {i} of group {gi} was resized in place to "
+                                     f"{tuple(local(bad[0]).shape)}; the parameter has shape "
+                                     f"{tuple(local(cur[key]).shape)}")
+                if any(not bitwise_equal(t, changed[0]) for t in changed[1:]):
+                    raise ValueError(f"state[{key!r}] of parameter {i} of group {gi}: {len(changed)} tensors "
+                                     "read from opt.state were written in place with different values; with "
+                                     "compressed moments each read is its own copy, so the state cannot take both "
+                                     "(write one of them, or load a state with load_state_dict())")
+                new[key] = changed[0]
+            if new:
+                write(gi, i, new, cur)
+
+    def refresh(self, decoded: Callable[[int, int], dict]) -> None:
+        """After a step: every held tensor takes its moment's new values."""
+        for (gi, i), keys in self._alive().items():
+            cur = decoded(gi, i)
+            for key, ts in keys.items():
+                for t in ts:
+                    local(t).copy_(local(cur[key]))
