@@ -130,6 +130,45 @@ def test_optim_db_input_device_params(name, oi, side):
     o1.close()
 
 
+# every constructor input torch runs on CPU, and the CUDA-only ones without capturable (Tensor lr / betas)
+ALL_INPUTS = CPU_INPUTS + [(n, oi) for n, oi in CUDA_ONLY]
+
+
+def _quantize_state(opt, fmt):
+    """torch's moments through the format's encoder and decoder (offload/mformat.py, the kernel's
+    bytes): after torch's step this is what a compressed step is (decode -> fp32 update -> encode)."""
+    from offload import mformat
+    for st in opt.state.values():
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        dm, dv = mformat.decode(mformat.encode(m.reshape(-1), v.reshape(-1), fmt), fmt)
+        m.copy_(dm.view_as(m))
+        v.copy_(dv.view_as(v))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+@pytest.mark.parametrize("name,oi", ALL_INPUTS, ids=_ids(ALL_INPUTS))
+def test_optim_db_inputs_with_compressed_moments(name, oi, fmt):
+    """Every input with moments="bf16"/"8bit" (every tensor compressed): torch's steps with its moments
+    quantized after each step, or amsgrad refused by name. A flag the compressed path dropped or
+    misread would move the parameters by about lr per step, far outside the tolerance."""
+    kw = {k: v for k, v in _kwargs_dict(oi.kwargs).items() if k != "capturable"}
+    m1, m2 = _model(torch.float32), _model(torch.float32)
+    if kw.get("amsgrad"):
+        with pytest.raises(ValueError, match="amsgrad"):
+            OURS[name](m1.parameters(), moments=fmt, moments_min_size=0, **kw)
+        return
+    o1 = OURS[name](m1.parameters(), moments=fmt, moments_min_size=0, **kw)
+    o2 = getattr(torch.optim, name)(m2.parameters(), **_kwargs_dict(kw))
+    o2.register_step_post_hook(lambda opt, args, kwargs: _quantize_state(opt, fmt))
+    _train(m1, o1, 4)
+    _train(m2, o2, 4)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b)
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(o1.state[p1][key], o2.state[p2][key])
+
+
 SAMPLE = [x for x in CPU_INPUTS if x[0] == "AdamW" and x[1].desc in ("default", "amsgrad", "maximize")]
 
 
