@@ -112,16 +112,26 @@ def test_optim_db_cuda_only_inputs(name, oi):
     _compare(name, kw, torch.float32)
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "8bit"])
 @pytest.mark.parametrize("side", ["cpu_eager", "fake_deferred"])
 @pytest.mark.parametrize("name,oi", CPU_INPUTS, ids=_ids(CPU_INPUTS))
-def test_optim_db_input_device_params(name, oi, side):
+def test_optim_db_input_device_params(name, oi, side, fmt):
     """The same inputs with the parameters treated as device parameters (GPU-offload mode through
-    CpuDevice / FakeDevice, one bucket per tensor): torch's results."""
+    CpuDevice / FakeDevice, one bucket per tensor): torch's results (8bit: with its moments quantized
+    after each step, as test_optim_db_inputs_with_compressed_moments)."""
     from offload.device import CpuDevice, FakeDevice
     m1, m2 = _model(torch.float32), _model(torch.float32)
     dev, extra = (CpuDevice(), {}) if side == "cpu_eager" else (FakeDevice(max_delay=0.002), dict(step_during_backward=False))
+    if fmt != "fp32":
+        extra.update(moments=fmt, moments_min_size=0)
+        if oi.kwargs.get("amsgrad"):
+            with pytest.raises(ValueError, match="amsgrad"):
+                OURS[name](m1.parameters(), **_kwargs_dict(oi.kwargs), offload_device=dev, **extra)
+            return
     o1 = OURS[name](m1.parameters(), **_kwargs_dict(oi.kwargs), offload_device=dev, bucket_mb=0.0001, **extra)
     o2 = getattr(torch.optim, name)(m2.parameters(), **_kwargs_dict(oi.kwargs))
+    if fmt != "fp32":
+        o2.register_step_post_hook(lambda opt, args, kwargs: _quantize_state(opt, fmt))
     _train(m1, o1, 4)
     _train(m2, o2, 4)
     o1.synchronize()
