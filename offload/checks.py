@@ -56,6 +56,27 @@ def _check_moments(moments, min_size, amsgrad, params) -> str:
     return moments
 
 
+# offload's optimizer-wide constructor options (and the GPU-offload ones, step/device_step.py). torch keeps
+# any key of a param group and ignores the ones it does not know, so a group naming one of these
+# (``{"params": ..., "moments": "8bit"}``) would silently not get what it asks for: refused, unless it
+# says what the optimizer does anyway.
+_OPTIMIZER_WIDE = ("moments", "moments_min_size", "state", "threads", "nvme_dir", "host_budget", "keep_files",
+                   "nvme_options", "offload_device", "bucket_mb", "overlap", "step_during_backward", "max_grad_norm",
+                   "check_overflow", "release_grads", "trace", "small_param_numel")
+
+
+def _check_group_options(group: dict, where: str, settings: dict) -> None:
+    """``settings``: the optimizer's values of the options a group may repeat ({name: value})."""
+    for key in _OPTIMIZER_WIDE:
+        if key not in group:
+            continue
+        if key in settings and group[key] == settings[key] and type(group[key]) is type(settings[key]):
+            continue
+        have = f" (the optimizer has {key}={settings[key]!r})" if key in settings else ""
+        raise ValueError(f"{where} sets {key}={group[key]!r}{have}: {key} is an option of the whole optimizer "
+                         "(its constructor), not of a param group; use separate optimizers for different settings")
+
+
 def _check_hyper(lr, betas, eps, weight_decay) -> None:
     # Same checks and messages as torch.optim.Adam.
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:

@@ -24,7 +24,7 @@ from torch.optim.optimizer import _to_scalar
 
 from . import _kernels, fallback
 from ._kernels import COL_STEP
-from .checks import _check_hyper, _check_init, _check_moments, _check_param, _scalar
+from .checks import _check_group_options, _check_hyper, _check_init, _check_moments, _check_param, _scalar
 from .clipping import ClippingMixin
 from .gpu import GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
 from .host_ram import HostRamPath
@@ -123,7 +123,13 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
             if self._gpu is not None:
                 self._gpu.load_state()
 
+    def _group_options(self) -> dict:
+        """The optimizer-wide options a param group may repeat with the same value (checks.py)."""
+        return dict(moments=getattr(self, "moments", "fp32"), moments_min_size=getattr(self, "moments_min_size", 4096),
+                    state=getattr(self, "_state_mode", "ram"), threads=getattr(self, "_threads", None))
+
     def _check_group(self, group: dict, gi: int) -> None:
+        _check_group_options(group, f"param group {gi}", self._group_options())
         gpu = self._gpu_device is not None
         mode = getattr(self, "_state_mode", "ram")
         if getattr(self, "moments", "fp32") != "fp32":
@@ -189,6 +195,8 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         return d
 
     def _group_hyper(self, group: dict) -> dict:
+        if len(group) > len(self.defaults) + 1:   # keys beyond torch's: one set after the group was added?
+            _check_group_options(group, "a param group", self._group_options())
         lr, (beta1, beta2) = _scalar(group["lr"]), group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
         _check_hyper(lr, (beta1, beta2), eps, wd)

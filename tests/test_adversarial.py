@@ -135,6 +135,32 @@ def test_duplicate_with_nvme_state_is_refused_by_name(tmp_path):
 
 
 # ---------------------------------------------------------------- AdamW loading an Adam state (item 8)
+@pytest.mark.parametrize("key,value", [("moments", "8bit"), ("moments_min_size", 16), ("state", "nvme"),
+                                       ("threads", 1), ("max_grad_norm", 1.0), ("offload_device", None)])
+def test_optimizer_wide_options_in_a_param_group_are_refused_by_name(key, value):
+    """torch keeps unknown group keys and ignores them: a group asking for its own moments, state or
+    clipping would silently get the optimizer's. Refused by name, at construction, in add_param_group
+    and when set on a group later; a group repeating the optimizer's own value is fine."""
+    a, b = torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(64))
+    with pytest.raises(ValueError, match=f"group 0 sets {key}=.*option of the whole optimizer"):
+        offload.AdamW([{"params": [a], key: value}], lr=1e-3)
+    opt = offload.AdamW([a], lr=1e-3)
+    with pytest.raises(ValueError, match=f"group 1 sets {key}="):
+        opt.add_param_group({"params": [b], key: value})
+    assert len(opt.param_groups) == 1
+    opt.param_groups[0][key] = value
+    a.grad = torch.randn(64)
+    before = a.detach().clone()
+    with pytest.raises(ValueError, match=f"sets {key}="):
+        opt.step()
+    assert torch.equal(a, before)
+    del opt.param_groups[0][key]
+    opt.step()
+    same = offload.AdamW([{"params": [b], "moments": "fp32", "state": "ram", "threads": None}], lr=1e-3)
+    b.grad = torch.randn(64)
+    same.step()
+
+
 def test_adamw_load_state_dict_forces_decoupled_weight_decay():
     p = P(4)
     p.grad = torch.ones(4)
