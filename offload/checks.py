@@ -70,7 +70,8 @@ def _check_group_options(group: dict, where: str, settings: dict) -> None:
     for key in _OPTIMIZER_WIDE:
         if key not in group:
             continue
-        if key in settings and group[key] == settings[key] and type(group[key]) is type(settings[key]):
+        if key in settings and (group[key] is settings[key] or (type(group[key]) is type(settings[key])
+                                                                and group[key] == settings[key])):
             continue
         have = f" (the optimizer has {key}={settings[key]!r})" if key in settings else ""
         raise ValueError(f"{where} sets {key}={group[key]!r}{have}: {key} is an option of the whole optimizer "

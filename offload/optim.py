@@ -57,6 +57,10 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
             raise ValueError("nvme_dir/nvme_options only apply to state='nvme' or state='mmap' (with state='ram', "
                              "nvme_options={'staging_slots': n} sizes the staging ring of device parameters)")
         self._store = None
+        # what a param group may repeat (ZeroRedundancyOptimizer puts every constructor option in its groups)
+        self._wide = dict(moments=moments, moments_min_size=moments_min_size, state=state, threads=threads,
+                          nvme_dir=nvme_dir, host_budget=host_budget, keep_files=keep_files, nvme_options=nvme_options,
+                          offload_device=offload_device, **gpu_options)
         # --- compressed Adam moments (issue 9, docs/moments.md): run by the state engine, also for RAM
         self.moments = _check_moments(moments, moments_min_size, amsgrad, params)
         self.moments_min_size = int(moments_min_size)
@@ -124,9 +128,10 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
                 self._gpu.load_state()
 
     def _group_options(self) -> dict:
-        """The optimizer-wide options a param group may repeat with the same value (checks.py)."""
-        return dict(moments=getattr(self, "moments", "fp32"), moments_min_size=getattr(self, "moments_min_size", 4096),
-                    state=getattr(self, "_state_mode", "ram"), threads=getattr(self, "_threads", None))
+        """The optimizer-wide options a param group may repeat with the same value (checks.py): the
+        constructor's arguments (an option it was not given has no value a group could repeat)."""
+        return self.__dict__.get("_wide") or dict(moments=getattr(self, "moments", "fp32"),
+                                                  moments_min_size=getattr(self, "moments_min_size", 4096))
 
     def _check_group(self, group: dict, gi: int) -> None:
         _check_group_options(group, f"param group {gi}", self._group_options())

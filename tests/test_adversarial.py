@@ -136,7 +136,7 @@ def test_duplicate_with_nvme_state_is_refused_by_name(tmp_path):
 
 # ---------------------------------------------------------------- AdamW loading an Adam state (item 8)
 @pytest.mark.parametrize("key,value", [("moments", "8bit"), ("moments_min_size", 16), ("state", "nvme"),
-                                       ("threads", 1), ("max_grad_norm", 1.0), ("offload_device", None)])
+                                       ("threads", 1), ("max_grad_norm", 1.0), ("offload_device", "cpu")])
 def test_optimizer_wide_options_in_a_param_group_are_refused_by_name(key, value):
     """torch keeps unknown group keys and ignores them: a group asking for its own moments, state or
     clipping would silently get the optimizer's. Refused by name, at construction, in add_param_group

@@ -71,6 +71,16 @@ def run(ps, opt, steps, dtype, start=0):
         dev.check()   # FakeDevice: no copy source was overwritten while in flight
 
 
+def train_bf16_mlp(model, opt, steps, seed):
+    """``steps`` steps of a bf16 MLP taking 70 features on random inputs, then ``opt.synchronize()``."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(8, 70, generator=g).to(torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+
+
 def reference(dtype, steps=3):
     ps = make_params(dtype)
     opt = offload.AdamW(groups(ps), lr=1e-2)
@@ -362,14 +372,7 @@ def test_resume_in_either_order_is_bitwise_the_uninterrupted_run(tmp_path, side,
                             offload_device=dev, bucket_mb=0.01, **opts)
         return model, opt
 
-    def train(model, opt, steps, seed):
-        g = torch.Generator().manual_seed(seed)
-        for _ in range(steps):
-            model(torch.randn(8, 70, generator=g).to(torch.bfloat16)).float().pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-        opt.synchronize()
-
+    train = train_bf16_mlp
     a, opt_a = make(0)
     train(a, opt_a, 3, 1)
     model_sd, opt_sd = {k: v.clone() for k, v in a.state_dict().items()}, opt_a.state_dict()

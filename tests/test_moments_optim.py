@@ -331,6 +331,7 @@ def test_held_moment_tensors_on_the_device_path(schedule):
     """The same with device parameters (FakeDevice) in both step schedules: the write is adopted before the
     buckets are stepped, the held tensor is refreshed when the step's last bucket is done."""
     from offload.device import FakeDevice
+    from test_matrix import train_bf16_mlp
 
     def make():
         torch.manual_seed(3)
@@ -340,14 +341,7 @@ def test_held_moment_tensors_on_the_device_path(schedule):
                             step_during_backward=schedule == "during_backward")
         return model, opt
 
-    def train(model, opt, steps, seed):
-        g = torch.Generator().manual_seed(seed)
-        for _ in range(steps):
-            model(torch.randn(8, 70, generator=g).to(torch.bfloat16)).float().pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-        opt.synchronize()
-
+    train = train_bf16_mlp
     (a, opt_a), (b, opt_b) = make(), make()
     train(a, opt_a, 2, 1)
     train(b, opt_b, 2, 1)
