@@ -241,6 +241,18 @@ def _fsdp2_moments(rank, outdir):
         st = opt.state_dict()["state"][0]
         assert isinstance(st["exp_avg"], DTensor) and st["exp_avg"].dtype == torch.float32
         _fsdp2_resume(rank, model, saved, ckpt, clip, f"{fmt} FSDP2", moments=fmt, moments_min_size=0)
+        # a held DTensor moment behaves like torch's live state (step/handouts.py): an in-place write is
+        # what the state holds from then on, and the next step refreshes it
+        first = next(model.parameters())
+        held = opt.state[first]["exp_avg"]
+        assert isinstance(held, DTensor)
+        held.to_local()[:3] = 0.0
+        assert torch.equal(opt.state[first]["exp_avg"].to_local(), held.to_local())
+        x, y = _local_batch(0, rank)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        now = opt.state[first]["exp_avg"].to_local()
+        assert torch.equal(now, held.to_local()) and not torch.equal(now[:3], torch.zeros(3))
 
 
 @pytest.mark.timeout(90)
