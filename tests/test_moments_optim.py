@@ -356,6 +356,23 @@ def test_held_moment_tensors_on_the_device_path(schedule):
     for x, y in zip(a.parameters(), b.parameters()):
         assert torch.equal(x, y)
     assert torch.equal(held, opt_a.state[w]["exp_avg"]) and torch.equal(held, opt_b.state[b[0].weight]["exp_avg"])
+    # written right after step() returns, with no synchronize(): the refresh of the step must not land on
+    # top of the write (step() waits for its last bucket while a moment is held)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(8, 70, generator=g).to(torch.bfloat16)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    held[7:20] = 0.0
+    opt_b.synchronize()
+    sd = opt_b.state_dict()
+    sd["state"][0]["exp_avg"][7:20] = 0.0
+    opt_b.load_state_dict(sd)
+    train(a, opt_a, 1, 3)
+    train(b, opt_b, 1, 3)
+    for x, y in zip(a.parameters(), b.parameters()):
+        assert torch.equal(x, y)
     opt_a.close()
     opt_b.close()
 

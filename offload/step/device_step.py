@@ -245,6 +245,11 @@ class DeviceStep:
 
     def _queued(self, t0: float, rec: dict, mult: float) -> None:
         self._versions = self._snapshot()
+        if self.engine.holds_moment_copies():
+            # a caller holds decoded compressed moments (step/handouts.py): they are refreshed when the
+            # step's last bucket is done; waiting for it here keeps that refresh from racing with the
+            # caller's next write into them (the step is then not overlapped with the next forward)
+            self.feed.wait_idle()
         if compiled_code_in_use():   # a compiled forward would not wait for its buckets (step/uploads.py)
             self.feed.uploads.wait_all()
         self._record(t0, rec["side0"], rec, mult, overlapped=True)

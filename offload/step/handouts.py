@@ -9,12 +9,15 @@ torch's live state tensors for as long as the caller holds one:
 * after each step it holds the new moments.
 
 Held tensors are found through weak references, so this costs nothing when none is alive (the usual
-case: a moment read and dropped). Per held tensor, each step costs one decode and compare before
+case: a moment read and dropped). While one is held, a GPU-offload step that overlaps the next forward
+(stepping during backward) waits for its last bucket before ``step()`` returns, so that the refresh on
+the CPU worker cannot race with the caller's next write. Per held tensor, each step costs one decode and compare before
 the update and one decode and copy after it. Writes are found by comparing bytes with the state,
 not by version counters, which ``.data`` and numpy writes do not bump.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Callable, Dict
 
@@ -29,29 +32,39 @@ __all__ = ["Handouts"]
 class Handouts:
     def __init__(self):
         self._held: Dict[tuple, list] = {}   # (gi, i, key) -> weak references to the tensors handed out
+        # watch() runs on the caller's thread after a read, refresh() on the CPU worker at the end of an
+        # overlapped step: the registry itself is guarded so that no reference is lost between them
+        self._mu = threading.Lock()
 
     def watch(self, gi: int, i: int, key: str, t: torch.Tensor) -> None:
-        self._held.setdefault((gi, i, key), []).append(weakref.ref(t))
+        with self._mu:
+            self._held.setdefault((gi, i, key), []).append(weakref.ref(t))
 
     def forget(self, gi: int, i: int) -> None:
         """Parameter (gi, i)'s state was replaced or restarted: what it handed out before is no longer
         its state (as torch's old state tensors after ``del opt.state[p]`` or ``load_state_dict``)."""
-        for key in [k for k in self._held if k[:2] == (gi, i)]:
-            del self._held[key]
+        with self._mu:
+            for key in [k for k in self._held if k[:2] == (gi, i)]:
+                del self._held[key]
+
+    def any_alive(self) -> bool:
+        return bool(self._held) and bool(self._alive())
 
     def clear(self) -> None:
-        self._held.clear()
+        with self._mu:
+            self._held.clear()
 
     def _alive(self) -> Dict[tuple, Dict[str, list]]:
         """{(gi, i): {key: [tensors]}} of the tensors still held; the dead references are dropped."""
         out: Dict[tuple, Dict[str, list]] = {}
-        for k, refs in list(self._held.items()):
-            ts = [t for t in (r() for r in refs) if t is not None]
-            if not ts:
-                del self._held[k]
-                continue
-            self._held[k] = [weakref.ref(t) for t in ts]
-            out.setdefault(k[:2], {})[k[2]] = ts
+        with self._mu:
+            for k, refs in list(self._held.items()):
+                ts = [t for t in (r() for r in refs) if t is not None]
+                if not ts:
+                    del self._held[k]
+                    continue
+                self._held[k] = [weakref.ref(t) for t in ts]
+                out.setdefault(k[:2], {})[k[2]] = ts
         return out
 
     def adopt(self, decoded: Callable[[int, int], dict], write: Callable[[int, int, dict, dict], None],

@@ -71,6 +71,10 @@ class TorchLayout:
             self._handouts().watch(gi, i, key, t)
         return compressed.CompressedState(base, decode, self.moment_format(gi, i), watch)
 
+    def holds_moment_copies(self) -> bool:
+        """A caller holds decoded compressed moments from opt.state (step/handouts.py)."""
+        return self._handouts().any_alive()
+
     def _handouts(self) -> Handouts:
         """The decoded moments handed out through opt.state (step/handouts.py)."""
         h = self.__dict__.get("_handouts_")
