@@ -56,18 +56,12 @@ def _check_moments(moments, min_size, amsgrad, params) -> str:
     return moments
 
 
-# offload's optimizer-wide constructor options (and the GPU-offload ones, step/device_step.py). torch keeps
-# any key of a param group and ignores the ones it does not know, so a group naming one of these
-# (``{"params": ..., "moments": "8bit"}``) would silently not get what it asks for: refused, unless it
-# says what the optimizer does anyway.
-_OPTIMIZER_WIDE = ("moments", "moments_min_size", "state", "threads", "nvme_dir", "host_budget", "keep_files",
-                   "nvme_options", "offload_device", "bucket_mb", "overlap", "step_during_backward", "max_grad_norm",
-                   "check_overflow", "release_grads", "trace", "small_param_numel")
-
-
-def _check_group_options(group: dict, where: str, settings: dict) -> None:
-    """``settings``: the optimizer's values of the options a group may repeat ({name: value})."""
-    for key in _OPTIMIZER_WIDE:
+def _check_group_options(group: dict, where: str, names, settings: dict) -> None:
+    """offload's optimizer-wide constructor options ``names`` in a param group: torch keeps any key of a
+    group and ignores the ones it does not know, so a group naming one of these (``{"params": ...,
+    "moments": "8bit"}``) would silently not get what it asks for. Refused, unless the group repeats the
+    optimizer's own value (``settings``: {name: the constructor's value})."""
+    for key in names:
         if key not in group:
             continue
         if key in settings and (group[key] is settings[key] or (type(group[key]) is type(settings[key])

@@ -26,11 +26,16 @@ from . import _kernels, fallback
 from ._kernels import COL_STEP
 from .checks import _check_group_options, _check_hyper, _check_init, _check_moments, _check_param, _scalar
 from .clipping import ClippingMixin
-from .gpu import GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
+from .gpu import GPU_OPTIONS, GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
 from .host_ram import HostRamPath
 from .state_dict import StateDictMixin
 
 __all__ = ["Adam", "AdamW"]
+
+
+# the constructor's own options (not torch's hyperparameters): per optimizer, never per param group
+_OPTIMIZER_WIDE = ("moments", "moments_min_size", "state", "threads", "nvme_dir", "host_budget", "keep_files",
+                   "nvme_options", "offload_device") + tuple(GPU_OPTIONS)
 
 
 class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):
@@ -134,7 +139,7 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
                                                   moments_min_size=getattr(self, "moments_min_size", 4096))
 
     def _check_group(self, group: dict, gi: int) -> None:
-        _check_group_options(group, f"param group {gi}", self._group_options())
+        _check_group_options(group, f"param group {gi}", _OPTIMIZER_WIDE, self._group_options())
         gpu = self._gpu_device is not None
         mode = getattr(self, "_state_mode", "ram")
         if getattr(self, "moments", "fp32") != "fp32":
@@ -201,7 +206,7 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
 
     def _group_hyper(self, group: dict) -> dict:
         if len(group) > len(self.defaults) + 1:   # keys beyond torch's: one set after the group was added?
-            _check_group_options(group, "a param group", self._group_options())
+            _check_group_options(group, "a param group", _OPTIMIZER_WIDE, self._group_options())
         lr, (beta1, beta2) = _scalar(group["lr"]), group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
         _check_hyper(lr, (beta1, beta2), eps, wd)

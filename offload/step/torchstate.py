@@ -14,7 +14,7 @@ import torch
 from .. import _C, mformat
 from .._dist import like, local
 from . import compressed, export
-from .handouts import Handouts
+from .handouts import HeldMoments
 from .views import param_views
 
 __all__ = ["TorchLayout"]
@@ -40,7 +40,7 @@ class _StateRecords:
         self.ptrs = np.full((n, len(_KEYS)), -1, dtype=np.int64)
 
 
-class TorchLayout:
+class TorchLayout(HeldMoments):
     # ------------------------------------------------------------------ torch-layout views
     def _install(self, fresh: list, state: dict) -> None:
         """Give ``state[p]`` its step counter and moments (views of the tier) when its state was created.
@@ -71,34 +71,14 @@ class TorchLayout:
             self._handouts().watch(gi, i, key, t)
         return compressed.CompressedState(base, decode, self.moment_format(gi, i), watch)
 
-    def holds_moment_copies(self) -> bool:
-        """A caller holds decoded compressed moments from opt.state (step/handouts.py)."""
-        return self._handouts().any_alive()
-
-    def _handouts(self) -> Handouts:
-        """The decoded moments handed out through opt.state (step/handouts.py)."""
-        h = self.__dict__.get("_handouts_")
-        if h is None:
-            h = self.__dict__["_handouts_"] = Handouts()
-        return h
-
-    def _write_moments(self, gi: int, i: int, new: dict, cur: dict) -> None:
-        """Re-encode the moments ``new`` ({key: tensor shaped like the parameter}) of compressed-moment
-        parameter (gi, i) into its buckets, leaving its other moment as it is (``cur``: both, decoded)."""
-        fmt = self.moment_format(gi, i)
-        flat = lambda t: local(t).detach().to(device="cpu", dtype=torch.float32).reshape(-1)   # noqa: E731
-        try:   # validates (e.g. a negative exp_avg_sq) before the tier is touched
-            conv = mformat.encode(flat(new.get("exp_avg", cur["exp_avg"])),
-                                  flat(new.get("exp_avg_sq", cur["exp_avg_sq"])), fmt)
-        except ValueError as e:
-            raise ValueError(f"state {sorted(new)} of parameter {i} of group {gi}, written in place through "
-                             f"opt.state: {e}") from None
-        keys = {k for mk in new for k in mformat.keys_of(fmt, mk)}
+    def _rewrite_buckets(self, hits: dict, apply) -> None:
+        """Read, change (``apply(bucket, pieces, block)``) and write back the buckets ``hits`` ({bucket
+        index: [pieces]}), then wait for the writes; a failure fails the tier, as in a step."""
         try:
-            for bi, pc in self.layout.of_param.get((gi, i), []):
+            for bi, pieces in hits.items():
                 b = self.layout.buckets[bi]
                 blk = self.tier.acquire(b, True)
-                compressed.write_piece(b, pc, blk.data, conv, keys)
+                apply(b, pieces, blk)
                 self.tier.release(b, blk)
             self.tier.drain()
         except BaseException as e:
@@ -304,21 +284,18 @@ class TorchLayout:
             self._reload_masters(which)
 
     def _reload_masters(self, which: set) -> None:
-        try:
-            for b in self.layout.buckets:
-                hit = [pc for pc in b.pieces if (b.group, pc.param) in which and self.registry.ready[b.group][pc.param]]
-                if not hit or not b.master:
-                    continue
-                blk = self.tier.acquire(b, True)
-                f32 = blk.data[:b.nbytes].view(torch.float32)
-                for pc in hit:
-                    sec = b.section("master_param") // 4 + pc.pos
-                    self.side.read_master(b.group, pc.param, pc.start, pc.n, f32[sec:sec + pc.n], changed_only=True)
-                self.tier.release(b, blk)
-            self.tier.drain()
-        except BaseException as e:
-            self.tier.fail(e)
-            raise
+        hits = {}
+        for b in self.layout.buckets:
+            hit = [pc for pc in b.pieces if (b.group, pc.param) in which and self.registry.ready[b.group][pc.param]]
+            if hit and b.master:
+                hits[b.index] = hit
+
+        def apply(b, pieces, blk):
+            f32 = blk.data[:b.nbytes].view(torch.float32)
+            for pc in pieces:
+                sec = b.section("master_param") // 4 + pc.pos
+                self.side.read_master(b.group, pc.param, pc.start, pc.n, f32[sec:sec + pc.n], changed_only=True)
+        self._rewrite_buckets(hits, apply)
 
     @property
     def steps(self) -> list:
