@@ -105,9 +105,9 @@ class CompressedState(MutableMapping):
     ``step`` and ``master_param`` are the live objects (as with fp32 moments); ``exp_avg`` and
     ``exp_avg_sq`` are decoded to fp32 on every access (a fresh tensor shaped like the parameter:
     reading costs one decode of the parameter's moments). Each one is handed to ``watch(key,
-    tensor)``, through which the engine adopts in-place writes into it at the next step and
-    refreshes it after each step while the caller holds it (step/handouts.py), as torch's live
-    state tensors behave.
+    tensor)``, through which the engine adopts in-place writes into it before the next step or read
+    of the state and refreshes it after each step while the caller holds it (step/handouts.py), as
+    torch's live state tensors behave.
     Assigning or deleting a moment is refused (use ``load_state_dict``), except assigning a tensor
     that holds exactly the decoded values (frameworks that move every state tensor to the model's
     device do that): the state stays where it is.
