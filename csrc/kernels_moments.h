@@ -45,9 +45,7 @@ struct QOps<ScalarISA> {
   static Vi zero() { return 0u; }
   static Vi shr1(Vi u) { return u >> 1; }
   static Vi shl1(Vi u) { return u << 1; }
-  static Vi sign(Vi u) { return u & 0x80000000u; }
   static Vi abs(Vi u) { return u & 0x7FFFFFFFu; }
-  static Vi or_(Vi a, Vi b) { return a | b; }
   static Vi shl1_keep_sign(Vi u) { return (u << 1) | (u & 0x80000000u); }
   static Vi shr1_keep_sign(Vi u) { return ((u & 0x7FFFFFFFu) >> 1) | (u & 0x80000000u); }
   static Vi maxu(Vi a, Vi b) { return a > b ? a : b; }
@@ -123,9 +121,7 @@ struct QOps<Avx512ISA> {
   static Vi zero() { return _mm512_setzero_si512(); }
   static Vi shr1(Vi u) { return _mm512_srli_epi32(u, 1); }
   static Vi shl1(Vi u) { return _mm512_slli_epi32(u, 1); }
-  static Vi sign(Vi u) { return _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u))); }
   static Vi abs(Vi u) { return _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)); }
-  static Vi or_(Vi a, Vi b) { return _mm512_or_si512(a, b); }
   // (u << 1) | (u & sign bit) in one ternary-logic op (A | (B & C): 0xF8)
   static Vi shl1_keep_sign(Vi u) {
     return _mm512_ternarylogic_epi32(shl1(u), u, _mm512_set1_epi32(static_cast<int>(0x80000000u)), 0xF8);

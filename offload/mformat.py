@@ -179,7 +179,7 @@ def encode(m: torch.Tensor, v: torch.Tensor, fmt: str) -> Dict[str, torch.Tensor
     qv = torch.round(ub * iu[:, None]).clamp(0, 255)
     qm[bad] = 0
     qv[bad] = 0
-    poison = torch.tensor([0x7FE00000], dtype=torch.int32).view(torch.float32)
+    poison = torch.tensor([_POISON_BITS], dtype=torch.int32).view(torch.float32)
     max_m = torch.where(bad, poison.expand_as(max_m), max_m)
     max_u = torch.where(bad, poison.expand_as(max_u), max_u)
     return {"exp_avg": qm.reshape(-1)[:n].to(torch.int8), "exp_avg_sq": qv.reshape(-1)[:n].to(torch.uint8),
