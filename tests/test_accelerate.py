@@ -1,0 +1,163 @@
+"""offload inside an accelerate training loop: `Accelerator.prepare`, gradient accumulation through
+`accelerator.accumulate`, `accelerator.clip_grad_norm_`, an LR scheduler, `save_state` / `load_state`.
+
+With parameters on a device and buckets stepped during backward (the GPU-offload default), the
+micro-batches that accelerate (or transformers' Trainer, through accelerate's GradientState) marks as
+not the last of an accumulation only accumulate, as inside `optimizer.no_sync()`: the gradients go down
+once, after the last micro-batch. Before, their first backward stepped the buckets and the second one
+raised.
+"""
+import os
+import warnings
+
+import pytest
+import torch
+
+import offload
+from offload.device import FakeDevice
+
+accelerate = pytest.importorskip("accelerate")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
+
+
+def fake(**kw):
+    return dict(offload_device=FakeDevice(min_delay=0.001, max_delay=0.005), bucket_mb=0.01, **kw)
+
+
+MODES = {
+    "ram": lambda d: {},
+    "nvme": lambda d: dict(state="nvme", nvme_dir=d),
+    "8bit": lambda d: dict(moments="8bit", moments_min_size=0),
+    "fake_device_deferred": lambda d: fake(step_during_backward=False),
+    "fake_device_eager": lambda d: fake(),                                    # steps during backward
+    "fake_device_eager_nvme_8bit": lambda d: fake(state="nvme", nvme_dir=d, moments="8bit", moments_min_size=0),
+}
+
+
+def dataset():
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.TensorDataset(torch.randn(64, 32, generator=g), torch.randn(64, 8, generator=g))
+
+
+def train(make_opt, steps, clip, ckpt=None, save_at=None, resume=False):
+    """`steps` optimizer steps of 2 accumulated micro-batches; losses of the steps run and the weights."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    acc = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    set_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
+                                torch.nn.GELU(), torch.nn.Linear(256, 8))
+    opt = make_opt(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    dl = torch.utils.data.DataLoader(dataset(), batch_size=8, shuffle=False)
+    model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
+    done = 0
+    if resume:
+        acc.load_state(ckpt)
+        done = save_at
+    losses = []
+    while done < steps:
+        for x, y in dl:
+            with acc.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                acc.backward(loss)
+                if clip and acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            if acc.sync_gradients:
+                done += 1
+                losses.append(loss.item())
+                if done == save_at and not resume:
+                    acc.save_state(ckpt)
+                if done == steps:
+                    break
+    inner = opt.optimizer
+    if hasattr(inner, "synchronize"):
+        inner.synchronize()
+    weights = [p.detach().clone() for p in acc.unwrap_model(model).parameters()]
+    if hasattr(inner, "close"):
+        inner.close()
+    acc.free_memory()
+    return losses, weights
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_accumulate_clip_schedule_resume(tmp_path, mode):
+    # clipping needs every gradient before any bucket is stepped: not in the eager schedules
+    clip = None if "eager" in mode else 0.5
+    kw = MODES[mode](str(tmp_path))
+    losses, weights = train(lambda ps: offload.AdamW(ps, lr=1e-2, **kw), 6, clip)
+    ref_losses, ref_weights = train(lambda ps: torch.optim.AdamW(ps, lr=1e-2), 6, clip)
+    tol = dict(rtol=2e-2, atol=2e-3) if "8bit" in mode else dict(rtol=1e-5, atol=1e-6)
+    assert losses == pytest.approx(ref_losses, rel=tol["rtol"])
+    for a, b in zip(weights, ref_weights):
+        torch.testing.assert_close(a, b, **tol)
+    ck = str(tmp_path / "ck")
+    first, w_first = train(lambda ps: offload.AdamW(ps, lr=1e-2, **kw), 6, clip, ckpt=ck, save_at=4)
+    second, w_second = train(lambda ps: offload.AdamW(ps, lr=1e-2, **kw), 6, clip, ckpt=ck, save_at=4, resume=True)
+    assert first == losses and second == first[4:]   # (saved at an epoch boundary)
+    assert all(torch.equal(a, b) for a, b in zip(w_second, w_first))
+
+
+def test_device_eager_steps_once_per_accumulation_bitwise_the_host_path(tmp_path):
+    host = train(lambda ps: offload.AdamW(ps, lr=1e-2, moments="8bit", moments_min_size=0), 4, None)
+    dev = train(lambda ps: offload.AdamW(ps, lr=1e-2, **fake(moments="8bit", moments_min_size=0)), 4, None)
+    assert dev[0] == host[0]
+    assert all(torch.equal(a, b) for a, b in zip(dev[1], host[1]))
+
+
+def test_accumulation_flag_is_read_without_importing_accelerate():
+    from offload.step.backward import accelerate_accumulating
+    from accelerate.state import GradientState
+    gs = GradientState()
+    was = gs.sync_gradients
+    try:
+        gs._set_sync_gradients(False)
+        assert accelerate_accumulating()
+        gs._set_sync_gradients(True)
+        assert not accelerate_accumulating()
+    finally:
+        gs._set_sync_gradients(was)
+
+
+def test_trainer_gradient_accumulation_with_device_parameters(tmp_path):
+    """transformers' Trainer sets accelerate's flag itself (it does not use `accumulate`)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    transformers.logging.set_verbosity_error()
+
+    class Counting(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            x = (torch.arange(16) + i) % 64
+            return {"input_ids": x, "labels": x}
+
+    def run(kw):
+        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        opt = offload.AdamW(model.parameters(), lr=3e-3, **kw)
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4,
+                                 gradient_accumulation_steps=2, max_grad_norm=0, logging_steps=1, use_cpu=True,
+                                 report_to=[], save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
+                                 seed=0, lr_scheduler_type="constant")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = Trainer(model=model, args=args, train_dataset=Counting(), optimizers=(opt, None))
+            trainer.train()
+        opt.synchronize()
+        out = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], out
+
+    host = run({})
+    dev = run(fake())
+    assert dev[0] == host[0]
+    assert all(torch.equal(a, b) for a, b in zip(dev[1], host[1]))
