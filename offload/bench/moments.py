@@ -149,9 +149,12 @@ def run(n: int, thread_counts: list, reps: int, probe_cls, progress) -> tuple:
                                 speedup_vs_fp32_moments=speedup, probe_speedup_vs_fp32_streams=ceiling))
             if c.fmt != "fp32":
                 target = 1.5 if c.fmt == "8bit" else 1.25
-                summary.append(f"{'PASS' if speedup >= target else 'MISS'}  [issue 9] {c.name}, {t} thr: "
-                               f">= {target}x the fp32-moment step: {speedup:.2f}x ({own_pct:.0f}% of its own "
-                               f"streams' probe; that probe is {ceiling:.2f}x the fp32 streams' probe)")
+                line = (f"{'PASS' if speedup >= target else 'MISS'}  [issue 9] {c.name}, {t} thr: "
+                        f">= {target}x the fp32-moment step: {speedup:.2f}x ({own_pct:.0f}% of its own "
+                        f"streams' probe; that probe is {ceiling:.2f}x the fp32 streams' probe)")
+                if speedup < target and _C.get_isa() != "avx512":
+                    line += f"; expected with the {_C.get_isa()} kernels (issue 9 blocked there: docs/moments.md)"
+                summary.append(line)
         for c in list(fprobes.values()) + [probe]:
             sec = med[c.name]
             b = true_bytes(c.fmt, c.lowp, n) if c is not probe else 28.0
