@@ -161,3 +161,34 @@ def test_trainer_gradient_accumulation_with_device_parameters(tmp_path):
     dev = run(fake())
     assert dev[0] == host[0]
     assert all(torch.equal(a, b) for a, b in zip(dev[1], host[1]))
+
+
+def test_a_flag_left_at_not_the_last_micro_batch_only_costs_overlap():
+    """accelerate's flag left False (a loop that broke off mid-accumulation) while another loop steps
+    without accelerate: no bucket goes during backward, step() sends them all; results unchanged."""
+    from accelerate.state import GradientState
+
+    def run(kw):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
+        opt = offload.AdamW(model.parameters(), lr=1e-2, **kw)
+        for s in range(4):
+            x = torch.randn(16, 64, generator=torch.Generator().manual_seed(s))
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if hasattr(opt, "synchronize"):
+            opt.synchronize()
+        out = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+        return out
+
+    gs = GradientState()
+    was = gs.sync_gradients
+    host = run({})
+    try:
+        gs._set_sync_gradients(False)
+        dev = run(fake())
+    finally:
+        gs._set_sync_gradients(was)
+    assert all(torch.equal(a, b) for a, b in zip(dev, host))
