@@ -74,6 +74,14 @@ def test_io_bench_takes_the_common_options():
         assert args.no_progress and args.reps == 2 and args.json == "x.json"
 
 
+def test_every_measuring_subcommand_accepts_no_progress():
+    """A script passing --no-progress to each subcommand must not die on `step` or `train`."""
+    from offload.bench.__main__ import build_parser
+    parser = build_parser()
+    for cmd in ("kernel", "io", "step", "train", "fidelity"):
+        assert parser.parse_args([cmd, "--no-progress", "--json", "x.json"]).no_progress, cmd
+
+
 def test_bench_default_subcommand_is_kernel():
     r = subprocess.run([sys.executable, "-m", "offload.bench", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "kernel" in r.stdout

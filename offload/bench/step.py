@@ -220,6 +220,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--moments", default="fp32",
                    help="moment format(s), comma-separated: fp32, bf16, 8bit (default fp32; e.g. fp32,8bit)")
     p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--no-progress", action="store_true",
+                   help="accepted as by every subcommand (this one prints no progress display)")
 
     def _run(args):
         import sys

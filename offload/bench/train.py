@@ -272,6 +272,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads (a busy small host runs steadier with 1)")
     p.add_argument("--trace", default=None, help="write Chrome traces to PATH.<variant>.json")
     p.add_argument("--json", default=None, help="write the results as JSON")
+    p.add_argument("--no-progress", action="store_true",
+                   help="accepted as by every subcommand (this one prints no progress display)")
     p.add_argument("--state", choices=["ram", "nvme", "mmap"], default="ram",
                    help="also run offload-nvme: device params with this state tier (default ram: not run)")
     p.add_argument("--nvme-dir", dest="nvme_dir", default=None, help="directory for the state file (default: cwd)")
