@@ -110,8 +110,8 @@ def test_device_eager_steps_once_per_accumulation_bitwise_the_host_path(tmp_path
     assert all(torch.equal(a, b) for a, b in zip(dev[1], host[1]))
 
 
-def test_accumulation_flag_is_read_without_importing_accelerate():
-    from offload.step.backward import accelerate_accumulating
+def test_accelerate_flag_is_read_from_its_gradient_state():
+    from offload.step.frameworks import accelerate_accumulating
     from accelerate.state import GradientState
     gs = GradientState()
     was = gs.sync_gradients

@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import math
 import queue
-import sys
 import threading
 import time
 import weakref
@@ -40,6 +39,7 @@ from .._dist import local
 from .._kernels import step_table
 from ..params.base import check_grad
 from .feedstep import FeedStep
+from .frameworks import accelerate_accumulating
 from .hooks import weak_hook
 from .table import bucket_rows, kernel_for
 from .uploads import Upload, UploadWaits
@@ -47,20 +47,6 @@ from .uploads import Upload, UploadWaits
 __all__ = ["BackwardFeed"]
 
 _WAIT_S = 300.0   # a hang is a bug: fail loudly instead
-
-
-def accelerate_accumulating() -> bool:
-    """True inside a micro-batch that accelerate (``Accelerator.accumulate``) or transformers' Trainer
-    (through accelerate's GradientState) marked as not the last of a gradient accumulation: its
-    backward only accumulates, as inside ``optimizer.no_sync()``. accelerate gives DeepSpeed the same
-    flag (``set_gradient_accumulation_boundary``); it has none for other optimizers. Looked up in
-    sys.modules only: never imports accelerate."""
-    mod = sys.modules.get("accelerate.state")
-    shared = getattr(getattr(mod, "GradientState", None), "_shared_state", None)
-    try:
-        return shared is not None and shared.get("sync_gradients", True) is False
-    except (AttributeError, TypeError):   # another accelerate's shared-state type: no opinion
-        return False
 
 
 def _loop(ref, q) -> None:
