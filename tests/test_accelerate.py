@@ -192,3 +192,40 @@ def test_a_flag_left_at_not_the_last_micro_batch_only_costs_overlap():
     finally:
         gs._set_sync_gradients(was)
     assert all(torch.equal(a, b) for a, b in zip(dev, host))
+
+
+def test_trainer_clipping_with_buckets_stepped_during_backward_is_refused_with_what_to_do(tmp_path):
+    """The Trainer clips the device gradients after backward, when the eager schedule has already
+    stepped them: refused (never a step with unclipped gradients passed off as clipped), naming the fix."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+    transformers.logging.set_verbosity_error()
+
+    class Regression(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
+
+        def forward(self, x, labels=None):
+            return {"loss": torch.nn.functional.mse_loss(self.net(x), labels)}
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            return {"x": torch.randn(32, generator=g), "labels": torch.randn(8, generator=g)}
+
+    torch.manual_seed(0)
+    model = Regression()
+    opt = offload.AdamW(model.parameters(), lr=1e-2, **fake())
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8,
+                             max_grad_norm=1.0, use_cpu=True, report_to=[], save_strategy="no",
+                             dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, None))
+        with pytest.raises(RuntimeError, match=r"max_grad_norm=0.*offload\.AdamW\(\.\.\., max_grad_norm="):
+            trainer.train()
+    opt.close()

@@ -138,7 +138,9 @@ class FeedStep:
                     "offload: gradients changed after they were sent to the CPU and stepped during backward "
                     "(e.g. torch.nn.utils.clip_grad_norm_ or GradScaler.unscale_ on the device gradients). "
                     "Use optimizer.clip_grad_norm_ / max_grad_norm= and check_overflow=True (which turn off "
-                    "stepping during backward), or pass step_during_backward=False.")
+                    "stepping during backward), or pass step_during_backward=False. With transformers' Trainer or "
+                    "accelerate's clip_grad_norm_: TrainingArguments(max_grad_norm=0) (no clipping by the "
+                    "framework) and offload.AdamW(..., max_grad_norm=...).")
             del self.sent[(gi, i)]
             self.grads[gi][i] = None
             if now is not None:
