@@ -7,7 +7,6 @@ not the last of an accumulation only accumulate, as inside `optimizer.no_sync()`
 once, after the last micro-batch. Before, their first backward stepped the buckets and the second one
 raised.
 """
-import os
 import warnings
 
 import pytest
