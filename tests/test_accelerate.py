@@ -126,22 +126,12 @@ def test_accelerate_flag_is_read_from_its_gradient_state():
 def test_trainer_gradient_accumulation_with_device_parameters(tmp_path):
     """transformers' Trainer sets accelerate's flag itself (it does not use `accumulate`)."""
     transformers = pytest.importorskip("transformers")
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
+    from tiny_models import Counting, tiny_llama
     transformers.logging.set_verbosity_error()
 
-    class Counting(torch.utils.data.Dataset):
-        def __len__(self):
-            return 64
-
-        def __getitem__(self, i):
-            x = (torch.arange(16) + i) % 64
-            return {"input_ids": x, "labels": x}
-
     def run(kw):
-        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg)
+        model = tiny_llama()
         opt = offload.AdamW(model.parameters(), lr=3e-3, **kw)
         args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4,
                                  gradient_accumulation_steps=2, max_grad_norm=0, logging_steps=1, use_cpu=True,
@@ -149,7 +139,7 @@ def test_trainer_gradient_accumulation_with_device_parameters(tmp_path):
                                  seed=0, lr_scheduler_type="constant")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer = Trainer(model=model, args=args, train_dataset=Counting(), optimizers=(opt, None))
+            trainer = Trainer(model=model, args=args, train_dataset=Counting(64, 16), optimizers=(opt, None))
             trainer.train()
         opt.synchronize()
         out = [p.detach().clone() for p in model.parameters()]

@@ -6,7 +6,6 @@ checkpoint held the weights before the step beside the optimizer state after it:
 diverged (losses from the first resumed step on). Module ``state_dict()`` now waits for the uploads
 of the module's parameters. Every mode resumes bitwise here.
 """
-import os
 import warnings
 
 import pytest
@@ -14,23 +13,12 @@ import torch
 
 import offload
 from offload.device import CpuDevice, FakeDevice
+from tiny_models import Counting, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
-
-
-class Counting(torch.utils.data.Dataset):
-    def __init__(self, n, vocab, ctx):
-        g = torch.Generator().manual_seed(0)
-        self.data = (torch.randint(0, vocab, (n, 1), generator=g) + torch.arange(ctx)) % vocab
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.data[i], "labels": self.data[i]}
 
 
 MODES = {
@@ -45,12 +33,9 @@ MODES = {
 
 
 def train(tmp_path, mode, steps, save=None, resume=None, max_grad_norm=1.0):
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
     transformers.logging.set_verbosity_error()
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    model = tiny_llama()
     kw = MODES[mode](str(tmp_path)) if mode != "ram" else {}
     opt = offload.AdamW(model.parameters(), lr=3e-3, **kw)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=16,
@@ -59,7 +44,7 @@ def train(tmp_path, mode, steps, save=None, resume=None, max_grad_norm=1.0):
                              dataloader_num_workers=0, disable_tqdm=True, seed=0, lr_scheduler_type="constant")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = Trainer(model=model, args=args, train_dataset=Counting(256, cfg.vocab_size, 24),
+        trainer = Trainer(model=model, args=args, train_dataset=Counting(256, 24),
                           optimizers=(opt, None))
         trainer.train(resume_from_checkpoint=resume)
     if hasattr(opt, "synchronize"):

@@ -14,6 +14,7 @@ import torch
 
 import offload
 from offload.device import FakeDevice
+from tiny_models import tiny_llama
 
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -24,11 +25,7 @@ STEPS = 6
 
 
 def lora_model(dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(dtype)
+    model = tiny_llama(layers=2).to(dtype)
     # init_lora_weights=False: B is random too, so merging changes the base weights from the first step
     lc = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
                          modules_to_save=["lm_head"], init_lora_weights=False)
