@@ -5,7 +5,7 @@ and the ceiling: plain sequential os.write of the same number of bytes (16 MiB c
 same plain writes through aiofiles (the question was whether aiofiles helps: it runs the same
 write() calls on a thread pool). Every writer fsyncs before the clock stops. Medians of --reps.
 
-    flock /tmp/offload-bench.lock python bench/checkpoint.py --mparams 32 --dir /tmp/ckbench --json out.json
+    python bench/checkpoint.py --mparams 32 --dir /tmp/ckbench --json out.json
 """
 from __future__ import annotations
 

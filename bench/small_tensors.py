@@ -7,9 +7,9 @@ gradients, the same values in every run):
   small: 2000 tensors of 256 elements + 20 of 8192 (the 8192-element ones get compressed moments)
   rows:  10000 tensors of 1024 elements
 Each configuration: its own optimizer, warm-up steps, then the median of --reps timed step() calls;
-"us/tensor" is that median divided by the number of tensors. Run it alone on the machine:
+"us/tensor" is that median divided by the number of tensors. Run it on an otherwise idle CPU:
 
-    cpu-bench python bench/small_tensors.py --json out.json
+    python bench/small_tensors.py --json out.json
 """
 from __future__ import annotations
 

@@ -297,6 +297,6 @@ def _init_from_env() -> None:
 
 _init_from_env()
 
-# compressed moments (issue 9): offload/_moments.py, csrc/moments.h
+# compressed moments: offload/_moments.py, csrc/moments.h
 from ._moments import (MOMENT_BLOCK, MOMENT_FORMATS, adam_step_moments, decode_moments,  # noqa: E402
                        moment_state, moment_table, step_moment_table)

@@ -1,4 +1,4 @@
-"""_moments.py: validated tensor API of the compressed-moment Adam kernel (issue 9; formats in
+"""_moments.py: validated tensor API of the compressed-moment Adam kernel (formats in
 csrc/moments.h). Re-exported by ``offload.kernels``. Not wired into the optimizers yet.
 
 Formats: ``"bf16"`` (exp_avg/exp_avg_sq are bfloat16 tensors, round-to-nearest-even) and

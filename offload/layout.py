@@ -22,7 +22,7 @@ Rules:
 Sections are described by (key, element bytes), so a section of another dtype (e.g. compressed
 moments plus a scales section) only needs a new entry in :func:`section_keys`.
 
-Compressed moments (``Shape.moments`` "bf16" / "8bit", issue 9): a bucket holds parameters of one
+Compressed moments (``Shape.moments`` "bf16" / "8bit"): a bucket holds parameters of one
 moment format; its sections are ``[master_param |]`` followed by the format's tensors as
 ``offload/mformat.py`` describes them (e.g. ``exp_avg`` int8, ``exp_avg_sq`` uint8 and one fp32
 scale per 256-element block each). Pieces of such a bucket start on a block boundary, and a

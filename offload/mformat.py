@@ -1,4 +1,4 @@
-"""mformat.py: the storage description of compressed Adam moments (issue 9), as the layout, the
+"""mformat.py: the storage description of compressed Adam moments, as the layout, the
 engine, state_dict and the checkpoint need it.
 
 Everything here is derived from the kernel's public API (``offload._moments.moment_state`` /

@@ -13,7 +13,7 @@ state file, the NVMe slots and the pinned staging ring of device parameters with
 Frozen ``nn.Parameter`` s (``requires_grad=False``) get no state. Tests check the figures against
 real optimizers.
 
-``moments="bf16"|"8bit"`` (issue 9, docs/moments.md): tensors of at least ``moments_min_size``
+``moments="bf16"|"8bit"`` (docs/moments.md): tensors of at least ``moments_min_size``
 elements keep compressed moments (the layout's compressed sections: bf16 m, v, or int8 m + uint8 v
 + one fp32 scale per 256-element block each); the state then lives in the engine's RAM tier
 (4 KiB-aligned buckets, never pinned) or shrinks the NVMe/mmap file.

@@ -49,5 +49,5 @@ def test_step_bench_compares_moment_formats_in_one_run(tmp_path):
     fp32, q8 = data["runs"]
     assert (fp32["moments"], q8["moments"]) == ("fp32", "8bit")
     assert q8["file_bytes"] < 0.75 * fp32["file_bytes"]   # bf16 params: 12 -> ~6 B/param on disk
-    assert "[issue 9] 8bit NVMe step <= 0.6x fp32" in stdout
+    assert "[speed target] 8bit NVMe step <= 0.6x fp32" in stdout
     assert [p for p in os.listdir(tmp_path) if p != "step.json"] == []

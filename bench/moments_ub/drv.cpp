@@ -1,4 +1,4 @@
-// drv.cpp: issue-9 microbenchmark of the compressed-moment kernels (AVX2), outside Python and
+// drv.cpp: microbenchmark of the compressed-moment kernels (AVX2), outside Python and
 // the thread pool: every variant built by mk.sh (one per csrc/ copy, e.g. before/after a change)
 // and a memory probe with each format's own streams (p, g and the moments, trivial arithmetic)
 // run round-robin in one process; prints the median TSC cycles per 8 elements (all threads'

@@ -3,7 +3,7 @@
 # build's -O3 -ffp-contract=off). Usage: bench/moments_ub/mk.sh OUT name:CSRC_DIR[:extra flags] ...
 #   a name ending in 512 gets the AVX-512 kernels (setup.py's flags, -DVISA=Avx512ISA)
 #   e.g. git archive main | tar -x -C /tmp/old; mk.sh /tmp/drv old:/tmp/old/csrc new:$PWD/csrc
-# Run the result under cpu-bench only.
+# Run the result on an otherwise idle CPU: its figures are cycle counts.
 set -e
 out=$1; shift
 here=$(cd "$(dirname "$0")" && pwd)

@@ -1,9 +1,9 @@
-"""pipes.py: which AVX2 ops issue for free beside the divider on this core (issue 9).
+"""pipes.py: which AVX2 ops issue for free beside the divider on this core (8-bit moment loop).
 
 Writes pipes.cpp: loops of one vsqrtps + one vdivps (independent) + K independent ops of one
-kind; core cycles per iteration (TSC x the core/TSC clock ratio 1.248 measured on the dev
-machine; adjust). Build: g++ -O1 -mavx2 pipes.cpp -o pipes; run under cpu-bench.
-Dev machine (EPYC Zen 3): shifts, pshufb, mul, add, cvt, and, pack, blendv: K=12 costs nothing
+kind; core cycles per iteration (TSC x the core/TSC clock ratio 1.248 measured on an AMD
+EPYC Zen 3; adjust for yours). Build: g++ -O1 -mavx2 pipes.cpp -o pipes; run it on an otherwise idle CPU.
+On AMD EPYC Zen 3: shifts, pshufb, mul, add, cvt, and, pack, blendv: K=12 costs nothing
 over the divider pair; pmovzx ymm and vpermq (cross-lane) ~1.25 cycles each.
 """
 import sys

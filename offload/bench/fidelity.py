@@ -1,4 +1,4 @@
-"""fidelity.py: ``python -m offload.bench fidelity``: does training with compressed Adam moments match fp32? (issue 9)
+"""fidelity.py: ``python -m offload.bench fidelity``: does training with compressed Adam moments match fp32?
 
 A small causal transformer LM (``offload/bench/gpt.py``) learns a synthetic token stream with a
 known entropy floor: an order-2 Markov process (the last token picks 8 possible successors, the
@@ -9,7 +9,7 @@ decay to 10%); they run round-robin, one training step each in turn, in one proc
 
 Contenders (offload/bench/fidelity_optim.py): torch.optim.AdamW (reference), offload with fp32,
 bf16 and 8-bit moments, torchao's and bitsandbytes' AdamW8bit when they import and run on this CPU.
-Reported: the mean loss of the last 50 steps and its ratio to fp32 moments (issue targets: bf16
+Reported: the mean loss of the last 50 steps and its ratio to fp32 moments (targets: bf16
 <= +0.5%, 8bit <= +1%), the median ``opt.step()`` and iteration times, and the relative L2 error of
 the moments (a) against the fp32-moment run after N steps and (b) against exact fp32 moments
 accumulated from the contender's own gradients (the encoding error alone, no trajectory drift).
@@ -35,7 +35,7 @@ from .gpt import GPT, PRESETS, GPTConfig, param_groups
 
 __all__ = ["Size", "SIZES", "MarkovStream", "run", "add_parser", "TARGETS"]
 
-TARGETS = {"bf16": 1.005, "8bit": 1.01}  # last-50-step loss / fp32-moment loss (issue 9)
+TARGETS = {"bf16": 1.005, "8bit": 1.01}  # last-50-step loss / fp32-moment loss
 LAST = 50
 
 
@@ -321,7 +321,7 @@ def main(args) -> int:
         print(f"skipped {name}: {why}")
     print(tables(out))
     if out["targets"]:
-        print(f"\ntargets (issue 9; mean loss of the last {LAST} steps, fixed seeds, one run):")
+        print(f"\nfidelity targets (mean loss of the last {LAST} steps, fixed seeds, one run):")
         print("\n".join("  " + t for t in out["targets"]))
     write_json(args.json, dict(machine=machine_info(), build=info, **out))
     if args.plot:

@@ -103,7 +103,7 @@ class KernelMomentsAdamW(torch.optim.Optimizer):
 class StochasticBf16AdamW(torch.optim.Optimizer):
     """AdamW with bf16 moments stored by *stochastic* rounding, emulated in torch (not offload's
     kernel): decode -> fp32 update (the parameter step uses the fp32 moments, as the kernel does)
-    -> encode with an unbiased random rounding to bf16. Answers the issue's question whether
+    -> encode with an unbiased random rounding to bf16. Answers the question whether
     stochastic rounding measurably helps bf16 moments; ``rounding="nearest"`` is the same emulation
     with round-to-nearest-even (it should track the kernel's bf16 closely)."""
 

@@ -7,7 +7,7 @@ native bandwidth probe with Adam's access pattern (reads 4, writes 3 fp32 stream
 medians; GB/s counts the bytes a perfect single pass must move (28 B/param).
 
 The default sizes (32M-parameter flat tensors, 10000 x 1024) are well past any L3 and finish in
-about a minute on 2 cores; ``--full`` runs the 128M-parameter sizes of the issue's targets. On a
+about a minute on 2 cores; ``--full`` runs the 128M-parameter sizes the speed targets are set on. On a
 CPU with AVX-512 an extra case answers "is AVX-512 worth it?": the same kernel forced to AVX2 vs
 the native AVX-512 path, round-robin in one run.
 """
@@ -94,7 +94,7 @@ TARGETS = (
 
 
 def check_targets(cases: list, thread_counts: list) -> list:
-    """Issue 11's targets, evaluated on this run at every thread count: each ratio is the median of
+    """The speed targets of the fp32 step, evaluated on this run at every thread count: each ratio is the median of
     the per-round ratios (common.paired_ratio; the table shows medians of the times)."""
     probe = "bandwidth probe (ceiling)"
     step = "offload.AdamW.step"
@@ -211,7 +211,7 @@ def run(args) -> int:
     table, records = summarize(cases, thread_counts)
     print(table)
     if mom is not None:
-        print("\ncompressed moments (issue 9), kernel call only; B/param = bytes a single pass moves")
+        print("\ncompressed moments, kernel call only; B/param = bytes a single pass moves")
         print(mom[0])
         records += mom[1]
     isa = isa_summary(cases, thread_counts)
@@ -220,7 +220,8 @@ def run(args) -> int:
         print("\n".join("  " + line for line in isa))
     targets = check_targets(cases, thread_counts) + (mom[2] if mom is not None else [])
     if targets:
-        print("\ntargets (issues 9 and 11; medians of this run):")
+        print("\nspeed targets (PASS: this run reached the speed offload aims for on this CPU; MISS: it did not, "
+              "results are still correct; medians of this run):")
         print("\n".join("  " + t for t in targets))
     write_json(args.json, dict(machine=machine_info(), build=info, reps=args.reps, scale=args.scale, full=args.full,
                                results=records, targets=targets, target_definitions=list(TARGETS), isa_case=isa or isa_note,
@@ -234,7 +235,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("kernel", help="CPU Adam kernel vs torch/DeepSpeed vs memory bandwidth (default)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", default="1,all", help="comma-separated thread counts ('all' = affinity CPUs)")
-    p.add_argument("--full", action="store_true", help="the targets' full sizes: 128M flat, 1000x131072 (slower)")
+    p.add_argument("--full", action="store_true", help="the speed targets' full sizes: 128M flat, 1000x131072 (slower)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply tensor sizes (e.g. 0.05 for a quick run)")
     p.add_argument("--cases", default="", help=f"subset of {','.join(CASE_KEYS)} (default: all but "
                    f"{','.join(OPT_IN)})")

@@ -50,7 +50,7 @@ class Case:
 CASE_KEYS = ("flat", "multi", "small", "bf16", "isa", "moments", "small-newgrads")
 OPT_IN = ("small-newgrads",)  # only when named in --cases
 DEFAULT_FLAT = 32 * 2**20  # 32M params: 900 MB moved per step, 28x a 32 MiB L3
-FULL_FLAT = 128 * 2**20    # the sizes of the targets of issue 11
+FULL_FLAT = 128 * 2**20    # the sizes the speed targets are set on
 
 
 def make_cases(scale: float, only, full: bool = False) -> list:

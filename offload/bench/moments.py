@@ -1,4 +1,4 @@
-"""moments.py: the compressed-moment cases of ``python -m offload.bench kernel`` (issue 9).
+"""moments.py: the compressed-moment cases of ``python -m offload.bench kernel``.
 
 One flat tensor, round-robin in one run: the kernel call with fp32 moments, bf16 moments and
 8-bit moments, each with fp32 gradients and with bf16 gradient + bf16 weight out, and the
@@ -149,11 +149,11 @@ def run(n: int, thread_counts: list, reps: int, probe_cls, progress) -> tuple:
                                 speedup_vs_fp32_moments=speedup, probe_speedup_vs_fp32_streams=ceiling))
             if c.fmt != "fp32":
                 target = 1.5 if c.fmt == "8bit" else 1.25
-                line = (f"{'PASS' if speedup >= target else 'MISS'}  [issue 9] {c.name}, {t} thr: "
+                line = (f"{'PASS' if speedup >= target else 'MISS'}  [moments] {c.name}, {t} thr: "
                         f">= {target}x the fp32-moment step: {speedup:.2f}x ({own_pct:.0f}% of its own "
                         f"streams' probe; that probe is {ceiling:.2f}x the fp32 streams' probe)")
                 if speedup < target and _C.get_isa() != "avx512":
-                    line += f"; expected with the {_C.get_isa()} kernels (issue 9 blocked there: docs/moments.md)"
+                    line += f"; expected with the {_C.get_isa()} kernels (not reached on AVX2-only CPUs: docs/moments.md)"
                 summary.append(line)
         for c in list(fprobes.values()) + [probe]:
             sec = med[c.name]

@@ -14,7 +14,7 @@ state, is reported apart):
 Parameters are bf16 by default (fp32 master|m|v on disk: 12 B/param); gradients are created
 once and reused. ``--moments fp32,8bit`` runs the whole measurement once per moment format
 (``offload.AdamW(moments=...)``, the same parameters) and prints each format's step time as a
-ratio of the first's (issue 9's target: 8bit <= 0.6x fp32 on NVMe).
+ratio of the first's (speed target: 8bit <= 0.6x fp32 on NVMe).
 """
 from __future__ import annotations
 
@@ -195,7 +195,7 @@ def run(args) -> int:
             ratio = r["step_s"] / first["step_s"]
             line = f"  moments={r['moments']}: step {r['step_s']:.3f} s = {ratio:.2f}x, file {r['file_bytes'] / GB:.2f} GB"
             if r["moments"] == "8bit" and first["moments"] == "fp32" and args.state == "nvme":
-                line += f"   {'PASS' if ratio <= 0.6 else 'MISS'} [issue 9] 8bit NVMe step <= 0.6x fp32"
+                line += f"   {'PASS' if ratio <= 0.6 else 'MISS'} [speed target] 8bit NVMe step <= 0.6x fp32"
             print(line)
     write_json(args.json, reports[0] if len(reports) == 1 else dict(bench="step", runs=reports))
     return 0

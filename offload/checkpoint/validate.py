@@ -219,7 +219,7 @@ def _check_tensors(opt, ridx: dict, rpath: str, pplans: List[ParamPlan]) -> List
         p = local(ps[pi])
         dtype = DTYPES[tag]
         packed = parse_saved_key(key) if strict else None
-        if packed is not None:  # compressed moments (issue 9, offload/mformat.py)
+        if packed is not None:  # compressed moments (offload/mformat.py)
             k0, sfmt = packed
             _need(adapter.keepalive(opt) is not None,
                   f"{name}: the checkpoint holds moments={sfmt!r} (compressed) state, this optimizer has "
