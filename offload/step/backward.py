@@ -41,6 +41,7 @@ from ..params.base import check_grad
 from .feedstep import FeedStep
 from .frameworks import accelerate_accumulating
 from .hooks import weak_hook
+from .owners import ForwardObserver
 from .table import bucket_rows, kernel_for
 from .uploads import Upload, UploadWaits
 
@@ -125,6 +126,7 @@ class BackwardFeed(FeedStep):
         self._maps()
         self._reset()
         self.seen: list = []         # buckets in the order the first forward used them (upload order)
+        self.forward = ForwardObserver()
         # until the first step(): the order the first forward uses the buckets in (deferred schedule),
         # and the modules whose state_dict() must wait for uploads (uploads.note)
         self._observer = torch.nn.modules.module.register_module_forward_pre_hook(weak_hook(self, "observe"))

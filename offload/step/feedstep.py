@@ -19,20 +19,28 @@ __all__ = ["FeedStep"]
 
 class FeedStep:
     def observe(self, module, args=None) -> None:
-        """Forward pre-hook until the first step(): the order in which modules use the buckets, and the
-        modules whose state_dict() waits for their uploads (step/uploads.py note)."""
+        """Forward pre-hook until the first step(): the modules that run, in order (step/owners.py), and
+        the modules whose state_dict() waits for their uploads (step/uploads.py note)."""
         self.uploads.note(module)
-        seen = self.seen
-        for p in module._parameters.values():
-            for bi in self.buckets_of.get(self.key_of.get(id(p)), ()) if p is not None else ():
-                if bi not in seen:
-                    seen.append(bi)
+        self.forward.saw(module)
+
+    def end_observation(self) -> None:
+        """At the first step() after a forward: the forward order of the buckets, and the parameters
+        modules read without running their owner (their waits and state_dict hooks)."""
+        if self._observer is None or not self.forward:
+            return
+        self._observer.remove()
+        self._observer = None
+        claims = self.forward.claims()
+        for module, _, claimed, owners in claims:
+            self.uploads.claim(module, claimed)
+            for owner in owners:
+                self.uploads.note(owner)
+        self.seen = self.forward.order(lambda p: self.buckets_of.get(self.key_of.get(id(p)), ()), claims)
 
     def forward_order(self) -> list:
         """Buckets in first-use order (observed in the first forward), the rest in layout order."""
-        if self._observer is not None and self.seen:
-            self._observer.remove()
-            self._observer = None
+        self.end_observation()
         known = set(self.seen)
         return self.seen + [b.index for b in self.engine.layout.buckets if b.index not in known]
 
@@ -78,9 +86,8 @@ class FeedStep:
                         if (gi, i) not in self.sent and p.grad is not None and (gi, i) in self.buckets_of:
                             self._capture(gi, i, p)
                 order = self.order if self.eager else self.forward_order()
-                if self.eager and self._observer is not None:
-                    self._observer.remove()   # (forward_order removes it in the deferred schedule)
-                    self._observer = None
+                if self.eager:
+                    self.end_observation()
                 todo = [bi for bi in order if bi not in self.done]
                 buckets = eng.layout.buckets
                 hypers = {gi: self.hyper(gi) for gi in {buckets[bi].group for bi in todo}}   # all checked first

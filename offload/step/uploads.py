@@ -3,7 +3,8 @@
 ``step()`` of device parameters returns while the CPU worker still steps buckets and their H2D
 copies run (offload/step/backward.py). The weights a module reads must be up before it runs: a
 module forward pre-hook makes the compute stream wait for the uploads, in upload order, up to the
-last bucket that holds one of the module's own parameters; the other buckets keep uploading
+last bucket that holds one of the module's own parameters (or one it reads without running its
+owner: step/owners.py); the other buckets keep uploading
 during forward. Anything that needs every weight (the next backward, ``synchronize``,
 ``state_dict``) calls ``wait_all``. A worker failure is raised here instead of waiting forever.
 """
@@ -68,6 +69,7 @@ class UploadWaits:
         self.exposed_s = 0.0           # host seconds the training thread was blocked here
         self._handle = None
         self._sd_hooks = weakref.WeakKeyDictionary()   # module -> its state_dict pre-hook (see note)
+        self._claimed = weakref.WeakKeyDictionary()    # module -> ids of parameters it reads but does not own
 
     def start(self, seq: list) -> None:
         """The uploads of a step, in issue order (those of earlier steps were all waited for)."""
@@ -95,6 +97,12 @@ class UploadWaits:
                 hooks.append(module.register_load_state_dict_pre_hook(weak_hook(self, "before_state_dict")))
             self._sd_hooks[module] = hooks
 
+    def claim(self, module, params: list) -> None:
+        """``module`` reads ``params`` (of submodules whose forward never ran, step/owners.py): its
+        forward waits for their uploads too."""
+        if params:
+            self._claimed[module] = tuple(id(p) for p in params)
+
     def before_state_dict(self, module, *args) -> None:
         """(state_dict / load_state_dict pre-hook) the module's parameters' uploads first."""
         if self.pending:
@@ -106,14 +114,14 @@ class UploadWaits:
             for handle in hooks:
                 handle.remove()
         self._sd_hooks = weakref.WeakKeyDictionary()
+        self._claimed = weakref.WeakKeyDictionary()
 
     def before_forward(self, module, args=None) -> None:
         self.note(module)
         need = -1
-        for p in module._parameters.values():
-            if p is None:
-                continue
-            for bi in self.bucket_of_param(id(p)) or ():
+        ids = [id(p) for p in module._parameters.values() if p is not None]
+        for pid in ids + list(self._claimed.get(module, ())):
+            for bi in self.bucket_of_param(pid) or ():
                 k = self.pos.get(bi, -1)
                 if k > need:
                     need = k
