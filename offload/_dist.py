@@ -17,7 +17,7 @@ try:  # torch >= 2.4
 except Exception:  # pragma: no cover - torch built without distributed
     _DTensor = None
 
-__all__ = ["is_dtensor", "local", "like", "world", "allreduce_sumsq", "layout_key"]
+__all__ = ["is_dtensor", "local", "like", "world", "allreduce_sumsq", "layout_key", "global_sumsq", "multi_rank"]
 
 
 def is_dtensor(t) -> bool:
@@ -61,8 +61,9 @@ def allreduce_sumsq(local_sumsq: dict, fallback: float = 0.0) -> float:
         if ref is None:
             total += sumsq
             continue
-        t = torch.tensor([sumsq], dtype=torch.float64)
         mesh = ref.device_mesh
+        # on the mesh's device type: an NCCL process group reduces CUDA tensors only
+        t = torch.tensor([sumsq], dtype=torch.float64, device=mesh.device_type)
         for dim, placement in enumerate(ref.placements):
             if placement.is_partial():
                 raise RuntimeError("clip_grad_norm_: a gradient is a Partial DTensor (not yet reduced); "
@@ -78,3 +79,19 @@ def layout_key(t) -> Optional[tuple]:
     if not is_dtensor(t):
         return None
     return (id(t.device_mesh), tuple(str(pl) for pl in t.placements))
+
+
+def global_sumsq(grads: list, local_sumsq) -> float:
+    """Sum of squares of ``grads`` over the whole model: ``local_sumsq(tensors)`` of each group of
+    local tensors, all-reduced across ranks for DTensor (FSDP2) shards (:func:`allreduce_sumsq`)."""
+    if not any(is_dtensor(g) for g in grads):
+        return local_sumsq(grads) if grads else 0.0
+    parts: dict = {}
+    for g in grads:
+        parts.setdefault(layout_key(g), []).append(g)
+    return allreduce_sumsq({k: (local_sumsq([local(g) for g in gs]), gs[0] if k else None) for k, gs in parts.items()})
+
+
+def multi_rank() -> bool:
+    """torch.distributed is initialized with more than one rank."""
+    return world()[1] > 1

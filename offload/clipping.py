@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from . import _kernels, fallback
-from ._dist import is_dtensor, local
+from ._dist import global_sumsq
 from ._plan import get_version
 
 __all__ = ["ClippingMixin"]
@@ -99,12 +99,4 @@ class ClippingMixin:
 
     def _grad_sumsq(self, grads: list) -> float:
         """Sum of squares of all gradients; for DTensor (FSDP2) shards, all-reduced across ranks."""
-        if not any(is_dtensor(g) for g in grads):
-            return _kernels.grad_sumsq(grads, self._threads or 0) if grads else 0.0
-        from ._dist import allreduce_sumsq, layout_key
-        parts: dict = {}
-        for g in grads:
-            parts.setdefault(layout_key(g), []).append(g)
-        partial = {k: (_kernels.grad_sumsq([local(g) for g in gs], self._threads or 0), gs[0] if k else None)
-                   for k, gs in parts.items()}
-        return allreduce_sumsq(partial)
+        return global_sumsq(grads, lambda gs: _kernels.grad_sumsq(gs, self._threads or 0))

@@ -48,13 +48,15 @@ def _local_batch(step, rank):
     return x[rank::WORLD], y[rank::WORLD]
 
 
-def _worker(rank, scenario, outdir):
+def _worker(rank, scenario, outdir, module=None):
+    """Runs ``_<scenario>(rank, outdir)`` of this module (or of the test module named ``module``)."""
     try:
         torch.set_num_threads(1)
         # file rendezvous: no TCP port to pick, so no race with other processes on the machine
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(outdir, 'rendezvous')}",
                                 rank=rank, world_size=WORLD)
-        globals()["_" + scenario](rank, outdir)
+        scope = globals() if module is None else vars(__import__(module))
+        scope["_" + scenario](rank, outdir)
         verdict = "ok"
     except BaseException:
         verdict = traceback.format_exc()
@@ -66,8 +68,8 @@ def _worker(rank, scenario, outdir):
         dist.destroy_process_group()
 
 
-def _run(scenario, tmp_path):
-    mp.spawn(_worker, args=(scenario, str(tmp_path)), nprocs=WORLD, join=True)
+def _run(scenario, tmp_path, module=None):
+    mp.spawn(_worker, args=(scenario, str(tmp_path), module), nprocs=WORLD, join=True)
     for r in range(WORLD):
         verdict = (tmp_path / f"verdict{r}").read_text()
         assert verdict == "ok", f"rank {r}:\n{verdict}"

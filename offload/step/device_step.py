@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .._dist import local
+from .._dist import global_sumsq, is_dtensor, local, multi_rank
 from ..params.fingerprint import fingerprints
 from ..smallparams import DeviceSideAdam
 from ..telemetry import Trace
@@ -65,8 +65,13 @@ class DeviceStep:
         if step_during_backward and (max_grad_norm is not None or check_overflow):
             raise ValueError("step_during_backward=True cannot be combined with max_grad_norm or check_overflow: "
                              "both need every gradient before any bucket may be stepped")
+        if step_during_backward and overlap and multi_rank():
+            raise ValueError("step_during_backward=True cannot be used with several torch.distributed ranks: a "
+                             "gradient is ready on its rank before DDP (or another wrapper) has averaged it across "
+                             "ranks, so the step would use this rank's gradient only. Leave step_during_backward "
+                             "unset (the default steps after backward when several ranks run)")
         if step_during_backward is None:
-            step_during_backward = max_grad_norm is None and not check_overflow
+            step_during_backward = max_grad_norm is None and not check_overflow and not multi_rank()
         self.opt = opt
         self.engine = engine
         self.device = device
@@ -92,6 +97,7 @@ class DeviceStep:
         self._recs: list = []
         self._versions = self._snapshot()
         self._prints = None   # (keys, fingerprints, side.publishes then): see _take_prints
+        self._dtensors = None   # any DTensor parameter (FSDP2): known at the first step
 
     def moved_since_step(self, gi: int, i: int) -> bool:
         """Has parameter (gi, i) been written in place (version) or re-pointed (data pointer) since the
@@ -172,7 +178,9 @@ class DeviceStep:
         return [p.grad for ps in self.engine.groups for p in ps if p.grad is not None]
 
     def _sumsq(self) -> float:
-        return self.engine.side.grad_sumsq(self._grads(), self.opt.kernel_threads)
+        """The squared global gradient norm: over every rank's shard for FSDP2 (DTensor) parameters."""
+        side, threads = self.engine.side, self.opt.kernel_threads
+        return global_sumsq(self._grads(), lambda gs: side.grad_sumsq(gs, threads))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         if float(norm_type) != 2.0:
@@ -250,9 +258,18 @@ class DeviceStep:
             # step's last bucket is done; waiting for it here keeps that refresh from racing with the
             # caller's next write into them (the step is then not overlapped with the next forward)
             self.feed.wait_idle()
-        if compiled_code_in_use():   # a compiled forward would not wait for its buckets (step/uploads.py)
+        if compiled_code_in_use() or self._shared_weights():
+            # a compiled forward would not wait for its buckets (step/uploads.py); collectives read the
+            # weights on streams that are ordered only after the current one (FSDP2's all-gathers,
+            # ZeroRedundancyOptimizer's broadcast right after step()): every upload first
             self.feed.uploads.wait_all()
         self._record(t0, rec["side0"], rec, mult, overlapped=True)
+
+    def _shared_weights(self) -> bool:
+        """Are the weights read by collectives after step()? (FSDP2 shards, or several ranks.)"""
+        if self._dtensors is None:
+            self._dtensors = any(is_dtensor(p) for ps in self.engine.groups for p in ps)
+        return self._dtensors or multi_rank()
 
     def _record(self, t0: float, s0: dict, stats: dict, mult: float, **extra) -> None:
         """Stats of the step that began at t0 (s0: the side's counters then); ``stats`` is completed
@@ -329,6 +346,7 @@ class DeviceStep:
             self.small.load()
         self._versions = {} if loaded else self._snapshot()   # {}: every parameter counts as changed
         self._prints = None
+        self._dtensors = None   # (a group of DTensors may have been added)
         self._take_prints()
 
     def last_step_stats(self, wait: bool = False) -> Optional[dict]:
