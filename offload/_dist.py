@@ -33,11 +33,19 @@ def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def like(p: torch.Tensor, local_tensor: torch.Tensor) -> torch.Tensor:
-    """Wrap ``local_tensor`` (the local part of something shaped like ``p``) the way ``p`` is wrapped."""
+    """Wrap ``local_tensor`` (the local part of something shaped like ``p``) the way ``p`` is wrapped,
+    without moving it: ``DTensor.from_local`` copies a host tensor to the mesh's device (a CUDA mesh
+    would get a GPU copy of the offloaded state, 12 B/param, and a stale one), so a local tensor on
+    another device type is wrapped directly, as FSDP2 wraps its own CPU-offloaded shards."""
     if not is_dtensor(p):
         return local_tensor
-    return _DTensor.from_local(local_tensor, p.device_mesh, p.placements, run_check=False,
-                               shape=p.shape, stride=p.stride())
+    mesh = p.device_mesh
+    if local_tensor.device.type != mesh.device_type:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        spec = DTensorSpec(mesh, tuple(p.placements),
+                           tensor_meta=TensorMeta(p.shape, p.stride(), local_tensor.dtype))
+        return _DTensor(local_tensor, spec, requires_grad=False)
+    return _DTensor.from_local(local_tensor, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def world(group=None) -> Tuple[int, int]:

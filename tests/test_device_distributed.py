@@ -187,3 +187,29 @@ def _zero1_device(rank, outdir):
 
 def test_zero1_device_parameters_broadcast_after_uploads(tmp_path):
     _run("zero1_device", tmp_path, MODULE)
+
+
+# ---------------------------------------------------------------------------- state stays on the host
+def _dtensor_state_on_host(rank, outdir):
+    """A mesh whose device type is not the host's (a CUDA mesh on a GPU machine, imitated here by
+    relabelling the gloo mesh): opt.state and state_dict() wrap the host state without copying it to
+    that device."""
+    model = _fsdp()
+    dev = _fake()
+    opt = offload.AdamW(model.parameters(), lr=1e-2, threads=1, offload_device=dev, bucket_mb=0.001)
+    _train(model, opt, rank)
+    p = next(iter(model.parameters()))
+    p.device_mesh._device_type = "cuda"   # what from_local moves to: fails on a CPU-only torch
+    try:
+        st = opt.state_dict()["state"][0]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert st[key].to_local().device.type == "cpu" and st[key].shape == p.shape
+        assert opt.state[p]["exp_avg"].to_local().device.type == "cpu"
+    finally:
+        p.device_mesh._device_type = "cpu"
+    opt.close()
+    dev.check()
+
+
+def test_fsdp2_state_is_wrapped_on_the_host(tmp_path):
+    _run("dtensor_state_on_host", tmp_path, MODULE)
