@@ -8,9 +8,9 @@ import sys
 import pytest
 
 
-def _run(args, timeout=240):
+def _run(args, timeout=240, **kw):
     r = subprocess.run([sys.executable, "-m", "offload.bench"] + args, capture_output=True, text=True,
-                       timeout=timeout)
+                       timeout=timeout, **kw)
     assert r.returncode == 0, r.stderr
     return r.stdout
 
@@ -51,3 +51,21 @@ def test_step_bench_compares_moment_formats_in_one_run(tmp_path):
     assert q8["file_bytes"] < 0.75 * fp32["file_bytes"]   # bf16 params: 12 -> ~6 B/param on disk
     assert "[speed target] 8bit NVMe step <= 0.6x fp32" in stdout
     assert [p for p in os.listdir(tmp_path) if p != "step.json"] == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("bench", ["io", "step"])
+def test_default_dir_is_a_fresh_temp_dir_not_the_current_one(tmp_path, bench):
+    """Without --dir the multi-GB files go to a new directory under the system temp dir (TMPDIR here),
+    removed at the end; nothing is written into the current directory."""
+    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    tmp.mkdir()
+    out = tmp_path / "r.json"
+    args = (["io", "--size", "8MiB", "--request", "1MiB", "--reps", "1", "--fio-depths", "1", "--fio-jobs", "",
+             "--skip", "deepspeed"] if bench == "io" else
+            ["step", "--params", "2e5", "--tensors", "2", "--budget", "256KiB", "--steps", "1", "--no-ram"])
+    _run(args + ["--json", str(out)], cwd=cwd, env=dict(os.environ, TMPDIR=str(tmp)))
+    data = json.loads(out.read_text())
+    assert data["dir"] == str(tmp)
+    assert os.listdir(cwd) == [] and os.listdir(tmp) == []   # the work directory was removed, tmp kept

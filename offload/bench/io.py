@@ -1,7 +1,9 @@
 """bench/io.py: ``python -m offload.bench io``: sequential write and read throughput of a
 state-sized region, our async engine against the peers and the disk ceiling, in one run.
 
-Measured on the directory the user names (default: a temp dir on the current filesystem):
+Measured in a new directory created inside --dir (default: the system's temporary directory, e.g.
+/tmp; it is often RAM-backed or another disk: name a directory on the disk you mean) and removed at
+the end; the directory --dir names is never deleted:
   ours        offload.aio.AioEngine, O_DIRECT, aligned buffers, requests of --request bytes
   fio         O_DIRECT + libaio, 1 MiB blocks, several queue depths (the disk ceiling), if installed
   pwrite      plain buffered os.pwrite + fsync / os.preadv after dropping the file's cached pages
@@ -231,8 +233,8 @@ def measure(args) -> dict:
     block = parse_size(args.block_size)
     if size % 4096 or request % 4096 or block % 4096:
         raise SystemExit("--size, --request and --block-size must be multiples of 4 KiB")
-    base = args.dir or os.getcwd()
-    work = tempfile.mkdtemp(prefix="offload-io-bench-", dir=base)
+    base = args.dir or tempfile.gettempdir()   # never the current directory: the region is GBs
+    work = tempfile.mkdtemp(prefix="offload-io-bench-", dir=base)   # removed at the end; base never is
     configs = [(int(x), 1) for x in args.fio_depths.split(",")] + \
         [(int(x), int(j)) for x, j in (c.split("x") for c in args.fio_jobs.split(",") if c)]
     buf = aligned_empty(max(request * args.inflight, 64 << 20))
@@ -319,7 +321,8 @@ def _print(r: dict) -> None:
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("io", help="NVMe read/write throughput: our engine vs fio, DeepSpeed AIO and buffered peers",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default=None, help="directory on the disk to measure (default: current directory)")
+    p.add_argument("--dir", default=None, help="directory on the disk to measure; the test file goes into a new subdirectory, removed at the end "
+                   f"(default: the system temporary directory, here {tempfile.gettempdir()})")
     p.add_argument("--size", default="2GiB", help="bytes written then read per method (default 2GiB)")
     p.add_argument("--request", default="64MiB", help="our request size, like one state bucket (default 64MiB)")
     p.add_argument("--inflight", type=int, default=4, help="our requests queued at once (default 4)")

@@ -15,11 +15,14 @@ Parameters are bf16 by default (fp32 master|m|v on disk: 12 B/param); gradients 
 once and reused. ``--moments fp32,8bit`` runs the whole measurement once per moment format
 (``offload.AdamW(moments=...)``, the same parameters) and prints each format's step time as a
 ratio of the first's (speed target: 8bit <= 0.6x fp32 on NVMe).
+
+The state file goes into a new directory inside --dir (default: the system's temporary directory,
+e.g. /tmp, which may be RAM-backed: name a directory on the disk you mean), removed at the end; the
+directory --dir names is never deleted.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import shutil
 import statistics
@@ -68,8 +71,8 @@ def measure(args, moments: str = "fp32") -> dict:
     n = int(float(args.params))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     budget = parse_size(args.budget)
-    base = args.dir or os.getcwd()
-    work = tempfile.mkdtemp(prefix="offload-step-bench-", dir=base)
+    base = args.dir or tempfile.gettempdir()   # never the current directory: the state file is GBs
+    work = tempfile.mkdtemp(prefix="offload-step-bench-", dir=base)   # removed at the end; base never is
     sizes = _split(n, args.tensors)
     t0 = time.perf_counter()
     params = [_make(k, dtype) for k in sizes]
@@ -213,7 +216,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--queue-depth", type=int, default=8, help="I/O worker threads (default 8)")
     p.add_argument("--block-size", default="1MiB", help="I/O piece size (default 1MiB)")
     p.add_argument("--steps", type=int, default=5, help="timed steps after the first (default 5)")
-    p.add_argument("--dir", default=None, help="directory for the state file (default: current directory)")
+    p.add_argument("--dir", default=None, help="directory on the disk to measure; the state file goes into a new subdirectory, removed at the end "
+                   f"(default: the system temporary directory, here {tempfile.gettempdir()})")
     p.add_argument("--no-ram", action="store_true", help="skip the in-RAM kernel-only step")
     p.add_argument("--device-params", choices=("none", "fake"), default="none",
                    help="fake: parameters on offload.device.FakeDevice (GPU-params + NVMe path, copies on threads)")
