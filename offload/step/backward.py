@@ -123,7 +123,8 @@ class BackwardFeed(FeedStep):
 
     def _reset(self) -> None:
         self.in_cycle = False
-        self.sent: dict = {}                 # (gi, i) -> (grad or None with release_grads, version)
+        self.sent: dict = {}                 # (gi, i) -> (weakref to the grad, or None with release_grads; version)
+        self.unsent: dict = {}               # (gi, i) -> its buckets whose D2H is not issued yet
         self.missing = [len(ps) for ps in self.params_of]
         self.dispatched: list = []   # queue order
         self.done = set()            # queued (training thread)
@@ -208,8 +209,10 @@ class BackwardFeed(FeedStep):
         eng = self.engine
         g = p.grad
         check_grad(p, g, gi, i, eng.dtypes[gi][i], eng.numels[gi][i], eng.mode, True)
-        self.grads[gi][i] = local(g)   # held until its D2H is enqueued (and done)
-        self.sent[(gi, i)] = (None if self.release_grads else g, g._version)
+        self.grads[gi][i] = local(g)   # held until the D2H of its last bucket is issued (_sent_down)
+        self.unsent[(gi, i)] = len(self.buckets_of[(gi, i)])
+        # the gradient itself is not held here: it is freed once copied down (and, with release_grads, at once)
+        self.sent[(gi, i)] = (None if self.release_grads else weakref.ref(g), g._version)
         if self.release_grads:
             p.grad = None
 
@@ -261,6 +264,7 @@ class BackwardFeed(FeedStep):
                 _unchanged(reads)
                 with self.engine._lock:
                     staged.append((job, self.side.arrive(b, act, after)))
+                self._sent_down(b.group, act)
             except BaseException as e:
                 self._failed(e)
         if staged:
@@ -286,6 +290,18 @@ class BackwardFeed(FeedStep):
         if not pending and not staged and self.error is None:
             self._read_ahead(blocking=False)
         return False
+
+    def _sent_down(self, gi: int, pieces) -> None:
+        """The D2H of these pieces was issued: a gradient whose last bucket this was is no longer held
+        (the device keeps it alive until the copy read it: record_stream on CUDA), so it is freed as the
+        step goes (release_grads; torch's zero_grad during the next forward) instead of at its end."""
+        for pc in pieces:
+            key = (gi, pc.param)
+            left = self.unsent.get(key, 0) - 1
+            if left > 0:
+                self.unsent[key] = left
+            elif self.unsent.pop(key, None) is not None:
+                self.grads[gi][pc.param] = None
 
     def _failed(self, e: BaseException, reported: bool = False) -> None:
         if self.error is None:

@@ -125,7 +125,7 @@ class FeedStep:
             eng._install(fresh, opt.state)
             self.side.grads = None
         self.grads = [[None] * len(g) for g in self.grads]   # no reference to this step's gradients survives it
-        self.sent = {}
+        self.sent, self.unsent = {}, {}
         tel, first = self.tier.telemetry, rec["first"]
         rec.update(kernel_s=eng.telemetry["kernel_s"] - rec["kernel0"],
                    nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - rec["io0"],
@@ -134,10 +134,11 @@ class FeedStep:
 
     def _check_sent(self) -> None:
         """Gradients changed after they were sent (torch clipping / unscale_ on the device gradients)."""
-        for (gi, i), (g, ver) in list(self.sent.items()):
+        for (gi, i), (ref, ver) in list(self.sent.items()):
             p = self.engine.groups[gi][i]
             now = p.grad
-            same = now is None if self.release_grads else (now is g and now._version == ver)
+            g = None if ref is None else ref()
+            same = now is None if self.release_grads else (g is not None and now is g and now._version == ver)
             if same:
                 continue
             if any(bi in self.done for bi in self.buckets_of[(gi, i)]):
@@ -149,6 +150,7 @@ class FeedStep:
                     "accelerate's clip_grad_norm_: TrainingArguments(max_grad_norm=0) (no clipping by the "
                     "framework) and offload.AdamW(..., max_grad_norm=...).")
             del self.sent[(gi, i)]
+            self.unsent.pop((gi, i), None)
             self.grads[gi][i] = None
             if now is not None:
                 self._capture(gi, i, p)

@@ -18,6 +18,7 @@ def _loop(ref, q) -> None:
             if item is None:
                 return
             pending.append(item)
+            del item   # waiting for the next job must not keep this one (its gradients) alive
         feed = ref()
         if feed is None:
             return

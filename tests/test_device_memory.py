@@ -1,0 +1,105 @@
+"""Device memory held by the GPU-offload path (fake device): gradients are freed as the step goes.
+
+The fake device has no allocator, so "device memory" here is the bytes of gradient tensors still
+alive, tracked with weakref finalizers. With ``release_grads=True`` a gradient must die once its
+buckets' copies to the host were issued, not when the whole step ends; and in any schedule no
+reference to a step's gradients survives the step.
+"""
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+from offload.device import FakeDevice
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(60)]
+
+LAYERS, WIDTH = 12, 64
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes a while: backward is slower than the copies, as on a GPU."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.02)
+        return g
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return _SlowBackward.apply(torch.tanh(self.lin(x)))
+
+
+class _Live:
+    """Bytes of gradient tensors alive, and the most at any one time."""
+
+    def __init__(self, model):
+        self.now = self.peak = 0
+        self.lock = threading.Lock()
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self.born)   # registered before the optimizer's hooks
+
+    def born(self, p):
+        n = p.grad.numel() * p.grad.element_size()
+        with self.lock:
+            self.now += n
+            self.peak = max(self.peak, self.now)
+        weakref.finalize(p.grad, self.died, n)
+
+    def died(self, n):
+        with self.lock:
+            self.now -= n
+
+
+def _run(release, steps=3, **opts):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Block() for _ in range(LAYERS)])
+    live = _Live(model)
+    dev = FakeDevice(max_delay=0.001, seed=0)
+    opt = offload.AdamW(model.parameters(), lr=1e-3, offload_device=dev, bucket_mb=0.001,
+                        release_grads=release, **opts)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    peaks = []
+    for _ in range(steps):
+        live.peak = live.now
+        model(torch.randn(4, WIDTH)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        peaks.append(live.peak)
+    opt.synchronize()
+    gc.collect()
+    left = live.now
+    opt.close()
+    dev.check()
+    return peaks, left, total
+
+
+def test_release_grads_frees_each_gradient_once_copied_down():
+    peaks, left, total = _run(release=True)
+    assert left == 0
+    # each gradient dies once its bucket's copy was issued: never more than a few at once
+    assert max(peaks[1:]) <= total / 3, (peaks, total)
+
+
+def test_without_release_grads_peak_is_the_whole_gradient_set_and_nothing_survives_the_step():
+    peaks, left, total = _run(release=False)
+    assert left == 0 and max(peaks) == total   # torch's own peak: p.grad holds them until zero_grad
+
+
+def test_deferred_schedule_release_grads_frees_all_by_the_end():
+    peaks, left, total = _run(release=True, step_during_backward=False)
+    assert left == 0 and max(peaks) <= total
