@@ -23,7 +23,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from ._dist import is_dtensor
 
-__all__ = ["FALLBACK_DTYPES", "reason", "Router", "step", "grad_sumsq", "cast_state"]
+__all__ = ["FALLBACK_DTYPES", "reason", "Router", "check", "step", "grad_sumsq", "cast_state"]
 
 FALLBACK_DTYPES = (torch.float64, torch.complex64, torch.complex128)
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -110,6 +110,41 @@ def _init_state(p: torch.Tensor, amsgrad: bool) -> dict:
     if amsgrad:
         st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return st
+
+
+def check(state, fallback: list, groups: list) -> None:
+    """Everything torch's code would refuse part-way through :func:`step` (after stepping the
+    parameters before it), refused before anything is stepped: the gradient (sparse, another shape,
+    dtype or device) and the state entries its update reads."""
+    for group, params in fallback:
+        gi = next(k for k, g in enumerate(groups) if g is group)
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            where = f"parameter {next(i for i, q in enumerate(group['params']) if q is p)} of group {gi}"
+            if g.is_sparse:
+                raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
+            if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+                raise RuntimeError(f"the gradient of {where} is a {g.dtype} tensor of shape {tuple(g.shape)} on "
+                                   f"{g.device}, but the parameter is a {p.dtype} tensor of shape {tuple(p.shape)} on "
+                                   f"{p.device}: give it a gradient like the parameter (was p.grad.data replaced?)")
+            st = state.get(p)
+            if not st:
+                continue   # fresh state, made by step()
+            keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] and "max_exp_avg_sq" in st
+                                                else ())
+            for key in keys:
+                t = st.get(key)
+                if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != p.dtype or t.device != p.device:
+                    have = (f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                            else "missing" if t is None else type(t).__name__)
+                    raise ValueError(f"state '{key}' of {where} is {have}, but the parameter is a {p.dtype} tensor of "
+                                     f"shape {tuple(p.shape)} on {p.device}: fix or delete opt.state[p] (deleted: the "
+                                     "parameter starts afresh)")
+            step_ = st.get("step")
+            if not (isinstance(step_, (int, float)) or (isinstance(step_, torch.Tensor) and step_.numel() == 1)):
+                raise ValueError(f"state 'step' of {where} must be a number or a 1-element tensor, got {step_!r}")
 
 
 def step(opt, fallback: list, mult: float, decoupled_override: Optional[bool]) -> None:

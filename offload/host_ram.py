@@ -134,6 +134,9 @@ class HostRamPath:
                 st.update({k: like(p, v) for k, v in st.items()})
             st["step"] = torch.tensor(0.0)
             self.state[p] = st
+            created = self.__dict__.get("_created")
+            if created is not None:  # taken back if the step raises before changing anything (optim.py)
+                created.append(p)
             self._adopt_state(plan, i, p, st, group)
             if low:
                 plan.p_ver[i] = lp._version  # the master was just read from the parameter

@@ -23,9 +23,10 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
 
 from . import _kernels, fallback
-from ._kernels import COL_STEP
+from ._kernels import COL_N, COL_STEP, COL_VMAX
 from .checks import _check_group_options, _check_hyper, _check_init, _check_moments, _check_param, _scalar
 from .clipping import ClippingMixin
+from .failstop import OptimizerFailedError, detached, failed_message
 from .gpu import GPU_OPTIONS, GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
 from .host_ram import HostRamPath
 from .state_dict import StateDictMixin
@@ -85,6 +86,7 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         self._threads = threads
         self._plans: dict = {}
         self._pending_multiplier = 1.0
+        self._failure = None   # set when a step failed part-way (offload/failstop.py)
         self._state_mode = state
         self._router = fallback.Router()  # float64/complex/strided/duplicate params: torch's code (fallback.py)
         # --- GPU offload: the mode follows from where the parameters are (offload/gpu.py) ---
@@ -109,6 +111,7 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         """torch's add_param_group (named parameters, duplicate warning, its checks and messages),
         then offload's own checks of every parameter; the group is not added if one fails.
         With NVMe/mmap state the new group is laid out after the existing state (the file grows)."""
+        self._check_usable()
         store = getattr(self, "_store", None)
         n = len(self.param_groups)
         if getattr(self, "_gpu", None) is not None:
@@ -184,6 +187,7 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         self.__dict__.setdefault("_state_mode", "ram")
         self.__dict__.setdefault("moments", "fp32")
         self.__dict__.setdefault("moments_min_size", 4096)
+        self._failure = None   # a loaded state (load_state_dict, offload.load) is the way back after a failure
         self._plans = {}
         self._router = fallback.Router()
         if self._decoupled is not None:  # AdamW: torch forces decoupled weight decay for any loaded state
@@ -191,6 +195,7 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
                 group["decoupled_weight_decay"] = self._decoupled
 
     def __getstate__(self):
+        self._check_usable()
         if getattr(self, "_store", None) is not None:
             what = ("NVMe/mmap state" if self._state_mode != "ram" else
                     "parameters on a device (GPU offload)" if self._gpu_device is not None else "compressed moments")
@@ -202,6 +207,7 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         d.pop("_router", None)
         d.pop("_gpu", None)
         d.pop("_gpu_device", None)
+        d.pop("_failure", None)
         return d
 
     def _group_hyper(self, group: dict) -> dict:
@@ -223,6 +229,7 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         Everything is validated (hyperparameters of every group, every row) before any step count
         advances: a step that raises changes nothing.
         """
+        self._check_usable()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -242,8 +249,10 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         native, fb = self._router.split(self.param_groups)  # fb: stepped by torch's code (offload/fallback.py)
         for group, _ in fb:
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        fallback.check(self.state, fb, self.param_groups)
         self._track_state()
         work, changed = [], {}
+        self.__dict__["_created"] = created = []  # state made for rows first stepped now (_init_states)
         try:
             for gi, group in enumerate(native):
                 plan = self._plan(gi, group)
@@ -251,7 +260,10 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
                 if len(ch):
                     changed[gi] = ch
                 if len(rows):
-                    work.append((gi, plan, rows, self._group_hyper(group)))
+                    hyper = self._group_hyper(group)
+                    if hyper["amsgrad"]:
+                        self._check_amsgrad(gi, plan, rows)
+                    work.append((gi, plan, rows, hyper))
             self.__dict__["_state_seen"] = self._state_epoch[0]  # our own additions above
             if changed or "overlap" not in self._plans:
                 self._check_overlap(work, changed)
@@ -259,21 +271,45 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
             # rows validated before the error are cached as validated, but their gradients may not have
             # been checked against the buffers the kernel writes yet: the next step checks every row
             self._plans.pop("overlap", None)
+            for p in created:  # a step that raises leaves no state behind (their rows are re-made)
+                self.state.pop(p, None)
             raise
+        finally:
+            self.__dict__["_created"] = None
+        # ---- everything is validated: from here on parameters and state change
         self._clear_pending()
-        for _, plan, rows, hyper in work:
-            if len(rows) == len(plan.params):  # every parameter has a gradient: no row selection
-                plan.steps_np += 1
-                table = plan.table
-                table[:, COL_STEP] = plan.steps_np
-            else:
-                plan.steps_np[rows] += 1
-                table = plan.table[rows]
-                table[:, COL_STEP] = plan.steps_np[rows]
-            _kernels.step_table(table, hyper, mult, threads)
-        if fb:
-            fallback.step(self, fb, mult, self._decoupled)
+        try:
+            for _, plan, rows, hyper in work:
+                if len(rows) == len(plan.params):  # every parameter has a gradient: no row selection
+                    plan.steps_np += 1
+                    table = plan.table
+                    table[:, COL_STEP] = plan.steps_np
+                else:
+                    plan.steps_np[rows] += 1
+                    table = plan.table[rows]
+                    table[:, COL_STEP] = plan.steps_np[rows]
+                _kernels.step_table(table, hyper, mult, threads)
+            if fb:
+                fallback.step(self, fb, mult, self._decoupled)
+        except BaseException as e:
+            self._failure = detached(e)  # some rows may be stepped: refuse to continue from here
+            raise
         return loss
+
+    def _check_amsgrad(self, gi: int, plan, rows) -> None:
+        """amsgrad switched on after a parameter's first step: its state has no max_exp_avg_sq."""
+        miss = rows[(plan.table[rows, COL_VMAX] == 0) & (plan.table[rows, COL_N] > 0)]
+        if len(miss):
+            raise ValueError(f"param group {gi} has amsgrad=True, but {self._name(gi, int(miss[0]))} has no "
+                             "'max_exp_avg_sq' in its state (amsgrad was switched on after its first step; "
+                             "torch.optim.AdamW raises KeyError here): set amsgrad=False again, or give each such "
+                             "parameter one: opt.state[p]['max_exp_avg_sq'] = torch.zeros_like(p, dtype=torch.float32)")
+
+    def _check_usable(self) -> None:
+        """Raise if an earlier step failed part-way (offload/failstop.py) and no state was loaded since."""
+        failure = self.__dict__.get("_failure")
+        if failure is not None:
+            raise OptimizerFailedError(failed_message("the optimizer", failure)) from failure
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad; also discards a clip coefficient computed from the discarded gradients."""

@@ -20,6 +20,7 @@ class StateDictMixin:
 
     # ------------------------------------------------------------------ state_dict
     def state_dict(self) -> dict:
+        self._check_usable()   # never hand out a partially updated state as a checkpoint
         if self._gpu is not None:
             self._gpu.synchronize()
         if self._store is not None:
@@ -39,6 +40,7 @@ class StateDictMixin:
         moments and master weights kept in a tier): step counts and any other entries. offload.save
         uses it so that saving compressed moments never decodes them (a transient fp32 copy of every
         moment, 8 B per parameter in RAM)."""
+        self._check_usable()
         if self._gpu is not None:
             self._gpu.synchronize()
         return self._state_dict_without_tier()["state"]

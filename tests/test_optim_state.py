@@ -232,7 +232,7 @@ def test_overlapping_parameters_are_refused(make):
     set_grads([a, b], 1)
     with pytest.raises(RuntimeError, match="share memory"):
         opt.step()
-    assert opt.state[a]["step"] == 0 and opt.state[b]["step"] == 0
+    assert not opt.state.get(a) and not opt.state.get(b)   # a step that raises leaves no state behind
 
 
 def test_gradient_aliasing_a_parameter_is_refused(make):

@@ -6,7 +6,8 @@ to ``prefetch`` the next buckets, ``acquire`` one (its bytes in host memory, as 
 (ram, mmap) keep every bucket addressable, so views of them are the live state.
 
 After any failure inside a step a tier refuses further use (``StoreFailedError``): parameters and
-state may be partially updated, and continuing would silently train on garbage.
+state may be partially updated, and continuing would silently train on garbage. A complete load
+of the state (``recover``, after ``load_state_dict``) makes it usable again.
 """
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from typing import Optional
 
 import torch
 
+from ..failstop import OptimizerFailedError, detached, failed_message
 from ..layout import ALIGN
 
 __all__ = ["Block", "StateTier", "StoreFailedError", "make_tier", "split_budget"]
 
 
-class StoreFailedError(RuntimeError):
-    """The on-disk optimizer state can no longer be trusted (an earlier step failed)."""
+class StoreFailedError(OptimizerFailedError):
+    """The optimizer state of a tier can no longer be trusted (an earlier step failed part-way)."""
 
 
 @dataclass
@@ -92,18 +94,18 @@ class StateTier:
 
     def check_usable(self) -> None:
         if self.failed is not None:
-            raise StoreFailedError(
-                f"the {self.kind} optimizer state in {self.where()} is unusable after an earlier failure "
-                f"({type(self.failed).__name__}: {self.failed}); parameters and state may be partially "
-                "updated. Restore model and optimizer from a checkpoint.") from self.failed
+            raise StoreFailedError(failed_message(f"the {self.kind} optimizer state in {self.where()}",
+                                                  self.failed)) from self.failed
         if self.closed:
             raise RuntimeError("the optimizer's state store is closed")
 
     def fail(self, exc: BaseException) -> None:
-        try:  # a copy without the traceback: its frames would keep the step's gradients alive
-            self.failed = type(exc)(*exc.args)
-        except Exception:
-            self.failed = RuntimeError(f"{type(exc).__name__}: {exc}")
+        if self.failed is None:   # the first failure is the one to report
+            self.failed = detached(exc)
+
+    def recover(self) -> None:
+        """Every bucket's state was just replaced (a successful load): usable again."""
+        self.failed = None
 
     def own_memory(self):
         """The host memory the tier writes (for the gradient-aliasing check), or None."""

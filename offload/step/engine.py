@@ -130,11 +130,13 @@ class StateEngine(TorchLayout):
                 "the optimizer in the child (or start it with the 'spawn' method)")
 
     @contextlib.contextmanager
-    def _using(self):
-        """Exclusive use: the right process, not closed, not failed; close() waits for it."""
+    def _using(self, failed_ok: bool = False):
+        """Exclusive use: the right process, not closed, not failed (``failed_ok``: a load that replaces
+        the whole state may run on a failed tier); close() waits for it."""
         self._check_process()
         with self._lock:
-            self.tier.check_usable()
+            if not (failed_ok and self.tier.failed is not None and not self.tier.closed):
+                self.tier.check_usable()
             yield
 
     @property

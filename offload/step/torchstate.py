@@ -304,9 +304,12 @@ class TorchLayout(HeldMoments):
     def load(self, entries: dict) -> None:
         """Replace the whole state by ``entries`` ((gi, i) -> state dict), bucket by bucket.
         Parameters without an entry start afresh at their next step (as with torch's loader).
-        A missing 'master_param' is taken from the parameter (a state saved by torch.optim)."""
-        with self._using():
+        A missing 'master_param' is taken from the parameter (a state saved by torch.optim).
+        After a step failed part-way this is the way back: a load that completes makes the state
+        usable again (every parameter's state is either loaded or starts afresh)."""
+        with self._using(failed_ok=True):
             self._load(entries)
+            self.tier.recover()
 
     def _load(self, entries: dict) -> None:
         self.__dict__["_view_ptrs"] = {}   # the views in opt.state are re-made after a load (torch_state)

@@ -1,0 +1,60 @@
+"""atomic_util.py: helpers of the every-step-is-atomic tests (test_atomic_*.py): deterministic
+gradients, a bitwise snapshot of parameters and optimizer state, and its comparison."""
+from __future__ import annotations
+
+import torch
+
+
+def grads(params, step: int) -> None:
+    """Deterministic gradients for ``step`` (the same in every run)."""
+    for k, p in enumerate(params):
+        g = torch.Generator().manual_seed(1000 * step + k)
+        p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
+
+
+def train(params, opt, start: int, n: int) -> None:
+    for s in range(start, start + n):
+        grads(params, s)
+        opt.step()
+
+
+def _copy(v):
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    if isinstance(v, dict):
+        return {k: _copy(x) for k, x in v.items()}
+    return v
+
+
+def snapshot(params, opt) -> dict:
+    """Parameters, the whole state_dict (every tensor copied) and the pending clip coefficient."""
+    return dict(params=[p.detach().clone() for p in params], state=_copy(opt.state_dict()["state"]),
+                groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.state_dict()["param_groups"]],
+                coef=opt.pending_grad_multiplier)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` (NaN == NaN when the payloads are equal; -0.0 != 0.0)."""
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(torch.uint8) if t.dtype != torch.bool else t
+
+
+def _same(a, b, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(_bits(a), _bits(b)), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), (where, sorted(map(str, a)), sorted(map(str, b)))
+        for k in a:
+            _same(a[k], b[k], f"{where}[{k!r}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def assert_same(a: dict, b: dict) -> None:
+    """Bitwise: parameters (NaN payloads included), every state tensor and step, the clip coefficient."""
+    assert len(a["params"]) == len(b["params"])
+    for i, (x, y) in enumerate(zip(a["params"], b["params"])):
+        _same(x, y, f"parameter {i}")
+    _same(a["state"], b["state"], "state")
+    assert a["coef"] == b["coef"]
