@@ -32,23 +32,25 @@ __all__ = ["Event", "Device", "CudaDevice", "CpuDevice", "FakeDevice", "resolve_
 
 
 def resolve_device(spec, params: Sequence[torch.Tensor]) -> Optional[Device]:
-    """The offload device for these parameters: ``spec`` (a Device, 'cuda', 'cpu', 'fake') or,
-    when ``spec`` is None, CUDA if the parameters are on a CUDA device, else None (CPU mode)."""
-    if isinstance(spec, Device):
-        return spec
+    """The offload device for these parameters: ``spec`` (a Device, 'cuda', 'cuda:k', 'cpu', 'fake') or,
+    when ``spec`` is None, CUDA if the parameters are on a CUDA device, else None (CPU mode). 'cuda'
+    without an index means the parameters' GPU (not the current one); a device that does not match the
+    parameters' is refused by name."""
+    cuda = {p.device for p in params if p.device.type == "cuda"}
     if spec is None:
-        kinds = {p.device.type for p in params}
-        if "cuda" in kinds:
-            devs = {p.device for p in params}
-            if len(devs) != 1:
-                raise RuntimeError(f"GPU offload: all parameters must be on one device, got {sorted(map(str, devs))}")
-            return CudaDevice(next(iter(devs)))
-        return None
-    if isinstance(spec, str):
-        if spec == "fake":
-            return FakeDevice()
-        if spec == "cpu":
-            return CpuDevice()
-        if spec.startswith("cuda"):
-            return CudaDevice(spec)
-    raise ValueError(f"offload_device must be a Device, 'cuda', 'cpu', 'fake' or None, got {spec!r}")
+        if not cuda:
+            return None
+        if len(cuda) != 1 or len({p.device for p in params}) != 1:
+            raise RuntimeError(f"GPU offload: all parameters must be on one device, got "
+                               f"{sorted(str(d) for d in {p.device for p in params})}")
+        return CudaDevice(next(iter(cuda)))
+    if isinstance(spec, Device):
+        device = spec
+    elif isinstance(spec, str) and spec in ("fake", "cpu"):
+        device = FakeDevice() if spec == "fake" else CpuDevice()
+    elif isinstance(spec, str) and spec.startswith("cuda"):
+        device = CudaDevice(next(iter(cuda)) if spec == "cuda" and len(cuda) == 1 else spec)
+    else:
+        raise ValueError(f"offload_device must be a Device, 'cuda', 'cpu', 'fake' or None, got {spec!r}")
+    device.check_params(params)
+    return device

@@ -52,6 +52,10 @@ class Device:
 
     name = "abstract"
     is_cuda = False
+    launch_threads = 0   # CPUs the CPU kernel leaves free by default for threads that launch device work
+
+    def check_params(self, params: Sequence[torch.Tensor]) -> None:
+        """Raise if these parameters live where this device's copies are not ordered with their work."""
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError

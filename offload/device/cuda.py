@@ -1,8 +1,8 @@
 """device/cuda.py: CudaDevice, two side streams (D2H, H2D) next to the compute stream, pinned host buffers."""
 from __future__ import annotations
 
-import weakref
-from typing import List, Optional
+import time
+from typing import Optional
 
 import torch
 
@@ -12,8 +12,9 @@ __all__ = ["CudaDevice"]
 
 
 class _CudaEvent(Event):
-    def __init__(self, start, end):
+    def __init__(self, start, end, anchor=None):
         self._start, self._end = start, end
+        self._anchor = anchor   # (host perf_counter, CUDA event) taken together: places the copy in host time
 
     def synchronize(self) -> None:
         self._end.synchronize()
@@ -27,17 +28,26 @@ class _CudaEvent(Event):
         self._end.synchronize()
         return self._start.elapsed_time(self._end) / 1e3
 
+    def span(self):
+        """(start, end) in host perf_counter seconds, from the device's anchor event (for traces)."""
+        if self._start is None or self._anchor is None:
+            return None
+        self._end.synchronize()
+        t, ev = self._anchor
+        return (t + ev.elapsed_time(self._start) / 1e3, t + ev.elapsed_time(self._end) / 1e3)
+
 
 class CudaDevice(Device):
     """Two side streams (D2H and H2D) next to the current (compute) stream; pinned host buffers.
 
-    Host buffers of 1 MiB or more are page-aligned ordinary allocations page-locked in place with
-    ``cudaHostRegister`` (torch's pinned caching allocator rounds each request up to a power of
-    two, up to 2x the memory); smaller ones, or if registering fails, come from ``pin_memory=True``.
+    Host buffers come from torch's pinned allocator (``pin_memory=True``), allocated on this
+    device, so a failure is torch's clear error and leaves no CUDA error behind (the allocator rounds
+    a request up to a power of two: the staging ring may take up to twice its size). Events the host
+    waits on block instead of spinning a core, which the CPU kernel and the launch threads need.
     """
 
     is_cuda = True
-    _REGISTER_MIN = 1 << 20
+    launch_threads = 2   # CPUs left to the threads that launch GPU work (training thread, autograd's)
 
     def __init__(self, device=None, timing: bool = True):
         if not torch.cuda.is_available():
@@ -46,47 +56,29 @@ class CudaDevice(Device):
         self.device = torch.device("cuda", d.index if d.index is not None else torch.cuda.current_device())
         self.name = str(self.device)
         self._timing = timing
-        self._registered: List[torch.Tensor] = []
-        # registered memory must be unregistered before it is freed, also when nobody calls close()
-        self._finalizer = weakref.finalize(self, CudaDevice._unregister, self._registered, self.device)
         with torch.cuda.device(self.device):
             self._d2h = torch.cuda.Stream(self.device)
             self._h2d = torch.cuda.Stream(self.device)
+            self._anchor = None
+            if timing:
+                ev = self._event(True)
+                ev.record(torch.cuda.current_stream(self.device))
+                ev.synchronize()
+                self._anchor = (time.perf_counter(), ev)
+
+    def check_params(self, params) -> None:
+        wrong = sorted({str(p.device) for p in params if p.device != self.device})
+        if wrong:
+            raise ValueError(f"offload_device is {self.device} but parameters are on {', '.join(wrong)}: its copies "
+                             "would not be ordered with their work. Pass offload_device=None (the parameters' "
+                             "device is used) or a CudaDevice of that device.")
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if nbytes >= self._REGISTER_MIN:
-            raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
-            off = (-raw.data_ptr()) % 4096
-            buf = raw[off:off + nbytes]
-            try:
-                rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
-                ok = int(getattr(rc, "value", rc)) == 0
-            except Exception:  # pragma: no cover - depends on the CUDA build
-                ok = False
-            if ok:
-                self._registered.append(buf)
-                return buf.view(dtype)
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
-
-    @staticmethod
-    def _unregister(bufs: List[torch.Tensor], device) -> None:
-        if not bufs:
-            return
-        try:
-            torch.cuda.synchronize(device)
-            for buf in bufs:
-                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
-        bufs.clear()
-
-    def close(self) -> None:
-        """Unregister the page-locked buffers; copies from them are then synchronous (still correct)."""
-        self._finalizer()
+        with torch.cuda.device(self.device):
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
 
     def _event(self, timing=False):
-        return torch.cuda.Event(enable_timing=timing)
+        return torch.cuda.Event(enable_timing=timing, blocking=True)
 
     def record(self) -> Event:
         ev = self._event()
@@ -107,7 +99,7 @@ class CudaDevice(Device):
                 (src if d2h else dst).record_stream(stream)
             end = self._event(self._timing)
             end.record(stream)
-        return _CudaEvent(start, end)
+        return _CudaEvent(start, end, self._anchor)
 
     def copy_to_host(self, pairs: Pairs, after: Optional[Event]) -> Event:
         return self._copy(self._d2h, pairs, after, True)

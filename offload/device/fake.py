@@ -121,6 +121,12 @@ class FakeDevice(Device):
         self._hazardous: List[_FakeEvent] = []
         self.copies = 0
 
+    def check_params(self, params) -> None:
+        wrong = sorted({str(p.device) for p in params if p.device.type != "cpu"})
+        if wrong:
+            raise ValueError(f"FakeDevice drives CPU tensors as if they were on a GPU; parameters are on "
+                             f"{', '.join(wrong)}: pass offload_device=None for parameters on a GPU")
+
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype)
         _poison(t)

@@ -9,6 +9,7 @@ The fp32 master of every piece is a state section, read from the parameter at it
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -46,7 +47,8 @@ class DeviceParams:
         self.stats = dict(d2h_s=0.0, h2d_s=0.0, d2h_bytes=0, h2d_bytes=0)
         self.publishes = 0            # uploads issued so far: fingerprints older than the last one are stale
         self.trace = None             # offload.telemetry.Trace: copy spans (trace=True)
-        self._events: list = []
+        self._events: list = []       # (kind, event) of copies not yet counted; the worker appends
+        self._events_lock = threading.Lock()
 
     def extend(self, groups) -> None:
         self.groups = groups
@@ -87,7 +89,8 @@ class DeviceParams:
             g = self.grads[b.group][pc.param]
             pairs.append((self._piece(self.grad_bufs[s], pc, g.dtype), g.reshape(-1)[pc.start:pc.start + pc.n]))
         ev = self.device.copy_to_host(pairs, self._after if after is None else after)
-        self._events.append(("d2h", ev))
+        with self._events_lock:
+            self._events.append(("d2h", ev))
         self.stats["d2h_bytes"] += sum(d.numel() * d.element_size() for d, _ in pairs)
         return Staged(s, ev)
 
@@ -114,7 +117,8 @@ class DeviceParams:
         ev = self.device.copy_to_device(pairs, after)
         self.slot_ev[staged.slot] = ev
         self._last_up = ev
-        self._events.append(("h2d", ev))
+        with self._events_lock:
+            self._events.append(("h2d", ev))
         self.stats["h2d_bytes"] += sum(d.numel() * d.element_size() for d, _ in pairs)
         return ev
 
@@ -126,15 +130,18 @@ class DeviceParams:
         self.device.check()
 
     def collect_times(self) -> None:
+        with self._events_lock:   # (the worker appends meanwhile: no copy may be lost)
+            events, self._events = self._events, []
         keep = []
-        for kind, ev in self._events:
+        for kind, ev in events:
             if ev.query():
                 self.stats[f"{kind}_s"] += ev.seconds()
                 if self.trace is not None:
                     self.trace.span(kind, kind, ev.span())
             else:
                 keep.append((kind, ev))
-        self._events = keep
+        with self._events_lock:
+            self._events[:0] = keep
 
     def synchronize(self) -> None:
         for s, ev in enumerate(self.slot_ev):

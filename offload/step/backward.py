@@ -354,7 +354,7 @@ class BackwardFeed(FeedStep):
             steps = eng.registry.steps[b.group].numpy()
             table = bucket_rows(b, act, blk.base, ptrs, [steps[pc.param] for pc in act])
             t0 = time.perf_counter()
-            (step_table if b.moments == "fp32" else kernel_for(b))(table, hyper, mult, self.face.opt.kernel_threads)
+            (step_table if b.moments == "fp32" else kernel_for(b))(table, hyper, mult, self.face.kernel_threads())
             t1 = time.perf_counter()
             eng.telemetry["kernel_s"] += t1 - t0
             tier.release(b, blk)

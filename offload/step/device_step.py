@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from typing import Optional
 
@@ -32,6 +33,13 @@ from ..telemetry import Trace
 from .uploads import compiled_code_in_use
 
 __all__ = ["DeviceStep", "GPU_OPTIONS", "small_params"]
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _mark(p) -> tuple:
@@ -98,6 +106,15 @@ class DeviceStep:
         self._versions = self._snapshot()
         self._prints = None   # (keys, fingerprints, side.publishes then): see _take_prints
         self._dtensors = None   # any DTensor parameter (FSDP2): known at the first step
+
+    def kernel_threads(self) -> int:
+        """Threads of the CPU kernel: the optimizer's ``threads``, else every CPU of this process but the
+        device's ``launch_threads`` (on CUDA two, for the training thread and autograd's device thread,
+        which launch GPU work while the kernel runs; 0 means every CPU)."""
+        threads = self.opt.kernel_threads
+        if threads or not self.device.launch_threads:
+            return threads
+        return max(1, _cpus() - self.device.launch_threads)
 
     def moved_since_step(self, gi: int, i: int) -> bool:
         """Has parameter (gi, i) been written in place (version) or re-pointed (data pointer) since the
@@ -179,7 +196,7 @@ class DeviceStep:
 
     def _sumsq(self) -> float:
         """The squared global gradient norm: over every rank's shard for FSDP2 (DTensor) parameters."""
-        side, threads = self.engine.side, self.opt.kernel_threads
+        side, threads = self.engine.side, self.kernel_threads()
         return global_sumsq(self._grads(), lambda gs: side.grad_sumsq(gs, threads))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
@@ -235,7 +252,7 @@ class DeviceStep:
             self._small_step(mult)()
             self.reload_changed()   # the user wrote parameters (e.g. model.load_state_dict): masters follow
             self.engine.step(opt.param_groups, opt.group_hyper, opt.state,
-                             mult, opt.kernel_threads, active=active)
+                             mult, self.kernel_threads(), active=active)
             self._versions = self._snapshot()
             stats = self.engine.last_stats
             if self.release_grads:

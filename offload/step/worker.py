@@ -22,7 +22,11 @@ def _loop(ref, q) -> None:
         feed = ref()
         if feed is None:
             return
-        stop = feed._work(q, pending, staged)
+        try:
+            stop = feed._work(q, pending, staged)
+        except BaseException as e:   # (the read-ahead between jobs): fail the step instead of dying silently
+            feed._failed(e)
+            stop = False
         del feed
         if stop:
             return

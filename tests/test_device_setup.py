@@ -1,0 +1,111 @@
+"""Setting up the GPU-offload path: which device its copies run on, how many CPUs its kernel takes,
+and a failure of the CPU worker between buckets (fake device; the CUDA-only parts are marked)."""
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+import offload.device as devices
+from offload.device import CudaDevice, FakeDevice
+from offload.store import StoreFailedError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _on(kind, index=None):
+    """Stand-ins that only carry a device (resolve_device reads nothing else)."""
+    return types.SimpleNamespace(device=torch.device(kind, index) if index is not None else torch.device(kind))
+
+
+class _StubCuda:
+    made: list = []
+
+    def __init__(self, device=None):
+        self.device = torch.device(device)
+        _StubCuda.made.append(self.device)
+
+    def check_params(self, params):
+        CudaDevice.check_params(self, params)   # the real rule
+
+
+def test_cuda_without_index_means_the_parameters_gpu(monkeypatch):
+    monkeypatch.setattr(devices, "CudaDevice", _StubCuda)
+    _StubCuda.made = []
+    params = [_on("cuda", 1), _on("cuda", 1)]
+    assert devices.resolve_device("cuda", params).device == torch.device("cuda", 1)
+    assert devices.resolve_device(None, params).device == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="offload_device is cuda:0 but parameters are on cuda:1"):
+        devices.resolve_device("cuda:0", params)
+    with pytest.raises(RuntimeError, match="one device"):
+        devices.resolve_device(None, [_on("cuda", 0), _on("cuda", 1)])
+
+
+def test_fake_device_refuses_parameters_on_a_gpu():
+    with pytest.raises(ValueError, match="FakeDevice drives CPU tensors"):
+        devices.resolve_device(FakeDevice(), [_on("cuda", 0)])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_explicit_cuda_device_must_match_the_parameters():
+    model = nn.Linear(4, 4).cuda()
+    other = CudaDevice("cuda:0")
+    if torch.cuda.device_count() < 2:
+        assert offload.AdamW(model.parameters(), offload_device=other) is not None
+        return
+    with pytest.raises(ValueError, match="offload_device is cuda:0"):
+        offload.AdamW(nn.Linear(4, 4).to("cuda:1").parameters(), offload_device=other)
+
+
+def _threads_used(monkeypatch, dev, **opts):
+    import offload.step.backward as backward
+    seen = []
+    real = backward.step_table
+
+    def spy(table, hyper, mult, threads):
+        seen.append(threads)
+        return real(table, hyper, mult, threads)
+    monkeypatch.setattr(backward, "step_table", spy)
+    model = nn.Linear(16, 16)
+    opt = offload.AdamW(model.parameters(), offload_device=dev, **opts)
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    opt.synchronize()
+    opt.close()
+    return set(seen)
+
+
+def test_kernel_leaves_the_launch_threads_their_cpus(monkeypatch):
+    dev = FakeDevice(max_delay=0.0)
+    assert _threads_used(monkeypatch, dev) == {0}   # no launch threads to spare: every CPU
+    dev = FakeDevice(max_delay=0.0)
+    dev.launch_threads = 1   # as CudaDevice (2) on a machine with more CPUs
+    import os
+    want = max(1, len(os.sched_getaffinity(0)) - 1)
+    assert _threads_used(monkeypatch, dev) == {want}
+    assert _threads_used(monkeypatch, FakeDevice(max_delay=0.0), threads=1) == {1}   # the user's choice wins
+
+
+def test_worker_failure_between_buckets_is_raised_not_a_hang(monkeypatch):
+    """The read-ahead the worker runs between jobs raising must fail the step (raised at the next
+    call), not end the thread silently and leave synchronize() waiting."""
+    from offload.step.backward import BackwardFeed
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    dev = FakeDevice(max_delay=0.0)
+    opt = offload.AdamW(model.parameters(), offload_device=dev, bucket_mb=0.001)
+    calls = {"n": 0}
+
+    def boom(self, blocking):
+        calls["n"] += 1
+        if not blocking:
+            raise OSError("injected read-ahead failure")
+    monkeypatch.setattr(BackwardFeed, "_read_ahead", boom)
+    with pytest.raises((RuntimeError, OSError, StoreFailedError), match="injected read-ahead failure"):
+        model(torch.randn(2, 32)).sum().backward()
+        opt.step()
+        opt.synchronize()
+    with pytest.raises(StoreFailedError, match="load the last checkpoint"):
+        opt.step()   # every later call refuses until the state is reloaded
+    opt.close()
