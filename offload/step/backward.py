@@ -125,6 +125,7 @@ class BackwardFeed(FeedStep):
         self.in_cycle = False
         self.sent: dict = {}                 # (gi, i) -> (weakref to the grad, or None with release_grads; version)
         self.unsent: dict = {}               # (gi, i) -> its buckets whose D2H is not issued yet
+        self._hypers: dict = {}              # group -> hyperparameters read at its first bucket this step
         self.missing = [len(ps) for ps in self.params_of]
         self.dispatched: list = []   # queue order
         self.done = set()            # queued (training thread)
@@ -230,7 +231,11 @@ class BackwardFeed(FeedStep):
         act = [pc for pc in b.pieces if (b.group, pc.param) in sent]
         if not act:
             return
-        h = hypers[b.group] if hypers is not None else self.hyper(b.group)
+        if hypers is None:   # (during backward: once per group and step, not per bucket)
+            hypers = self._hypers
+            if b.group not in hypers:
+                hypers[b.group] = self.hyper(b.group)
+        h = hypers[b.group]
         adv, steps = self.advanced[b.group], eng.registry.steps[b.group].numpy()
         for pc in act:
             if not adv[pc.param]:

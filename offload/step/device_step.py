@@ -221,7 +221,12 @@ class DeviceStep:
         t0 = time.perf_counter()
         opt = self.opt
         mult = opt.pending_clip_coefficient() * (1.0 if grad_multiplier is None else float(grad_multiplier))
-        opt.set_clip_coefficient(1.0, [])   # a step that happens or is skipped uses the clip coefficient up
+        self._step(t0, mult)
+        opt.set_clip_coefficient(1.0, [])   # a step that happened or was skipped used the clip coefficient up;
+        # one that raised keeps it (nothing changed)
+
+    def _step(self, t0: float, mult: float) -> None:
+        opt = self.opt
         gs = getattr(opt, "grad_scale", None)
         found_inf = getattr(opt, "found_inf", None)
         if gs is not None:
@@ -231,7 +236,8 @@ class DeviceStep:
         skip = found_inf is not None and float(found_inf) > 0
         if self.feed is None:
             active = self.engine._collect(opt.param_groups)   # validation first: nothing changes on error
-        if not skip and (self.max_grad_norm is not None or self.check_overflow):
+        # (GradScaler checked for inf/NaN already when it hands found_inf over: no second pass for that)
+        if not skip and (self.max_grad_norm is not None or (self.check_overflow and found_inf is None)):
             total = self._sumsq()
             if self.check_overflow and not math.isfinite(total):
                 skip = True
