@@ -272,10 +272,10 @@ class StateEngine(TorchLayout):
             self.registry.commit(active)
             for gi, a in enumerate(active):
                 self.tracker.record(gi, np.flatnonzero(a))
+            self._install(fresh, state)   # (the step is done: opt.state must show it, or the tier fails)
         except BaseException as e:
             self.tier.fail(e)
             raise
-        self._install(fresh, state)
         dt = time.perf_counter() - t0
         self.telemetry["steps"] += 1
         self.telemetry["step_s"] += dt
