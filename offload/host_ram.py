@@ -274,6 +274,15 @@ class HostRamPath:
         checked = np.union1d(newgrad, changed)
         return np.union1d(ready, checked), checked
 
+    def _check_amsgrad(self, gi: int, plan, rows) -> None:
+        """amsgrad switched on after a parameter's first step: its state has no max_exp_avg_sq."""
+        miss = rows[(plan.table[rows, COL_VMAX] == 0) & (plan.table[rows, COL_N] > 0)]
+        if len(miss):
+            raise ValueError(f"param group {gi} has amsgrad=True, but {self._name(gi, int(miss[0]))} has no "
+                             "'max_exp_avg_sq' in its state (amsgrad was switched on after its first step; "
+                             "torch.optim.AdamW raises KeyError here): set amsgrad=False again, or give each such "
+                             "parameter one: opt.state[p]['max_exp_avg_sq'] = torch.zeros_like(p, dtype=torch.float32)")
+
     def _name(self, gi: int, i: int) -> str:
         names = self.param_groups[gi].get("param_names") if gi < len(self.param_groups) else None
         name = f" ({names[i]!r})" if names and i < len(names) else ""

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
 
 from . import _kernels, fallback
-from ._kernels import COL_N, COL_STEP, COL_VMAX
+from ._kernels import COL_STEP
 from .checks import _check_group_options, _check_hyper, _check_init, _check_moments, _check_param, _scalar
 from .clipping import ClippingMixin
 from .failstop import OptimizerFailedError, detached, failed_message
@@ -295,15 +295,6 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
             self._failure = detached(e)  # some rows may be stepped: refuse to continue from here
             raise
         return loss
-
-    def _check_amsgrad(self, gi: int, plan, rows) -> None:
-        """amsgrad switched on after a parameter's first step: its state has no max_exp_avg_sq."""
-        miss = rows[(plan.table[rows, COL_VMAX] == 0) & (plan.table[rows, COL_N] > 0)]
-        if len(miss):
-            raise ValueError(f"param group {gi} has amsgrad=True, but {self._name(gi, int(miss[0]))} has no "
-                             "'max_exp_avg_sq' in its state (amsgrad was switched on after its first step; "
-                             "torch.optim.AdamW raises KeyError here): set amsgrad=False again, or give each such "
-                             "parameter one: opt.state[p]['max_exp_avg_sq'] = torch.zeros_like(p, dtype=torch.float32)")
 
     def _check_usable(self) -> None:
         """Raise if an earlier step failed part-way (offload/failstop.py) and no state was loaded since."""
