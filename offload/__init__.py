@@ -13,12 +13,14 @@ from ._version import __version__
 from . import _C
 from . import kernels
 from .optim import Adam, AdamW
+from .failstop import OptimizerFailedError
 from .store import StoreFailedError
 from .guards import SharedMemoryError
 from .checkpoint import CheckpointError, load, save, save_async
 from .planner import MemoryPlan, plan
 
-__all__ = ["Adam", "AdamW", "build_info", "kernels", "__version__", "StoreFailedError", "SharedMemoryError",
+__all__ = ["Adam", "AdamW", "build_info", "kernels", "__version__", "OptimizerFailedError", "StoreFailedError",
+           "SharedMemoryError",
            "save", "load", "save_async", "CheckpointError", "plan", "MemoryPlan"]
 
 

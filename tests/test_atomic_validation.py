@@ -110,3 +110,50 @@ def test_amsgrad_switched_on_with_the_state_engine_changes_nothing(tmp_path, mod
     assert_same(snapshot(ps, opt), snapshot(ref, ropt))
     opt.close()
     ropt.close()
+
+
+@pytest.mark.parametrize("mode", ["ram", "nvme", "8bit"])
+def test_offload_load_recovers_a_failed_optimizer(tmp_path, monkeypatch, mode):
+    # a step that failed part-way: refused until offload.load of the last checkpoint, then bitwise
+    kw = (dict(moments="8bit", moments_min_size=4) if mode == "8bit" else
+          dict(state=mode, nvme_dir=tmp_path) if mode == "nvme" else {})
+    (ps, opt), (ref, ropt) = _pair(2, **kw)
+    train(ps, opt, 0, 2)
+    train(ref, ropt, 0, 4)
+    offload.save(opt, tmp_path / "ckpt")
+    weights = [p.detach().clone() for p in ps]
+    calls = [0]
+    if opt._store is None:
+        real = offload._kernels.step_table
+
+        def second_group_fails(*a):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("injected")
+            return real(*a)
+        monkeypatch.setattr(offload._kernels, "step_table", second_group_fails)
+    else:
+        real = opt._store.tier.release
+
+        def write_back_fails(*a):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("injected")
+            return real(*a)
+        monkeypatch.setattr(opt._store.tier, "release", write_back_fails)
+    grads(ps, 2)
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.step()
+    monkeypatch.undo()
+    with pytest.raises(offload.OptimizerFailedError, match="load the last checkpoint"):
+        opt.step()
+    with pytest.raises(offload.OptimizerFailedError):
+        offload.save(opt, tmp_path / "bad")
+    with torch.no_grad():
+        for p, w in zip(ps, weights):
+            p.copy_(w)
+    offload.load(opt, tmp_path / "ckpt")
+    train(ps, opt, 2, 2)
+    assert_same(snapshot(ps, opt), snapshot(ref, ropt))
+    opt.close()
+    ropt.close()
