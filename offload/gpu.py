@@ -69,7 +69,7 @@ def make_state_engine(param_groups: list, state: str, *, nvme_dir, host_budget, 
 
 
 _HOST_STATS = dict(step=0, d2h_s=0.0, kernel_s=0.0, h2d_s=0.0, nvme_s=0.0, exposed_s=0.0, d2h_bytes=0, h2d_bytes=0,
-                   buckets=0, skipped=False, grad_multiplier=1.0, overlapped=False, complete=True)
+                   buckets=0, skipped=False, grad_multiplier=1.0, overlapped=False, waited_all=False, complete=True)
 
 
 def _time_host_steps(opt) -> None:

@@ -152,7 +152,7 @@ def _ddp_device(rank, outdir):
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    opt.synchronize()
+    assert opt.last_step_stats(wait=True)["waited_all"]   # step() waited for every upload (several ranks)
     for i, (p, r) in enumerate(zip(model.parameters(), ref)):
         _close(p.detach(), r, f"DDP device parameter {i}")
     opt.close()

@@ -195,7 +195,9 @@ class BackwardFeed(FeedStep):
                 raise RuntimeError(
                     "offload: a second backward reached parameters whose gradients were already sent to the CPU "
                     "and stepped (step_during_backward mode). For gradient accumulation wrap the earlier backward "
-                    "passes in `with optimizer.no_sync():` (or call optimizer.set_accumulation_boundary(False)).")
+                    "passes in `with optimizer.no_sync():` (or call optimizer.set_accumulation_boundary(False)). "
+                    "With reentrant activation checkpointing that reuses a parameter in several segments, "
+                    "construct the optimizer with step_during_backward=False.")
             first = False
         else:
             first = True

@@ -23,6 +23,8 @@ import os
 import time
 from typing import Optional
 
+import logging
+
 import numpy as np
 import torch
 
@@ -33,6 +35,8 @@ from ..telemetry import Trace
 from .uploads import compiled_code_in_use
 
 __all__ = ["DeviceStep", "GPU_OPTIONS", "small_params"]
+
+log = logging.getLogger("offload")
 
 
 def _cpus() -> int:
@@ -106,6 +110,7 @@ class DeviceStep:
         self._versions = self._snapshot()
         self._prints = None   # (keys, fingerprints, side.publishes then): see _take_prints
         self._dtensors = None   # any DTensor parameter (FSDP2): known at the first step
+        self._warned_compile = False
 
     def kernel_threads(self) -> int:
         """Threads of the CPU kernel: the optimizer's ``threads``, else every CPU of this process but the
@@ -281,11 +286,17 @@ class DeviceStep:
             # step's last bucket is done; waiting for it here keeps that refresh from racing with the
             # caller's next write into them (the step is then not overlapped with the next forward)
             self.feed.wait_idle()
-        if compiled_code_in_use() or self._shared_weights():
+        compiled = compiled_code_in_use()
+        if compiled or self._shared_weights():
             # a compiled forward would not wait for its buckets (step/uploads.py); collectives read the
             # weights on streams that are ordered only after the current one (FSDP2's all-gathers,
             # ZeroRedundancyOptimizer's broadcast right after step()): every upload first
+            if compiled and not self._warned_compile:
+                self._warned_compile = True
+                log.info("torch.compile has compiled code in this process: step() waits for every upload, "
+                         "so the next forward does not overlap the rest of the CPU step (docs/gpu.md, Limits)")
             self.feed.uploads.wait_all()
+            rec["waited_all"] = True
         self._record(t0, rec["side0"], rec, mult, overlapped=True)
 
     def _shared_weights(self) -> bool:
@@ -329,7 +340,7 @@ class DeviceStep:
                           exposed_s=r["exposed_step"] + waits, d2h_bytes=s1["d2h_bytes"] - r["s0"]["d2h_bytes"],
                           h2d_bytes=s1["h2d_bytes"] - r["s0"]["h2d_bytes"], buckets=r["buckets"],
                           skipped=r["skipped"], grad_multiplier=r["grad_multiplier"],
-                          overlapped=r["overlapped"], complete=True)
+                          overlapped=r["overlapped"], waited_all=r.get("waited_all", False), complete=True)
         if "pipeline_s" in r:
             self._last["pipeline_s"] = r["pipeline_s"]
         self._recs = self._recs[k:]
