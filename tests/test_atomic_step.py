@@ -12,7 +12,7 @@ import torch
 import offload
 from offload import aio
 from offload.failstop import OptimizerFailedError
-from offload.step import pipeline
+from offload.step import bucket
 from atomic_util import assert_same, grads, snapshot, train
 
 TIERS = ("ram", "nvme", "mmap")
@@ -179,8 +179,8 @@ ENGINE_STAGES = {
     "registry.advance (step counters)": _store_stage("registry", "advance"),
     "registry.init_fresh": _store_stage("registry", "init_fresh"),
     "registry.commit": _store_stage("registry", "commit"),
-    "kernel (fp32 buckets)": lambda opt: (pipeline, "step_table"),
-    "kernel (compressed buckets)": lambda opt: (pipeline, "kernel_for"),
+    "kernel (fp32 buckets)": lambda opt: (bucket, "step_table"),
+    "kernel (compressed buckets)": lambda opt: (bucket, "kernel_for"),
     "opt.state views": _store_stage(None, "_install"),
 }
 RAM_STAGES = {

@@ -60,14 +60,14 @@ def test_explicit_cuda_device_must_match_the_parameters():
 
 
 def _threads_used(monkeypatch, dev, **opts):
-    import offload.step.backward as backward
+    import offload.step.bucket as bucket
     seen = []
-    real = backward.step_table
+    real = bucket.step_table
 
     def spy(table, hyper, mult, threads):
         seen.append(threads)
         return real(table, hyper, mult, threads)
-    monkeypatch.setattr(backward, "step_table", spy)
+    monkeypatch.setattr(bucket, "step_table", spy)
     model = nn.Linear(16, 16)
     opt = offload.AdamW(model.parameters(), offload_device=dev, **opts)
     model(torch.randn(2, 16)).sum().backward()

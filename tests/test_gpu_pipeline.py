@@ -581,12 +581,12 @@ def test_adam_l2_and_amsgrad_match_torch():
 
 @pytest.mark.timeout(60)
 def test_worker_failure_surfaces_instead_of_hanging(monkeypatch):
-    from offload.step import backward
+    from offload.step import bucket
     model = make_net(torch.float32)
     opt = ours()(model)
     def boom(*a, **k):
         raise ValueError("injected kernel failure")
-    monkeypatch.setattr(backward, "step_table", boom)  # the worker's kernel call
+    monkeypatch.setattr(bucket, "step_table", boom)  # the kernel call of the worker's bucket body
     idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(5))
     with pytest.raises(RuntimeError, match="injected kernel failure"):
         model(idx, tgt, use_aux=True).backward()

@@ -477,15 +477,15 @@ LIFETIME_SCRIPT = """
         opt = make(mode)
         store = opt._store
         inside, events, errors = threading.Event(), [], []
-        from offload.step import pipeline   # the one bucket loop: its kernel call
-        real = pipeline.step_table
+        from offload.step import bucket   # the one bucket body: its kernel call
+        real = bucket.step_table
         def slow_kernel(*a, **k):
             if not inside.is_set():
                 inside.set()
                 time.sleep(0.3)
             real(*a, **k)
             events.append("kernel")
-        pipeline.step_table = slow_kernel
+        bucket.step_table = slow_kernel
         def stepper():
             try:
                 opt.step()
@@ -498,7 +498,7 @@ LIFETIME_SCRIPT = """
         opt.close()
         events.append("closed")
         t.join()
-        pipeline.step_table = real
+        bucket.step_table = real
         # close() waited for the whole step: every kernel call came before it ("step done" is appended by
         # the stepper after opt.step() returned, which may race with the main thread's "closed")
         assert errors == [] and "step done" in events, (mode, errors, events)

@@ -36,13 +36,12 @@ import numpy as np
 import torch
 
 from .._dist import local
-from .._kernels import step_table
 from ..params.base import check_grad
+from .bucket import step_bucket
 from .feedstep import FeedStep
 from .frameworks import accelerate_accumulating
 from .hooks import weak_hook
 from .owners import ForwardObserver
-from .table import bucket_rows, kernel_for
 from .uploads import Upload, UploadWaits
 from .worker import _WAIT_S, _loop, _stop_worker, _unchanged
 
@@ -355,15 +354,10 @@ class BackwardFeed(FeedStep):
             self.stepped.add(b.index)
             blk = tier.acquire(b, read)   # read on demand if it was not read ahead
             self._read_ahead(blocking=True)   # the next reads run during this kernel
-            eng.registry.init_fresh(b, act, blk, functools.partial(side.read_master, after=after))
-            ptrs = side.ptrs(b, act, st)   # waits for the D2H
-            _unchanged(reads)
-            steps = eng.registry.steps[b.group].numpy()
-            table = bucket_rows(b, act, blk.base, ptrs, [steps[pc.param] for pc in act])
-            t0 = time.perf_counter()
-            (step_table if b.moments == "fp32" else kernel_for(b))(table, hyper, mult, self.face.kernel_threads())
-            t1 = time.perf_counter()
-            eng.telemetry["kernel_s"] += t1 - t0
+            t0, t1 = step_bucket(b, act, blk, functools.partial(side.ptrs, b, act, st),   # ptrs: waits for the D2H
+                                 registry=eng.registry, read_master=functools.partial(side.read_master, after=after),
+                                 hyper=hyper, mult=mult, threads=self.face.kernel_threads(), timing=eng.telemetry,
+                                 between=functools.partial(_unchanged, reads))
             tier.release(b, blk)
             up.ev = side.publish(b, act, st, after)
         if self.trace is not None:

@@ -1,23 +1,23 @@
-"""step/pipeline.py: THE hot path. One loop over the buckets of a step, for every tier and every side.
+"""step/pipeline.py: the inline loop over the buckets of a step, for every tier: host parameters, and
+device parameters with ``overlap=False`` (the overlapped schedules use the CPU worker of
+step/backward.py; both call the one per-bucket body, step/bucket.py).
 
 For bucket k (in the order the caller gives):
     tier.prefetch(k+1 .. k+depth)     state read-ahead (nvme: O_DIRECT reads into free slots)
     side.arrive(k .. k+ahead-1)       gradients to host (device: D2H into a staging slot; host: nothing)
     blk = tier.acquire(k)             the bucket's state bytes in host memory
-    registry.init_fresh(...)          first step of a piece: zeros, master = the parameter
-    step_table(rows, ...)             the native kernel, GIL released
+    step_bucket(...)                  fresh pieces initialized, the native kernel (step/bucket.py)
     tier.release(k, blk)              write-back (nvme: async; mmap: pages dropped)
     side.publish(k)                   new weights up (device: H2D from the slot)
 Any exception marks the tier failed (see state/tier.py) after every transfer stopped.
 """
 from __future__ import annotations
 
-import time
+import functools
 from collections import deque
 from typing import Callable, Sequence
 
-from .._kernels import step_table
-from .table import bucket_rows, kernel_for
+from .bucket import step_bucket
 
 __all__ = ["run"]
 
@@ -42,14 +42,9 @@ def run(jobs: Sequence[tuple], *, tier, side, registry, hyper: Callable[[int], d
         st = staged.popleft()
         blk = tier.acquire(b, read)
         if compute:
-            registry.init_fresh(b, act, blk, side.read_master)
-            if resync:
-                resync(b, act, blk)
-            steps = registry.steps[b.group].numpy()
-            table = bucket_rows(b, act, blk.base, side.ptrs(b, act, st), [steps[pc.param] for pc in act])
-            t = time.perf_counter()
-            (step_table if b.moments == "fp32" else kernel_for(b))(table, hyper(b.group), mult, threads)
-            timing["kernel_s"] += time.perf_counter() - t
+            step_bucket(b, act, blk, functools.partial(side.ptrs, b, act, st), registry=registry,
+                        read_master=side.read_master, hyper=hyper(b.group), mult=mult, threads=threads,
+                        timing=timing, resync=resync or None)
         tier.release(b, blk)
         if compute:
             side.publish(b, act, st)
