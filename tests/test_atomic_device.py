@@ -129,8 +129,6 @@ def test_failure_inside_the_step(tier, moments, stage, nth, tmp_path, opts, monk
     assert_same(snapshot(ps, opt), ref)
 
 
-@pytest.mark.xfail(strict=True, reason="device-side small parameters (small_param_numel) are stepped before the "
-                                       "hyperparameters are validated (offload/step/device_step.py DeviceStep.step)")
 def test_small_device_parameters_not_stepped_by_a_step_that_raises(tmp_path, opts):
     ps, opt = build("ram", "fp32", tmp_path, small_param_numel=60)   # parameter 1 (50 elements): on the device
     opts.append(opt)

@@ -232,6 +232,8 @@ class DeviceStep:
 
     def _step(self, t0: float, mult: float) -> None:
         opt = self.opt
+        for gi in range(len(opt.param_groups)):   # every group's hyperparameters before anything moves
+            opt.group_hyper(gi)                    # (the small parameters are stepped first)
         gs = getattr(opt, "grad_scale", None)
         found_inf = getattr(opt, "found_inf", None)
         if gs is not None:
