@@ -6,8 +6,15 @@ Public API:
 - ``save``, ``load``, ``save_async``: streaming, atomic, checksummed checkpoints (safetensors).
 - ``plan``: the memory planner (bytes per place before training).
 - ``build_info()``; the validated kernel entry points in ``offload.kernels``.
+- ``doctor()``: the environment report a bug report needs (also ``python -m offload``).
+
+Notable decisions (parameters stepped by torch's code, buffered instead of direct I/O, the state
+tier chosen) are logged at INFO on the ``offload`` logger, silent unless the application configures
+logging (``logging.basicConfig(level=logging.INFO)``).
 """
 from __future__ import annotations
+
+import logging as _logging
 
 from ._version import __version__
 from . import _C
@@ -18,10 +25,13 @@ from .store import StoreFailedError
 from .guards import SharedMemoryError
 from .checkpoint import CheckpointError, load, save, save_async
 from .planner import MemoryPlan, plan
+from .doctor import format_report as _format_report, report as _report
+
+_logging.getLogger("offload").addHandler(_logging.NullHandler())   # silent unless the application configures logging
 
 __all__ = ["Adam", "AdamW", "build_info", "kernels", "__version__", "OptimizerFailedError", "StoreFailedError",
            "SharedMemoryError",
-           "save", "load", "save_async", "CheckpointError", "plan", "MemoryPlan"]
+           "save", "load", "save_async", "CheckpointError", "plan", "MemoryPlan", "doctor"]
 
 
 def build_info() -> dict:
@@ -34,3 +44,13 @@ def build_info() -> dict:
         "threads": _C.get_num_threads(),
         "affinity_cpus": _C.affinity_cpu_count(),
     }
+
+
+def doctor(dir=None, *, print_report: bool = False, speed_test: bool = True) -> dict:
+    """Versions, CPU, memory, CUDA and the filesystem of ``dir`` (default: the temporary directory),
+    as a dict (keys: ``offload.doctor.KEYS``; printed as text with ``print_report=True``). The same
+    as ``python -m offload``; ``speed_test=False`` skips the ~2 s write+read test of ``dir``."""
+    rep = _report(build_info(), dir, speed_test=speed_test)
+    if print_report:
+        print(_format_report(rep))
+    return rep

@@ -11,9 +11,11 @@ with ``torch.optim.AdamW`` and their results are torch's bit for bit.
 
 Only in RAM-state CPU mode: with ``state="nvme"|"mmap"`` (the state file is laid out for dense
 fp32/bf16/fp16 tensors) and in GPU-offload mode such parameters are refused by name.
+The split is logged at INFO on the ``offload.fallback`` logger whenever it changes (how many, why).
 """
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Optional
 
@@ -27,6 +29,7 @@ __all__ = ["FALLBACK_DTYPES", "reason", "Router", "check", "step", "grad_sumsq",
 
 FALLBACK_DTYPES = (torch.float64, torch.complex64, torch.complex128)
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+log = logging.getLogger("offload.fallback")
 
 
 def reason(p: torch.Tensor) -> Optional[str]:
@@ -57,7 +60,9 @@ class Router:
     lists are cached: hyperparameters are always read from the live group dicts.
     """
 
-    def __init__(self):
+    def __init__(self, announce: bool = True):
+        self._announce = announce    # False: a throwaway router (state_dict loading) that logs nothing
+        self._logged: Optional[str] = None
         self._key: Optional[list] = None
         self._native: list = []      # per group: None (all native) or the list of native params
         self._fallback: list = []    # per group: [] or the fallback params in order, duplicates included
@@ -88,6 +93,26 @@ class Router:
         self._ids = {id(p) for f in self._fallback for p in f}
         self._any = bool(self._ids)
         self._key = key
+        if self._announce:
+            self._log_split(seen)
+
+    def _log_split(self, seen: dict) -> None:
+        """One INFO line when the set of parameters stepped by torch's code changed (never per step)."""
+        why: dict = {}
+        for p in {id(q): q for ps in self._fallback for q in ps}.values():
+            r = "listed more than once" if seen[id(p)] > 1 else reason(p)
+            r = "non-contiguous" if r.startswith("non-contiguous") else r.replace("dtype torch.", "")
+            why[r] = why.get(r, 0) + 1
+        msg = (f"{sum(why.values())} of {len(seen)} parameters are stepped by torch's own Adam code instead of "
+               f"offload's native kernel ({', '.join(f'{n} {r}' for r, n in sorted(why.items()))}): same results "
+               "as torch.optim, but slower; contiguous float32/bfloat16/float16 parameters listed once use the "
+               "native kernel") if why else None
+        if msg != self._logged:
+            if msg is not None:
+                log.info(msg)
+            elif self._logged is not None:
+                log.info("every parameter is now stepped by offload's native kernel")
+            self._logged = msg
 
     def split(self, groups: list) -> tuple:
         """(the groups as the native path sees them, [(group, fallback params)]), one pass."""

@@ -4,11 +4,13 @@
 (accumulation boundary, synchronize, telemetry); ``start_engine`` decides the mode from where the
 parameters are (or an explicit ``offload_device=``) and builds the device face
 (offload/step/device_step.py) over the one state engine (offload/step/engine.py), any tier.
-Kept apart from optim.py so that the optimizer class only delegates.
+Kept apart from optim.py so that the optimizer class only delegates. ``start_engine`` logs the
+setup chosen (parameter side, state tier, moment format) as one INFO line on the ``offload`` logger.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import weakref
 from typing import Optional
@@ -18,7 +20,9 @@ import torch
 from .device import Device, resolve_device
 from .step.device_step import GPU_OPTIONS, DeviceStep, small_params
 
-__all__ = ["GpuOffloadMixin", "make_state_engine", "split_params", "start_engine"]
+__all__ = ["GpuOffloadMixin", "describe", "make_state_engine", "split_params", "start_engine"]
+
+log = logging.getLogger("offload")
 
 
 def _flat(params: list) -> list:
@@ -90,14 +94,39 @@ def _time_host_steps(opt) -> None:
     opt.register_step_post_hook(post)
 
 
+def describe(opt, device: Optional[Device], store, engine=None) -> str:
+    """One line: where the parameters are stepped, where the state lives, the moment format."""
+    n = sum(len(g["params"]) for g in opt.param_groups)
+    side = ("parameters on the CPU, stepped in place by the native kernel" if device is None else
+            f"parameters on device {device.name} (GPU offload: gradients are copied to host memory, the CPU steps them"
+            f"{' during backward' if getattr(engine, 'eager', False) else ''}, the new weights are copied back)")
+    tier = getattr(store, "tier", None)
+    mode = getattr(store, "mode", "ram")
+    if mode == "nvme" and tier is not None:
+        direct = tier.telemetry.get("direct")
+        where = (f"optimizer state in the file {tier.where()} ({'direct' if direct else 'buffered'} I/O, "
+                 f"{len(getattr(tier, 'slots', ()))} host buffers of {tier.arena.slot_bytes / 2**20:.1f} MiB)"
+                 if getattr(tier, "arena", None) is not None else f"optimizer state in the file {tier.where()}")
+    elif mode == "mmap" and tier is not None:
+        where = f"optimizer state in the memory-mapped file {tier.where()}"
+    else:
+        where = "optimizer state in host RAM"
+    moments = getattr(opt, "moments", "fp32")
+    fmt = ("fp32 Adam moments" if moments == "fp32" else
+           f"{moments} Adam moments (fp32 for tensors under {getattr(opt, 'moments_min_size', 4096)} elements)")
+    return f"offload.{type(opt).__name__} with {n} parameter{'s' if n != 1 else ''}: {side}; {where}; {fmt}"
+
+
 def start_engine(opt, device: Optional[Device], gpu_options: dict, store=None):
     if device is None:
         if store is None:
             _time_host_steps(opt)
+        log.info(describe(opt, None, store))
         return None
     opt._step_supports_amp_scaling = True   # GradScaler hands us grad_scale / found_inf instead of unscaling
     engine = DeviceStep(opt, store, device, **gpu_options)   # buckets stream through a staging ring
     engine.owns_device = getattr(device, "_created_by_offload", False)
+    log.info(describe(opt, device, store, engine))
     return engine
 
 

@@ -100,7 +100,7 @@ class StateDictMixin:
         id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
                           chain.from_iterable(g["params"] for g in groups)))
         new_state: defaultdict = defaultdict(dict)
-        router = fallback.Router()
+        router = fallback.Router(announce=False)   # only asked which parameters use torch's layout
         for k, v in state_dict["state"].items():
             if k not in id_map:
                 new_state[k] = v

@@ -4,9 +4,11 @@ Host memory is ``depth + 2`` slots of at most one bucket each, whatever the mode
 kernel updates the acquired bucket, up to ``depth`` later buckets are being read and earlier ones
 written back. A bucket acquired without a prefetch (out of the expected order) is read on demand:
 slower, never wrong. Slots are ordinary (pageable) memory: the GPU never copies from them.
+A filesystem that refuses O_DIRECT gets buffered I/O, logged at INFO on ``offload.state``.
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import time
@@ -22,6 +24,8 @@ from . import files
 from .tier import Block, StateTier
 
 __all__ = ["NvmeTier"]
+
+log = logging.getLogger("offload.state")
 
 
 def _cleanup(engine, file, directory, keep: bool, pid: int) -> None:
@@ -60,6 +64,10 @@ class NvmeTier(StateTier):
         self.file = self.engine.open(self.path, create=True, direct=direct, mode=0o600)
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _cleanup, self.engine, self.file, self.directory, self.keep, pid)
+        if direct and not self.file.direct:
+            log.info(f"O_DIRECT is not supported in the NVMe state directory {self.nvme_dir} (the filesystem refused "
+                     "it): the state file uses buffered I/O through the page cache instead (correct, but it competes "
+                     "with the page cache for RAM); an nvme_dir on an ext4 or xfs NVMe disk gets direct I/O")
         self.file_bytes = 0
         self.arena = None
         self.slots: list = []
