@@ -29,6 +29,7 @@ from .clipping import ClippingMixin
 from .failstop import OptimizerFailedError, detached, failed_message
 from .gpu import GPU_OPTIONS, GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
 from .host_ram import HostRamPath
+from .options import OPTIONS_DOC, given_gpu_options, resolve_state
 from .state_dict import StateDictMixin
 
 __all__ = ["Adam", "AdamW"]
@@ -44,9 +45,15 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
                  foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None,
                  decoupled_weight_decay: bool = False, threads: Optional[int] = None,
-                 state: str = "ram", nvme_dir=None, host_budget="2GiB", keep_files: bool = False,
+                 state: Optional[str] = None, nvme_dir=None, host_budget="2GiB", keep_files: bool = False,
                  nvme_options: Optional[dict] = None, offload_device=None, moments: str = "fp32",
-                 moments_min_size: int = 4096, **gpu_options):
+                 moments_min_size: int = 4096, bucket_mb=None, overlap=None, step_during_backward=None,
+                 max_grad_norm=None, check_overflow=None, release_grads=None, trace=None, small_param_numel=None):
+        gpu_options = given_gpu_options(
+            bucket_mb=bucket_mb, overlap=overlap, step_during_backward=step_during_backward,
+            max_grad_norm=max_grad_norm, check_overflow=check_overflow, release_grads=release_grads, trace=trace,
+            small_param_numel=small_param_numel)
+        state = resolve_state(state, nvme_dir)
         if isinstance(lr, torch.Tensor) and foreach and not capturable:
             raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
         _check_hyper(lr, betas, eps, weight_decay)
@@ -351,45 +358,33 @@ for _name in ("step", "clip_grad_norm_", "zero_grad", "state_dict", "load_state_
 del _name
 
 
-class Adam(_AdamBase):
-    """Adam (L2 weight decay added to the gradient), same signature and defaults as torch.optim.Adam.
+def _forward(args: dict) -> dict:
+    """A subclass constructor's arguments, as keywords for _AdamBase.__init__."""
+    return {k: v for k, v in args.items() if k not in ("self", "__class__")}
 
-    Extra keyword: ``threads`` (native threads per step; default: CPUs in the affinity mask).
-    State on disk: ``state="nvme"|"mmap"``, ``nvme_dir``, ``host_budget``, ``keep_files``,
-    ``nvme_options`` (see docs/nvme.md and offload/store.py). Compressed moments:
-    ``moments="fp32"|"bf16"|"8bit"``, ``moments_min_size`` (docs/moments.md).
-    """
+
+class Adam(_AdamBase):
+    __doc__ = "Adam (L2 weight decay added to the gradient), same signature and defaults as torch.optim.Adam.\n" \
+        + OPTIONS_DOC
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=False, threads=None, state="ram", nvme_dir=None, host_budget="2GiB",
+                 decoupled_weight_decay=False, threads=None, state=None, nvme_dir=None, host_budget="2GiB",
                  keep_files=False, nvme_options=None, offload_device=None, moments="fp32", moments_min_size=4096,
-                 **gpu_options):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
-                         capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=decoupled_weight_decay, threads=threads, state=state,
-                         nvme_dir=nvme_dir, host_budget=host_budget, keep_files=keep_files,
-                         nvme_options=nvme_options, offload_device=offload_device, moments=moments,
-                         moments_min_size=moments_min_size, **gpu_options)
+                 bucket_mb=None, overlap=None, step_during_backward=None, max_grad_norm=None, check_overflow=None,
+                 release_grads=None, trace=None, small_param_numel=None):
+        super().__init__(**_forward(locals()))
 
 
 class AdamW(_AdamBase):
-    """AdamW (decoupled weight decay), same signature and defaults as torch.optim.AdamW.
-
-    Extra keywords as for :class:`Adam` (``threads``; ``state``, ``nvme_dir``, ``host_budget``,
-    ``keep_files``, ``nvme_options`` for optimizer state on disk; ``moments``, ``moments_min_size``
-    for compressed Adam moments, docs/moments.md).
-    """
+    __doc__ = "AdamW (decoupled weight decay), same signature and defaults as torch.optim.AdamW.\n" + OPTIONS_DOC
 
     _decoupled = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None, threads=None,
-                 state="ram", nvme_dir=None, host_budget="2GiB", keep_files=False, nvme_options=None,
-                 offload_device=None, moments="fp32", moments_min_size=4096, **gpu_options):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
-                         capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True, threads=threads, state=state, nvme_dir=nvme_dir,
-                         host_budget=host_budget, keep_files=keep_files, nvme_options=nvme_options,
-                         offload_device=offload_device, moments=moments, moments_min_size=moments_min_size,
-                         **gpu_options)
+                 state=None, nvme_dir=None, host_budget="2GiB", keep_files=False, nvme_options=None,
+                 offload_device=None, moments="fp32", moments_min_size=4096, bucket_mb=None, overlap=None,
+                 step_during_backward=None, max_grad_norm=None, check_overflow=None, release_grads=None,
+                 trace=None, small_param_numel=None):
+        super().__init__(decoupled_weight_decay=True, **_forward(locals()))

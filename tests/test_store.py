@@ -194,7 +194,7 @@ def test_constructor_validation(tmp_path):
     with pytest.raises(ValueError, match="needs nvme_dir"):
         make_opt(ps, state="nvme")
     with pytest.raises(ValueError, match="only apply"):
-        make_opt(ps, nvme_dir=tmp_path)
+        make_opt(ps, state="ram", nvme_dir=tmp_path)
     with pytest.raises(FileNotFoundError):
         make_opt(ps, state="nvme", nvme_dir=tmp_path / "missing")
     (tmp_path / "afile").write_bytes(b"x")
@@ -205,7 +205,8 @@ def test_constructor_validation(tmp_path):
     with pytest.raises(ValueError, match="cannot parse"):
         make_opt(ps, state="nvme", nvme_dir=tmp_path, host_budget="lots")
     assert os.listdir(tmp_path) == ["afile"]  # failed constructions leave nothing behind
-    opt = make_opt(ps, state="nvme", nvme_dir=tmp_path)
+    opt = make_opt(ps, nvme_dir=tmp_path)   # nvme_dir alone: state="nvme"
+    assert opt.storage_info()["mode"] == "nvme"
     opt.add_param_group({"params": [torch.zeros(3)]})  # NVMe state grows (tests/test_matrix.py checks the math)
     assert len(opt.param_groups) == 4  # make_params: three groups
     with pytest.raises(TypeError, match="pickled"):

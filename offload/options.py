@@ -1,0 +1,56 @@
+"""options.py: offload's own constructor options of ``offload.Adam`` / ``offload.AdamW`` (beyond torch's):
+their documentation (appended to both classes' docstrings, so ``help()`` shows each one), where the
+state lives when only ``nvme_dir`` is given, and which GPU-offload options the caller actually gave.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ["OPTIONS_DOC", "GPU_OPTION_NAMES", "given_gpu_options", "resolve_state"]
+
+GPU_OPTION_NAMES = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm", "check_overflow",
+                    "release_grads", "trace", "small_param_numel")
+
+OPTIONS_DOC = """
+    offload's own keyword arguments (after torch's):
+
+    threads: native threads of the CPU kernel. Default: every CPU of this process (host parameters),
+        all but two with parameters on a GPU (left to the threads that launch GPU work).
+    state: where the fp32 master weights and Adam moments live: ``"ram"`` (host memory), ``"nvme"``
+        (a file in ``nvme_dir``, read and written with O_DIRECT, host memory bounded by
+        ``host_budget``) or ``"mmap"`` (a mapped file in ``nvme_dir``). Default: ``"nvme"`` when
+        ``nvme_dir`` is given, else ``"ram"``. docs/nvme.md.
+    nvme_dir: directory for the state file of ``state="nvme"|"mmap"`` (a private subdirectory is
+        created there and removed by ``close()`` unless ``keep_files``). Giving it alone is enough.
+    host_budget: host memory for NVMe state buffers, bytes or a string like ``"2GiB"``.
+    keep_files: keep the state directory after ``close()``.
+    nvme_options: tuning of the NVMe tier (``depth``, ``staging_slots``, ...); docs/nvme.md.
+    moments: ``"fp32"`` (torch's), ``"bf16"`` or ``"8bit"`` compressed Adam moments; docs/moments.md.
+    moments_min_size: tensors with fewer elements keep fp32 moments.
+    offload_device: None (default: the parameters' GPU when they are on one, else the CPU mode),
+        ``"cuda"``/``"cuda:k"`` or an ``offload.device.CudaDevice``; ``"fake"``/``"cpu"`` and
+        ``FakeDevice``/``CpuDevice`` are test devices that drive CPU tensors as if on a GPU.
+
+    Parameters on a GPU only (docs/gpu.md); None means the default:
+    bucket_mb: bucket size in MB of parameters (default 32).
+    overlap: False runs every copy and the CPU step inside ``step()`` (default True).
+    step_during_backward: step buckets while backward runs (default: True unless ``max_grad_norm``
+        or ``check_overflow`` is set or several torch.distributed ranks run).
+    max_grad_norm: clip the global gradient norm inside ``step()``.
+    check_overflow: skip a step whose gradients are not finite (needed with ``torch.amp.GradScaler``).
+    release_grads: set ``p.grad = None`` as soon as a gradient is handed to the CPU step.
+    trace: record a timeline for ``export_chrome_trace(path)``.
+    small_param_numel: parameters of at most this many elements stay on the GPU, stepped by torch.
+"""
+
+
+def resolve_state(state: Optional[str], nvme_dir) -> str:
+    """``state`` as given, or the default: "nvme" when only ``nvme_dir`` says where, else "ram"."""
+    if state is None:
+        return "nvme" if nvme_dir is not None else "ram"
+    return state
+
+
+def given_gpu_options(**options) -> dict:
+    """The GPU-offload options the caller gave (None: not given, the mode's default applies)."""
+    return {k: v for k, v in options.items() if v is not None}
