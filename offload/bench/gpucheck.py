@@ -1,125 +1,231 @@
-"""gpucheck.py: correctness of GPU offload against torch.optim.AdamW on the same device, then the
-timing table of the train benchmark. Behind ``bench/gpu_check.py`` (one command, < 5 min on one GPU).
+"""gpucheck.py: the runner behind ``bench/gpu_check.py`` - check registry, time budgets, verdicts, JSON lines.
 
-For each case (fp32 / bf16 parameters x clipping on/off x gradient accumulation 1/2) a small GPT is
-trained for a few steps twice from the same weights and batches:
-  ours       offload.AdamW on the device parameters, state in pinned host RAM (overlapped schedule);
-  reference  torch.optim.AdamW on the device: on the parameters themselves for fp32, and for bf16
-             on fp32 master copies (gradients cast up, clipping with torch.nn.utils.clip_grad_norm_,
-             new weights rounded back into the bf16 model) - the standard master-weight recipe.
-A case passes when ||ours - reference|| (L2 over all fp32 masters) is below ``tol`` times how far the
-reference moved during the run (1e-4 for fp32 parameters, 2e-2 for bf16 where one flipped rounding
-in the forward changes later gradients); bf16 weights are compared the same way.
-``run_checks("fake")`` runs the same cases on CPU through the fake device (used by the tests).
+Every check is a function ``fn(ctx, res)`` (offload/bench/gpucheck_*.py) with its own time budget.
+The runner skips a check (verdict SKIP, with the reason) when its budget does not fit in what is
+left of ``--budget-s``, runs it under try/except (an exception is a FAIL verdict carrying the error,
+never the end of the script), appends one JSON line per check to ``--out`` (flushed and fsynced, so
+that a run killed by a timeout still leaves its results) and prints one verdict line per check:
+``PASS|FAIL|SKIP|INFO  <name>  <detail>``. A watchdog ends the process, after recording the hung check
+as FAIL and dumping every thread's stack, if one check runs far past its budget.
+
+Also kept here: ``run_checks`` / ``check_case`` / ``print_checks``, the GPT-model parity cases against
+torch.optim.AdamW on the same device (offload/bench/gpucheck_parity.py), used by the tests.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
 from typing import List
 
 import torch
 
-from .gpt import GPT, GPTConfig, param_groups, random_batch
+from .gpucheck_common import Ctx, Result, Skip
+from .gpucheck_parity import check_case, print_checks, run_checks
 
-__all__ = ["run_checks", "check_case", "print_checks"]
+__all__ = ["run_checks", "check_case", "print_checks", "main", "all_checks", "CHECK_NAMES"]
 
-LR = 1e-3
-CLIP = 0.05   # small enough that clipping is active in every step of the check
-
-
-def _offload_device(kind: str):
-    from offload.device import CudaDevice, FakeDevice
-    return CudaDevice() if kind == "cuda" else FakeDevice(max_delay=0.002, seed=0)
-
-
-def check_case(kind: str, dtype: torch.dtype, clip: bool, accum: int, steps: int, cfg: GPTConfig,
-               overlap: bool = True) -> dict:
-    import offload
-    device = torch.device("cuda" if kind == "cuda" else "cpu")
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device=device, dtype=dtype)
-    ref_model = copy.deepcopy(model)
-    init = [p.detach().float().clone() for p in model.parameters()]
-    dev = _offload_device(kind)
-    opts = dict(offload_device=dev, bucket_mb=0.05, overlap=overlap)
-    if clip:
-        opts["max_grad_norm"] = CLIP
-    opt = offload.AdamW(param_groups(model, 0.1), lr=LR, **opts)
-    if dtype == torch.float32:
-        masters = list(ref_model.parameters())
-    else:
-        masters = [p.detach().float().clone().requires_grad_(True) for p in ref_model.parameters()]
-    mp = {id(p): m for p, m in zip(ref_model.parameters(), masters)}
-    ref_groups = [{**g, "params": [mp[id(p)] for p in g["params"]]} for g in param_groups(ref_model, 0.1)]
-    ref = torch.optim.AdamW(ref_groups, lr=LR)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        for micro in range(accum):
-            idx, tgt = random_batch(cfg, 2, device, gen)
-            ctx = opt.no_sync() if micro < accum - 1 else contextlib.nullcontext()
-            with ctx:
-                model(idx, tgt).backward()
-            ref_model(idx, tgt).backward()
-        if dtype != torch.float32:
-            for p, m in zip(ref_model.parameters(), masters):
-                m.grad = p.grad.float()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(masters, CLIP)
-        ref.step()
-        ref.zero_grad()
-        ref_model.zero_grad()
-        if dtype != torch.float32:
-            with torch.no_grad():
-                for p, m in zip(ref_model.parameters(), masters):
-                    p.copy_(m)
-        opt.step()
-        opt.zero_grad()
-    opt.synchronize()
-    dev.check()
-    # compare
-    state = opt.state_dict()["state"]
-    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    ours_master = []
-    for p in model.parameters():
-        st = state.get(index[id(p)], {})
-        ours_master.append(st["master_param"].float().to(device) if "master_param" in st else p.detach().float())
-    def l2(ts):
-        return sum(t.double().square().sum().item() for t in ts) ** 0.5
-    # how far the reference moved, and how far ours is from it (L2 over all parameters): Adam's
-    # update is ~lr per element whatever the gradient, so one flipped bf16 rounding in the forward
-    # can change single elements by ~lr; the L2 ratio measures the whole update
-    moved = l2([m.detach().float() - a for m, a in zip(masters, init)])
-    d_master = l2([a - m.detach().float() for a, m in zip(ours_master, masters)])
-    d_param = l2([a.detach().float() - b.detach().float() for a, b in zip(model.parameters(), ref_model.parameters())])
-    finite = all(torch.isfinite(p).all().item() for p in model.parameters())
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    ok = finite and d_master <= tol * moved and d_param <= 2 * tol * moved
-    stats = opt.last_step_stats(wait=True)
-    opt.close()
-    dev.close()
-    return {"device": kind, "dtype": str(dtype).replace("torch.", ""), "clip": clip, "accum": accum,
-            "steps": steps, "overlap": overlap, "moved": moved, "max_diff_master": d_master,
-            "max_diff_param": d_param, "rel_diff": d_master / moved if moved else 0.0, "ok": bool(ok),
-            "exposed_s": stats["exposed_s"] if stats else None}
+# the checks in the order they run: (name, module, function name)
+_REGISTRY = [
+    ("00_environment", "gpucheck_env", "check_environment"),
+    ("01_schedule_equivalence", "gpucheck_correct", "check_schedules"),
+    ("02_engine_claim", "gpucheck_correct", "check_engine_claim"),
+    ("03_parity_torch_adamw", "gpucheck_correct", "check_parity"),
+    ("04_tiers", "gpucheck_correct", "check_tiers"),
+    ("05_moments", "gpucheck_correct", "check_moments"),
+    ("06_accumulation", "gpucheck_correct", "check_accumulation"),
+    ("07_clipping", "gpucheck_amp", "check_clipping"),
+    ("08_gradscaler", "gpucheck_amp", "check_gradscaler"),
+    ("09_bf16_autocast", "gpucheck_amp", "check_bf16_autocast"),
+    ("10_release_grads", "gpucheck_amp", "check_release_grads"),
+    ("11_small_params", "gpucheck_amp", "check_small_params"),
+    ("12_user_writes", "gpucheck_writes", "check_user_writes"),
+    ("13_non_owner_reads", "gpucheck_writes", "check_non_owner_reads"),
+    ("14_torch_compile", "gpucheck_writes", "check_compile"),
+    ("15_user_stream", "gpucheck_writes", "check_user_stream"),
+    ("16_fsdp2", "gpucheck_dist", "check_fsdp2"),
+    ("17_ddp", "gpucheck_dist", "check_ddp"),
+    ("18_robustness", "gpucheck_dist", "check_robustness"),
+    ("perf_setup", "gpucheck_perf", "perf_setup"),
+    ("perf_baseline", "gpucheck_perf", "perf_baseline"),
+    ("perf_torch_fused", "gpucheck_perf", "perf_torch_fused"),
+    ("perf_offload_eager", "gpucheck_perf", "perf_eager"),
+    ("perf_offload_deferred_clip", "gpucheck_perf", "perf_clip"),
+    ("perf_offload_sync", "gpucheck_perf", "perf_sync"),
+    ("perf_offload_nvme", "gpucheck_perf", "perf_nvme"),
+    ("perf_offload_8bit", "gpucheck_perf", "perf_8bit"),
+    ("perf_profiler", "gpucheck_perf", "perf_profiler"),
+    ("perf_thread_sweep", "gpucheck_perf", "perf_threads"),
+    ("perf_bucket_sweep", "gpucheck_perf", "perf_buckets"),
+    ("perf_fingerprint_cost", "gpucheck_perf", "perf_fingerprints"),
+    ("perf_memory_vs_plan", "gpucheck_perf", "perf_memory"),
+    ("perf_trace_lanes", "gpucheck_perf", "perf_trace"),
+    ("perf_peers", "gpucheck_perf", "perf_peers"),
+    ("perf_summary", "gpucheck_perf", "perf_summary"),
+]
+CHECK_NAMES = [n for n, _, _ in _REGISTRY]
+QUICK_PERF = {"perf_setup", "perf_baseline", "perf_offload_eager", "perf_summary"}
 
 
-def run_checks(kind: str, steps: int = 4, quick: bool = False) -> List[dict]:
-    cfg = GPTConfig(vocab=64, seq=16, n_layer=2, n_head=2, d_model=32) if quick else \
-        GPTConfig(vocab=512, seq=64, n_layer=2, n_head=4, d_model=128)
+def all_checks():
+    import importlib
     out = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for clip in (False, True):
-            for accum in (1, 2):
-                out.append(check_case(kind, dtype, clip, accum, steps, cfg))
-    out.append(check_case(kind, torch.bfloat16, True, 2, steps, cfg, overlap=False))
+    for name, mod, fn in _REGISTRY:
+        try:
+            out.append((name, getattr(importlib.import_module(f"offload.bench.{mod}"), fn)))
+        except Exception as e:  # noqa: BLE001 - a broken module is that check's FAIL, not the script's end
+            out.append((name, _broken(f"offload.bench.{mod}.{fn}", e)))
     return out
 
 
-def print_checks(results: List[dict]) -> None:
-    print(f"{'dtype':<9} {'clip':<5} {'accum':>5} {'overlap':<8} {'moved':>9} {'|d| master':>14} "
-          f"{'|d| param':>13} {'rel':>8}  result")
-    for r in results:
-        print(f"{r['dtype']:<9} {str(r['clip']):<5} {r['accum']:>5} {str(r['overlap']):<8} {r['moved']:>9.2e} "
-              f"{r['max_diff_master']:>14.2e} {r['max_diff_param']:>13.2e} {r['rel_diff']:>8.1e}  "
-              f"{'ok' if r['ok'] else 'FAIL'}")
+def _broken(where: str, err: BaseException):
+    def fn(ctx, res):
+        raise RuntimeError(f"could not load {where}: {type(err).__name__}: {err}")
+    return fn
+
+
+class Runner:
+    def __init__(self, ctx: Ctx, out_path: str, inject_fail=()):
+        self.ctx = ctx
+        self.out_path = out_path
+        self.inject_fail = set(inject_fail)
+        self.results: List[dict] = []
+        self._current = None   # (name, started, hard limit) of the running check
+        self._lock = threading.Lock()
+        self._fh = open(out_path, "a")
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, name="gpu-check-watchdog", daemon=True).start()
+
+    # -------------------------------------------------------------- output
+    def _emit(self, rec: dict) -> None:
+        with self._lock:
+            self.results.append(rec)
+            self._fh.write(json.dumps(rec, default=str) + "\n")
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            detail = rec["detail"].replace("\n", " ")
+            print(f"{rec['verdict']:<4}  {rec['name']}  {detail}  ({rec['seconds']:.1f} s)", flush=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            cur = self._current
+            if cur is None or time.time() < cur[2]:
+                continue
+            name, t0, _ = cur
+            sys.stderr.write(f"\ngpu_check: {name} hung ({time.time() - t0:.0f} s); stacks of every thread:\n")
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            self._emit(dict(name=name, verdict="FAIL", seconds=time.time() - t0,
+                            detail="hung: ran far past its time budget; the watchdog ended the script "
+                                   "(stacks on stderr)", data={}, device=self.ctx.kind))
+            self.summary()
+            sys.stdout.flush()
+            os._exit(1)
+
+    # -------------------------------------------------------------- running
+    def run_one(self, name: str, fn) -> dict:
+        ctx = self.ctx
+        budget = ctx.budget_of(name)
+        left = ctx.global_deadline - time.time()
+        res = Result(name)
+        t0 = time.time()
+        if budget is None:
+            res.skip("not run in --quick mode")
+        elif left < budget:
+            res.skip(f"needs ~{budget:.0f} s, {max(left, 0):.0f} s left of --budget-s")
+        else:
+            ctx.check_deadline, ctx.check_budget = t0 + budget, budget
+            self._current = (name, t0, t0 + max(3 * budget, budget + 60))
+            try:
+                if name in self.inject_fail:
+                    raise RuntimeError("failure injected by --inject-fail")
+                with ctx.section(name):
+                    fn(ctx, res)
+            except Skip as e:
+                res.skip(str(e))
+            except Exception as e:  # a check that raises is a FAIL, never the end of the script
+                res.error(e, traceback.format_exc(limit=8))
+            finally:
+                try:
+                    ctx.cleanup(res)
+                finally:
+                    self._current = None
+        rec = res.record(time.time() - t0, budget, ctx.kind)
+        self._emit(rec)
+        return rec
+
+    def run(self, checks) -> None:
+        for name, fn in checks:
+            self.run_one(name, fn)
+
+    def summary(self) -> int:
+        counts = {v: sum(r["verdict"] == v for r in self.results) for v in ("PASS", "FAIL", "SKIP", "INFO")}
+        print(f"\nsummary: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP, {counts['INFO']} INFO "
+              f"in {time.time() - self.ctx.t_start:.0f} s; JSON lines in {self.out_path}", flush=True)
+        for r in self.results:
+            if r["verdict"] == "FAIL":
+                print(f"  FAIL {r['name']}: {r['detail'][:300]}", flush=True)
+        return 1 if counts["FAIL"] else 0
+
+    def close(self) -> None:
+        self._stop.set()
+        self._fh.close()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python bench/gpu_check.py",
+                                description="Correctness and timing of GPU offload on one device, fail-soft.")
+    p.add_argument("--device", choices=["cuda", "fake"], default="cuda",
+                   help="cuda (default) or fake: the same checks on the CPU through offload's FakeDevice")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, fewer steps, perf reduced to one variant")
+    p.add_argument("--budget-s", dest="budget_s", type=float, default=None,
+                   help="global time budget in seconds (default: 480 on CUDA, 170 fake, 40 fake --quick)")
+    p.add_argument("--out", default=None, help="JSON lines file (default: $OUT/gpu_check.jsonl, else a temp dir)")
+    p.add_argument("--only", default=None, help="comma-separated check names (or prefixes) to run")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per correctness case")
+    p.add_argument("--perf-preset", dest="perf_preset", default=None,
+                   help="GPT preset of the performance section (offload/bench/gpt.py; default 350m on CUDA, tiny fake)")
+    p.add_argument("--nvme-dir", dest="nvme_dir", default=None,
+                   help="directory on a real disk for the NVMe/mmap state (default: a temp dir under the cwd)")
+    p.add_argument("--inject-fail", dest="inject_fail", default="", help=argparse.SUPPRESS)
+    return p
+
+
+def _out_path(arg) -> str:
+    if arg:
+        return arg
+    if os.environ.get("OUT"):
+        os.makedirs(os.environ["OUT"], exist_ok=True)
+        return os.path.join(os.environ["OUT"], "gpu_check.jsonl")
+    return os.path.join(tempfile.mkdtemp(prefix="gpu-check-"), "gpu_check.jsonl")
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device in this process (torch %s, cuda %s): nothing to check here. "
+              "Run it on a machine with a GPU, or use --device fake for the CPU run of the same checks."
+              % (torch.__version__, torch.version.cuda))
+        return 0
+    ctx = Ctx(args)
+    out = _out_path(args.out)
+    print(f"gpu_check: device {ctx.kind}{' (quick)' if ctx.quick else ''}, budget {ctx.budget_s:.0f} s, "
+          f"JSON lines -> {out}", flush=True)
+    checks = all_checks()
+    if args.only:
+        want = [w.strip() for w in args.only.split(",") if w.strip()]
+        checks = [(n, f) for n, f in checks if any(n.startswith(w) for w in want)]
+    runner = Runner(ctx, out, inject_fail=[s for s in args.inject_fail.split(",") if s])
+    try:
+        ctx.setup()
+        runner.run(checks)
+        rc = runner.summary()
+    finally:
+        runner.close()
+        ctx.teardown()
+    return rc
