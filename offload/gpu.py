@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from .device import Device, resolve_device
-from .step.device_step import GPU_OPTIONS, DeviceStep, small_params
+from .smallparams import small_params
+from .step.device_step import GPU_OPTIONS, DeviceStep
 
 __all__ = ["GpuOffloadMixin", "describe", "make_state_engine", "split_params", "start_engine"]
 

@@ -13,7 +13,9 @@ from typing import Dict, List
 
 import torch
 
-__all__ = ["DeviceSideAdam"]
+from ._dist import local
+
+__all__ = ["DeviceSideAdam", "small_params"]
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
@@ -79,3 +81,13 @@ class DeviceSideAdam:
                 self.opt.state[p] = self.inner.state[p]
             else:
                 self.opt.state.pop(p, None)
+
+
+def small_params(param_groups: list, small_param_numel: int) -> set:
+    """(gi, i) of the parameters of at most ``small_param_numel`` elements: stepped on the device."""
+    if not (isinstance(small_param_numel, int) and not isinstance(small_param_numel, bool) and small_param_numel >= 0):
+        raise ValueError(f"small_param_numel must be an int >= 0, got {small_param_numel!r}")
+    if not small_param_numel:
+        return set()
+    return {(gi, i) for gi, g in enumerate(param_groups) for i, p in enumerate(g["params"])
+            if local(p).numel() <= small_param_numel}

@@ -18,12 +18,11 @@ coefficient and GradScaler attributes).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
 from typing import Optional
-
-import logging
 
 import numpy as np
 import torch
@@ -34,7 +33,7 @@ from ..smallparams import DeviceSideAdam
 from ..telemetry import Trace
 from .uploads import compiled_code_in_use
 
-__all__ = ["DeviceStep", "GPU_OPTIONS", "small_params"]
+__all__ = ["DeviceStep", "GPU_OPTIONS"]
 
 log = logging.getLogger("offload")
 
@@ -54,16 +53,6 @@ def _mark(p) -> tuple:
 
 GPU_OPTIONS = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm", "check_overflow",
                "release_grads", "trace", "small_param_numel")
-
-
-def small_params(param_groups: list, small_param_numel: int) -> set:
-    """(gi, i) of the parameters of at most ``small_param_numel`` elements: stepped on the device."""
-    if not (isinstance(small_param_numel, int) and not isinstance(small_param_numel, bool) and small_param_numel >= 0):
-        raise ValueError(f"small_param_numel must be an int >= 0, got {small_param_numel!r}")
-    if not small_param_numel:
-        return set()
-    return {(gi, i) for gi, g in enumerate(param_groups) for i, p in enumerate(g["params"])
-            if local(p).numel() <= small_param_numel}
 
 
 class DeviceStep:
