@@ -19,7 +19,7 @@ import torch
 
 from .device import Device, resolve_device
 from .smallparams import small_params
-from .step.device_step import GPU_OPTIONS, DeviceStep
+from .step.device_step import DeviceStep
 
 __all__ = ["GpuOffloadMixin", "describe", "make_state_engine", "split_params", "start_engine"]
 
@@ -46,9 +46,6 @@ def split_params(params, offload_device, gpu_options: dict):
     # or _flat() below would consume it and the optimizer would get an empty group
     params = [dict(g, params=[g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"]))
               if isinstance(g, dict) else g for g in params]
-    unknown = sorted(set(gpu_options) - set(GPU_OPTIONS))
-    if unknown:
-        raise TypeError(f"unexpected keyword argument(s) {unknown}; GPU-offload options are {list(GPU_OPTIONS)}")
     device = resolve_device(offload_device, _flat(params))
     if device is not None and device is not offload_device:
         device._created_by_offload = True   # made here, not passed in: the engine closes it

@@ -27,9 +27,9 @@ from ._kernels import COL_STEP
 from .checks import _check_group_options, _check_hyper, _check_init, _check_moments, _check_param, _scalar
 from .clipping import ClippingMixin
 from .failstop import OptimizerFailedError, detached, failed_message
-from .gpu import GPU_OPTIONS, GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
+from .gpu import GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
 from .host_ram import HostRamPath
-from .options import OPTIONS_DOC, given_gpu_options, resolve_state
+from .options import GPU_OPTION_NAMES, OPTIONS_DOC, given_gpu_options, resolve_state
 from .state_dict import StateDictMixin
 
 __all__ = ["Adam", "AdamW"]
@@ -37,7 +37,7 @@ __all__ = ["Adam", "AdamW"]
 
 # the constructor's own options (not torch's hyperparameters): per optimizer, never per param group
 _OPTIMIZER_WIDE = ("moments", "moments_min_size", "state", "threads", "nvme_dir", "host_budget", "keep_files",
-                   "nvme_options", "offload_device") + tuple(GPU_OPTIONS)
+                   "nvme_options", "offload_device") + GPU_OPTION_NAMES
 
 
 class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):

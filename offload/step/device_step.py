@@ -33,7 +33,7 @@ from ..smallparams import DeviceSideAdam
 from ..telemetry import Trace
 from .uploads import compiled_code_in_use
 
-__all__ = ["DeviceStep", "GPU_OPTIONS"]
+__all__ = ["DeviceStep"]
 
 log = logging.getLogger("offload")
 
@@ -51,8 +51,6 @@ def _mark(p) -> tuple:
     return (lp._version, lp.data_ptr())
 
 
-GPU_OPTIONS = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm", "check_overflow",
-               "release_grads", "trace", "small_param_numel")
 
 
 class DeviceStep:
