@@ -253,6 +253,15 @@ class BackwardFeed(FeedStep):
         self._q.put(("step", b, act, eng.registry.has_state(b), h, mult, self.device.record(), reads, up))
 
     # ------------------------------------------------------------------ the worker
+    def work(self, q, pending: deque, staged: deque) -> bool:
+        """One turn of the worker thread (step/worker.py): True when it is to stop. An exception outside
+        a bucket's own handling (the read-ahead between jobs) fails the step instead of ending the thread."""
+        try:
+            return self._work(q, pending, staged)
+        except BaseException as e:
+            self._failed(e)
+            return False
+
     def _work(self, q, pending: deque, staged: deque) -> bool:
         while True:
             try:

@@ -22,11 +22,7 @@ def _loop(ref, q) -> None:
         feed = ref()
         if feed is None:
             return
-        try:
-            stop = feed._work(q, pending, staged)
-        except BaseException as e:   # (the read-ahead between jobs): fail the step instead of dying silently
-            feed._failed(e)
-            stop = False
+        stop = feed.work(q, pending, staged)
         del feed
         if stop:
             return
