@@ -157,22 +157,6 @@ class BackwardFeed(FeedStep):
                        side=dict(self.side.stats), first=None)
         self.in_cycle = True
 
-    def _unwritten(self, bi: int) -> None:
-        """Before the compute stream waits for bucket bi's upload (UploadWaits): a parameter of it
-        written in place or re-pointed since step() was written before that wait, so the upload may
-        land after the write and revert it. Raised once per parameter and step (then the next step
-        adopts whatever the parameter holds once every upload landed, as after any write)."""
-        g = self.engine.layout.buckets[bi].group
-        for i in self.params_of[bi]:
-            if (g, i) in self._race_reported or not self.face.moved_since_step(g, i):
-                continue
-            self._race_reported.add((g, i))
-            raise RuntimeError(
-                f"offload: parameter {i} of group {g} was written (or its .data replaced) after step() while its "
-                "new weights were still being uploaded to the device, so the upload may land after the write and "
-                "revert it. Call optimizer.synchronize() before writing parameters between steps (or before "
-                "model.load_state_dict); docs/gpu.md, 'Writing the weights between steps'.")
-
     def _before_accumulate(self, grad) -> None:
         """Tensor hook before a gradient accumulates: a step still in flight may read p.grad (D2H); and
         the compute stream waits for the uploads no forward waited for (modules that did not run), so

@@ -132,6 +132,22 @@ class FeedStep:
                    pipeline_s=time.perf_counter() - (rec["t_step"] if first is None else min(first, rec["t_step"])),
                    done=True)
 
+    def _unwritten(self, bi: int) -> None:
+        """Before the compute stream waits for bucket bi's upload (UploadWaits): a parameter of it
+        written in place or re-pointed since step() was written before that wait, so the upload may
+        land after the write and revert it. Raised once per parameter and step (then the next step
+        adopts whatever the parameter holds once every upload landed, as after any write)."""
+        g = self.engine.layout.buckets[bi].group
+        for i in self.params_of[bi]:
+            if (g, i) in self._race_reported or not self.face.moved_since_step(g, i):
+                continue
+            self._race_reported.add((g, i))
+            raise RuntimeError(
+                f"offload: parameter {i} of group {g} was written (or its .data replaced) after step() while its "
+                "new weights were still being uploaded to the device, so the upload may land after the write and "
+                "revert it. Call optimizer.synchronize() before writing parameters between steps (or before "
+                "model.load_state_dict); docs/gpu.md, 'Writing the weights between steps'.")
+
     def _check_sent(self) -> None:
         """Gradients changed after they were sent (torch clipping / unscale_ on the device gradients)."""
         for (gi, i), (ref, ver) in list(self.sent.items()):
