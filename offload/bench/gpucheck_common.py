@@ -195,6 +195,14 @@ class Ctx:
         self._owned = [o for o in self._owned if o is not obj]
         obj.close()
 
+    def forget(self, obj) -> None:
+        """Close ``obj`` now, ignoring errors and fake-device hazards (a deliberately wrong sub-case)."""
+        self._owned = [o for o in self._owned if o is not obj]
+        try:
+            obj.close()
+        except Exception:  # noqa: BLE001
+            pass
+
     def patch(self, obj, attr: str, value) -> None:
         old = getattr(obj, attr)
         setattr(obj, attr, value)
