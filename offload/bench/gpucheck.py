@@ -1,6 +1,6 @@
-"""gpucheck.py: the runner behind ``bench/gpu_check.py`` - check registry, time budgets, verdicts, JSON lines.
+"""bench/gpucheck.py: the runner behind ``bench/gpu_check.py`` - check registry, time budgets, verdicts, JSON lines.
 
-Every check is a function ``fn(ctx, res)`` (offload/bench/gpucheck_*.py) with its own time budget.
+Every check is a function ``fn(ctx, res)`` (the gpucheck_ modules next to this one) with its own time budget.
 The runner skips a check (verdict SKIP, with the reason) when its budget does not fit in what is
 left of ``--budget-s``, runs it under try/except (an exception is a FAIL verdict carrying the error,
 never the end of the script), appends one JSON line per check to ``--out`` (flushed and fsynced, so

@@ -1,4 +1,4 @@
-"""gpucheck_amp.py: checks 07-11 of ``bench/gpu_check.py`` - clipping (returned norm, the method, torch
+"""bench/gpucheck_amp.py: checks 07-11 of ``bench/gpu_check.py`` - clipping (returned norm, the method, torch
 clipping of device gradients in the deferred schedule), torch.amp.GradScaler (injected overflow skips
 bitwise, the scale sequence, unscale_, the eager schedule refusing it), bf16 autocast, release_grads
 (peak memory during backward, parity) and small_param_numel (parity, state in state_dict).
@@ -9,7 +9,8 @@ import contextlib
 
 import torch
 
-from .gpucheck_common import Ctx, Result, Skip, mlp_loss, run_gpt, snapshot, state_tensors
+from .gpucheck_common import Ctx, Result, Skip, snapshot, state_tensors
+from .gpucheck_train import mlp_loss, run_gpt
 from .gpucheck_correct import _parity_case
 
 CLIP = 0.05

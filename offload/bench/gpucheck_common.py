@@ -1,4 +1,4 @@
-"""gpucheck_common.py: what every check of ``bench/gpu_check.py`` shares - the run context (device kind,
+"""bench/gpucheck_common.py: what every check of ``bench/gpu_check.py`` shares - the run context (device kind,
 sizes, budgets, deterministic settings, the race amplifier), the per-check result, small models,
 training loops and the bitwise / per-element comparisons.
 
@@ -173,9 +173,7 @@ class Ctx:
                 v = obj.violations
                 res.expect(not v, "no fake-device hazards", first=v[0] if v else None)
         self._owned.clear()
-        for undo in reversed(self._patches):
-            undo()
-        self._patches.clear()
+        self.unpatch()
         self.fake_delay = (0.0, 0.002)
         try:
             import torch.distributed as dist
@@ -202,6 +200,12 @@ class Ctx:
             obj.close()
         except Exception:  # noqa: BLE001
             pass
+
+    def unpatch(self) -> None:
+        """Undo every ctx.patch() of this check now."""
+        for undo in reversed(self._patches):
+            undo()
+        self._patches.clear()
 
     def patch(self, obj, attr: str, value) -> None:
         old = getattr(obj, attr)
@@ -305,20 +309,10 @@ class Ctx:
             torch.cuda.synchronize()
 
     # -------------------------------------------------------------- comparisons
-    def ensure_bitwise(self, res: Optional[Result] = None) -> bool:
-        """Do two identical overlap=False GPT runs agree bitwise here? If not, later comparisons use tolerances."""
-        if self.bitwise is None:
-            a = run_gpt(self, torch.float32, dict(overlap=False), close=True)
-            b = run_gpt(self, torch.float32, dict(overlap=False), close=True)
-            self.bitwise = all(same_bits(x, y) for x, y in zip(a["params"], b["params"]))
-            if not self.bitwise and res is not None:
-                res.note("two identical overlap=False runs differ: comparisons fall back to tolerances")
-        return self.bitwise
-
     def compare(self, res: Result, what: str, ref: list, got: list, rtol: float = 1e-5, atol: float = 1e-7,
                 exact: Optional[bool] = None) -> bool:
         """Bitwise when runs are reproducible here (or ``exact``), else per element within rtol/atol."""
-        exact = self.bitwise if exact is None else exact
+        exact = (self.bitwise is not False) if exact is None else exact
         if len(ref) != len(got):
             return res.expect(False, what, why=f"{len(ref)} vs {len(got)} tensors")
         worst, bad, nonfinite = 0.0, None, 0
@@ -364,56 +358,3 @@ def state_tensors(opt) -> list:
             if isinstance(v, torch.Tensor):
                 out.append(local(v).detach().to("cpu", copy=True).reshape(-1))
     return out
-
-
-def gpt_loss(model, batch):
-    idx, tgt = batch
-    return model(idx, tgt)
-
-
-def mlp_loss(model, batch):
-    x, y = batch
-    return (model(x).float() - y.float()).square().mean()
-
-
-def run_gpt(ctx: Ctx, dtype, opts: dict, steps: Optional[int] = None, amplify: bool = False, close: bool = True,
-            model=None, loss=gpt_loss, data=None, keep_grads: bool = False, autocast=None) -> dict:
-    """Train ``steps`` steps with offload.AdamW(**opts); returns params, state tensors, losses (and the
-    gradients fed to each step with ``keep_grads``)."""
-    steps = steps or ctx.steps
-    model = model if model is not None else ctx.gpt(dtype)
-    data = data if data is not None else ctx.gpt_batches(steps)
-    cm = ctx.amplified() if amplify else contextlib.nullcontext()
-    losses, grads = [], []
-    with cm:
-        opt = ctx.opt(model.parameters(), weight_decay=0.1, **opts)
-        for s in range(steps):
-            ctx.tick()
-            ac = torch.autocast(ctx.tdev.type, dtype=autocast) if autocast else contextlib.nullcontext()
-            with ac:
-                lo = loss(model, data[s % len(data)])
-            lo.backward()
-            losses.append(float(lo.detach()))
-            if keep_grads:
-                grads.append([None if p.grad is None else p.grad.detach().to("cpu", copy=True)
-                              for p in model.parameters()])
-            opt.step()
-            opt.zero_grad()
-        opt.synchronize()
-        out = dict(params=snapshot(model.parameters()), state=state_tensors(opt), losses=losses, grads=grads,
-                   stats=opt.last_step_stats(wait=True), opt=opt, model=model)
-        if close:
-            ctx.close(opt)
-    return out
-
-
-def cpu_mode_run(ctx: Ctx, init: list, grads: list, opts: dict, cls: str = "AdamW") -> dict:
-    """offload's CPU mode (host parameters) fed the given gradients, step by step."""
-    hp = [t.detach().to("cpu", copy=True).requires_grad_(True) for t in init]
-    opt = ctx.opt(hp, cls, offload_device=None, weight_decay=0.1, **opts)
-    for gs in grads:
-        for p, g in zip(hp, gs):
-            p.grad = None if g is None else g.clone()
-        opt.step()
-        opt.zero_grad()
-    return dict(params=[p.detach().clone() for p in hp], state=state_tensors(opt))

@@ -1,4 +1,4 @@
-"""gpucheck_correct.py: checks 01-06 of ``bench/gpu_check.py`` - schedule equivalence under the race
+"""bench/gpucheck_correct.py: checks 01-06 of ``bench/gpu_check.py`` - schedule equivalence under the race
 amplifier, the engine claim (GPU offload == offload's CPU mode fed the same gradients), parity with
 torch.optim.AdamW/Adam on the device, the NVMe and mmap tiers, compressed moments, and gradient
 accumulation. Comparisons are bitwise when two identical runs agree bitwise on this machine.
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .gpucheck_common import LR, Ctx, Result, Skip, cpu_mode_run, run_gpt, snapshot, state_tensors
+from .gpucheck_common import LR, Ctx, Result, Skip, snapshot, state_tensors
+from .gpucheck_train import ensure_bitwise, cpu_mode_run, run_gpt
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CLIP = 0.05   # small enough that clipping is active at every step
@@ -16,7 +17,8 @@ CLIP = 0.05   # small enough that clipping is active at every step
 # ------------------------------------------------------------------------ 01
 def check_schedules(ctx: Ctx, res: Result) -> None:
     """eager vs deferred vs overlap=False, and max_grad_norm deferred vs overlap=False; fp32/bf16/fp16."""
-    ctx.ensure_bitwise(res)
+    ensure_bitwise(ctx, res)
+    res.data['bitwise_reproducible'] = ctx.bitwise
     for dn, dt in DTYPES.items():
         ctx.tick()
         ref = run_gpt(ctx, dt, dict(overlap=False))

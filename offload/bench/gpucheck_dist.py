@@ -1,4 +1,4 @@
-"""gpucheck_dist.py: checks 16-18 of ``bench/gpu_check.py`` - FSDP2 and DDP with world size 1 (NCCL on
+"""bench/gpucheck_dist.py: checks 16-18 of ``bench/gpu_check.py`` - FSDP2 and DDP with world size 1 (NCCL on
 CUDA, gloo on the fake device; a file store in a temp dir, destroyed after the check) against the plain
 model with overlap=False, and robustness: a process that exits right after step(), a kernel failure in
 the worker surfacing at the next forward, create/close cycles keeping RSS and threads flat.
@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from .gpucheck_common import Ctx, Result, Skip, local, mlp_loss, snapshot
+from .gpucheck_common import Ctx, Result, Skip, local, snapshot
+from .gpucheck_train import mlp_loss
 
 SCHED = {"eager": dict(step_during_backward=True), "deferred": dict(step_during_backward=False),
          "default": {}, "sync": dict(overlap=False)}
@@ -183,9 +184,7 @@ def check_robustness(ctx: Ctx, res: Result) -> None:
     th.join(15)
     res.expect(done.get("ok") is True, "close() after the worker failed returns (within 15 s, no hang)",
                outcome=done.get("ok", "still running after 15 s"))
-    for undo in reversed(ctx._patches):
-        undo()
-    ctx._patches.clear()
+    ctx.unpatch()
     # create/close cycles keep RSS and the thread count flat
     cycles = 4 if ctx.quick else 10
 

@@ -1,4 +1,4 @@
-"""gpucheck_env.py: check 00 of ``bench/gpu_check.py`` - the environment: versions, GPU, CPU affinity,
+"""bench/gpucheck_env.py: check 00 of ``bench/gpu_check.py`` - the environment: versions, GPU, CPU affinity,
 the locked-memory limit, offload's build, a ``cudaHostRegister`` of 64 MiB followed by a trivial
 kernel launch (a swallowed registration error would make that launch raise), pinned and pageable
 copy probes at 4/32/128 MB in both directions, and the native kernel's memory-bandwidth probe.

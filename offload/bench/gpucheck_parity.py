@@ -1,4 +1,4 @@
-"""gpucheck_parity.py: GPT-model parity of GPU offload against torch.optim.AdamW on the same device
+"""bench/gpucheck_parity.py: GPT-model parity of GPU offload against torch.optim.AdamW on the same device
 (an L2-ratio check over whole training runs), part of check 03 of ``bench/gpu_check.py`` and run
 by the tests through ``offload.bench.gpucheck.run_checks``.
 

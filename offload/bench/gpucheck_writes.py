@@ -1,4 +1,4 @@
-"""gpucheck_writes.py: checks 12-15 of ``bench/gpu_check.py`` - user writes to the weights (p.data after
+"""bench/gpucheck_writes.py: checks 12-15 of ``bench/gpu_check.py`` - user writes to the weights (p.data after
 synchronize(), a write without it, model.load_state_dict between steps, save/resume), parameters read
 by modules other than their owner (nn.TransformerEncoderLayer), torch.compile, and forward/backward
 on a user CUDA stream.
@@ -11,7 +11,8 @@ import time
 import torch
 import torch.nn as nn
 
-from .gpucheck_common import Ctx, Result, Skip, mlp_loss, snapshot, state_tensors
+from .gpucheck_common import Ctx, Result, Skip, snapshot, state_tensors
+from .gpucheck_train import mlp_loss
 
 SCHED = {"eager": dict(step_during_backward=True), "deferred": dict(step_during_backward=False),
          "sync": dict(overlap=False)}

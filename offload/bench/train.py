@@ -95,6 +95,11 @@ def _make_optimizer(variant: str, model, device, args):
     raise ValueError(variant)
 
 
+def make_optimizer(variant: str, model, device, args):
+    """(optimizer, offload Device or None) of one variant, as the table builds it (used by gpu_check)."""
+    return _make_optimizer(variant, model, device, args)
+
+
 def run_variant(variant: str, cfg: GPTConfig, device, dtype, args) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg).to(device=device, dtype=dtype)
@@ -288,6 +293,11 @@ def _defaults(args) -> None:
         args.steps = 5 if cuda else 3
     if args.bucket_mb is None:
         args.bucket_mb = 32.0 if cuda else 1.0
+
+
+def apply_defaults(args) -> None:
+    """Fill the device-dependent defaults (batch, steps, bucket) of a parsed Namespace."""
+    _defaults(args)
 
 
 def _cmd(args) -> int:
