@@ -125,6 +125,10 @@ class Runner:
                                    "(stacks on stderr)", data={}, device=self.ctx.kind))
             self.summary()
             sys.stdout.flush()
+            try:
+                self.ctx.teardown()   # the temp dir of the NVMe/mmap state
+            except Exception:  # noqa: BLE001
+                pass
             os._exit(1)
 
     # -------------------------------------------------------------- running
