@@ -17,7 +17,7 @@ try:  # torch >= 2.4
 except Exception:  # pragma: no cover - torch built without distributed
     _DTensor = None
 
-__all__ = ["is_dtensor", "local", "like", "world", "allreduce_sumsq", "layout_key", "global_sumsq", "multi_rank"]
+__all__ = ["is_dtensor", "local", "like", "world", "allreduce_sumsq", "layout_key", "global_sumsq", "in_process_group", "multi_rank"]
 
 
 def is_dtensor(t) -> bool:
@@ -98,6 +98,12 @@ def global_sumsq(grads: list, local_sumsq) -> float:
     for g in grads:
         parts.setdefault(layout_key(g), []).append(g)
     return allreduce_sumsq({k: (local_sumsq([local(g) for g in gs]), gs[0] if k else None) for k, gs in parts.items()})
+
+
+def in_process_group() -> bool:
+    """torch.distributed is initialized (any world size)."""
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
 
 
 def multi_rank() -> bool:

@@ -22,7 +22,7 @@ __all__ = [
     "DTYPE_CODES", "TASK_COLS", "adam_step", "step_table", "grad_sumsq", "bandwidth_probe", "bandwidth_probe_moments",
     "check_tensor",
     "check_storage", "tensor_signature", "set_isa", "get_isa", "available_isas",
-    "get_num_threads", "set_num_threads",
+    "get_num_threads", "set_num_threads", "affinity_cpus",
 ]
 
 # dtype codes shared with csrc/common.h
@@ -281,6 +281,11 @@ def get_num_threads() -> int:
 
 def set_num_threads(n: int) -> None:
     _C.set_num_threads(int(n))
+
+
+def affinity_cpus() -> int:
+    """CPUs in this process's affinity mask (the thread pool's default size)."""
+    return _C.affinity_cpu_count()
 
 
 def _init_from_env() -> None:

@@ -319,11 +319,16 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
     def close(self) -> None:
         """Release NVMe/mmap state (waits for I/O, deletes the state file unless keep_files) and the
         GPU-offload machinery (hooks, worker thread, a device the optimizer created). No-op otherwise."""
-        if getattr(self, "_gpu", None) is not None:
-            self._gpu.synchronize()
-            self._gpu.close()
-        if self._store is not None:
-            self._store.close()
+        gpu = getattr(self, "_gpu", None)
+        try:
+            if gpu is not None and not gpu.closed:
+                try:
+                    gpu.synchronize()   # the last step lands first (it may report a racing write: raised after)
+                finally:
+                    gpu.close()
+        finally:
+            if self._store is not None:
+                self._store.close()
 
     def group_hyper(self, gi: int) -> dict:
         """The validated hyperparameters of param group ``gi`` as the kernels take them (lr, beta1,

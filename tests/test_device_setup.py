@@ -109,3 +109,53 @@ def test_worker_failure_between_buckets_is_raised_not_a_hang(monkeypatch):
     with pytest.raises(StoreFailedError, match="load the last checkpoint"):
         opt.step()   # every later call refuses until the state is reloaded
     opt.close()
+
+
+def test_close_after_a_reported_write_frees_the_worker_and_a_second_close_returns():
+    import threading
+    import time
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    dev = FakeDevice(max_delay=0.05, min_delay=0.03)
+    opt = offload.AdamW(model.parameters(), offload_device=dev, bucket_mb=0.001)
+    model(torch.randn(2, 32)).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)   # written without synchronize(): reported
+    with pytest.raises(RuntimeError, match="written"):
+        opt.close()
+    assert not [t for t in threading.enumerate() if t.name == "offload-backward-step" and t.is_alive()]
+    t0 = time.perf_counter()
+    opt.close()   # closed already: returns at once
+    assert time.perf_counter() - t0 < 5
+
+
+def test_ddp_on_one_rank_steps_after_backward_by_default(tmp_path):
+    """DDP rewrites the gradients after they are ready even with one rank: the default schedule must not
+    step buckets during backward whenever a process group exists."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)))
+        ref = [p.detach().clone() for p in model.parameters()]
+        ref_opt = torch.optim.AdamW(ref, lr=1e-2)
+        dev = FakeDevice(max_delay=0.001)
+        opt = offload.AdamW(model.parameters(), lr=1e-2, offload_device=dev, bucket_mb=0.001)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(4, 16, generator=gen)
+            model(x).square().mean().backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+            for r, g in zip(ref, grads):
+                r.grad = g
+            ref_opt.step()
+        opt.synchronize()
+        for a, b in zip(model.parameters(), ref):
+            torch.testing.assert_close(a.detach(), b, rtol=1e-6, atol=1e-7)
+        opt.close()
+    finally:
+        dist.destroy_process_group()

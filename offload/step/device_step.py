@@ -20,14 +20,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
 from typing import Optional
 
 import numpy as np
 import torch
 
-from .._dist import global_sumsq, is_dtensor, local, multi_rank
+from .._dist import global_sumsq, in_process_group, is_dtensor, local, multi_rank
+from .._kernels import affinity_cpus
 from ..params.fingerprint import fingerprints
 from ..smallparams import DeviceSideAdam
 from ..telemetry import Trace
@@ -36,13 +36,6 @@ from .uploads import compiled_code_in_use
 __all__ = ["DeviceStep"]
 
 log = logging.getLogger("offload")
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _mark(p) -> tuple:
@@ -69,8 +62,8 @@ class DeviceStep:
                              "gradient is ready on its rank before DDP (or another wrapper) has averaged it across "
                              "ranks, so the step would use this rank's gradient only. Leave step_during_backward "
                              "unset (the default steps after backward when several ranks run)")
-        if step_during_backward is None:
-            step_during_backward = max_grad_norm is None and not check_overflow and not multi_rank()
+        if step_during_backward is None:   # (DDP rewrites gradients after they are ready, even on one rank)
+            step_during_backward = max_grad_norm is None and not check_overflow and not in_process_group()
         self.opt = opt
         self.engine = engine
         self.device = device
@@ -98,6 +91,7 @@ class DeviceStep:
         self._prints = None   # (keys, fingerprints, side.publishes then): see _take_prints
         self._dtensors = None   # any DTensor parameter (FSDP2): known at the first step
         self._warned_compile = False
+        self.closed = False
 
     def kernel_threads(self) -> int:
         """Threads of the CPU kernel: the optimizer's ``threads``, else every CPU of this process but the
@@ -106,7 +100,7 @@ class DeviceStep:
         threads = self.opt.kernel_threads
         if threads or not self.device.launch_threads:
             return threads
-        return max(1, _cpus() - self.device.launch_threads)
+        return max(1, affinity_cpus() - self.device.launch_threads)
 
     def moved_since_step(self, gi: int, i: int) -> bool:
         """Has parameter (gi, i) been written in place (version) or re-pointed (data pointer) since the
@@ -392,6 +386,7 @@ class DeviceStep:
         return self.engine.layout.buckets
 
     def close(self) -> None:
+        self.closed = True
         if self.feed is not None:
             self.feed.close()
         self.engine.side.close()
