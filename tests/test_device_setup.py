@@ -122,8 +122,8 @@ def test_close_after_a_reported_write_frees_the_worker_and_a_second_close_return
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.5)   # written without synchronize(): reported
-    with pytest.raises(RuntimeError, match="written"):
-        opt.close()
+    with pytest.warns(RuntimeWarning, match="written"):
+        opt.close()   # reported as a warning: close() is cleanup
     assert not [t for t in threading.enumerate() if t.name == "offload-backward-step" and t.is_alive()]
     t0 = time.perf_counter()
     opt.close()   # closed already: returns at once

@@ -14,7 +14,11 @@ import time
 
 import numpy as np
 
-__all__ = ["FeedStep"]
+__all__ = ["FeedStep", "WriteRaceError"]
+
+
+class WriteRaceError(RuntimeError):
+    """A parameter was written while its new weights were still being uploaded (reported once)."""
 
 
 class FeedStep:
@@ -142,7 +146,7 @@ class FeedStep:
             if (g, i) in self._race_reported or not self.face.moved_since_step(g, i):
                 continue
             self._race_reported.add((g, i))
-            raise RuntimeError(
+            raise WriteRaceError(
                 f"offload: parameter {i} of group {g} was written (or its .data replaced) after step() while its "
                 "new weights were still being uploaded to the device, so the upload may land after the write and "
                 "revert it. Call optimizer.synchronize() before writing parameters between steps (or before "
