@@ -7,7 +7,6 @@ reference to a step's gradients survives the step.
 """
 import gc
 import threading
-import time
 import weakref
 
 import pytest
@@ -16,23 +15,11 @@ import torch.nn as nn
 
 import offload
 from offload.device import FakeDevice
+from tiny_models import slow_backward
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(60)]
 
 LAYERS, WIDTH = 12, 64
-
-
-class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward takes a while: backward is slower than the copies, as on a GPU."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        time.sleep(0.02)
-        return g
 
 
 class _Block(nn.Module):
@@ -41,7 +28,7 @@ class _Block(nn.Module):
         self.lin = nn.Linear(WIDTH, WIDTH)
 
     def forward(self, x):
-        return _SlowBackward.apply(torch.tanh(self.lin(x)))
+        return slow_backward(torch.tanh(self.lin(x)), 0.02)   # backward slower than the copies, as on a GPU
 
 
 class _Live:

@@ -16,6 +16,7 @@ import torch.nn as nn
 import offload
 from offload.bench.gpt import GPT, PRESETS, param_groups, random_batch
 from offload.device import FakeDevice
+from tiny_models import slow_backward
 
 CFG = PRESETS["tiny"]
 
@@ -596,20 +597,6 @@ def test_worker_failure_surfaces_instead_of_hanging(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ overlap is real
-class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward sleeps: the early layers' backward takes long."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        import time
-        time.sleep(0.15)
-        return g
-
-
 class _Deep(nn.Module):
     def __init__(self):
         super().__init__()
@@ -617,7 +604,7 @@ class _Deep(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
 
     def forward(self, x):
-        x = _SlowBackward.apply(self.layers[0](x))
+        x = slow_backward(self.layers[0](x), 0.15)   # the early layers' backward takes long
         for layer in self.layers[1:]:
             x = torch.tanh(layer(x))
         return x.square().mean()
@@ -902,7 +889,7 @@ class _Reversed(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
 
     def forward(self, x):
-        x = _SlowBackward.apply(self.layers[-1](x))   # the last bucket to arrive waits in backward
+        x = slow_backward(self.layers[-1](x), 0.15)   # the last bucket to arrive waits in backward
         for layer in reversed(self.layers[:-1]):
             x = torch.tanh(layer(x))
         return x.square().mean()

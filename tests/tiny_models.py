@@ -1,6 +1,27 @@
-"""tiny_models.py: the tiny random transformers model and token dataset that the framework tests share
-(transformers' Trainer, accelerate, PEFT): built locally from a fixed seed, no downloads."""
+"""tiny_models.py: what several test files share: the tiny random transformers model and token dataset
+of the framework tests (transformers' Trainer, accelerate, PEFT; built locally from a fixed seed, no
+downloads), and an identity whose backward is slow (device tests that need backward slower than the
+copies, as on a GPU)."""
+import time
+
 import torch
+
+
+def slow_backward(x, seconds: float):
+    """``x`` unchanged; its backward sleeps ``seconds`` first."""
+    return _SlowBackward.apply(x, seconds)
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.seconds)
+        return g, None
 
 VOCAB = 64
 

@@ -19,22 +19,8 @@ MB = 1 << 20
 
 
 def _cuda_probe(nbytes: int, pinned: bool, reps: int = 5) -> dict:
-    n = nbytes // 4
-    host = torch.empty(n, dtype=torch.float32, pin_memory=pinned)
-    host.fill_(1.0)
-    dev = torch.empty(n, dtype=torch.float32, device="cuda")
-    out = {}
-    for name, (dst, src) in {"d2h": (host, dev), "h2d": (dev, host)}.items():
-        times = []
-        for _ in range(reps + 1):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            dst.copy_(src, non_blocking=True)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        out[name] = round(nbytes / statistics.median(times[1:]) / 1e9, 2)
-    return out
+    from .train import copy_probe
+    return {k: round(v, 2) for k, v in copy_probe(torch.device("cuda"), nbytes, reps, pinned).items()}
 
 
 def _host_probe(nbytes: int, reps: int = 5) -> float:

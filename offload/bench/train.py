@@ -39,11 +39,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def copy_probe(device, nbytes: int, reps: int = 9) -> dict:
-    """GB/s of one pinned host <-> device copy of ``nbytes`` (median of ``reps``)."""
+def copy_probe(device, nbytes: int, reps: int = 9, pinned: bool = True) -> dict:
+    """GB/s of one host <-> device copy of ``nbytes`` (median of ``reps``; pinned host memory unless
+    ``pinned=False``)."""
     n = max(nbytes // 2, 1)
     if device.type == "cuda":
-        host = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+        host = torch.empty(n, dtype=torch.bfloat16, pin_memory=pinned)
         dev = torch.empty(n, dtype=torch.bfloat16, device=device)
         out = {}
         for name, (dst, src) in {"d2h": (host, dev), "h2d": (dev, host)}.items():
