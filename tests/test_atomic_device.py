@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import offload
+from offload import testing
 from offload.device import CpuDevice
 from atomic_util import assert_same, grads, snapshot, train
 
@@ -90,10 +91,10 @@ def test_validation_error_changes_nothing(tier, moments, what, tmp_path, opts):
 
 
 STAGES = {
-    "device copy": lambda opt: (opt._gpu.engine.device, "_copy"),
-    "side.arrive (gradients to host)": lambda opt: (opt._store.side, "arrive"),
-    "side.publish (new weights up)": lambda opt: (opt._store.side, "publish"),
-    "tier.release (write-back)": lambda opt: (opt._store.tier, "release"),
+    "device copy": lambda opt: (testing.device(opt), "_copy"),
+    "side.arrive (gradients to host)": lambda opt: (testing.side(opt), "arrive"),
+    "side.publish (new weights up)": lambda opt: (testing.side(opt), "publish"),
+    "tier.release (write-back)": lambda opt: (testing.tier(opt), "release"),
 }
 
 

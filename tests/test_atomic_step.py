@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import offload
-from offload import aio
+from offload import aio, testing
 from offload.failstop import OptimizerFailedError
 from offload.step import bucket
 from atomic_util import assert_same, grads, snapshot, train
@@ -165,7 +165,7 @@ def test_validation_error_changes_nothing(tier, moments, what, tmp_path, opts):
 
 # ---- errors inside the step: the nth call of a stage raises
 def _store_stage(obj_name, attr):
-    return lambda opt: (getattr(opt._store, obj_name) if obj_name else opt._store, attr)
+    return lambda opt: (getattr(testing.state_engine(opt), obj_name) if obj_name else testing.state_engine(opt), attr)
 
 
 ENGINE_STAGES = {
@@ -212,7 +212,7 @@ def _failing(fn, nth, count):
 def test_failure_inside_the_step(tier, moments, stage, nth, tmp_path, opts, monkeypatch):
     ps, opt, ref = _start(tier, moments, tmp_path, opts)
     before = snapshot(ps, opt)
-    stages = RAM_STAGES if opt._store is None else ENGINE_STAGES
+    stages = RAM_STAGES if testing.state_engine(opt) is None else ENGINE_STAGES
     obj, attr = stages[stage](opt)
     count = [0]
     monkeypatch.setattr(obj, attr, _failing(getattr(obj, attr), nth, count))
@@ -235,7 +235,7 @@ def test_io_error(moments, nth, tmp_path, opts):
     # write-backs interleaved with the reads ahead
     ps, opt, ref = _start("nvme", moments, tmp_path, opts)
     before = snapshot(ps, opt)
-    opt._store.engine._set_fault(aio.FAULT_EIO, nth)
+    testing.inject_io_fault(opt, aio.FAULT_EIO, nth)
     with pytest.raises(OSError) as ei:
         opt.step()
     assert "Input/output error" in str(ei.value)

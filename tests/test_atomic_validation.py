@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import offload
+from offload import testing
 from atomic_util import assert_same, grads, snapshot, train
 
 
@@ -123,7 +124,7 @@ def test_offload_load_recovers_a_failed_optimizer(tmp_path, monkeypatch, mode):
     offload.save(opt, tmp_path / "ckpt")
     weights = [p.detach().clone() for p in ps]
     calls = [0]
-    if opt._store is None:
+    if testing.state_engine(opt) is None:
         real = offload._kernels.step_table
 
         def second_group_fails(*a):
@@ -133,14 +134,14 @@ def test_offload_load_recovers_a_failed_optimizer(tmp_path, monkeypatch, mode):
             return real(*a)
         monkeypatch.setattr(offload._kernels, "step_table", second_group_fails)
     else:
-        real = opt._store.tier.release
+        real = testing.tier(opt).release
 
         def write_back_fails(*a):
             calls[0] += 1
             if calls[0] == 2:
                 raise RuntimeError("injected")
             return real(*a)
-        monkeypatch.setattr(opt._store.tier, "release", write_back_fails)
+        monkeypatch.setattr(testing.tier(opt), "release", write_back_fails)
     grads(ps, 2)
     with pytest.raises(RuntimeError, match="injected"):
         opt.step()
