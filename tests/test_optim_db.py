@@ -3,8 +3,14 @@
 # every constructor input gives torch's results (RAM state; NVMe/mmap on a sample; device parameters
 # through CpuDevice / FakeDevice), its state_dict continues in torch.optim, every error input raises
 # torch's error type with a matching message, and the flags torch's CPU tests exercise that offload
-# does not implement are refused by name.
+# does not implement are refused by name. OFFLOAD_OPTIM_DB_STATE=nvme|mmap runs the whole file with
+# that state tier.
+import atexit
+import functools
+import os
 import re
+import shutil
+import tempfile
 import warnings
 
 import pytest
@@ -18,7 +24,17 @@ OptimizerErrorEnum = cot.OptimizerErrorEnum
 
 INFOS = {info.optim_cls.__name__: info for info in cot.optim_db
          if info.optim_cls in (torch.optim.Adam, torch.optim.AdamW)}
-OURS = {"Adam": offload.Adam, "AdamW": offload.AdamW}
+# OFFLOAD_OPTIM_DB_STATE=nvme|mmap runs every test of this file with that state tier (one state
+# directory for the run; each optimizer makes its own file in it); default: RAM state
+DB_STATE = os.environ.get("OFFLOAD_OPTIM_DB_STATE", "ram")
+assert DB_STATE in ("ram", "nvme", "mmap"), DB_STATE
+if DB_STATE == "ram":
+    OURS = {"Adam": offload.Adam, "AdamW": offload.AdamW}
+else:
+    _DB_DIR = tempfile.mkdtemp(prefix="offload-optim-db-")
+    atexit.register(shutil.rmtree, _DB_DIR, True)
+    OURS = {"Adam": functools.partial(offload.Adam, state=DB_STATE, nvme_dir=_DB_DIR),
+            "AdamW": functools.partial(offload.AdamW, state=DB_STATE, nvme_dir=_DB_DIR)}
 NAMES = sorted(INFOS)
 assert NAMES == ["Adam", "AdamW"], NAMES
 
@@ -235,3 +251,4 @@ def test_optim_db_error_inputs(name, ei):
         # and torch raises the same there (the database is the reference)
         with pytest.raises(ei.error_type, match=ei.error_regex):
             getattr(torch.optim, name)(params, **_kwargs_dict(oi.kwargs))
+
