@@ -38,9 +38,10 @@ def test_quick_fake_run_records_every_check_and_survives_a_failing_one(tmp_path)
     assert set(CHECKLIST) <= set(names)
     by = {x["name"]: x for x in lines}
     assert by["11_small_params"]["verdict"] == "FAIL" and "injected" in by["11_small_params"]["detail"]
-    # the checks after the failing one still ran
-    assert by["13_non_owner_reads"]["verdict"] in {"PASS", "FAIL"}
-    assert by["18_robustness"]["verdict"] in {"PASS", "FAIL"}
+    # the checks after the failing one still ran, and every other check passes on the fake device
+    failed = [x["name"] + ": " + x["detail"][:300] for x in lines if x["verdict"] == "FAIL" and x["name"] != "11_small_params"]
+    assert not failed, failed
+    assert by["13_non_owner_reads"]["verdict"] == "PASS" and by["18_robustness"]["verdict"] == "PASS"
     assert by["15_user_stream"]["verdict"] == "SKIP"                 # CUDA only
     assert by["perf_offload_eager"]["verdict"] in {"INFO", "SKIP"}
     assert "summary:" in r.stdout
