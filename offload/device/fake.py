@@ -7,6 +7,7 @@ buffer overwritten while a copy still reads it is recorded as a violation (``che
 """
 from __future__ import annotations
 
+import os
 import queue
 import random
 import threading
@@ -100,14 +101,19 @@ class FakeDevice(Device):
     """CPU tensors driven as if they lived on a GPU, with hazard detection (see module docstring).
 
     ``max_delay`` (seconds): each copy sleeps a uniform random time in [0, max_delay] before it
-    runs, on its stream's thread. ``seed`` makes the delays reproducible. ``poison=False`` turns
+    runs, on its stream's thread. ``compute_lag``: events from ``record()`` complete that much later. ``seed`` makes the delays reproducible. ``poison=False`` turns
     off destination poisoning, ``check=False`` the source snapshots (benchmarks use both off).
     """
 
     name = "fake"
 
     def __init__(self, max_delay: float = 0.002, seed: int = 0, poison: bool = True, check: bool = True,
-                 min_delay: float = 0.0):
+                 min_delay: float = 0.0, compute_lag: Optional[float] = None):
+        # > 0: record()'s events complete that much later (a GPU's compute stream runs behind the host),
+        # so a copy that waits for one starts late, as on CUDA; default from OFFLOAD_FAKE_COMPUTE_LAG
+        # (seconds), so a whole test suite can run with it
+        self.compute_lag = float(os.environ.get("OFFLOAD_FAKE_COMPUTE_LAG", "0") if compute_lag is None
+                                 else compute_lag)
         self.max_delay = float(max_delay)
         self.min_delay = float(min_delay)  # lower bound of the random delay (tests that need slow copies)
         self.poison = poison
@@ -116,7 +122,8 @@ class FakeDevice(Device):
         self._lock = threading.Lock()
         self._d2h = _FakeStream("d2h")
         self._h2d = _FakeStream("h2d")
-        self._finalizer = weakref.finalize(self, FakeDevice._stop, self._d2h, self._h2d)
+        self._compute = _FakeStream("compute")
+        self._finalizer = weakref.finalize(self, FakeDevice._stop, self._d2h, self._h2d, self._compute)
         self._last: List[Event] = []
         self._hazardous: List[_FakeEvent] = []
         self.copies = 0
@@ -133,6 +140,8 @@ class FakeDevice(Device):
         return t
 
     def record(self) -> Event:
+        if self.compute_lag > 0:   # completes later, in record order
+            return self._compute.submit(lambda: None, None, self.compute_lag)
         return _DoneEvent()  # the compute stream is the host: everything before this is done
 
     def _copy(self, stream: _FakeStream, pairs: Pairs, after: Optional[Event]) -> Event:
