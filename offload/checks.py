@@ -28,11 +28,14 @@ def _check_param(p: torch.Tensor, where: str, gpu_mode: bool = False) -> None:
         raise RuntimeError(f"{where} is on {p.device}: offload steps CPU parameters, or CUDA parameters "
                            "in GPU-offload mode (all parameters on one CUDA device, or offload_device=...)")
     if p.layout is not torch.strided:
-        raise RuntimeError(f"{where} is a sparse ({p.layout}) tensor: not supported")
+        raise RuntimeError(f"{where} is a sparse ({p.layout}) tensor: offload steps dense parameters; keep it in a "
+                           "torch optimizer for sparse parameters (torch.optim.SparseAdam) or make it dense")
     if p.is_complex():
-        raise TypeError(f"{where} is complex ({p.dtype}): offload supports float32, bfloat16 and float16 parameters")
+        raise TypeError(f"{where} is complex ({p.dtype}): here offload steps float32, bfloat16 and float16 parameters; "
+                        "register torch.view_as_real(p) instead, or keep it in a separate torch optimizer")
     if p.dtype not in _PARAM_DTYPES:
-        raise TypeError(f"{where} has dtype {p.dtype}: offload supports float32, bfloat16 and float16 parameters")
+        raise TypeError(f"{where} has dtype {p.dtype}: here offload steps float32, bfloat16 and float16 parameters; "
+                        "convert it (p.data = p.data.float()) or keep it in a separate torch optimizer")
     if not p.is_contiguous():
         raise RuntimeError(f"{where} is not contiguous (strides {tuple(p.stride())}): offload updates "
                            "parameters in place and never a temporary copy; make it contiguous first")
@@ -45,7 +48,7 @@ _F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _check_moments(moments, min_size, amsgrad, params) -> str:
-    """``moments=`` and ``moments_min_size=`` of the constructor (issue 9)."""
+    """``moments=`` and ``moments_min_size=`` of the constructor."""
     mformat.check_moments(moments)
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"moments_min_size must be an int >= 0, got {min_size!r}")
