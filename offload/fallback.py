@@ -9,14 +9,20 @@ to a copy of their gradients first. Their ``opt.state[p]`` has torch's layout (`
 0-dim fp32 tensor, moments in the parameter's dtype and strides), so ``state_dict`` round-trips
 with ``torch.optim.AdamW`` and their results are torch's bit for bit.
 
-Only in RAM-state CPU mode: with ``state="nvme"|"mmap"`` (the state file is laid out for dense
-fp32/bf16/fp16 tensors) and in GPU-offload mode such parameters are refused by name.
-The split is logged at INFO on the ``offload.fallback`` logger whenever it changes (how many, why).
+With ``state="nvme"|"mmap"`` or compressed moments (the state engine lays out dense fp32/bf16/fp16
+tensors) these parameters are stepped the same way and their state stays in host RAM in torch's
+layout, beside the state file: the engine gets the other parameters only (``Router.split``, whose
+native part has every parameter at most once) and :func:`engine_index` maps its positions back to
+torch's numbering. In GPU-offload mode such parameters are refused by name (checks.py).
+The split is logged at INFO on the ``offload.fallback`` logger whenever it changes (how many, why,
+and where their state lives); when their host-RAM state exceeds ``RAM_WARN_BYTES`` while the
+rest lives in a file or in compressed moments, a ``UserWarning`` says so once per optimizer.
 """
 from __future__ import annotations
 
 import logging
 import operator
+import warnings
 from typing import Optional
 
 import torch
@@ -25,11 +31,24 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from ._dist import is_dtensor
 
-__all__ = ["FALLBACK_DTYPES", "reason", "Router", "check", "step", "grad_sumsq", "cast_state"]
+__all__ = ["FALLBACK_DTYPES", "RAM_WARN_BYTES", "elsewhere", "reason", "Router", "check", "step", "grad_sumsq", "cast_state",
+           "engine_index"]
 
 FALLBACK_DTYPES = (torch.float64, torch.complex64, torch.complex128)
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 log = logging.getLogger("offload.fallback")
+RAM_WARN_BYTES = 64 << 20   # host-RAM state of these parameters above which a disk tier warns once
+
+
+def elsewhere(state: str, moments: str, offload_device) -> Optional[str]:
+    """Where the state of the native kernel's parameters lives when not in host RAM like these
+    parameters' (the log line and the warning name it); None: host RAM too, or device parameters
+    (which are never stepped here: refused by name instead)."""
+    if offload_device is not None:
+        return None
+    if state != "ram":
+        return f"the state file (state={state!r})"
+    return f"compressed moments (moments={moments!r})" if moments != "fp32" else None
 
 
 def reason(p: torch.Tensor) -> Optional[str]:
@@ -60,8 +79,10 @@ class Router:
     lists are cached: hyperparameters are always read from the live group dicts.
     """
 
-    def __init__(self, announce: bool = True):
+    def __init__(self, announce: bool = True, elsewhere: Optional[str] = None):
         self._announce = announce    # False: a throwaway router (state_dict loading) that logs nothing
+        self._elsewhere = elsewhere  # where the other parameters' state lives (None: host RAM too)
+        self._warned = False
         self._logged: Optional[str] = None
         self._key: Optional[list] = None
         self._native: list = []      # per group: None (all native) or the list of native params
@@ -94,19 +115,31 @@ class Router:
         self._any = bool(self._ids)
         self._key = key
         if self._announce:
-            self._log_split(seen)
+            self._log_split(seen, groups)
 
-    def _log_split(self, seen: dict) -> None:
+    def _log_split(self, seen: dict, groups: list) -> None:
         """One INFO line when the set of parameters stepped by torch's code changed (never per step)."""
         why: dict = {}
-        for p in {id(q): q for ps in self._fallback for q in ps}.values():
-            r = "listed more than once" if seen[id(p)] > 1 else reason(p)
-            r = "non-contiguous" if r.startswith("non-contiguous") else r.replace("dtype torch.", "")
-            why[r] = why.get(r, 0) + 1
+        nbytes = 0
+        for g, ps in zip(groups, self._fallback):
+            for p in {id(q): q for q in ps}.values():
+                r = "listed more than once" if seen[id(p)] > 1 else reason(p)
+                r = "non-contiguous" if r.startswith("non-contiguous") else r.replace("dtype torch.", "")
+                why[r] = why.get(r, 0) + 1
+                nbytes += p.numel() * p.element_size() * (3 if g.get("amsgrad") else 2)
+        where = (f"; their optimizer state ({nbytes / 2**20:.1f} MiB: moments in the parameter's dtype) is kept in "
+                 f"host RAM in torch's layout, not in {self._elsewhere}") if self._elsewhere else ""
         msg = (f"{sum(why.values())} of {len(seen)} parameters are stepped by torch's own Adam code instead of "
                f"offload's native kernel ({', '.join(f'{n} {r}' for r, n in sorted(why.items()))}): same results "
                "as torch.optim, but slower; contiguous float32/bfloat16/float16 parameters listed once use the "
-               "native kernel") if why else None
+               f"native kernel{where}") if why else None
+        if self._elsewhere and nbytes > RAM_WARN_BYTES and not self._warned:
+            self._warned = True
+            warnings.warn(f"{sum(why.values())} parameters ({', '.join(sorted(why))}) keep {nbytes / 2**20:.0f} MiB "
+                          f"of optimizer state in host RAM instead of {self._elsewhere}: offload's native kernel "
+                          "takes contiguous float32/bfloat16/float16 parameters listed once; convert these "
+                          "(e.g. model.float(), p.data = p.data.contiguous()) to keep their state there too",
+                          UserWarning, stacklevel=4)
         if msg != self._logged:
             if msg is not None:
                 log.info(msg)
@@ -226,4 +259,23 @@ def cast_state(p: torch.Tensor, st: dict) -> dict:
         elif k == "step" and not isinstance(v, torch.Tensor):  # as torch.optim.Adam.__setstate__
             v = torch.tensor(float(v), dtype=_get_scalar_dtype())
         out[k] = v
+    return out
+
+
+def engine_index(groups: list, native: list) -> dict:
+    """{(group, position in the state engine's list): index in torch's state_dict numbering} for the
+    native parameters ``native`` (the first item of ``Router.split``), which the engine holds."""
+    out, index = {}, 0
+    for gi, (g, n) in enumerate(zip(groups, native)):
+        ps = g["params"]
+        if n is g or n["params"] is ps:
+            out.update({(gi, i): index + i for i in range(len(ps))})
+        else:
+            ids = {id(p) for p in n["params"]}
+            j = 0
+            for i, p in enumerate(ps):
+                if id(p) in ids:
+                    out[(gi, j)] = index + i
+                    j += 1
+        index += len(ps)
     return out

@@ -5,8 +5,8 @@ keeps torch's constructor signature, defaults, validation messages and ``state_d
 (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so a state saved here loads into
 ``torch.optim.AdamW`` and back. bf16/fp16 parameters get an fp32 master copy (state key
 ``master_param``, the one addition to torch's layout); the kernel writes the rounded new weight
-straight into the parameter in the same pass. Parameters the kernel cannot take but torch steps
-(float64, complex, non-contiguous, listed twice) go through torch's own Adam code (offload/fallback.py).
+straight into the parameter in the same pass. Parameters the kernel cannot take but torch steps (float64,
+complex, non-contiguous, listed twice) go through torch's Adam code, state in RAM (offload/fallback.py).
 
 The class is assembled from: host_ram.py (the host-RAM fp32-moment fast path), state_dict.py
 (state_dict / load_state_dict / checkpoint tensors), gpu.py (the GPU-offload face), clipping.py
@@ -97,7 +97,8 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         self._pending_multiplier = 1.0
         self._failure = None   # set when a step failed part-way (offload/failstop.py)
         self._state_mode = state
-        self._router = fallback.Router()  # float64/complex/strided/duplicate params: torch's code (fallback.py)
+        # float64/complex/strided/duplicate params: torch's code, state in RAM (fallback.py)
+        self._router = fallback.Router(elsewhere=fallback.elsewhere(state, moments, offload_device))
         # --- GPU offload: the mode follows from where the parameters are (offload/gpu.py) ---
         params, self._gpu_device = split_params(params, offload_device, gpu_options)
         if state == "ram" and nvme_options and self._gpu_device is None:
@@ -109,7 +110,7 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
             opts = dict(nvme_options or {})
             if self.moments != "fp32":
                 opts.update(moments=self.moments, moments_min_size=self.moments_min_size)
-            self._store = make_state_engine(self.param_groups, state, nvme_dir=nvme_dir, host_budget=host_budget,
+            self._store = make_state_engine(self._engine_groups(), state, nvme_dir=nvme_dir, host_budget=host_budget,
                                             keep=keep_files, nvme_options=opts,
                                             device=self._gpu_device, gpu_options=gpu_options)
         self._gpu = start_engine(self, self._gpu_device, gpu_options, self._store)
@@ -137,7 +138,7 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         self._plans.clear()
         if store is not None:  # NVMe/mmap state: the new group is laid out after the existing state
             try:
-                store.add_group(self.param_groups[n]["params"], self.param_groups[n]["amsgrad"])
+                store.add_group(self._engine_groups()[n]["params"], self.param_groups[n]["amsgrad"])
             except BaseException:
                 del self.param_groups[n:]
                 raise
@@ -153,30 +154,24 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
     def _check_group(self, group: dict, gi: int) -> None:
         _check_group_options(group, f"param group {gi}", _OPTIMIZER_WIDE, self._group_options())
         gpu = self._gpu_device is not None
-        mode = getattr(self, "_state_mode", "ram")
-        if getattr(self, "moments", "fp32") != "fp32":
-            if group.get("amsgrad"):
-                raise ValueError(f"param group {gi}: amsgrad=True with moments={self.moments!r}: compressed moments "
-                                 "have no max_exp_avg_sq; use moments='fp32' for amsgrad")
-        engine = mode != "ram" or getattr(self, "moments", "fp32") != "fp32"   # the state engine's rules
-        label = f"state={mode!r}" if mode != "ram" else f"moments={getattr(self, 'moments', 'fp32')!r}"
-        fix = "state='ram'" if mode != "ram" else "moments='fp32'"
+        if getattr(self, "moments", "fp32") != "fp32" and group.get("amsgrad"):
+            raise ValueError(f"param group {gi}: amsgrad=True with moments={self.moments!r}: compressed moments "
+                             "have no max_exp_avg_sq; use moments='fp32' for amsgrad")
         params = group["params"]
         names = group.get("param_names")
-        for i, p in enumerate(params):
-            where = f"parameter {i} of group {gi}" + (f" ({names[i]!r})" if names else "")
-            why = fallback.reason(p)
-            if why is None or gpu:
-                _check_param(p, where, gpu)
-            elif engine:
-                raise ValueError(f"{where} is {why}: with {label} offload steps dense float32/bfloat16/"
-                                 f"float16 parameters only; use {fix} (such parameters are then stepped by "
-                                 "torch's own Adam code) or make the parameter a contiguous float32 tensor")
-        if engine and len(set(map(id, params))) != len(params):
+        for i, p in enumerate(params):   # (host parameters torch's code steps: offload/fallback.py)
+            if gpu or fallback.reason(p) is None:
+                _check_param(p, f"parameter {i} of group {gi}" + (f" ({names[i]!r})" if names else ""), gpu)
+        if gpu and len(set(map(id, params))) != len(params):
             i = next(i for i, p in enumerate(params) if any(q is p for q in params[:i]))
-            raise ValueError(f"parameter {i} of group {gi} is listed twice: with {label} every parameter "
-                             "must appear once (torch.optim.AdamW steps a repeated parameter once per listing, "
-                             "state='ram' does the same); remove the duplicate")
+            raise ValueError(f"parameter {i} of group {gi} is listed twice: with parameters on a device (GPU "
+                             "offload) every parameter must appear once (torch.optim.AdamW steps a repeated "
+                             "parameter once per listing, host parameters do the same); remove the duplicate")
+
+    def _engine_groups(self) -> list:
+        """The param groups as the state engine holds them: host parameters without those torch's code
+        steps (offload/fallback.py: their state stays in host RAM), device parameters all."""
+        return self.param_groups if self._gpu_device is not None else self._router.split(self.param_groups)[0]
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -198,7 +193,8 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         self.__dict__.setdefault("moments_min_size", 4096)
         self._failure = None   # a loaded state (load_state_dict, offload.load) is the way back after a failure
         self._plans = {}
-        self._router = fallback.Router()
+        if "_router" not in self.__dict__:   # (load_state_dict keeps the split and what it logged)
+            self._router = fallback.Router()
         if self._decoupled is not None:  # AdamW: torch forces decoupled weight decay for any loaded state
             for group in self.param_groups:
                 group["decoupled_weight_decay"] = self._decoupled
@@ -250,15 +246,20 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         if not math.isfinite(mult):
             raise ValueError(f"grad_multiplier must be finite, got {mult}")
         threads = self._threads or 0
-        if self._store is not None:  # NVMe/mmap state: the store pipelines all groups (offload/store.py)
-            self._store.step(self.param_groups, lambda gi: self._group_hyper(self.param_groups[gi]), self.state,
-                             mult, threads)
-            self._clear_pending()
-            return loss
         native, fb = self._router.split(self.param_groups)  # fb: stepped by torch's code (offload/fallback.py)
         for group, _ in fb:
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         fallback.check(self.state, fb, self.param_groups)
+        if self._store is not None:  # NVMe/mmap state, compressed moments: the engine pipelines all groups
+            self._store.step(native, lambda gi: self._group_hyper(self.param_groups[gi]), self.state, mult, threads)
+            self._clear_pending()
+            try:
+                if fb:
+                    fallback.step(self, fb, mult, self._decoupled)
+            except BaseException as e:
+                self._failure = detached(e)  # the engine's parameters are stepped: refuse to continue from here
+                raise
+            return loss
         self._track_state()
         work, changed = [], {}
         self.__dict__["_created"] = created = []  # state made for rows first stepped now (_init_states)

@@ -1,6 +1,8 @@
 """state_dict.py: offload.Adam/AdamW's state_dict / load_state_dict in torch's layout (every mode:
 RAM arenas, NVMe/mmap state, compressed moments, GPU offload), and the tensors a checkpoint saves.
-A mixin of the optimizer class."""
+A mixin of the optimizer class. The parameters torch's code steps (offload/fallback.py) keep their
+state in ``opt.state`` in torch's layout with every tier; the state engine numbers only the others
+(``_engine_index``)."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -27,13 +29,14 @@ class StateDictMixin:
             tensors = self._store.state_tensors()  # views of the mapped state file, not copies
         sd = self._state_dict_without_tier()
         if self._store is not None:
-            index = 0
-            for gi, g in enumerate(self.param_groups):
-                for i, _ in enumerate(g["params"]):
-                    if index in sd["state"] and (gi, i) in tensors:
-                        sd["state"][index].update(tensors[(gi, i)])
-                    index += 1
+            for pos, index in self._engine_index().items():
+                if index in sd["state"] and pos in tensors:
+                    sd["state"][index].update(tensors[pos])
         return sd
+
+    def _engine_index(self) -> dict:
+        """{(group, position in the state engine's list): index in torch's numbering}."""
+        return fallback.engine_index(self.param_groups, self._engine_groups())
 
     def checkpoint_state(self) -> dict:
         """``state_dict()['state']`` without the tensors that ``checkpoint_tensors`` hands out (the
@@ -68,15 +71,20 @@ class StateDictMixin:
         if create_from is not None:  # never asked: this state loads through load_state_dict (loads_itself)
             raise RuntimeError("compressed-moment state loads through load_state_dict")
         tensors = self._store.raw_state_tensors()
-        refs, index = [], 0
-        for gi, g in enumerate(self.param_groups):
-            for i, p in enumerate(g["params"]):
-                if (gi, i) in tensors and self.state.get(p):
-                    for key in sorted(tensors[(gi, i)]):
-                        r = tensor_ref(f"state.{index}.{key}", index, key, tensors[(gi, i)][key])
-                        r.keep = self._store
-                        refs.append(r)
-                index += 1
+        flat = [p for g in self.param_groups for p in g["params"]]
+        refs = []
+        for pos, index in sorted(self._engine_index().items(), key=lambda x: x[1]):
+            if pos in tensors and self.state.get(flat[index]):
+                for key in sorted(tensors[pos]):
+                    r = tensor_ref(f"state.{index}.{key}", index, key, tensors[pos][key])
+                    r.keep = self._store
+                    refs.append(r)
+        # parameters torch's code steps: their state tensors in opt.state, in torch's numbering (a parameter
+        # listed twice in a group: its last position, as torch.optim.Optimizer.state_dict numbers it)
+        last = {id(p): (index, p) for index, p in enumerate(flat) if self._router.is_fallback(self.param_groups, p)}
+        for index, p in sorted(last.values(), key=lambda x: x[0]):
+            refs.extend(tensor_ref(f"state.{index}.{key}", index, key, v) for key, v in sorted((self.state.get(p) or
+                        {}).items()) if key != "step" and isinstance(v, torch.Tensor))
         return refs
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -106,7 +114,7 @@ class StateDictMixin:
                 new_state[k] = v
                 continue
             p = id_map[k]
-            if self._store is None and router.is_fallback(groups, p):  # torch's layout (offload/fallback.py)
+            if self._gpu_device is None and router.is_fallback(groups, p):  # torch's layout (offload/fallback.py)
                 for key, val in v.items():
                     if isinstance(val, torch.Tensor) and key != "step" and val.shape != p.shape:
                         raise ValueError(f"state '{key}' of saved parameter {k} has shape {tuple(val.shape)}, "
@@ -145,13 +153,14 @@ class StateDictMixin:
         if self._gpu is not None:
             self._gpu.synchronize()
         if self._store is not None:  # NVMe/mmap state: write tensors to the file, keep only 'step' in RAM
-            where = {id(p): (gi, i) for gi, g in enumerate(groups) for i, p in enumerate(g["params"])}
+            flat = [p for g in groups for p in g["params"]]
             small = self._store.excluded   # GPU offload: small parameters stepped on the device keep torch's state
-            entries = {where[id(p)]: st for p, st in new_state.items()
-                       if isinstance(p, torch.Tensor) and where[id(p)] not in small}
+            # (gi, i) of the engine's parameters (not those torch's code steps: their state stays in opt.state)
+            where = {id(flat[index]): pos for pos, index in self._engine_index().items() if pos not in small}
+            entries = {where[id(p)]: st for p, st in new_state.items() if isinstance(p, torch.Tensor) and id(p) in where}
             self._store.load(entries)
             for p, st in list(new_state.items()):
-                if isinstance(p, torch.Tensor) and where[id(p)] not in small:
+                if isinstance(p, torch.Tensor) and id(p) in where:
                     gi, i = where[id(p)]
                     new_state[p] = self._store.torch_state(gi, i)  # step counter + views of the moments
         self.__setstate__({"state": new_state, "param_groups": saved_groups})

@@ -128,10 +128,23 @@ def test_duplicate_across_groups_raises_like_torch():
             cls([{"params": p}, {"params": p}])
 
 
-def test_duplicate_with_nvme_state_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("mode", ["nvme", "mmap"])
+def test_duplicate_with_disk_state_steps_twice_like_torch(mode, tmp_path):
+    def make():
+        p = P(4, 3)
+        return [p, P(5, seed=1), p]
+    a, b, oa, ob = run_pair(make, lambda ps, **kw: offload.AdamW(ps, state=mode, nvme_dir=tmp_path, **kw),
+                            torch.optim.AdamW, dict(lr=0.05, amsgrad=True))
+    assert torch.equal(a[0], b[0]) and float(oa.state[a[0]]["step"]) == 6.0
+    torch.testing.assert_close(a[1], b[1])
+    oa.close()
+
+
+def test_duplicate_device_parameter_is_refused_by_name():
+    from offload.device import FakeDevice
     p = P(3)
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="parameter 1 of group 0 is listed twice"):
-        offload.AdamW([p, p], state="nvme", nvme_dir=tmp_path)
+        offload.AdamW([p, p], offload_device=FakeDevice())
 
 
 # ---------------------------------------------------------------- AdamW loading an Adam state (item 8)
@@ -314,11 +327,25 @@ def test_fused_clip_includes_odd_params_and_scales_their_grads():
     assert all(torch.equal(p.grad, g) for p, g in zip(ps, before))
 
 
-@pytest.mark.parametrize("mode", ["nvme", "mmap"])
-def test_odd_params_with_disk_state_are_refused_by_name(mode, tmp_path):
-    for i, p in enumerate(_odd_params()[:4]):
-        with pytest.raises(ValueError, match=f"parameter 0 of group 0 is .*state='{mode}'"):
-            offload.AdamW([p], state=mode, nvme_dir=tmp_path)
+@pytest.mark.parametrize("mode", ["nvme", "mmap", "8bit"])
+def test_odd_params_with_disk_state_or_compressed_moments_match_torch_bitwise(mode, tmp_path):
+    """Their state stays in host RAM in torch's layout (not in the state file, not compressed)."""
+    kw = dict(moments="8bit") if mode == "8bit" else dict(state=mode, nvme_dir=tmp_path)
+    a, b, oa, ob = run_pair(_odd_params, lambda ps, **k: offload.AdamW(ps, **kw, **k), torch.optim.AdamW,
+                            dict(lr=0.01, weight_decay=0.1))
+    for i, (x, y) in enumerate(zip(a[:5], b[:5])):
+        assert torch.equal(x, y) and x.stride() == y.stride(), i
+        for key, v in ob.state[y].items():
+            assert torch.equal(oa.state[x][key], v) and oa.state[x][key].dtype == v.dtype, (i, key)
+    torch.testing.assert_close(a[5], b[5])
+    oa.close()
+
+
+def test_odd_device_params_are_refused_by_name(tmp_path):
+    from offload.device import FakeDevice
+    for p, what in zip(_odd_params()[:3], ("float64", "complex", "not contiguous")):
+        with pytest.raises((TypeError, RuntimeError), match=f"parameter 0 of group 0 .*{what}"):
+            offload.AdamW([p], offload_device=FakeDevice(), state="nvme", nvme_dir=tmp_path)
 
 
 def test_float8_and_int_params_still_refused_by_name():

@@ -473,8 +473,8 @@ def test_refusals():
         opt.add_param_group({"params": [torch.randn(8)], "amsgrad": True})
     with pytest.raises(ValueError, match="moments_min_size"):
         offload.AdamW([p], moments="8bit", moments_min_size=-1)
-    with pytest.raises(ValueError, match="moments='8bit'"):   # torch's fallback parameters: not with the engine
-        offload.AdamW([torch.randn(8, dtype=torch.float64)], moments="8bit")
+    # float64: stepped by torch's code, moments in its own dtype in host RAM (test_adversarial.py)
+    offload.AdamW([torch.randn(8, dtype=torch.float64)], moments="8bit")
     _run(opt, [p], 1)
     with pytest.raises(ValueError, match="cannot be replaced"):
         opt.state[p]["exp_avg"] = torch.zeros(N)

@@ -3,8 +3,7 @@
 # every constructor input gives torch's results (RAM state; NVMe/mmap on a sample; device parameters
 # through CpuDevice / FakeDevice), its state_dict continues in torch.optim, every error input raises
 # torch's error type with a matching message, and the flags torch's CPU tests exercise that offload
-# does not implement are refused by name. OFFLOAD_OPTIM_DB_STATE=nvme|mmap runs the whole file with
-# that state tier.
+# does not implement are refused by name.
 import atexit
 import functools
 import os
@@ -76,8 +75,8 @@ def _compare(name, kw, dtype, state="ram", tmp_path=None, steps=4, foreach=False
     _train(m1, o1, steps)
     _train(m2, o2, steps)
     for a, b in zip(m1.parameters(), m2.parameters()):
-        if dtype == torch.float64 and state == "ram" and not foreach:
-            assert torch.equal(a, b)  # stepped by torch's own single-tensor code (offload/fallback.py)
+        if dtype == torch.float64 and not foreach:
+            assert torch.equal(a, b)  # stepped by torch's own single-tensor code (offload/fallback.py), any tier
         else:
             torch.testing.assert_close(a, b)
     return m1, m2, o1, o2
@@ -252,3 +251,86 @@ def test_optim_db_error_inputs(name, ei):
         with pytest.raises(ei.error_type, match=ei.error_regex):
             getattr(torch.optim, name)(params, **_kwargs_dict(oi.kwargs))
 
+
+# ---------------------------------------------------------------- the parameters torch's test_optim.py adds
+# (test_complex, non-contiguous views, a parameter listed twice, test_deepcopy_copies_all_public_attrs) over
+# the database inputs, in every state tier: the native kernel takes none of them, torch's own code steps them
+# (offload/fallback.py) with their state in host RAM in torch's layout, bit for bit torch's results
+STATES = ["ram", "nvme", "mmap", "ram-8bit", "nvme-bf16"]
+
+
+def _odd_params():
+    g = torch.Generator().manual_seed(3)
+
+    def P(*shape, dtype=torch.float32):
+        return torch.nn.Parameter(torch.randn(*shape, generator=g).to(dtype))
+    dup = P(4)
+    return [P(3, 2, dtype=torch.float64), torch.nn.Parameter(torch.randn(5, dtype=torch.complex64, generator=g)),
+            torch.nn.Parameter(P(4, 3).data.t()), dup, P(6), dup]
+
+
+def _odd_run(make, steps=3, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    ps = make()
+    for _ in range(steps):
+        for p in {id(p): p for p in ps}.values():
+            p.grad = torch.randn(p.shape, dtype=p.dtype, generator=gen)
+        yield ps
+
+
+def _opt_kw(state, tmp_path):
+    state, _, moments = state.partition("-")
+    return dict({} if state == "ram" else dict(state=state, nvme_dir=tmp_path), **({"moments": moments} if moments else {}))
+
+
+@pytest.mark.parametrize("state", STATES)
+@pytest.mark.parametrize("name,oi", CPU_INPUTS, ids=_ids(CPU_INPUTS))
+def test_optim_db_odd_params_match_torch_bitwise(name, oi, state, tmp_path):
+    if "-" in state and oi.kwargs.get("amsgrad"):
+        with pytest.raises(ValueError, match="amsgrad"):
+            getattr(offload, name)(_odd_params(), **_kwargs_dict(oi.kwargs), **_opt_kw(state, tmp_path))
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # torch's duplicate-parameter warning
+        ours = theirs = None
+        a = b = None
+        for a in _odd_run(_odd_params):
+            ours = ours or getattr(offload, name)(a, **_kwargs_dict(oi.kwargs), **_opt_kw(state, tmp_path))
+            ours.step()
+        for b in _odd_run(_odd_params):
+            theirs = theirs or getattr(torch.optim, name)(b, **_kwargs_dict(oi.kwargs))
+            theirs.step()
+    for i, (x, y) in enumerate(zip(a, b)):
+        if i == 4:   # the dense float32 parameter: the native kernel
+            torch.testing.assert_close(x, y)
+            continue
+        assert torch.equal(x, y), i
+        for key, v in theirs.state[y].items():
+            assert torch.equal(ours.state[x][key], v) and ours.state[x][key].dtype == v.dtype, (i, key)
+    # the state continues in torch.optim with the same results, and torch's in offload
+    sd = ours.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = getattr(torch.optim, name)(b, **_kwargs_dict(oi.kwargs))
+    t.load_state_dict(sd)
+    for k, v in theirs.state_dict()["state"].items():
+        for key, val in v.items():
+            torch.testing.assert_close(t.state_dict()["state"][k][key], val, rtol=0, atol=0 if k != 4 else 1e-6)
+    ours.close()
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_optim_db_deepcopy_copies_all_public_attrs(state, tmp_path):
+    """torch's test_deepcopy_copies_all_public_attrs: RAM state is deep-copied with every public
+    attribute; a state file is refused by name (use state_dict / load_state_dict)."""
+    import copy
+    m = _model(torch.float32)
+    opt = offload.AdamW(m.parameters(), **_opt_kw(state, tmp_path))
+    _train(m, opt, 3)
+    if state != "ram":
+        with pytest.raises(TypeError, match="cannot be pickled or deep-copied; use state_dict"):
+            copy.deepcopy(opt)
+        opt.close()
+        return
+    attrs = {k for k in opt.__dict__ if not k.startswith("_")}
+    assert attrs == {k for k in copy.deepcopy(opt).__dict__ if not k.startswith("_")}

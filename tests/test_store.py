@@ -715,10 +715,7 @@ def test_parameters_sharing_memory_refused_at_construction(tmp_path, mode):
     base = torch.randn(100)
     with pytest.raises(ValueError, match="parameter 1 of group 0 shares memory with parameter 0 of group 0"):
         offload.AdamW([base[:60], base[40:]], state=mode, nvme_dir=tmp_path)
-    p = torch.randn(10)
-    with pytest.raises(ValueError, match="listed twice"), pytest.warns(UserWarning):
-        offload.AdamW([p, p], state=mode, nvme_dir=tmp_path)
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == []   # (a parameter listed twice is torch's code's: test_adversarial.py)
     a, b = base[:50], base[50:]  # adjacent views are fine
     opt = offload.AdamW([a, b], state=mode, nvme_dir=tmp_path)
     a.grad, b.grad = torch.ones(50), torch.ones(50)
