@@ -39,9 +39,14 @@ def device(opt):
     return sched.device
 
 
-def inject_io_fault(opt, kind: int, nth: int) -> None:
-    """Make the NVMe tier's ``nth`` next system call fail with ``kind`` (offload.aio.FAULT_EIO, ...)."""
-    _engine(opt).engine._set_fault(kind, nth)
+def inject_io_fault(opt, kind: int, nth: int, drive: int = 0) -> None:
+    """Make the NVMe tier's ``nth`` next system call fail with ``kind`` (offload.aio.FAULT_EIO, ...);
+    ``drive``: which directory of ``nvme_dir`` (several drives: each has its own I/O engine)."""
+    eng = _engine(opt)
+    drives = getattr(eng.tier, "drives", None)
+    if drives:
+        eng = drives[drive]
+    eng.engine._set_fault(kind, nth)
 
 
 def _engine(opt):

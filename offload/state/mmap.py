@@ -22,6 +22,7 @@ import torch
 
 from ..layout import ALIGN
 from . import files
+from .drives import check_one
 from .tier import Block, StateTier
 
 __all__ = ["MmapTier"]
@@ -80,7 +81,7 @@ class MmapTier(StateTier):
         self._kept: dict = {}               # bucket offset -> bytes, of the buckets that stay mapped
         self._kept_bytes = 0                # their sum
         self.keep = bool(keep)
-        self.nvme_dir = files.check_dir(nvme_dir, "mmap")
+        self.nvme_dir = files.check_dir(check_one(nvme_dir, "mmap"), "mmap")
         self.directory = files.new_state_dir(self.nvme_dir)
         self.path = os.path.join(self.directory, files.STATE_FILE)
         self._maps: list = []

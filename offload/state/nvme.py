@@ -1,26 +1,28 @@
-"""state/nvme.py: NvmeTier, state in a private O_DIRECT file streamed through a small ring of host slots.
+"""state/nvme.py: NvmeTier, state in private O_DIRECT files streamed through a small ring of host slots.
 
 Host memory is ``depth + 2`` slots of at most one bucket each, whatever the model size: while the
 kernel updates the acquired bucket, up to ``depth`` later buckets are being read and earlier ones
 written back. A bucket acquired without a prefetch (out of the expected order) is read on demand:
 slower, never wrong. Slots are ordinary (pageable) memory: the GPU never copies from them.
-A filesystem that refuses O_DIRECT gets buffered I/O, logged at INFO on ``offload.state``.
+Several directories in ``nvme_dir`` are several drives (state/drives.py): bucket ``b`` lives on
+drive ``b % k``, each drive with its own file and I/O engine. A filesystem that refuses O_DIRECT
+gets buffered I/O, logged at INFO on ``offload.state``.
 """
 from __future__ import annotations
 
 import logging
 import mmap
-import os
 import time
+import os
 import weakref
 from collections import deque
 
 import torch
 
-from ..aio import AioEngine
 from ..buffers import HostArena
 from ..layout import ALIGN
 from . import files
+from .drives import Drive, Placement, named, parse_dirs
 from .tier import Block, StateTier
 
 __all__ = ["NvmeTier"]
@@ -28,19 +30,21 @@ __all__ = ["NvmeTier"]
 log = logging.getLogger("offload.state")
 
 
-def _cleanup(engine, file, directory, keep: bool, pid: int) -> None:
-    if os.getpid() != pid:
-        # a fork()ed child: the I/O threads, the file and the directory are the parent's; only this
-        # process's copies of the descriptors are closed, nothing on disk is touched
+def _cleanup(res: list, keep: bool, pid: int) -> None:
+    """``res``: [engine, file, directory] per drive, as far as each was created."""
+    for engine, file, directory in res:
+        if os.getpid() != pid:
+            # a fork()ed child: the I/O threads, the file and the directory are the parent's; only this
+            # process's copies of the descriptors are closed, nothing on disk is touched
+            if file is not None:
+                file.close()
+            continue
+        # order matters: no transfer may be in flight when descriptors or buffers go away
+        if engine is not None:
+            engine.close()
         if file is not None:
             file.close()
-        return
-    # order matters: no transfer may be in flight when descriptors or buffers go away
-    if engine is not None:
-        engine.close()
-    if file is not None:
-        file.close()
-    files.remove_dir(directory, keep)
+        files.remove_dir(directory, keep)
 
 
 class NvmeTier(StateTier):
@@ -53,43 +57,55 @@ class NvmeTier(StateTier):
             raise ValueError(f"depth (buckets read ahead) must be an int in [1, 64], got {depth!r}")
         self.depth = depth
         self.keep = bool(keep)
-        self.nvme_dir = files.check_dir(nvme_dir, "nvme")
-        self.directory = files.new_state_dir(self.nvme_dir)
-        self.path = os.path.join(self.directory, files.STATE_FILE)
-        pid = os.getpid()
-        self._finalizer = weakref.finalize(self, _cleanup, None, None, self.directory, self.keep, pid)
-        self.engine = AioEngine(queue_depth=queue_depth, block_size=block_size)
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _cleanup, self.engine, None, self.directory, self.keep, pid)
-        self.file = self.engine.open(self.path, create=True, direct=direct, mode=0o600)
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _cleanup, self.engine, self.file, self.directory, self.keep, pid)
-        if direct and not self.file.direct:
-            log.info(f"O_DIRECT is not supported in the NVMe state directory {self.nvme_dir} (the filesystem refused "
-                     "it): the state file uses buffered I/O through the page cache instead (correct, but it competes "
-                     "with the page cache for RAM); an nvme_dir on an ext4 or xfs NVMe disk gets direct I/O")
+        dirs = parse_dirs(nvme_dir)
+        if dirs == [None]:
+            files.check_dir(None, "nvme")
+        for d in dirs:   # every directory checked before any is written to
+            files.check_dir(d, "nvme")
+        res: list = []
+        self._finalizer = weakref.finalize(self, _cleanup, res, self.keep, os.getpid())
+        self.drives: list = []
+        try:
+            for d in dirs:
+                self.drives.append(Drive(d, res=res, queue_depth=queue_depth, block_size=block_size, direct=direct))
+        except BaseException:
+            self._finalizer()   # the directories already created are removed
+            raise
+        first = self.drives[0]
+        # one drive: the attributes as they always were (tests, gpu.describe, export's directory)
+        self.nvme_dir, self.directory, self.path = first.nvme_dir, first.directory, first.path
+        self.engine, self.file = first.engine, first.file
+        self.place = Placement(len(self.drives))
+        for dr in self.drives:
+            if direct and not dr.file.direct:
+                log.info(f"O_DIRECT is not supported in the NVMe state directory {dr.nvme_dir} (the filesystem "
+                         "refused it): the state file uses buffered I/O through the page cache instead (correct, but "
+                         "it competes with the page cache for RAM); an nvme_dir on an ext4 or xfs NVMe disk gets "
+                         "direct I/O")
         self.file_bytes = 0
         self.arena = None
         self.slots: list = []
         self._free: list = []
-        self._reads: dict = {}          # bucket index -> (slot, request or None)
-        self._writes: deque = deque()   # (slot, request)
-        self.telemetry.update(direct=bool(self.file.direct), slots=depth + 2, slot_bytes=0, file_bytes=0,
-                              demand_reads=0, evicted=0)
+        self._reads: dict = {}          # bucket index -> (slot, request or None, drive)
+        self._writes: deque = deque()   # (slot, request, drive)
+        self.telemetry.update(direct=all(dr.file.direct for dr in self.drives), slots=depth + 2, slot_bytes=0,
+                              file_bytes=0, demand_reads=0, evicted=0, ndrives=len(self.drives))
 
     # ------------------------------------------------------------------ space
     def allocate(self, layout) -> None:
         self.drain()
-        new = max(ALIGN, layout.nbytes)
-        if new > self.file_bytes:
+        new, used = self.place.plan(layout, [dr.used for dr in self.drives])
+        for dr, u in zip(self.drives, used):
             try:
-                files.reserve(self.file.fd, self.file_bytes, new - self.file_bytes, self.directory,
-                              self.nvme_dir, self.path)
+                dr.reserve(max(ALIGN, u))
             except OSError:
-                if self.file_bytes == 0:
-                    self.close()
+                if self.layout is None:
+                    self.close()   # construction: nothing saved yet, every drive's directory goes
                 raise
-            self.file_bytes = new
+        self.place.commit(new)
+        for dr, u in zip(self.drives, used):
+            dr.used = u
+        self.file_bytes = sum(dr.file_bytes for dr in self.drives)
         need = max(ALIGN, layout.max_bucket_bytes)
         if self.arena is None or self.arena.slot_bytes < need:
             # no larger than the largest bucket: a small model under a big budget uses only what it needs
@@ -100,11 +116,36 @@ class NvmeTier(StateTier):
         self.telemetry.update(slot_bytes=self.arena.slot_bytes, file_bytes=self.file_bytes)
 
     # ------------------------------------------------------------------ slots
+    def _io(self, op: str, b, s: int):
+        """Start reading or writing bucket ``b`` from/into slot ``s`` on its drive: (request, drive)."""
+        d, off = self.place.where[b.index]
+        dr = self.drives[d]
+        try:
+            return getattr(dr.engine, op)(dr.file, self.slots[s], off, b.nbytes), d
+        except OSError as e:
+            raise self._named(e, d) from None
+
+    def _named(self, e: OSError, d: int) -> OSError:
+        return named(e, self.drives[d].nvme_dir) if len(self.drives) > 1 else e
+
+    def _wait(self, req, d: int, key: str) -> int:
+        try:
+            n = req.wait()
+        except OSError as e:
+            raise self._named(e, d) from None
+        self.telemetry[key] += n
+        dr = self.drives[d]
+        if key == "bytes_read":
+            dr.bytes_read += n
+        else:
+            dr.bytes_written += n
+        return n
+
     def _retire_write(self) -> None:
-        s, req = self._writes.popleft()
+        s, req, d = self._writes.popleft()
         t = time.perf_counter()
         try:
-            self.telemetry["bytes_written"] += req.wait()
+            self._wait(req, d, "bytes_written")
         finally:
             self.telemetry["write_wait_s"] += time.perf_counter() - t
             self._free.append(s)
@@ -120,10 +161,13 @@ class NvmeTier(StateTier):
 
     def _drop_read(self, bi: int) -> None:
         """Give up bucket ``bi``'s read-ahead: wait for it, free its slot."""
-        s, req = self._reads.pop(bi)
+        s, req, d = self._reads.pop(bi)
         try:
             if req is not None:
-                req.wait()
+                try:
+                    req.wait()
+                except OSError as e:
+                    raise self._named(e, d) from None
         finally:
             self._free.append(s)
         self.telemetry["evicted"] += 1
@@ -152,8 +196,12 @@ class NvmeTier(StateTier):
         if not self._free:
             return   # every slot busy with reads ahead: this bucket is read when acquired
         s = self._free.pop()
-        req = self.engine.read(self.file, self.slots[s], b.offset, b.nbytes) if read else None
-        self._reads[b.index] = (s, req)
+        try:
+            req, d = self._io("read", b, s) if read else (None, self.place.where[b.index][0])
+        except BaseException:
+            self._free.append(s)
+            raise
+        self._reads[b.index] = (s, req, d)
 
     def acquire(self, b, read: bool) -> Block:
         got = self._reads.pop(b.index, None)
@@ -161,12 +209,17 @@ class NvmeTier(StateTier):
             if read:   # not read ahead: this bucket came out of the expected order
                 self.telemetry["demand_reads"] += 1
             s = self._slot(True)
-            got = (s, self.engine.read(self.file, self.slots[s], b.offset, b.nbytes) if read else None)
-        s, req = got
+            try:
+                req, d = self._io("read", b, s) if read else (None, 0)
+            except BaseException:
+                self._free.append(s)
+                raise
+            got = (s, req, d)
+        s, req, d = got
         if req is not None:
             t = time.perf_counter()
             try:
-                self.telemetry["bytes_read"] += req.wait()
+                self._wait(req, d, "bytes_read")
             except BaseException:
                 self._free.append(s)
                 raise
@@ -176,7 +229,8 @@ class NvmeTier(StateTier):
         return Block(buf.data_ptr(), buf, s)
 
     def release(self, b, blk: Block) -> None:
-        self._writes.append((blk.slot, self.engine.write(self.file, self.slots[blk.slot], b.offset, b.nbytes)))
+        req, d = self._io("write", b, blk.slot)
+        self._writes.append((blk.slot, req, d))
 
     def drain(self) -> None:
         err = None
@@ -185,10 +239,13 @@ class NvmeTier(StateTier):
                 self._retire_write()
             except BaseException as e:
                 err = err or e
-        for s, req in self._reads.values():
+        for s, req, d in self._reads.values():
             try:
                 if req is not None:
-                    req.wait()
+                    try:
+                        req.wait()
+                    except OSError as e:
+                        raise self._named(e, d) from None
             except BaseException as e:
                 err = err or e
             self._free.append(s)
@@ -201,45 +258,54 @@ class NvmeTier(StateTier):
 
     def fail(self, exc: BaseException) -> None:
         super().fail(exc)
-        self.engine.wait_all()   # nothing may still write into buffers or the file
+        for dr in self.drives:
+            dr.engine.wait_all()   # nothing may still write into buffers or the files
         self._writes.clear()
         self._reads.clear()
         self._free = list(range(len(self.slots)))[::-1]
 
     # ------------------------------------------------------------------ state_dict / load
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        self.drain()
-        mm = self._mapping()
-        return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else torch.empty(0, dtype=torch.uint8)
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        view, _fd = self.mapping()
+        return view(offset, nbytes)
 
     def mapping(self):
-        """(view function over the whole file, fd) for state_dict views; every write-back done first."""
+        """(view function over the whole state, fd) for state_dict views; every write-back done first.
+        With several drives ``fd`` is a function: layout offset -> (fd, offset in that drive's file)."""
         self.drain()
-        mm = self._mapping()
-        fd = self.file.tail_fd if self.file.tail_fd >= 0 else self.file.fd
-
-        def view(offset: int, nbytes: int, mm=mm) -> torch.Tensor:
-            return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
-        return view, fd
-
-    def _mapping(self):
         # a fresh shared mapping after all direct writes completed reads what is on disk
-        fd = self.file.tail_fd if self.file.tail_fd >= 0 else self.file.fd
-        return mmap.mmap(fd, self.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        maps = [mmap.mmap(dr.fd(), dr.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                for dr in self.drives]
+        if len(self.drives) == 1:
+            def view(offset: int, nbytes: int, mm=maps[0]) -> torch.Tensor:
+                return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
+            return view, self.drives[0].fd()
+        place, fds = self.place, [dr.fd() for dr in self.drives]
+
+        def view(offset: int, nbytes: int) -> torch.Tensor:
+            d, off = place.locate(offset, nbytes)
+            return torch.frombuffer(maps[d], dtype=torch.uint8, count=nbytes, offset=off)
+
+        def locate(offset: int) -> tuple:
+            d, off = place.locate(offset, 0)
+            return fds[d], off
+        return view, locate
 
     def write(self, b, data: torch.Tensor) -> None:
         self.drain()
         s = self._slot(True)
         try:
             self.slots[s][:b.nbytes].copy_(data)
-            self.engine.write(self.file, self.slots[s], b.offset, b.nbytes).wait()
-            self.telemetry["bytes_written"] += b.nbytes
+            req, d = self._io("write", b, s)
+            self._wait(req, d, "bytes_written")
         finally:
             self._free.append(s)
 
     # ------------------------------------------------------------------ lifecycle
     def where(self) -> str:
-        return self.path
+        return ", ".join(dr.path for dr in self.drives)
 
     @property
     def closed(self) -> bool:
@@ -252,4 +318,6 @@ class NvmeTier(StateTier):
     def info(self) -> dict:
         d = dict(self.telemetry)
         d.update(path=self.path, depth=self.depth, engine=self.engine.telemetry())
+        if len(self.drives) > 1:
+            d.update(paths=[dr.path for dr in self.drives], drives=[dr.info() for dr in self.drives])
         return d

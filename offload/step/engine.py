@@ -60,6 +60,9 @@ class StateEngine(TorchLayout):
             self.side = HostParams(self.groups)
         if not isinstance(depth, int) or not 1 <= depth <= 64:
             raise ValueError(f"depth (buckets read ahead) must be an int in [1, 64], got {depth!r}")
+        if mode == "nvme":   # depth reads ahead per drive: every drive has reads in flight (docs/nvme.md)
+            from ..state.drives import parse_dirs
+            self.depth = depth = min(64, depth * len(parse_dirs(nvme_dir)))
         self.state_cap, self.stage_cap = split_budget(mode, self.budget, depth,
                                                       staging_slots if device is not None else 0)
         if mode == "nvme" and self.state_cap < ALIGN:

@@ -32,8 +32,9 @@ def _mmap_fixed():
     return _libc.mmap
 
 
-def _joined(fd: int, spans: list, total: int) -> torch.Tensor:
-    """uint8 tensor of ``total`` bytes whose consecutive parts map the file ``spans`` [(offset, nbytes)]."""
+def _joined(fd, spans: list, total: int) -> torch.Tensor:
+    """uint8 tensor of ``total`` bytes whose consecutive parts map the file ``spans`` [(offset, nbytes)].
+    ``fd``: the file, or (state on several drives) a function: offset -> (fd, offset in that file)."""
     page = mmap.PAGESIZE
     size = (total + page - 1) // page * page
     region = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -43,7 +44,8 @@ def _joined(fd: int, spans: list, total: int) -> torch.Tensor:
     at = 0
     for off, nb in spans:
         length = (nb + page - 1) // page * page
-        r = fixed(addr + at, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10, fd, off)  # MAP_FIXED
+        f, off = fd(off) if callable(fd) else (fd, off)
+        r = fixed(addr + at, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10, f, off)  # MAP_FIXED
         if r is None or r == ctypes.c_void_p(-1).value or r != addr + at:
             e = ctypes.get_errno()
             raise OSError(e, f"cannot map the optimizer state file: {os.strerror(e)}")
@@ -55,7 +57,8 @@ def param_views(tier, layout, gi: int, i: int, shape, mapping, fd: Optional[int]
     """{key: fp32 tensor shaped like the parameter} for parameter ``i`` of group ``gi``.
 
     ``mapping``: uint8 tensor over the whole state (a file mapping or the RAM arena view function);
-    ``fd``: the file (for split parameters), None for the RAM tier.
+    ``fd``: the file (for split parameters; a function offset -> (fd, offset) for several drives),
+    None for the RAM tier.
     """
     entries = layout.of_param.get((gi, i), [])
     out = {}
