@@ -159,3 +159,22 @@ def test_ddp_on_one_rank_steps_after_backward_by_default(tmp_path):
         opt.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_batched_fingerprints_equal_the_per_tensor_sums():
+    """Device-side fingerprints sum small tensors in batches (a few kernels per batch instead of a few per
+    tensor): each value must be the per-tensor sum of its own bits."""
+    from offload.params import fingerprint as fp
+    torch.manual_seed(0)
+    sizes = [(5, torch.float32), (3000, torch.bfloat16), (1, torch.float16), (70000, torch.float32),
+             (3 << 20, torch.float32), (0, torch.float32), (17, torch.float64)]
+    tensors = [torch.randn(n).to(dt) for n, dt in sizes]
+    got = fp.fingerprints(tensors, native=False)
+    for t, h in zip(tensors, got.tolist()):   # the definition: position-weighted sum of the bits, per chunk
+        ints = t.reshape(-1).view(torch.int32 if t.element_size() >= 4 else torch.int16).to(torch.int64)
+        w = fp._chunk_weights(t.device)
+        want = sum(int((ints[s:s + fp._CHUNK] * w[:ints[s:s + fp._CHUNK].numel()]).sum()) * (2 * k + 1)
+                   for k, s in enumerate(range(0, ints.numel(), fp._CHUNK)))
+        assert h == (want + (1 << 63)) % (1 << 64) - (1 << 63)
+    tensors[1][7] += 1
+    assert (fp.fingerprints(tensors, native=False) != got).tolist() == [False, True] + [False] * 5

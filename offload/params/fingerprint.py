@@ -71,12 +71,38 @@ def fingerprints(tensors: Sequence[torch.Tensor], native: Optional[bool] = None)
     if native:   # the devices of the tests and of `bench train` here: natively, at memory speed
         return torch.tensor([_kernels.fingerprint(_plain(t)) for t in tensors], dtype=torch.int64)
     w = _chunk_weights(device)
-    rows = []
-    for t in tensors:
+    out = torch.zeros(len(tensors), dtype=torch.int64, device=device)
+    small: Dict[torch.dtype, list] = {}   # tensors of one chunk or less, by integer view: summed in batches
+    for j, t in enumerate(tensors):
         ints = _as_ints(t)
+        if ints.numel() <= _CHUNK:
+            small.setdefault(ints.dtype, []).append((j, ints))
+            continue
         h = torch.zeros((), dtype=torch.int64, device=device)
         for k, start in enumerate(range(0, ints.numel(), _CHUNK)):
             c = ints[start:start + _CHUNK]
             h += torch.mul(c, w[:c.numel()]).sum(dtype=torch.int64) * (2 * k + 1)   # int64 products (promotion)
-        rows.append(h)
-    return torch.stack(rows)
+        out[j] = h
+    for group in small.values():   # the same sums, a few kernels per batch instead of a few per tensor
+        batch, n = [], 0
+        for item in group + [None]:
+            if item is not None and n + item[1].numel() <= _CHUNK:
+                batch.append(item)
+                n += item[1].numel()
+                continue
+            if batch:
+                _batched(batch, w, out)
+            batch, n = ([item], item[1].numel()) if item is not None else ([], 0)
+    return out
+
+
+def _batched(batch: list, w: torch.Tensor, out: torch.Tensor) -> None:
+    """out[j] = sum(ints * w[:len]) for each (j, ints) of ``batch`` (together at most one chunk)."""
+    device = out.device
+    sizes = [ints.numel() for _, ints in batch]
+    flat = torch.cat([ints.to(torch.int64) for _, ints in batch])
+    starts = torch.tensor([0] + sizes[:-1], dtype=torch.int64, device=device).cumsum(0)
+    seg = torch.repeat_interleave(torch.arange(len(batch), device=device), torch.tensor(sizes, device=device))
+    pos = torch.arange(flat.numel(), dtype=torch.int64, device=device) - starts[seg]
+    sums = torch.zeros(len(batch), dtype=torch.int64, device=device).index_add_(0, seg, flat * w[pos])
+    out[torch.tensor([j for j, _ in batch], device=device)] = sums
