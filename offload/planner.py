@@ -28,6 +28,7 @@ from typing import Iterable, List, Optional, Union
 import torch
 
 from .layout import ALIGN, Shape, build_layout
+from .state.drives import parse_dirs
 from .state.tier import split_budget
 from .units import parse_size
 
@@ -81,6 +82,7 @@ class MemoryPlan:
     rows: List[Row]
     capacity: dict = field(default_factory=dict)   # place -> bytes available (None: unknown)
     warnings: List[str] = field(default_factory=list)
+    drives: List[dict] = field(default_factory=list)   # nvme: {dir, bytes, free} per directory of nvme_path
 
     def total(self, place: str) -> int:
         return sum(r.bytes for r in self.rows if r.place == place)
@@ -107,7 +109,7 @@ class MemoryPlan:
     def to_dict(self) -> dict:
         return {"config": self.config, "rows": [r.__dict__ for r in self.rows],
                 "totals": {p: self.total(p) for p in ("gpu", "host", "nvme")},
-                "capacity": self.capacity, "fits": self.fits(), "warnings": self.warnings}
+                "capacity": self.capacity, "fits": self.fits(), "warnings": self.warnings, "drives": self.drives}
 
     def __str__(self) -> str:
         c = self.config
@@ -118,6 +120,8 @@ class MemoryPlan:
                  f"{'place':<6} {'what':<58} {'bytes':>12}"]
         for r in self.rows:
             lines.append(f"{r.place:<6} {r.what:<58} {_fmt(r.bytes):>12}")
+        for d in self.drives:
+            lines.append(f"{'drive':<6} {d['dir']:<58} {_fmt(d['bytes']):>12}  of {_fmt(d['free'])} available")
         fits = self.fits()
         for place, ok in fits.items():
             cap = self.capacity.get(place)
@@ -163,6 +167,8 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     ranks) or 'fsdp' (weights, gradients and state split). ``activation_bytes``: your estimate,
     added to the GPU (or host, in CPU mode) total if given. ``verbose``: print the report.
     ``moments``/``moments_min_size``: as given to the optimizer (compressed Adam moments).
+    ``nvme_path``: the optimizer's ``nvme_dir`` (one directory, a list, or comma-separated): with
+    several, ``drives`` holds each one's state file bytes (buckets round-robin, ``depth`` per drive).
     """
     from .mformat import check_moments
     check_moments(moments)
@@ -200,6 +206,9 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
                     else "fp32")
               for i, (n, dt, active) in enumerate(inv)]
     budget = parse_size(host_budget)
+    dirs = parse_dirs(nvme_path) if state == "nvme" and nvme_path is not None else [nvme_path]
+    per_drive = depth
+    depth = min(64, depth * len(dirs)) if state == "nvme" else depth   # as the engine does
     nstage = staging_slots if on_gpu else 0
     state_cap, stage_cap = split_budget(state, budget, depth, nstage)
     if on_gpu:
@@ -261,12 +270,23 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
             cap["gpu"] = free
         else:
             warnings.append("no CUDA device here: GPU capacity unknown")
+    drives = []
     if state != "ram":
-        path = nvme_path or os.getcwd()
-        try:
-            cap["nvme"] = shutil.disk_usage(path).free
-        except OSError:
-            cap["nvme"] = None
+        frees = {}
+        for i, d in enumerate(dirs):
+            path = d or os.getcwd()
+            try:
+                free, dev = shutil.disk_usage(path).free, os.stat(path).st_dev
+                frees[dev] = free
+            except OSError:
+                free = None
+                frees[("?", i)] = None
+            if len(dirs) > 1:
+                mine = max(ALIGN, sum(b.nbytes for b in lay.buckets if b.index % len(dirs) == i))
+                drives.append(dict(dir=path, bytes=mine, free=free))
+                if free is not None and mine > free:
+                    warnings.append(f"drive {path} needs {_fmt(mine)} but has {_fmt(free)} available")
+        cap["nvme"] = None if None in frees.values() else sum(frees.values())   # each filesystem once
     warnings.append("offloading optimizer state does not make weights, gradients and activations fit: "
                     f"those stay on the {'GPU' if device == 'cuda' else 'compute device'} "
                     f"({_fmt(weights + grads)} here{'' if activation_bytes else ' + activations, not counted'})")
@@ -275,8 +295,9 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     mp = MemoryPlan(config=dict(params=numel, tensors=len(inv), param_dtype=_dtype_names(inv, None),
                                 grad_dtype=_dtype_names(inv, grad_dtype), device=device, state=state,
                                 amsgrad=amsgrad, world_size=world_size, sharding=sharding, moments=moments,
-                                bucket_bytes=bucket_bytes, depth=depth),
-                    rows=rows, capacity=cap, warnings=warnings)
+                                bucket_bytes=bucket_bytes, depth=depth, depth_per_drive=per_drive,
+                                drives=len(dirs)),
+                    rows=rows, capacity=cap, warnings=warnings, drives=drives)
     for place, ok in mp.fits().items():
         if ok is False:
             mp.warnings.insert(0, f"{place} needs {_fmt(mp.total(place))} but has {_fmt(cap[place])} available")

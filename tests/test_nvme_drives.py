@@ -215,3 +215,17 @@ def test_add_param_group_grows_every_drive(tmp_path):
     assert_same(ps_r, ref.state_dict(), ps_o, opt.state_dict())
     ref.close()
     opt.close()
+
+
+@pytest.mark.timeout(30)
+def test_planner_per_drive_bytes_match_the_files(tmp_path):
+    ds = drives(tmp_path, 3)
+    ps = [torch.randn(5000), torch.randn(300, 7).bfloat16(), torch.randn(2049)]
+    mp = offload.plan(ps, device="cpu", state="nvme", host_budget=65536, nvme_path=",".join(ds))
+    assert [d["dir"] for d in mp.drives] == ds and mp.config["depth"] == 6
+    assert "drive " in str(mp) and mp.to_dict()["drives"] == mp.drives
+    opt = offload.AdamW(ps, nvme_dir=ds, host_budget=65536)
+    info = opt.storage_info()
+    assert [d["bytes"] for d in mp.drives] == [d["file_bytes"] for d in info["drives"]]
+    assert mp.bytes_of("nvme", "optimizer state file") == sum(d["bytes"] for d in info["drives"])
+    opt.close()
