@@ -110,7 +110,7 @@ class HostRamPath:
         # Each stream starts `gap` floats after the previous one ends: streams exactly per_kind
         # apart are congruent modulo a large power of two whenever the sizes are (128M params:
         # 512 MiB), and then contend for the same cache sets / DRAM banks (measured on an AVX2
-        # EPYC: a 128M step 250 ms instead of 134 ms; issue 11). Small arenas fit the caches:
+        # EPYC: a 128M step 250 ms instead of 134 ms). Small arenas fit the caches:
         # one cache line of gap is enough there.
         gap = arena_gap(per_kind)
         total = (per_kind * len(kinds) + sum(n for n, lp in zip(padded, lowp) if lp)

@@ -1,4 +1,4 @@
-"""step/compressed.py: the torch-layout face of compressed moments (issue 9) in the state engine.
+"""step/compressed.py: the torch-layout face of compressed moments in the state engine.
 
 A parameter whose bucket stores its moments compressed ("bf16" / "8bit", offload/mformat.py) has
 no fp32 ``exp_avg``/``exp_avg_sq`` bytes anywhere. This module:

@@ -315,7 +315,7 @@ class TorchLayout(HeldMoments):
         self.__dict__["_view_ptrs"] = {}   # the views in opt.state are re-made after a load (torch_state)
         self.__dict__["_state_recs"] = []
         self._handouts().clear()           # as torch's: tensors read from the old state are not the new state
-        packed = {}   # (gi, i) -> flat compressed tensors of the parameter's format (issue 9)
+        packed = {}   # (gi, i) -> flat compressed tensors of the parameter's format
         for (gi, i), st in list(entries.items()):
             fmt = self.moment_format(gi, i)
             has_packed = any(mformat.parse_saved_key(k) for k in st)
