@@ -229,3 +229,21 @@ def test_planner_per_drive_bytes_match_the_files(tmp_path):
     assert [d["bytes"] for d in mp.drives] == [d["file_bytes"] for d in info["drives"]]
     assert mp.bytes_of("nvme", "optimizer state file") == sum(d["bytes"] for d in info["drives"])
     opt.close()
+
+
+@pytest.mark.timeout(60)
+def test_io_bench_reports_each_drive_and_the_aggregate(tmp_path):
+    import json
+    import subprocess
+    import sys
+    ds = drives(tmp_path, 2)
+    out = tmp_path / "io.json"
+    r = subprocess.run([sys.executable, "-m", "offload.bench", "io", "--dir", ",".join(ds), "--size", "4MiB",
+                        "--request", "1MiB", "--reps", "1", "--fio-depths", "1", "--fio-jobs", "", "--json", str(out)],
+                       capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert [d["dir"] for d in data["drives"]] == ds
+    assert all(d["write"] > 0 and d["read"] > 0 for d in data["drives"])
+    assert data["aggregate"]["read"] > 0 and "all drives at once" in r.stdout
+    assert all(os.listdir(d) == [] for d in ds)   # work files removed, the directories kept

@@ -35,6 +35,7 @@ import torch
 
 from ..aio import AioEngine
 from ..buffers import aligned_empty
+from ..state.drives import parse_dirs
 from ..store import parse_size
 from .common import add_common_options, write_json
 
@@ -228,6 +229,9 @@ def run(args) -> int:
 
 
 def measure(args) -> dict:
+    if args.dir and len(parse_dirs(args.dir)) > 1:   # several drives: each alone, and all at once
+        from .io_drives import measure_drives
+        return measure_drives(args, _fill, bench_fio)
     size = parse_size(args.size)
     request = parse_size(args.request)
     block = parse_size(args.block_size)
@@ -321,7 +325,8 @@ def _print(r: dict) -> None:
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("io", help="NVMe read/write throughput: our engine vs fio, DeepSpeed AIO and buffered peers",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default=None, help="directory on the disk to measure; the test file goes into a new subdirectory, removed at the end "
+    p.add_argument("--dir", default=None, help="directory on the disk to measure (several, comma-separated: each drive "
+                   "and all at once, bench/io_drives.py); the test file goes into a new subdirectory, removed at the end "
                    f"(default: the system temporary directory, here {tempfile.gettempdir()})")
     p.add_argument("--size", default="2GiB", help="bytes written then read per method (default 2GiB)")
     p.add_argument("--request", default="64MiB", help="our request size, like one state bucket (default 64MiB)")
