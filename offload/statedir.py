@@ -27,7 +27,7 @@ import warnings
 from typing import List, NamedTuple, Optional
 
 __all__ = ["STATE_FILE", "EXPORT_FILE", "MARKER", "make_private_dir", "write_marker", "mark_kept", "remove_own",
-           "find_stale_state", "remove_stale_state", "warn_stale", "StaleState"]
+           "find_stale_state", "remove_stale_state", "warn_stale", "StaleState", "parse_dirs"]
 
 STATE_FILE = "state.bin"
 MARKER = "owner.json"
@@ -42,6 +42,34 @@ _FORMAT = "offload-state-owner/1"
 def make_private_dir(parent: str) -> str:
     """A new directory, mode 0700, only this process knows about (never an existing one)."""
     return tempfile.mkdtemp(prefix=_PREFIX, dir=parent)
+
+
+def parse_dirs(nvme_dir) -> List[Optional[str]]:
+    """The drives ``nvme_dir`` names: a str or path (one directory; a str that is not an existing
+    directory and holds commas is a comma-separated list), or a list/tuple of them. ``[None]`` for None."""
+    if nvme_dir is None:
+        return [None]
+    if isinstance(nvme_dir, (list, tuple)):
+        dirs = [os.fspath(d) for d in nvme_dir]
+    else:
+        one = os.fspath(nvme_dir)
+        if isinstance(one, bytes):
+            one = os.fsdecode(one)
+        if "," in one and not os.path.isdir(one):
+            dirs = [d.strip() for d in one.split(",")]
+        else:
+            dirs = [one]
+    dirs = [os.fsdecode(d) if isinstance(d, bytes) else d for d in dirs]
+    if not dirs or any(not d for d in dirs):
+        raise ValueError(f"nvme_dir={nvme_dir!r} names an empty directory: give one or more existing "
+                         "directories (a list, or one comma-separated string)")
+    seen = {}
+    for d in dirs:
+        key = os.path.realpath(d)
+        if key in seen:
+            raise ValueError(f"nvme_dir lists the directory {d!r} twice (also as {seen[key]!r}): give each drive once")
+        seen[key] = d
+    return dirs
 
 
 # ------------------------------------------------------------------ who owns a directory

@@ -11,40 +11,12 @@ from __future__ import annotations
 
 import bisect
 import os
-from typing import List, Optional
 
 from ..aio import AioEngine
+from ..statedir import parse_dirs
 from . import files
 
 __all__ = ["parse_dirs", "check_one", "Drive", "Placement", "named"]
-
-
-def parse_dirs(nvme_dir) -> List[Optional[str]]:
-    """The drives ``nvme_dir`` names: a str or path (one directory; a str that is not an existing
-    directory and holds commas is a comma-separated list), or a list/tuple of them. ``[None]`` for None."""
-    if nvme_dir is None:
-        return [None]
-    if isinstance(nvme_dir, (list, tuple)):
-        dirs = [os.fspath(d) for d in nvme_dir]
-    else:
-        one = os.fspath(nvme_dir)
-        if isinstance(one, bytes):
-            one = os.fsdecode(one)
-        if "," in one and not os.path.isdir(one):
-            dirs = [d.strip() for d in one.split(",")]
-        else:
-            dirs = [one]
-    dirs = [os.fsdecode(d) if isinstance(d, bytes) else d for d in dirs]
-    if not dirs or any(not d for d in dirs):
-        raise ValueError(f"nvme_dir={nvme_dir!r} names an empty directory: give one or more existing "
-                         "directories (a list, or one comma-separated string)")
-    seen = {}
-    for d in dirs:
-        key = os.path.realpath(d)
-        if key in seen:
-            raise ValueError(f"nvme_dir lists the directory {d!r} twice (also as {seen[key]!r}): give each drive once")
-        seen[key] = d
-    return dirs
 
 
 def named(e: OSError, drive: str) -> OSError:
