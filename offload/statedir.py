@@ -193,8 +193,12 @@ def _scan_dir(path: str, me: dict) -> Optional[StaleState]:
 
 
 def find_stale_state(nvme_dir) -> List[StaleState]:
-    """State directories in ``nvme_dir`` left by offload processes that no longer run."""
-    nvme_dir = os.fspath(nvme_dir)
+    """State directories in ``nvme_dir`` (one directory, or several as the optimizer takes them) left
+    by offload processes that no longer run."""
+    dirs = parse_dirs(nvme_dir)
+    if len(dirs) > 1:
+        return [s for d in dirs for s in find_stale_state(d)]
+    nvme_dir = os.fspath(dirs[0])
     me = _identity()
     try:
         names = sorted(os.listdir(nvme_dir))

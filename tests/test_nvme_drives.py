@@ -247,3 +247,30 @@ def test_io_bench_reports_each_drive_and_the_aggregate(tmp_path):
     assert all(d["write"] > 0 and d["read"] > 0 for d in data["drives"])
     assert data["aggregate"]["read"] > 0 and "all drives at once" in r.stdout
     assert all(os.listdir(d) == [] for d in ds)   # work files removed, the directories kept
+
+
+@pytest.mark.timeout(30)
+def test_leftovers_on_every_drive_are_found_and_removed(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from offload import statedir
+    ds = drives(tmp_path, 2)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = []
+    for d in ds:   # what a killed run leaves: a marked private directory and its state file
+        sub = statedir.make_private_dir(d)
+        statedir.write_marker(sub)
+        with open(os.path.join(sub, "owner.json")) as f:
+            m = json.load(f)
+        m["pid"] = int(dead.stdout)
+        with open(os.path.join(sub, "owner.json"), "w") as f:
+            json.dump(m, f)
+        open(os.path.join(sub, "state.bin"), "wb").close()
+        left.append(sub)
+    with pytest.warns(RuntimeWarning, match="no longer run"):
+        opt = offload.AdamW([torch.zeros(100)], nvme_dir=ds)
+    opt.close()
+    assert sorted(s.path for s in offload.store.find_stale_state(ds)) == sorted(left)
+    assert sorted(offload.store.remove_stale_state(",".join(ds))) == sorted(left)
+    assert all(os.listdir(d) == [] for d in ds)
