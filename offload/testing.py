@@ -1,13 +1,16 @@
 """testing.py: the supported way for tests and benchmarks to look inside an ``offload.Adam``/``AdamW``:
-its state engine, state tier, parameter side, device schedule and device, and I/O fault injection.
+its state engine, state tier, parameter side, device schedule and device, I/O fault injection and
+a slow drive (``slow_drive``).
 It is the one module that reads the optimizer's private attributes, so an internal rename touches
 this file only; nothing here is part of the training API.
 """
 from __future__ import annotations
 
+import threading
+import time
 from typing import Optional
 
-__all__ = ["state_engine", "tier", "side", "device_schedule", "device", "inject_io_fault"]
+__all__ = ["state_engine", "tier", "side", "device_schedule", "device", "inject_io_fault", "slow_drive"]
 
 
 def state_engine(opt) -> Optional[object]:
@@ -54,3 +57,49 @@ def _engine(opt):
     if eng is None:
         raise ValueError("host parameters with fp32 moments in RAM have no state engine")
     return eng
+
+
+class _Late:
+    """A request that completes no earlier than ``at`` (perf_counter seconds)."""
+
+    def __init__(self, req, at: float):
+        self.req, self.at = req, at
+
+    def done(self) -> bool:
+        return self.req.done() and time.perf_counter() >= self.at
+
+    def wait(self, timeout=None) -> int:
+        n = self.req.wait(timeout)
+        time.sleep(max(0.0, self.at - time.perf_counter()))
+        return n
+
+
+class SlowEngine:
+    """An ``AioEngine`` whose drive serves one request per ``delay_s`` seconds at most (requests queue
+    behind each other, as on a slow disk); the real transfer still happens (same bytes, same errors)."""
+
+    def __init__(self, engine, delay_s: float):
+        self.inner, self.delay_s = engine, float(delay_s)
+        self.free_at = 0.0
+        self.lock = threading.Lock()
+
+    def _late(self, req):
+        with self.lock:
+            self.free_at = max(time.perf_counter(), self.free_at) + self.delay_s
+            return _Late(req, self.free_at)
+
+    def read(self, *a, **kw):
+        return self._late(self.inner.read(*a, **kw))
+
+    def write(self, *a, **kw):
+        return self._late(self.inner.write(*a, **kw))
+
+    def __getattr__(self, name):   # wait_all, outstanding, telemetry, close ...
+        return getattr(self.inner, name)
+
+
+def slow_drive(opt, drive: int, delay_s: float) -> None:
+    """Make directory ``drive`` of the optimizer's ``nvme_dir`` a slow drive: each read or write of a
+    bucket there completes ``delay_s`` after the previous one (tests, bench: what one slow drive costs)."""
+    dr = tier(opt).drives[drive]
+    dr.engine = SlowEngine(dr.engine, delay_s)
