@@ -76,7 +76,7 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         self._wide = dict(moments=moments, moments_min_size=moments_min_size, state=state, threads=threads,
                           nvme_dir=nvme_dir, host_budget=host_budget, keep_files=keep_files, nvme_options=nvme_options,
                           offload_device=offload_device, **gpu_options)
-        # --- compressed Adam moments (issue 9, docs/moments.md): run by the state engine, also for RAM
+        # --- compressed Adam moments (docs/moments.md): run by the state engine, also for RAM
         self.moments = _check_moments(moments, moments_min_size, amsgrad, params)
         self.moments_min_size = int(moments_min_size)
         # ---

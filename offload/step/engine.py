@@ -40,7 +40,7 @@ class StateEngine(TorchLayout):
                  moments: str = "fp32", moments_min_size: int = 4096, exclude=()):
         self.mode = mode
         self.excluded = set(exclude)   # (gi, i) stepped elsewhere (device-side small params): no state here
-        self.moments, self.moments_min_size = moments, int(moments_min_size)   # issue 9 (offload/mformat.py)
+        self.moments, self.moments_min_size = moments, int(moments_min_size)   # (offload/mformat.py)
         self.budget = parse_size(host_budget)
         self.depth = depth
         self.groups = [list(g) for g in groups]
