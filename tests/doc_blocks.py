@@ -46,12 +46,21 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
 model(torch.randn(4, 32)).pow(2).mean().backward()
 """,
-    # one-rank gloo process group (a file rendezvous in the block's directory: no port) and a tiny model
+    # one-rank gloo process group (a file rendezvous in the block's directory: no port), a tiny model of
+    # two blocks returning its loss, a batch
     "one-rank": """
 import os, torch, offload, torch.distributed as dist
 dist.init_process_group("gloo", init_method="file://" + os.path.abspath("rendezvous"), rank=0, world_size=1)
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(2))
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x.pow(2).mean()
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+model, batch = Model(), torch.randn(4, 32)
 """,
     # GPU offload on the fake device (CPU tensors driven as if on a GPU: offload.AdamW defaults to it here),
     # a model returning its loss, an optimizer, micro-batches to accumulate
