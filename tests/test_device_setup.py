@@ -172,9 +172,9 @@ def test_batched_fingerprints_equal_the_per_tensor_sums():
     got = fp.fingerprints(tensors, native=False)
     for t, h in zip(tensors, got.tolist()):   # the definition: position-weighted sum of the bits, per chunk
         ints = t.reshape(-1).view(torch.int32 if t.element_size() >= 4 else torch.int16).to(torch.int64)
-        w = fp._chunk_weights(t.device)
-        want = sum(int((ints[s:s + fp._CHUNK] * w[:ints[s:s + fp._CHUNK].numel()]).sum()) * (2 * k + 1)
-                   for k, s in enumerate(range(0, ints.numel(), fp._CHUNK)))
+        w = fp.chunk_weights(t.device)
+        want = sum(int((ints[s:s + fp.CHUNK] * w[:ints[s:s + fp.CHUNK].numel()]).sum()) * (2 * k + 1)
+                   for k, s in enumerate(range(0, ints.numel(), fp.CHUNK)))
         assert h == (want + (1 << 63)) % (1 << 64) - (1 << 63)
     tensors[1][7] += 1
     assert (fp.fingerprints(tensors, native=False) != got).tolist() == [False, True] + [False] * 5

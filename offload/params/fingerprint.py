@@ -28,17 +28,17 @@ import torch
 
 from .. import _kernels
 
-__all__ = ["fingerprints"]
+__all__ = ["fingerprints", "chunk_weights", "CHUNK"]
 
-_CHUNK = 1 << 21   # elements per pass: 16 MiB of int64 temporaries at most (the weights: as many)
+CHUNK = 1 << 21   # elements per pass: 16 MiB of int64 temporaries at most (the weights: as many)
 _weights: Dict[torch.device, torch.Tensor] = {}
 
 
-def _chunk_weights(device: torch.device) -> torch.Tensor:
+def chunk_weights(device: torch.device) -> torch.Tensor:
     w = _weights.get(device)
     if w is None:
         # odd, pseudo-random int32 per position in a chunk (Knuth's multiplicative constant, wrapping)
-        idx = torch.arange(_CHUNK, dtype=torch.int64, device=device)
+        idx = torch.arange(CHUNK, dtype=torch.int64, device=device)
         w = (((idx * 2654435761 + 0x9E3779B9) % (1 << 32) - (1 << 31)) | 1)   # int64 holding odd int32 values
         _weights[device] = w
     return w
@@ -70,23 +70,23 @@ def fingerprints(tensors: Sequence[torch.Tensor], native: Optional[bool] = None)
         native = device.type == "cpu"
     if native:   # the devices of the tests and of `bench train` here: natively, at memory speed
         return torch.tensor([_kernels.fingerprint(_plain(t)) for t in tensors], dtype=torch.int64)
-    w = _chunk_weights(device)
+    w = chunk_weights(device)
     out = torch.zeros(len(tensors), dtype=torch.int64, device=device)
     small: Dict[torch.dtype, list] = {}   # tensors of one chunk or less, by integer view: summed in batches
     for j, t in enumerate(tensors):
         ints = _as_ints(t)
-        if ints.numel() <= _CHUNK:
+        if ints.numel() <= CHUNK:
             small.setdefault(ints.dtype, []).append((j, ints))
             continue
         h = torch.zeros((), dtype=torch.int64, device=device)
-        for k, start in enumerate(range(0, ints.numel(), _CHUNK)):
-            c = ints[start:start + _CHUNK]
+        for k, start in enumerate(range(0, ints.numel(), CHUNK)):
+            c = ints[start:start + CHUNK]
             h += torch.mul(c, w[:c.numel()]).sum(dtype=torch.int64) * (2 * k + 1)   # int64 products (promotion)
         out[j] = h
     for group in small.values():   # the same sums, a few kernels per batch instead of a few per tensor
         batch, n = [], 0
         for item in group + [None]:
-            if item is not None and n + item[1].numel() <= _CHUNK:
+            if item is not None and n + item[1].numel() <= CHUNK:
                 batch.append(item)
                 n += item[1].numel()
                 continue
