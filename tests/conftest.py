@@ -1,6 +1,10 @@
 # conftest.py: shared fixtures: force each ISA path in turn, and restore the default afterwards;
 # one torch thread for the modules whose fake devices and CPU workers run threads of their own;
-# dynamo's frame counter cleared after each test (see no_compiled_frames_after_the_test).
+# dynamo's frame counter cleared after each test (see no_compiled_frames_after_the_test); optimizers
+# closed after the test (opts); a filesystem that refuses O_DIRECT (no_o_direct).
+import errno
+import os
+
 import pytest
 import torch
 
@@ -47,3 +51,25 @@ def no_compiled_frames_after_the_test():
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is not None:
         utils.counters.clear()
+
+
+@pytest.fixture
+def opts():
+    """A list the test appends its optimizers to: each is closed afterwards."""
+    made = []
+    yield made
+    for o in made:
+        o.close()
+
+
+@pytest.fixture
+def no_o_direct(monkeypatch):
+    """The filesystem refuses O_DIRECT (as some do, with EINVAL) for every open through offload/aio.py."""
+    from offload import aio
+    real_open = os.open
+
+    def no_direct(path, flags, mode=0o777, **kw):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, mode, **kw)
+    monkeypatch.setattr(aio.os, "open", no_direct)

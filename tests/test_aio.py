@@ -180,15 +180,7 @@ def test_open_refuses_symlink_and_existing_file(tmp_path):
 
 
 @pytest.mark.timeout(30)
-def test_direct_refused_falls_back_to_buffered_with_warning(tmp_path, monkeypatch):
-    real_open = os.open
-
-    def no_direct(path, flags, mode=0o777, **kw):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument", path)
-        return real_open(path, flags, mode, **kw)
-
-    monkeypatch.setattr(aio.os, "open", no_direct)
+def test_direct_refused_falls_back_to_buffered_with_warning(tmp_path, no_o_direct):
     with aio.AioEngine(queue_depth=2, block_size=4096) as eng:
         with pytest.warns(RuntimeWarning, match="O_DIRECT is not supported"):
             f = eng.open(str(tmp_path / "f"), create=True)

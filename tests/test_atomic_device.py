@@ -43,14 +43,6 @@ def reference(tier, moments, d):
     return _REF[tier, moments]
 
 
-@pytest.fixture
-def opts():
-    made = []
-    yield made
-    for o in made:
-        o.close()
-
-
 def _start(tier, moments, d, opts):
     ref = reference(tier, moments, d)
     ps, opt = build(tier, moments, d)

@@ -56,14 +56,6 @@ def reference(tier, moments, d):
     return _REFERENCE[key]
 
 
-@pytest.fixture
-def opts():
-    made = []
-    yield made
-    for o in made:
-        o.close()
-
-
 def _setattr(obj, name, value):
     old = obj.__dict__.get(name, None) if hasattr(obj, "__dict__") else None
     setattr(obj, name, value)

@@ -1,7 +1,6 @@
 # test_doctor.py: `python -m offload` / offload.doctor() (the environment report: its keys, the O_DIRECT
 # probe, a directory left as it was) and the INFO lines on the "offload" logger (parameters stepped by
 # torch's code, buffered instead of direct I/O, the setup chosen), silent unless logging is configured.
-import errno
 import json
 import logging
 import os
@@ -12,7 +11,6 @@ import pytest
 import torch
 
 import offload
-from offload import aio
 from offload.doctor import KEYS, format_report
 
 pytestmark = pytest.mark.timeout(60)
@@ -22,17 +20,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(args, **kw):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable] + args, capture_output=True, text=True, timeout=50, env=env, **kw)
-
-
-def _no_direct(monkeypatch):
-    """The filesystem refuses O_DIRECT (as some do, with EINVAL) for every open through offload/aio.py."""
-    real_open = os.open
-
-    def no_direct(path, flags, mode=0o777, **kw):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument", path)
-        return real_open(path, flags, mode, **kw)
-    monkeypatch.setattr(aio.os, "open", no_direct)
 
 
 def test_python_m_offload_json_has_the_documented_keys(tmp_path):
@@ -61,8 +48,7 @@ def test_doctor_reports_o_direct_and_leaves_the_directory_as_it_was(tmp_path):
     assert "O_DIRECT" in text and offload.__version__ in text
 
 
-def test_doctor_names_a_directory_that_refuses_o_direct(tmp_path, monkeypatch):
-    _no_direct(monkeypatch)
+def test_doctor_names_a_directory_that_refuses_o_direct(tmp_path, no_o_direct):
     rep = offload.doctor(dir=tmp_path, speed_test=False)
     assert rep["dir"]["o_direct"] is False
     assert any("refuses O_DIRECT" in p for p in rep["problems"])
@@ -91,9 +77,8 @@ def test_a_float64_parameter_logs_the_fallback_once(caplog):
     assert all(r.levelno == logging.INFO and r.name.startswith("offload") for r in caplog.records)
 
 
-def test_nvme_state_without_o_direct_logs_buffered_io(tmp_path, caplog, monkeypatch):
+def test_nvme_state_without_o_direct_logs_buffered_io(tmp_path, caplog, no_o_direct):
     caplog.set_level(logging.INFO, logger="offload")
-    _no_direct(monkeypatch)
     with pytest.warns(RuntimeWarning, match="O_DIRECT is not supported"):
         opt = offload.AdamW([torch.nn.Parameter(torch.zeros(1000))], state="nvme", nvme_dir=str(tmp_path))
     try:
