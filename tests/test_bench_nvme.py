@@ -41,6 +41,18 @@ def test_step_bench_tiny_run_writes_json(tmp_path, state):
 
 
 @pytest.mark.timeout(300)
+def test_step_bench_spreads_the_state_over_several_directories(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    out = tmp_path / "step.json"
+    _run(["step", "--dir", f"{a},{b}", "--params", "2e5", "--tensors", "3", "--budget", "1MiB", "--steps", "1",
+          "--no-ram", "--json", str(out)])
+    assert json.loads(out.read_text())["step_s"] > 0
+    assert os.listdir(a) == [] and os.listdir(b) == []   # each drive's work directory removed, theirs kept
+
+
+@pytest.mark.timeout(300)
 def test_step_bench_compares_moment_formats_in_one_run(tmp_path):
     out = tmp_path / "step.json"
     stdout = _run(["step", "--dir", str(tmp_path), "--params", "3e5", "--tensors", "2", "--budget", "1MiB",

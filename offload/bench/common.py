@@ -128,3 +128,19 @@ def write_json(path: Optional[str], payload: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def scratch_dirs(spec, prefix: str) -> list:
+    """A fresh directory in each directory ``spec`` names (several: a list or comma-separated, as
+    ``nvme_dir`` takes them; None: the system temp dir), for a benchmark's state files. The caller
+    removes them (:func:`remove_dirs`); the directories ``spec`` names are never removed."""
+    import tempfile
+    from ..statedir import parse_dirs
+    return [tempfile.mkdtemp(prefix=prefix, dir=d if d is not None else tempfile.gettempdir())
+            for d in parse_dirs(spec)]
+
+
+def remove_dirs(dirs: list) -> None:
+    import shutil
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import resource
-import shutil
 import statistics
 import tempfile
 import time
@@ -33,7 +32,7 @@ import torch
 
 from .. import AdamW
 from ..store import parse_size
-from .common import write_json
+from .common import remove_dirs, scratch_dirs, write_json
 
 GB = 1e9
 
@@ -71,8 +70,8 @@ def measure(args, moments: str = "fp32") -> dict:
     n = int(float(args.params))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     budget = parse_size(args.budget)
-    base = args.dir or tempfile.gettempdir()   # never the current directory: the state file is GBs
-    work = tempfile.mkdtemp(prefix="offload-step-bench-", dir=base)   # removed at the end; base never is
+    # never the current directory (the state file is GBs); one new directory per drive, removed at the end
+    work = scratch_dirs(args.dir, "offload-step-bench-")
     sizes = _split(n, args.tensors)
     t0 = time.perf_counter()
     params = [_make(k, dtype) for k in sizes]
@@ -82,7 +81,7 @@ def measure(args, moments: str = "fp32") -> dict:
     model_bytes = sum(p.numel() * p.element_size() * 2 for p in params)
     per_param = (12 if dtype != torch.float32 else 8)
     report = dict(bench="step", state=args.state, moments=moments, params=n, tensors=args.tensors, dtype=args.dtype,
-                  host_budget=budget, dir=base, params_and_grads_bytes=model_bytes, state_bytes=n * per_param,
+                  host_budget=budget, dir=args.dir or tempfile.gettempdir(), params_and_grads_bytes=model_bytes, state_bytes=n * per_param,
                   command="python -m offload.bench step " + " ".join(args.argv))
     try:
         # ------------------------------------------------ kernel alone: in-RAM step on a copy
@@ -111,7 +110,8 @@ def measure(args, moments: str = "fp32") -> dict:
             from ..device import FakeDevice
             dev_opts = dict(offload_device=FakeDevice(max_delay=0.0, poison=False, check=False))
         t = time.perf_counter()
-        opt = AdamW(params, lr=1e-4, state=args.state, nvme_dir=work, host_budget=budget, nvme_options=opts,
+        opt = AdamW(params, lr=1e-4, state=args.state, nvme_dir=work if len(work) > 1 else work[0],
+                    host_budget=budget, nvme_options=opts,
                     moments=moments, **dev_opts)
         ctor_s = time.perf_counter() - t
         info = opt.storage_info()
@@ -153,7 +153,7 @@ def measure(args, moments: str = "fp32") -> dict:
             rss_growth=peak - base_rss, peak_rss_exact=reset)
         opt.close()
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_dirs(work)
     _print(report)
     return report
 
@@ -216,7 +216,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--queue-depth", type=int, default=8, help="I/O worker threads (default 8)")
     p.add_argument("--block-size", default="1MiB", help="I/O piece size (default 1MiB)")
     p.add_argument("--steps", type=int, default=5, help="timed steps after the first (default 5)")
-    p.add_argument("--dir", default=None, help="directory on the disk to measure; the state file goes into a new subdirectory, removed at the end "
+    p.add_argument("--dir", default=None, help="directory on the disk to measure, or several (comma-separated) to "
+                   "spread the state over drives; the state goes into a new subdirectory of each, removed at the end "
                    f"(default: the system temporary directory, here {tempfile.gettempdir()})")
     p.add_argument("--no-ram", action="store_true", help="skip the in-RAM kernel-only step")
     p.add_argument("--device-params", choices=("none", "fake"), default="none",

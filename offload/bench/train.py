@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import weakref
 
 import torch
 
+from .common import remove_dirs, scratch_dirs
 from .gpt import GPT, PRESETS, GPTConfig, param_groups, random_batch
 
 __all__ = ["add_parser", "main", "run"]
@@ -82,10 +81,10 @@ def _make_optimizer(variant: str, model, device, args):
     dev = CudaDevice(device) if device.type == "cuda" else FakeDevice(max_delay=0.0, poison=False, check=False)
     opts = dict(bucket_mb=args.bucket_mb, offload_device=dev)
     if variant == "offload-nvme":
-        d = tempfile.mkdtemp(prefix="offload-train-bench-", dir=args.nvme_dir)
-        weakref.finalize(dev, shutil.rmtree, d, True)
-        return offload.AdamW(groups, lr=args.lr, state=args.state, nvme_dir=d, host_budget=args.host_budget,
-                             **opts), dev
+        dirs = scratch_dirs(args.nvme_dir, "offload-train-bench-")   # one per drive, removed with the device
+        weakref.finalize(dev, remove_dirs, dirs)
+        return offload.AdamW(groups, lr=args.lr, state=args.state, nvme_dir=dirs if len(dirs) > 1 else dirs[0],
+                             host_budget=args.host_budget, **opts), dev
     opts["trace"] = bool(args.trace)
     if variant == "offload-overlap":
         return offload.AdamW(groups, lr=args.lr, **opts), dev
@@ -282,7 +281,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="accepted as by every subcommand (this one prints no progress display)")
     p.add_argument("--state", choices=["ram", "nvme", "mmap"], default="ram",
                    help="also run offload-nvme: device params with this state tier (default ram: not run)")
-    p.add_argument("--nvme-dir", dest="nvme_dir", default=None, help="directory for the state file (default: cwd)")
+    p.add_argument("--nvme-dir", dest="nvme_dir", default=None, help="directory for the state file, or several (comma-separated) to spread it over drives; a new "
+                   "subdirectory in each, removed at the end (default: the system temp dir)")
     p.add_argument("--host-budget", dest="host_budget", default="256MiB", help="host_budget of offload-nvme")
 
 
