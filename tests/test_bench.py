@@ -14,8 +14,9 @@ def test_kernel_bench_tiny_run_writes_json(tmp_path):
     first = r.stdout.splitlines()[0]
     assert first.startswith("CPU: ") and "kernel ISA: " in first  # machine class first (issue 11)
     assert "bandwidth probe (ceiling)" in r.stdout and "torch AdamW(fused=True)" in r.stdout
-    assert "speed targets (PASS" in r.stdout
+    assert "speed targets (PASS" in r.stdout and "verdict (median step times" in r.stdout
     data = json.loads(out.read_text())
+    assert data["verdicts"] and all(v["peer"].startswith("torch") and v["speedup"] > 0 for v in data["verdicts"])
     impls = {row["impl"] for row in data["results"]}
     assert {"offload.AdamW.step", "offload kernel call", "torch AdamW(fused=True)",
             "torch AdamW(foreach=True)", "bandwidth probe (ceiling)"} <= impls

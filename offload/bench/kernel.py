@@ -86,6 +86,26 @@ def summarize(cases: list, thread_counts: list) -> tuple:
     return format_table(headers, rows), records
 
 
+def verdicts(cases: list, thread_counts: list) -> list:
+    """One line per case and thread count: offload.AdamW.step against the fastest peer measured in this run
+    (torch's and DeepSpeed's optimizers; not offload's own kernel call, the floor or the probe)."""
+    out = []
+    for case in cases:
+        for t in thread_counts:
+            res = case.results[t]
+            ours = res.get("offload.AdamW.step")
+            peers = {k: v for k, v in res.items() if k.startswith(("torch", "DeepSpeed"))}
+            if ours is None or not peers:
+                continue
+            name = min(peers, key=peers.get)
+            ratio = peers[name] / ours
+            word = "offload faster" if ratio >= 1.02 else "the peer faster" if ratio <= 0.98 else "even (within 2 %)"
+            out.append(dict(case=case.name, threads=t, peer=name, speedup=ratio,
+                            line=f"{case.name}, {t} thr: offload.AdamW.step is {ratio:.2f}x the fastest peer "
+                                 f"({name}): {word}"))
+    return out
+
+
 TARGETS = (
     "fp32 flat, at every thread count: offload.AdamW.step >= 95% of the probe and >= 1.0x torch AdamW(fused=True)",
     "bf16 grad + bf16 out over fp32 master/moments: >= 85% of the probe and >= 1.8x the torch composite",
@@ -210,6 +230,10 @@ def run(args) -> int:
     progress.close()
     table, records = summarize(cases, thread_counts)
     print(table)
+    verdict = verdicts(cases, thread_counts)
+    if verdict:
+        print("\nverdict (median step times of this run; above 1.00x offload is faster):")
+        print("\n".join("  " + v["line"] for v in verdict))
     if mom is not None:
         print("\ncompressed moments, kernel call only; B/param = bytes a single pass moves")
         print(mom[0])
@@ -224,7 +248,7 @@ def run(args) -> int:
               "results are still correct; medians of this run):")
         print("\n".join("  " + t for t in targets))
     write_json(args.json, dict(machine=machine_info(), build=info, reps=args.reps, scale=args.scale, full=args.full,
-                               results=records, targets=targets, target_definitions=list(TARGETS), isa_case=isa or isa_note,
+                               results=records, verdicts=verdict, targets=targets, target_definitions=list(TARGETS), isa_case=isa or isa_note,
                                raw={f"{c.name}|{t}": c.results[t]["_raw"] for c in cases for t in thread_counts}))
     if args.plot:
         plot(args.plot, records)
