@@ -28,7 +28,7 @@ OPTIONS_DOC = """
     moments: ``"fp32"`` (torch's), ``"bf16"`` or ``"8bit"`` compressed Adam moments; docs/moments.md.
     moments_min_size: tensors with fewer elements keep fp32 moments.
     offload_device: None (default: the parameters' GPU when they are on one, else the CPU mode),
-        ``"cuda"``/``"cuda:k"`` or an ``offload.device.CudaDevice``; ``"fake"``/``"cpu"`` and
+        ``"cuda"``/``"cuda:k"`` or an ``offload.device.CudaDevice``; ``"fake"``/``"cpu-test"`` and
         ``FakeDevice``/``CpuDevice`` are test devices that drive CPU tensors as if on a GPU.
 
     Parameters on a GPU only (docs/gpu.md); None means the default:

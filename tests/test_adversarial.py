@@ -149,7 +149,7 @@ def test_duplicate_device_parameter_is_refused_by_name():
 
 # ---------------------------------------------------------------- AdamW loading an Adam state (item 8)
 @pytest.mark.parametrize("key,value", [("moments", "8bit"), ("moments_min_size", 16), ("state", "nvme"),
-                                       ("threads", 1), ("max_grad_norm", 1.0), ("offload_device", "cpu")])
+                                       ("threads", 1), ("max_grad_norm", 1.0), ("offload_device", "cpu-test")])
 def test_optimizer_wide_options_in_a_param_group_are_refused_by_name(key, value):
     """torch keeps unknown group keys and ignores them: a group asking for its own moments, state or
     clipping would silently get the optimizer's. Refused by name, at construction, in add_param_group

@@ -178,3 +178,10 @@ def test_batched_fingerprints_equal_the_per_tensor_sums():
         assert h == (want + (1 << 63)) % (1 << 64) - (1 << 63)
     tensors[1][7] += 1
     assert (fp.fingerprints(tensors, native=False) != got).tolist() == [False, True] + [False] * 5
+
+
+def test_cpu_test_device_spelling_and_the_old_one_warns():
+    p = nn.Parameter(torch.randn(8))
+    assert isinstance(devices.resolve_device("cpu-test", [p]), devices.CpuDevice)
+    with pytest.warns(DeprecationWarning, match='spelled "cpu-test"'):
+        assert isinstance(devices.resolve_device("cpu", [p]), devices.CpuDevice)

@@ -20,6 +20,7 @@ Three implementations:
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -32,7 +33,7 @@ __all__ = ["Event", "Device", "CudaDevice", "CpuDevice", "FakeDevice", "resolve_
 
 
 def resolve_device(spec, params: Sequence[torch.Tensor]) -> Optional[Device]:
-    """The offload device for these parameters: ``spec`` (a Device, 'cuda', 'cuda:k', 'cpu', 'fake') or,
+    """The offload device for these parameters: ``spec`` (a Device, 'cuda', 'cuda:k', 'fake', 'cpu-test') or,
     when ``spec`` is None, CUDA if the parameters are on a CUDA device, else None (CPU mode). 'cuda'
     without an index means the parameters' GPU (not the current one); a device that does not match the
     parameters' is refused by name."""
@@ -46,11 +47,17 @@ def resolve_device(spec, params: Sequence[torch.Tensor]) -> Optional[Device]:
         return CudaDevice(next(iter(cuda)))
     if isinstance(spec, Device):
         device = spec
-    elif isinstance(spec, str) and spec in ("fake", "cpu"):
+    elif isinstance(spec, str) and spec in ("fake", "cpu-test", "cpu"):
+        if spec == "cpu":   # read by DeepSpeed users as "offload to the CPU", which is what offload always does
+            warnings.warn('offload_device="cpu" selects a test device that drives CPU tensors as if they were on a '
+                          'GPU; it is spelled "cpu-test" now ("cpu" goes in a later release). For a model on the '
+                          "CPU, leave offload_device unset: the optimizer state is offloaded either way",
+                          DeprecationWarning, stacklevel=4)
         device = FakeDevice() if spec == "fake" else CpuDevice()
     elif isinstance(spec, str) and spec.startswith("cuda"):
         device = CudaDevice(next(iter(cuda)) if spec == "cuda" and len(cuda) == 1 else spec)
     else:
-        raise ValueError(f"offload_device must be a Device, 'cuda', 'cpu', 'fake' or None, got {spec!r}")
+        raise ValueError(f"offload_device must be None, 'cuda', 'cuda:k', a Device, or a test device ('fake', "
+                         f"'cpu-test'), got {spec!r}")
     device.check_params(params)
     return device
