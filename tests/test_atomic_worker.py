@@ -1,0 +1,172 @@
+"""test_atomic_worker.py: the every-step-is-atomic rule (docs/failures.md) for device parameters in the
+overlapped schedules, where the CPU worker thread (offload/step/backward.py, feedstep.py, worker.py,
+bucket.py) steps the buckets: the eager schedule (buckets stepped during backward, the default) and
+the deferred one (step_during_backward=False), on FakeDevice, with RAM and NVMe state, fp32 and 8-bit
+moments. A failure injected into one of the worker's stages (gradients to the host, the kernel, the
+write-back, the new weights up, the device copy), at its 1st or a later call, must surface as an
+exception (at the step, the next forward/backward or synchronize()); from then on step() and
+state_dict() raise OptimizerFailedError until the model's weights and the optimizer's state are
+reloaded from a checkpoint taken before, after which training is bitwise equal to an uninterrupted run.
+(The synchronous schedule, overlap=False, is tests/test_atomic_device.py.)"""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+from offload import testing
+from offload.device import FakeDevice
+from offload.step import bucket
+from atomic_util import assert_same, snapshot
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(60)]
+MODES = [(t, m) for t in ("ram", "nvme") for m in ("fp32", "8bit")]
+SCHEDULES = {"eager": {}, "deferred": dict(step_during_backward=False)}
+CKPT, MORE = 2, 2   # steps before the checkpoint, steps after it
+
+
+class Fault(Exception):
+    """The injected error."""
+
+
+def build(tier, moments, schedule, d):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 4))
+    kw = dict(SCHEDULES[schedule])
+    if moments != "fp32":
+        kw.update(moments=moments, moments_min_size=0)
+    if tier != "ram":
+        kw.update(state=tier, nvme_dir=d, host_budget=65536)
+    opt = offload.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, offload_device=FakeDevice(max_delay=0.001),
+                        bucket_mb=0.001, **kw)
+    return model, opt
+
+
+def one_step(model, opt, s):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(s))
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def train(model, opt, start, n):
+    for s in range(start, start + n):
+        one_step(model, opt, s)
+    opt.synchronize()
+
+
+_REF: dict = {}
+
+
+def reference(tier, moments, schedule, d):
+    key = (tier, moments, schedule)
+    if key not in _REF:
+        model, opt = build(tier, moments, schedule, d)
+        train(model, opt, 0, CKPT + MORE)
+        _REF[key] = snapshot(list(model.parameters()), opt)
+        opt.close()
+    return _REF[key]
+
+
+def _counting(real, count, nth):
+    def failing(*a, **k):
+        count[0] += 1
+        if count[0] == nth:
+            raise Fault("injected")
+        return real(*a, **k)
+    return failing
+
+
+def _kernel(opt, monkeypatch, nth):
+    """The native kernel call of offload/step/bucket.py:step_bucket (fp32: step_table; 8-bit: kernel_for(b))."""
+    count = [0]
+    monkeypatch.setattr(bucket, "step_table", _counting(bucket.step_table, count, nth))
+    real_for = bucket.kernel_for
+    monkeypatch.setattr(bucket, "kernel_for", lambda b: _counting(real_for(b), count, nth))
+    return count
+
+
+def _method(get, name):
+    def inject(opt, monkeypatch, nth):
+        obj, count = get(opt), [0]
+        monkeypatch.setattr(obj, name, _counting(getattr(obj, name), count, nth))
+        return count
+    return inject
+
+
+STAGES = {
+    "kernel": _kernel,
+    "side.arrive": _method(testing.side, "arrive"),
+    "side.publish": _method(testing.side, "publish"),
+    "tier.release": _method(testing.tier, "release"),
+    "device copy": _method(testing.device, "_copy"),
+}
+
+
+def _mentions_fault(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, Fault) or "injected" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+# The library breaks the rule in every case here (checked: resetting the feed by hand after the load,
+# all cases resume bitwise), at the resume only: strict xfail, raises=RuntimeError, so that a failure
+# of the earlier checks (not surfaced, later calls not refused) or a non-bitwise resume still fails.
+RESUME = pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "offload/step/backward.py:BackwardFeed._raise_if_failed: after a worker failure, opt.load_state_dict "
+    "clears only the tier's failure (offload/step/torchstate.py:load -> tier.recover()), never "
+    "BackwardFeed.error (nor its cycle state), so the first backward (eager: _on_grad -> _begin) or step() "
+    "(deferred: FeedStep.step -> _begin) after the reload raises RuntimeError('offload CPU worker failed: "
+    "Fault(injected)'): training cannot resume from the checkpoint"))
+
+
+def _cases():
+    """Every stage x schedule x nth; the four modes rotate so that each stage and schedule meets each
+    mode once (40 cases instead of 80, to keep the file under 15 s)."""
+    out = []
+    for s, st in enumerate(STAGES):
+        for sc in SCHEDULES:
+            for nth, j in [(1, 0), (1, 1), (3, 2), (3, 3)]:
+                t, m = MODES[(j + s) % len(MODES)]
+                out.append(pytest.param(st, sc, t, m, nth, marks=[RESUME], id=f"{st}-{sc}-{t}-{m}-nth{nth}"))
+    return out
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("stage,schedule,tier,moments,nth", CASES)
+def test_worker_failure(stage, schedule, tier, moments, nth, tmp_path, opts, monkeypatch):
+    ref = reference(tier, moments, schedule, tmp_path)
+    model, opt = build(tier, moments, schedule, tmp_path)
+    opts.append(opt)
+    train(model, opt, 0, CKPT)
+    weights, sd = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    count = STAGES[stage](opt, monkeypatch, nth)
+    raised = None
+    try:
+        for s in range(CKPT, CKPT + MORE):
+            one_step(model, opt, s)
+        opt.synchronize()
+    except Exception as e:   # the failure surfaces at the step, the next forward/backward or synchronize()
+        raised = e
+    monkeypatch.undo()
+    assert count[0] >= nth, f"{stage} was called {count[0]} times, fewer than {nth}"
+    assert raised is not None, f"the failure of {stage} (call {nth}) never surfaced"
+    assert _mentions_fault(raised), repr(raised)
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(offload.OptimizerFailedError):
+        opt.step()
+    with pytest.raises(offload.OptimizerFailedError):
+        opt.state_dict()
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        model.load_state_dict(weights)
+    opt.load_state_dict(sd)
+    train(model, opt, CKPT, MORE)
+    assert_same(snapshot(list(model.parameters()), opt), ref)
