@@ -114,17 +114,6 @@ def _mentions_fault(e: BaseException) -> bool:
     return False
 
 
-# The library breaks the rule in every case here (checked: resetting the feed by hand after the load,
-# all cases resume bitwise), at the resume only: strict xfail, raises=RuntimeError, so that a failure
-# of the earlier checks (not surfaced, later calls not refused) or a non-bitwise resume still fails.
-RESUME = pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "offload/step/backward.py:BackwardFeed._raise_if_failed: after a worker failure, opt.load_state_dict "
-    "clears only the tier's failure (offload/step/torchstate.py:load -> tier.recover()), never "
-    "BackwardFeed.error (nor its cycle state), so the first backward (eager: _on_grad -> _begin) or step() "
-    "(deferred: FeedStep.step -> _begin) after the reload raises RuntimeError('offload CPU worker failed: "
-    "Fault(injected)'): training cannot resume from the checkpoint"))
-
-
 def _cases():
     """Every stage x schedule x nth; the four modes rotate so that each stage and schedule meets each
     mode once (40 cases instead of 80, to keep the file under 15 s)."""
@@ -133,7 +122,7 @@ def _cases():
         for sc in SCHEDULES:
             for nth, j in [(1, 0), (1, 1), (3, 2), (3, 3)]:
                 t, m = MODES[(j + s) % len(MODES)]
-                out.append(pytest.param(st, sc, t, m, nth, marks=[RESUME], id=f"{st}-{sc}-{t}-{m}-nth{nth}"))
+                out.append(pytest.param(st, sc, t, m, nth, id=f"{st}-{sc}-{t}-{m}-nth{nth}"))
     return out
 
 

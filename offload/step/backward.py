@@ -302,6 +302,15 @@ class BackwardFeed(FeedStep):
             elif self.unsent.pop(key, None) is not None:
                 self.grads[gi][pc.param] = None
 
+    def recover(self) -> None:
+        """After a complete load_state_dict (which recovered the tier): a failed step's error goes, and the
+        next backward or step() starts a fresh cycle."""
+        if self.error is not None:
+            self.wait_idle()
+            self.error, self._reported = None, False
+            self.uploads.abandon()
+            self._reset()
+
     def _failed(self, e: BaseException, reported: bool = False) -> None:
         if self.error is None:
             self.error = e

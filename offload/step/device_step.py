@@ -359,6 +359,8 @@ class DeviceStep:
         changes nothing. Not at load time: the parameters may be loaded after the optimizer."""
         if self.feed is not None:
             self.feed.extend()   # add_param_group: hooks and buckets of the new group
+            if loaded:
+                self.feed.recover()   # a worker failure is cleared by the load, as the tier's is
         if self.small:
             self.small.load()
         self._versions = {} if loaded else self._snapshot()   # {}: every parameter counts as changed
