@@ -29,7 +29,8 @@ import torch
 from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from ._dist import is_dtensor
+from ._dist import is_dtensor, local
+from .guards import SharedMemoryError, extent
 
 __all__ = ["FALLBACK_DTYPES", "RAM_WARN_BYTES", "elsewhere", "reason", "Router", "check", "step", "grad_sumsq", "cast_state",
            "engine_index"]
@@ -162,35 +163,32 @@ class Router:
         return id(p) in self._ids
 
 
-def _span(t: torch.Tensor) -> tuple:
-    """The bytes [start, end) a tensor's elements lie in (strides are never negative in torch)."""
-    if t.numel() == 0:
-        return (0, 0)
-    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    return (t.data_ptr(), t.data_ptr() + extent * t.element_size())
-
-
 def _refuse_shared_memory(groups: list, native: list, fallback: list) -> None:
     """A parameter stepped by torch's code that shares memory with one the native kernel steps would be
     updated in another order than torch's (each parameter in turn): refused by name."""
     spans: dict = {}
     for gi, (g, ns) in enumerate(zip(groups, native)):
         for p in (g["params"] if ns is None else ns):
-            lp = p.to_local() if is_dtensor(p) else p
-            spans.setdefault(lp.untyped_storage().data_ptr(), []).append((_span(lp), gi, p))
+            lp = local(p)
+            spans.setdefault(lp.untyped_storage().data_ptr(), []).append((_bytes(lp), gi, p))
     for gi, (g, fs) in enumerate(zip(groups, fallback)):
         for q in fs:
-            lq = q.to_local() if is_dtensor(q) else q
-            c, d = _span(lq)
+            lq = local(q)
+            c, d = _bytes(lq)
             for (a, b), gj, p in spans.get(lq.untyped_storage().data_ptr(), ()):
                 if a < d and c < b:
                     i = next(k for k, x in enumerate(g["params"]) if x is q)
                     j = next(k for k, x in enumerate(groups[gj]["params"]) if x is p)
-                    raise RuntimeError(
+                    raise SharedMemoryError(
                         f"parameter {i} of group {gi} ({reason(q) or 'listed more than once'}: stepped by torch's "
                         f"code) shares memory with parameter {j} of group {gj} (stepped by offload's kernel): "
                         "the two would not be updated in torch's order. Register one tensor for that memory, or "
                         "make the other one a contiguous float32/bfloat16/float16 tensor of its own")
+
+
+def _bytes(t: torch.Tensor) -> tuple:
+    """The bytes [start, end) a tensor's elements lie in (guards.extent); (0, 0) when empty."""
+    return (t.data_ptr(), t.data_ptr() + extent(t)) if t.numel() else (0, 0)
 
 
 def _init_state(p: torch.Tensor, amsgrad: bool) -> dict:

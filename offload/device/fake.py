@@ -101,8 +101,9 @@ class FakeDevice(Device):
     """CPU tensors driven as if they lived on a GPU, with hazard detection (see module docstring).
 
     ``max_delay`` (seconds): each copy sleeps a uniform random time in [0, max_delay] before it
-    runs, on its stream's thread. ``compute_lag``: events from ``record()`` complete that much later. ``seed`` makes the delays reproducible. ``poison=False`` turns
-    off destination poisoning, ``check=False`` the source snapshots (benchmarks use both off).
+    runs, on its stream's thread. ``compute_lag``: events from ``record()`` complete that much later.
+    ``seed`` makes the delays reproducible. ``poison=False`` turns off destination poisoning,
+    ``check=False`` the source snapshots (benchmarks use both off).
     """
 
     name = "fake"

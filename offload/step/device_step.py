@@ -44,8 +44,6 @@ def _mark(p) -> tuple:
     return (lp._version, lp.data_ptr())
 
 
-
-
 class DeviceStep:
     def __init__(self, opt, engine, device, *, bucket_mb: float = 32.0, overlap: bool = True,
                  step_during_backward=None, max_grad_norm=None, check_overflow: bool = False,
@@ -213,8 +211,9 @@ class DeviceStep:
 
     def _step(self, t0: float, mult: float) -> None:
         opt = self.opt
-        for gi in range(len(opt.param_groups)):   # every group's hyperparameters before anything moves
-            opt.group_hyper(gi)                    # (the small parameters are stepped first)
+        if self.small:   # they are stepped first: every group's hyperparameters are checked before that
+            for gi in range(len(opt.param_groups)):
+                opt.group_hyper(gi)
         gs = getattr(opt, "grad_scale", None)
         found_inf = getattr(opt, "found_inf", None)
         if gs is not None:

@@ -40,7 +40,7 @@ class FeedStep:
             self.uploads.claim(module, claimed)
             for owner in owners:
                 self.uploads.note(owner)
-        self.seen = self.forward.order(lambda p: self.buckets_of.get(self.key_of.get(id(p)), ()), claims)
+        self.seen = self.forward.order(claims, lambda p: self.buckets_of.get(self.key_of.get(id(p)), ()))
 
     def forward_order(self) -> list:
         """Buckets in first-use order (observed in the first forward), the rest in layout order."""

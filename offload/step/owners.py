@@ -19,7 +19,7 @@ that subtree (e.g. a weight read by a sibling that runs first). docs/gpu.md says
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Iterable, List, Tuple
+from typing import Callable, Iterable, List
 
 __all__ = ["ForwardObserver"]
 
@@ -40,7 +40,7 @@ class ForwardObserver:
     def modules(self) -> list:
         return [m for m in (r() for r in self._ran) if m is not None]
 
-    def claims(self) -> List[Tuple[object, list, list]]:
+    def claims(self) -> List[tuple]:
         """Per module that ran, in run order: (module, its own parameters, the parameters it claims
         from submodules that never ran, and those submodules (their owners))."""
         ran = self.modules()
@@ -62,11 +62,13 @@ class ForwardObserver:
             out.append((m, own, claimed, owners))
         return out
 
-    def order(self, buckets_of: Callable[[object], Iterable[int]], claims=None) -> list:
-        """Buckets in first-use order: each module's own buckets, then those it claims."""
+    @staticmethod
+    def order(claims: list, buckets_of: Callable[[object], Iterable[int]]) -> list:
+        """Buckets in first-use order (``claims`` from :meth:`claims`): each module's own buckets, then
+        those it claims."""
         seen: list = []
         known: set = set()
-        for _, own, claimed, _ in (self.claims() if claims is None else claims):
+        for _, own, claimed, _ in claims:
             for p in own + claimed:
                 for bi in buckets_of(p):
                     if bi not in known:

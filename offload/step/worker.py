@@ -1,5 +1,5 @@
 """step/worker.py: the CPU worker thread's loop, its shutdown, and the check that a gradient it copies
-was not written meanwhile; the worker's per-bucket work is BackwardFeed._work (step/backward.py)."""
+was not written meanwhile; the worker's per-bucket work is BackwardFeed.work (step/backward.py)."""
 from __future__ import annotations
 
 import threading
