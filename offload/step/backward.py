@@ -135,13 +135,6 @@ class BackwardFeed(FeedStep):
         self.ahead = None            # set by the worker when a step finished: the next step's expected order
 
     # ------------------------------------------------------------------ backward (training / autograd thread)
-    def _raise_if_failed(self) -> None:
-        if self.error is not None:
-            err = self.error
-            self._reported = True
-            self.tier.check_usable()   # StoreFailedError naming the first failure
-            raise RuntimeError(f"offload CPU worker failed: {err!r}") from err
-
     def _begin(self) -> None:
         self._raise_if_failed()
         self.wait_idle()

@@ -136,6 +136,13 @@ class FeedStep:
                    pipeline_s=time.perf_counter() - (rec["t_step"] if first is None else min(first, rec["t_step"])),
                    done=True)
 
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            err = self.error
+            self._reported = True
+            self.tier.check_usable()   # StoreFailedError naming the first failure
+            raise RuntimeError(f"offload CPU worker failed: {err!r}") from err
+
     def _unwritten(self, bi: int) -> None:
         """Before the compute stream waits for bucket bi's upload (UploadWaits): a parameter of it
         written in place or re-pointed since step() was written before that wait, so the upload may
