@@ -50,11 +50,12 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
                  state: Optional[str] = None, nvme_dir=None, host_budget="2GiB", keep_files: bool = False,
                  nvme_options: Optional[dict] = None, offload_device=None, moments: str = "fp32",
                  moments_min_size: int = 4096, bucket_mb=None, overlap=None, step_during_backward=None,
-                 max_grad_norm=None, check_overflow=None, release_grads=None, trace=None, small_param_numel=None):
+                 max_grad_norm=None, check_overflow=None, release_grads=None, trace=None, small_param_numel=None,
+                 delay_updates=None):
         gpu_options = given_gpu_options(
             bucket_mb=bucket_mb, overlap=overlap, step_during_backward=step_during_backward,
             max_grad_norm=max_grad_norm, check_overflow=check_overflow, release_grads=release_grads, trace=trace,
-            small_param_numel=small_param_numel)
+            small_param_numel=small_param_numel, delay_updates=delay_updates)
         state = resolve_state(state, nvme_dir)
         if isinstance(lr, torch.Tensor) and foreach and not capturable:
             raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
@@ -382,7 +383,7 @@ class Adam(_AdamBase):
                  decoupled_weight_decay=False, threads=None, state=None, nvme_dir=None, host_budget="2GiB",
                  keep_files=False, nvme_options=None, offload_device=None, moments="fp32", moments_min_size=4096,
                  bucket_mb=None, overlap=None, step_during_backward=None, max_grad_norm=None, check_overflow=None,
-                 release_grads=None, trace=None, small_param_numel=None):
+                 release_grads=None, trace=None, small_param_numel=None, delay_updates=None):
         super().__init__(**_forward(locals()))
 
 
@@ -396,5 +397,5 @@ class AdamW(_AdamBase):
                  state=None, nvme_dir=None, host_budget="2GiB", keep_files=False, nvme_options=None,
                  offload_device=None, moments="fp32", moments_min_size=4096, bucket_mb=None, overlap=None,
                  step_during_backward=None, max_grad_norm=None, check_overflow=None, release_grads=None,
-                 trace=None, small_param_numel=None):
+                 trace=None, small_param_numel=None, delay_updates=None):
         super().__init__(decoupled_weight_decay=True, **_forward(locals()))

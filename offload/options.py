@@ -9,7 +9,7 @@ from typing import Optional
 __all__ = ["OPTIONS_DOC", "GPU_OPTION_NAMES", "given_gpu_options", "resolve_state"]
 
 GPU_OPTION_NAMES = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm", "check_overflow",
-                    "release_grads", "trace", "small_param_numel")
+                    "release_grads", "trace", "small_param_numel", "delay_updates")
 
 OPTIONS_DOC = """
     offload's own keyword arguments (after torch's):
@@ -41,6 +41,8 @@ OPTIONS_DOC = """
     release_grads: set ``p.grad = None`` as soon as a gradient is handed to the CPU step.
     trace: record a timeline for ``export_chrome_trace(path)``.
     small_param_numel: parameters of at most this many elements stay on the GPU, stepped by torch.
+    delay_updates: 0 (exact, default) or 1: the CPU step of each iteration runs during the next
+        forward and backward, which see the weights before it (one step of staleness; docs/gpu.md).
 """
 
 

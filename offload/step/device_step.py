@@ -9,11 +9,11 @@
     clipping coefficient) or the skip from the gradients' norms, then queues every bucket to the
     same worker (D2H -> kernel -> H2D through the staging ring) and returns;
   * ``overlap=False``: all of it inside ``step()`` (step/pipeline.py), which then synchronizes.
-In both overlapped schedules the next forward waits per bucket for the new weights (step/uploads.py).
+In both overlapped schedules the next forward waits per bucket for the new weights (step/uploads.py);
+with ``delay_updates=1`` (deferred) for those of the step before (step/delayed.py).
 Parameters of at most ``small_param_numel`` elements stay on the device, stepped by torch there
-(offload/smallparams.py); they reserve nothing in the tier. Host memory: the tier + the pinned
-staging ring. This face is the only part that reads the optimizer (its groups, pending clip
-coefficient and GradScaler attributes).
+(offload/smallparams.py; nothing in the tier). Host memory: the tier + the pinned staging ring.
+This face is the only part that reads the optimizer (groups, clip coefficient, GradScaler attributes).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from .._kernels import affinity_cpus
 from ..params.fingerprint import fingerprints
 from ..smallparams import DeviceSideAdam
 from ..telemetry import Trace
+from .delayed import DelayedUpdates, prepare
 from .uploads import compiled_code_in_use
 
 __all__ = ["DeviceStep"]
@@ -47,11 +48,12 @@ def _mark(p) -> tuple:
 class DeviceStep:
     def __init__(self, opt, engine, device, *, bucket_mb: float = 32.0, overlap: bool = True,
                  step_during_backward=None, max_grad_norm=None, check_overflow: bool = False,
-                 release_grads: bool = False, trace: bool = False, small_param_numel: int = 0):
+                 release_grads: bool = False, trace: bool = False, small_param_numel: int = 0, delay_updates=0):
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise ValueError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
         if max_grad_norm is not None and not (float(max_grad_norm) > 0):
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        delay, step_during_backward = prepare(delay_updates, overlap, step_during_backward, small_param_numel, engine)
         if step_during_backward and (max_grad_norm is not None or check_overflow):
             raise ValueError("step_during_backward=True cannot be combined with max_grad_norm or check_overflow: "
                              "both need every gradient before any bucket may be stepped")
@@ -79,6 +81,7 @@ class DeviceStep:
             from .backward import BackwardFeed
             self.feed = BackwardFeed(self, engine, device, eager=self.eager, release_grads=release_grads,
                                      trace=self.trace)
+        self.delayed = DelayedUpdates(self.feed, engine.side, device) if delay else None
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.check_overflow = bool(check_overflow)
         self.owns_device = False
@@ -233,7 +236,8 @@ class DeviceStep:
                 if coef < 1.0:
                     mult *= coef
         if self.feed is not None:
-            return self._queued(t0, self.feed.step(mult, gs, found_inf, skip=skip, before=self._small_step(mult)), mult)
+            step = self.feed.step if self.delayed is None else self.delayed.wrap(self.feed.step)
+            return self._queued(t0, step(mult, gs, found_inf, skip=skip, before=self._small_step(mult)), mult)
         if not math.isfinite(mult) and not skip:
             raise ValueError(f"grad_multiplier must be finite, got {mult}")
         for gi, i in self.engine.excluded:   # small parameters: stepped on the device
@@ -330,7 +334,7 @@ class DeviceStep:
     # ------------------------------------------------------------------ the rest of the GPU face
     def synchronize(self) -> None:
         if self.feed is not None:
-            self.feed.synchronize()
+            (self.delayed or self.feed).synchronize()   # delay_updates: completes the pending update
         self.engine.side.synchronize()
         self._take_prints()   # the weights are final until our next upload: see _written
 
@@ -344,7 +348,7 @@ class DeviceStep:
         what the user wrote into parameters since the last step adopted (masters follow), since
         load_state() below starts the write tracking afresh."""
         if self.feed is not None:
-            self.feed.synchronize()
+            (self.delayed or self.feed).synchronize()
         self.engine.side.synchronize()
         self.reload_changed()
         self._take_prints()   # (consumed above) a write after a failed add_param_group is still seen
@@ -359,7 +363,7 @@ class DeviceStep:
         if self.feed is not None:
             self.feed.extend()   # add_param_group: hooks and buckets of the new group
             if loaded:
-                self.feed.recover()   # a worker failure is cleared by the load, as the tier's is
+                (self.delayed or self.feed).recover()   # a worker failure is cleared by the load, as the tier's is
         if self.small:
             self.small.load()
         self._versions = {} if loaded else self._snapshot()   # {}: every parameter counts as changed

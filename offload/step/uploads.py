@@ -70,6 +70,7 @@ class UploadWaits:
         self._handle = None
         self._sd_hooks = weakref.WeakKeyDictionary()   # module -> its state_dict pre-hook (see note)
         self._claimed = weakref.WeakKeyDictionary()    # module -> ids of parameters it reads but does not own
+        self.before_read: Optional[Callable[[], None]] = None   # delay_updates: completes the pending update
 
     def start(self, seq: list) -> None:
         """The uploads of a step, in issue order (those of earlier steps were all waited for)."""
@@ -104,7 +105,10 @@ class UploadWaits:
             self._claimed[module] = tuple(id(p) for p in params)
 
     def before_state_dict(self, module, *args) -> None:
-        """(state_dict / load_state_dict pre-hook) the module's parameters' uploads first."""
+        """(state_dict / load_state_dict pre-hook) the module's parameters' uploads first (with
+        delay_updates, the pending update too: step/delayed.py)."""
+        if self.before_read is not None:
+            self.before_read()
         if self.pending:
             self.before_forward(module)
 

@@ -1,0 +1,180 @@
+"""step/delayed.py: the delayed update of device parameters (``delay_updates=1``): one step of staleness.
+
+``step()`` of iteration t queues its CPU step (D2H of the gradients, the kernel, the NVMe traffic) as
+the *pending update* and returns; that CPU step runs while the forward and backward of iteration t+1
+run on the weights without it. The kernel writes each bucket's new weights into a host buffer of
+that bucket (``HeldParams``) instead of uploading them. ``step()`` of iteration t+1 first waits for
+the pending CPU step, then uploads its weights (after t+1's backward on the compute stream), queues
+its own CPU step and returns; the next forward waits bucket by bucket for those uploads, as in the
+exact schedule (step/uploads.py). So with w_t the master weights after update t:
+
+    w_t = AdamW(w_{t-1}, g_t),   g_t computed on w_{t-2}   (w_{-1} = w_0)
+
+Anything that needs the current weights completes the pending update first (``DelayedUpdates.
+synchronize``: ``opt.synchronize()``, ``state_dict()``, ``offload.save``, ``close()``, ``add_param_group``,
+and a module's ``state_dict()`` / ``load_state_dict()``); the forward after that sees it. A skipped
+step (overflow) completes the pending update and queues none. The device schedule (step/device_step.py)
+uses this module through ``prepare`` and ``DelayedUpdates``; the worker (step/backward.py) does not
+know about it: to it, ``publish`` is an upload that needs no wait.
+Costs: host memory for one copy of the parameters in their dtype (pinned on CUDA), and staleness.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .._dist import is_dtensor, local, multi_rank
+from ..params.device import DeviceParams
+from .hooks import weak_hook
+from .uploads import Upload
+
+__all__ = ["DelayedUpdates", "HeldParams", "prepare"]
+
+
+def prepare(delay_updates, overlap: bool, step_during_backward, small_param_numel, engine) -> tuple:
+    """Validate ``delay_updates`` against the other options (nothing changes on error); with a delay,
+    the engine's parameter side becomes a ``HeldParams``. Returns (0 (exact) or 1, step_during_backward:
+    False with a delay, which steps the buckets after backward)."""
+    if isinstance(delay_updates, bool):
+        delay_updates = int(delay_updates)
+    if not isinstance(delay_updates, int) or delay_updates not in (0, 1):
+        raise ValueError(f"delay_updates must be 0 (exact) or 1 (one step of delay), got {delay_updates!r}")
+    if not delay_updates:
+        return 0, step_during_backward
+    if not overlap:
+        raise ValueError("delay_updates=1 cannot be combined with overlap=False (which runs the whole step inside "
+                         "step()): leave overlap at its default")
+    if step_during_backward:
+        raise ValueError("delay_updates=1 steps the buckets after backward, during the next forward and backward; "
+                         "it cannot be combined with step_during_backward=True (use one or the other)")
+    if small_param_numel:
+        raise ValueError("delay_updates=1 cannot be combined with small_param_numel (those parameters would be "
+                         "updated at once, the others one step later): leave small_param_numel unset")
+    if multi_rank() or any(is_dtensor(p) for ps in engine.groups for p in ps):
+        raise ValueError("delay_updates=1 is not supported with several torch.distributed ranks or DTensor (FSDP2) "
+                         "parameters: use delay_updates=0 (the exact schedule)")
+    old = engine.side
+    engine.side = HeldParams(old.groups, old.device, old.nslots)
+    engine.side.allocate(engine.layout)
+    old.close()
+    return 1, False
+
+
+class HeldParams(DeviceParams):
+    """DeviceParams whose new weights wait in one host buffer per bucket until ``release``."""
+
+    def __init__(self, groups, device, slots: int = 2):
+        super().__init__(groups, device, slots)
+        self.bufs: dict = {}      # bucket index -> host buffer of its weights (its staging layout)
+        self.held: dict = {}      # bucket index -> (bucket, pieces) stepped and not uploaded yet
+        self.reading: dict = {}   # bucket index -> event of the upload still reading its buffer
+
+    def allocate(self, layout) -> None:
+        super().allocate(layout)
+        for b in layout.buckets:
+            if b.index not in self.bufs:
+                self.bufs[b.index] = self.device.host_empty(max(64, b.stage_bytes), torch.uint8)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return super().pinned_bytes + sum(buf.numel() for buf in self.bufs.values())
+
+    def ptrs(self, b, pieces, staged) -> list:
+        """The kernel's pointers, its output redirected to the bucket's own buffer (once the last
+        upload from that buffer has read it)."""
+        rows = super().ptrs(b, pieces, staged)
+        ev = self.reading.pop(b.index, None)
+        if ev is not None:
+            ev.synchronize()
+        base = self.bufs[b.index].data_ptr()
+        return [(r[0], r[1], r[2], base + pc.boff, r[4]) for r, pc in zip(rows, pieces)]
+
+    def publish(self, b, pieces, staged, after=None):
+        """Nothing goes up now: the bucket's weights are held until ``release``."""
+        self.held[b.index] = (b, list(pieces))
+        return None
+
+    def release(self, after, order) -> list:
+        """Upload every held bucket (after ``after``, the compute stream's event), in ``order`` first;
+        returns their ``Upload`` records for the next forward's waits."""
+        held, self.held = self.held, {}
+        ups = []
+        first = [bi for bi in order if bi in held]
+        for bi in first + sorted(set(held) - set(first)):
+            b, pieces = held[bi]
+            params, buf = self.groups[b.group], self.bufs[bi]
+            pairs = []
+            for pc in pieces:   # through .data: our own write must not look like a user's (version counter)
+                p = local(params[pc.param])
+                pairs.append((p.data.reshape(-1)[pc.start:pc.start + pc.n], self._piece(buf, pc, p.dtype)))
+            self.publishes += 1
+            ev = self.device.copy_to_device(pairs, after)
+            self.reading[bi] = self._last_up = ev
+            with self._events_lock:
+                self._events.append(("h2d", ev))
+            self.stats["h2d_bytes"] += sum(d.numel() * d.element_size() for d, _ in pairs)
+            up = Upload(bi)
+            up.ev = ev
+            up.issued.set()
+            ups.append(up)
+        return ups
+
+    def discard(self) -> None:
+        """A load replaced the state: the held weights are not the loaded ones."""
+        self.held = {}
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        self.reading = {}
+
+
+class DelayedUpdates:
+    """The pending update of the device schedule: ``step`` releases the previous one and queues the
+    next; ``synchronize`` completes it (the device weights are then the master weights)."""
+
+    def __init__(self, feed, side: HeldParams, device):
+        self.feed, self.side, self.device = feed, side, device
+        self.pending = False   # a step() queued since the last synchronize
+        feed.uploads.before_read = weak_hook(self, "before_read")   # a module's state_dict / load_state_dict
+
+    def step(self, run: Callable[[], dict]) -> dict:
+        """``run`` queues this step's CPU step (the feed's step()); before it, the pending one is
+        waited for and its weights go up after this backward; the next forward waits for those."""
+        self.feed.synchronize()   # the pending CPU step: it ran during this forward and backward
+        ups = self._release()
+        try:
+            rec = run()
+            self.pending = True
+            return rec
+        finally:
+            self.feed.uploads.start(ups)
+
+    def wrap(self, feed_step: Callable[..., dict]) -> Callable[..., dict]:
+        """The feed's step() (step/feedstep.py) as ``step`` runs it."""
+        return lambda *args, **kw: self.step(lambda: feed_step(*args, **kw))
+
+    def _release(self) -> list:
+        if not self.side.held:
+            return []
+        return self.side.release(self.device.record(), self.feed.forward_order())
+
+    def synchronize(self) -> None:
+        """Complete the pending update: its CPU step done, its weights on the device."""
+        self.feed.synchronize()
+        self.pending = False
+        ups = self._release()
+        if ups:
+            self.feed.uploads.start(ups)
+            self.feed.uploads.wait_all()
+
+    def before_read(self) -> None:
+        """(a module's state_dict / load_state_dict pre-hook) complete the pending update, if any."""
+        if self.pending:
+            self.synchronize()
+
+    def recover(self) -> None:
+        """A load replaced the state (and cleared a worker failure): nothing is pending any more."""
+        self.side.discard()
+        self.pending = False
+        self.feed.recover()
