@@ -52,8 +52,7 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
                  moments_min_size: int = 4096, bucket_mb=None, overlap=None, step_during_backward=None,
                  max_grad_norm=None, check_overflow=None, release_grads=None, trace=None, small_param_numel=None,
                  delay_updates=None):
-        gpu_options = given_gpu_options(
-            bucket_mb=bucket_mb, overlap=overlap, step_during_backward=step_during_backward,
+        gpu_options = given_gpu_options(bucket_mb=bucket_mb, overlap=overlap, step_during_backward=step_during_backward,
             max_grad_norm=max_grad_norm, check_overflow=check_overflow, release_grads=release_grads, trace=trace,
             small_param_numel=small_param_numel, delay_updates=delay_updates)
         state = resolve_state(state, nvme_dir)
