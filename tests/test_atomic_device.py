@@ -28,7 +28,8 @@ def build(tier, moments, d, **kw):
     if tier != "ram":
         kw.update(state=tier, nvme_dir=d, host_budget=65536)
     groups = [{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.1}]
-    return ps, offload.AdamW(groups, lr=0.01, offload_device=CpuDevice(), overlap=False, bucket_mb=0.002, **kw)
+    kw = dict(dict(overlap=False, bucket_mb=0.002), **kw)
+    return ps, offload.AdamW(groups, lr=0.01, offload_device=CpuDevice(), **kw)
 
 
 _REF: dict = {}
@@ -132,3 +133,25 @@ def test_small_device_parameters_not_stepped_by_a_step_that_raises(tmp_path, opt
     with pytest.raises(ValueError, match="learning rate"):
         opt.step()
     assert_same(snapshot(ps, opt), before)
+
+
+@pytest.mark.parametrize("schedule", [dict(), dict(overlap=True, step_during_backward=False)])
+def test_a_failed_optimizer_steps_nothing(schedule, tmp_path, opts, monkeypatch):
+    # every later step() raises OptimizerFailedError before anything else: before validating (a bad
+    # lr is not what it reports) and before stepping the small parameters torch steps on the device
+    ps, opt = build("ram", "fp32", tmp_path, small_param_numel=60, **schedule)   # parameter 1: on the device
+    opts.append(opt)
+    train(ps, opt, 0, 2)
+    monkeypatch.setattr(testing.side(opt), "publish", lambda *a, **k: (_ for _ in ()).throw(Fault("injected")))
+    grads(ps, 2)
+    with pytest.raises((Fault, offload.OptimizerFailedError), match="injected"):
+        opt.step()
+        opt.synchronize()
+    monkeypatch.undo()
+    grads(ps, 3)
+    weights = [p.detach().clone() for p in ps]
+    for lr in (float("nan"), 0.01):
+        opt.param_groups[0]["lr"] = lr
+        with pytest.raises(offload.OptimizerFailedError, match="injected.*load the last checkpoint"):
+            opt.step()
+        assert all(torch.equal(p, w) for p, w in zip(ps, weights))

@@ -1,13 +1,15 @@
 """test_atomic_worker.py: the every-step-is-atomic rule (docs/failures.md) for device parameters in the
 overlapped schedules, where the CPU worker thread (offload/step/backward.py, feedstep.py, worker.py,
 bucket.py) steps the buckets: the eager schedule (buckets stepped during backward, the default) and
-the deferred one (step_during_backward=False), on FakeDevice, with RAM and NVMe state, fp32 and 8-bit
-moments. A failure injected into one of the worker's stages (gradients to the host, the kernel, the
-write-back, the new weights up, the device copy), at its 1st or a later call, must surface as an
-exception (at the step, the next forward/backward or synchronize()); from then on step() and
-state_dict() raise OptimizerFailedError until the model's weights and the optimizer's state are
-reloaded from a checkpoint taken before, after which training is bitwise equal to an uninterrupted run.
-(The synchronous schedule, overlap=False, is tests/test_atomic_device.py.)"""
+the deferred one (step_during_backward=False), on FakeDevice, with RAM and NVMe state, fp32 and
+8-bit moments. A failure injected into one of the worker's stages (gradients to the host,
+the kernel, the write-back, the new weights up, the device copy), at its 1st or a later call, must
+surface as an exception (at the step, the next forward/backward or synchronize()). Right after it
+the model's weights load from a checkpoint taken before (no upload lands on them later); step(),
+state_dict(), add_param_group() and, in the eager schedule, backward raise OptimizerFailedError,
+every time, while zero_grad() and synchronize() work; after the optimizer's state is loaded too,
+training is bitwise equal to an uninterrupted run. (The synchronous schedule, overlap=False, is
+tests/test_atomic_device.py.)"""
 import copy
 
 import pytest
@@ -148,14 +150,34 @@ def test_worker_failure(stage, schedule, tier, moments, nth, tmp_path, opts, mon
     assert count[0] >= nth, f"{stage} was called {count[0]} times, fewer than {nth}"
     assert raised is not None, f"the failure of {stage} (call {nth}) never surfaced"
     assert _mentions_fault(raised), repr(raised)
-    model.zero_grad(set_to_none=True)
-    with pytest.raises(offload.OptimizerFailedError):
-        opt.step()
-    with pytest.raises(offload.OptimizerFailedError):
-        opt.state_dict()
+    # recovery starts with the model's weights, right after the failure surfaced (no other call first):
+    # nothing uploaded later may overwrite them
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
         model.load_state_dict(weights)
+    _every_call_refused(model, opt, schedule)
     opt.load_state_dict(sd)
     train(model, opt, CKPT, MORE)
     assert_same(snapshot(list(model.parameters()), opt), ref)
+
+
+def _every_call_refused(model, opt, schedule):
+    """Until a load: each call that steps or reads the state raises OptimizerFailedError (a backward
+    too where buckets are stepped during it), every time; zero_grad and synchronize, which recovery
+    may need, work; a forward and a backward that hand nothing to the optimizer work."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(99))
+    for _ in range(2):
+        if schedule == "eager":
+            with pytest.raises(offload.OptimizerFailedError, match="load the last checkpoint"):
+                model(x).square().mean().backward()
+        else:
+            model(x).square().mean().backward()
+        with pytest.raises(offload.OptimizerFailedError, match="load the last checkpoint"):
+            opt.step()
+        with pytest.raises(offload.OptimizerFailedError):
+            opt.state_dict()
+        with pytest.raises(offload.OptimizerFailedError):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+        opt.synchronize()
+        opt.zero_grad(set_to_none=False)
+        opt.zero_grad()

@@ -163,6 +163,7 @@ class BackwardFeed(FeedStep):
             return
         if not self.in_cycle:
             self._begin()
+        self._raise_if_failed()   # (failed in this cycle: StoreFailedError, not the 'second backward' below)
         key = (gi, i)
         if key not in self.buckets_of:
             return   # no state laid out (frozen at construction, or empty): step() handles it

@@ -206,11 +206,11 @@ class DeviceStep:
 
     def step(self, grad_multiplier: Optional[float]) -> None:
         t0 = time.perf_counter()
+        (self.feed or self.engine.tier).check_usable()   # failed: refused before any check, any small parameter
         opt = self.opt
         mult = opt.pending_clip_coefficient() * (1.0 if grad_multiplier is None else float(grad_multiplier))
         self._step(t0, mult)
-        opt.set_clip_coefficient(1.0, [])   # a step that happened or was skipped used the clip coefficient up;
-        # one that raised keeps it (nothing changed)
+        opt.set_clip_coefficient(1.0, [])   # used up by a step that ran or was skipped; one that raised keeps it
 
     def _step(self, t0: float, mult: float) -> None:
         opt = self.opt

@@ -114,6 +114,8 @@ class FeedStep:
             self.in_cycle = False
             self._race_reported = set()
             self.uploads.start(self.ups)   # forward waits bucket by bucket
+            if self.error is not None and self._reported:
+                self._give_up_uploads()   # (this step raised the failure)
             self._q.put(("nudge",))   # read ahead the next step's first buckets during forward
         return rec
 
@@ -137,11 +139,27 @@ class FeedStep:
                    done=True)
 
     def _raise_if_failed(self) -> None:
+        """Report the worker's failure: StoreFailedError naming it, every time until a load. The first
+        report gives up the uploads (_give_up_uploads), so that no forward or model.load_state_dict
+        waits for them again (and raises again) and none lands after the user restored the weights."""
         if self.error is not None:
-            err = self.error
+            if not self._reported or self.uploads.pending:
+                self._give_up_uploads()
             self._reported = True
-            self.tier.check_usable()   # StoreFailedError naming the first failure
-            raise RuntimeError(f"offload CPU worker failed: {err!r}") from err
+            self.tier.fail(self.error)   # (kept if the tier has its own first failure)
+            self.tier.check_usable()     # StoreFailedError naming the first failure
+
+    def check_usable(self) -> None:
+        """StoreFailedError if the worker or the tier failed (a step failed part-way) and no state was
+        loaded since."""
+        self._raise_if_failed()
+        self.tier.check_usable()
+
+    def _give_up_uploads(self) -> None:
+        """The worker failed: it finishes what is queued (it steps and uploads nothing more), the compute
+        stream waits for the uploads it issued before the failure, and none is waited for again."""
+        self.wait_idle()
+        self.uploads.abandon()
 
     def _unwritten(self, bi: int) -> None:
         """Before the compute stream waits for bucket bi's upload (UploadWaits): a parameter of it

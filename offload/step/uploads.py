@@ -162,7 +162,15 @@ class UploadWaits:
             self.wait_upto(len(self.seq) - 1)
 
     def abandon(self) -> None:
-        """The worker failed (reported): nothing more will be uploaded."""
+        """The worker failed (reported) and is idle: nothing more will be uploaded. The compute stream
+        still waits for the uploads issued before the failure, so that none lands after a later write
+        (the user restoring the weights); an upload that failed itself is part of the failure reported."""
+        for u in self.seq[self.next:]:
+            if u.issued.is_set() and u.ev is not None:
+                try:
+                    self.device.wait(u.ev)
+                except Exception:   # (its error is the one reported)
+                    pass
         self.next = len(self.seq)
         self.remove_hook()
 
