@@ -13,7 +13,7 @@ from offload.device import CpuDevice
 from atomic_util import assert_same, grads, snapshot, train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-MODES = [(t, m) for t in ("ram", "nvme") for m in ("fp32", "8bit")]
+MODES = [(t, m) for t in ("ram", "nvme", "mmap") for m in ("fp32", "bf16", "8bit")]
 
 
 class Fault(Exception):

@@ -1,8 +1,8 @@
 """test_atomic_worker.py: the every-step-is-atomic rule (docs/failures.md) for device parameters in the
 overlapped schedules, where the CPU worker thread (offload/step/backward.py, feedstep.py, worker.py,
 bucket.py) steps the buckets: the eager schedule (buckets stepped during backward, the default) and
-the deferred one (step_during_backward=False), on FakeDevice, with RAM and NVMe state, fp32 and
-8-bit moments. A failure injected into one of the worker's stages (gradients to the host,
+the deferred one (step_during_backward=False), on FakeDevice, with RAM, NVMe and mmap state, fp32,
+bf16 and 8-bit moments. A failure injected into one of the worker's stages (gradients to the host,
 the kernel, the write-back, the new weights up, the device copy), at its 1st or a later call, must
 surface as an exception (at the step, the next forward/backward or synchronize()). Right after it
 the model's weights load from a checkpoint taken before (no upload lands on them later); step(),
@@ -23,7 +23,7 @@ from offload.step import bucket
 from atomic_util import assert_same, snapshot
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(60)]
-MODES = [(t, m) for t in ("ram", "nvme") for m in ("fp32", "8bit")]
+MODES = [(t, m) for t in ("ram", "nvme", "mmap") for m in ("fp32", "bf16", "8bit")]
 SCHEDULES = {"eager": {}, "deferred": dict(step_during_backward=False)}
 CKPT, MORE = 2, 2   # steps before the checkpoint, steps after it
 
@@ -117,13 +117,14 @@ def _mentions_fault(e: BaseException) -> bool:
 
 
 def _cases():
-    """Every stage x schedule x nth; the four modes rotate so that each stage and schedule meets each
-    mode once (40 cases instead of 80, to keep the file under 15 s)."""
+    """Every stage x schedule x nth, twice; the nine modes rotate through these 40 slots, so that each
+    stage meets 8 of them and each mode 4 or all 5 stages (40 cases instead of 180, to keep the file
+    under 15 s)."""
     out = []
     for s, st in enumerate(STAGES):
-        for sc in SCHEDULES:
-            for nth, j in [(1, 0), (1, 1), (3, 2), (3, 3)]:
-                t, m = MODES[(j + s) % len(MODES)]
+        for c, sc in enumerate(SCHEDULES):
+            for j, nth in enumerate((1, 1, 3, 3)):
+                t, m = MODES[(8 * s + 4 * c + j) % len(MODES)]
                 out.append(pytest.param(st, sc, t, m, nth, id=f"{st}-{sc}-{t}-{m}-nth{nth}"))
     return out
 
