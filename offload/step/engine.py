@@ -110,20 +110,39 @@ class StateEngine(TorchLayout):
             self._add_group(params, amsgrad)
 
     def _add_group(self, params: list, amsgrad: bool) -> None:
-        gi = len(self.groups)
+        gi, nb, nbytes = len(self.groups), len(self.layout.buckets), self.layout.nbytes
         check_overlaps(self.local_groups + [[local(p) for p in params]], (), None, self.mode)
-        self.groups.append(list(params))
-        self.local_groups.append([local(p) for p in params])
-        self.tracker.seen.append(np.full((len(params), 2), -1, dtype=np.int64))
-        self.amsgrad.append(bool(amsgrad))
-        self.dtypes.append([local(p).dtype for p in params])
-        self.numels.append([local(p).numel() for p in params])
-        self.layout.extend(self._lay([self.groups[gi]], gi))
-        self.registry.grow([len(g) for g in self.groups])
-        self.tier.allocate(self.layout)
-        if self.device is not None:
-            self.side.allocate(self.layout)
-        self.side.extend(self.groups)
+        try:
+            self.groups.append(list(params))
+            self.local_groups.append([local(p) for p in params])
+            self.tracker.seen.append(np.full((len(params), 2), -1, dtype=np.int64))
+            self.amsgrad.append(bool(amsgrad))
+            self.dtypes.append([local(p).dtype for p in params])
+            self.numels.append([local(p).numel() for p in params])
+            self.layout.extend(self._lay([self.groups[gi]], gi))
+            self.registry.grow([len(g) for g in self.groups])
+            self.tier.allocate(self.layout)   # a tier that cannot grow (no space, no memory) stays as it was
+        except BaseException:
+            self._drop_groups(gi, nb, nbytes)   # nothing changed: the group is not added
+            raise
+        try:
+            if self.device is not None:
+                self.side.allocate(self.layout)
+            self.side.extend(self.groups)
+        except BaseException as e:   # the tier grew for the group: refused until a load
+            self._drop_groups(gi, nb, nbytes)
+            self.tier.fail(e)
+            raise
+
+    def _drop_groups(self, gi: int, nb: int, nbytes: int) -> None:
+        """Undo an add_group that failed part-way: groups from ``gi`` on and buckets from ``nb`` on go."""
+        for per_group in (self.groups, self.local_groups, self.tracker.seen, self.amsgrad, self.dtypes, self.numels,
+                          self.registry.steps, self.registry.ready):
+            del per_group[gi:]
+        del self.layout.buckets[nb:]
+        self.layout.nbytes = nbytes
+        for key in [k for k in self.layout.of_param if k[0] >= gi]:
+            del self.layout.of_param[key]
 
     def _check_process(self) -> None:
         if os.getpid() != self._pid:

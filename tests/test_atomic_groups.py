@@ -1,0 +1,91 @@
+"""test_atomic_groups.py: add_param_group and load_state_dict that fail part-way (docs/failures.md):
+either nothing changed (param groups, state_dict() bitwise, and training then continues exactly as a
+run that never made the call), or the optimizer refuses with OptimizerFailedError until a load,
+after which training continues exactly as an uninterrupted run. Host and device parameters (the CPU
+test device, synchronous schedule), ram/nvme/mmap state, fp32 and 8-bit moments."""
+import copy
+import errno
+
+import pytest
+import torch
+
+import offload
+from offload import testing
+from offload.device import CpuDevice
+from atomic_util import assert_same, snapshot, train
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+MODES = [(t, m, dev) for t in ("ram", "nvme", "mmap") for m in ("fp32", "8bit") for dev in (False, True)]
+
+
+def _id(mode):
+    return "-".join((mode[0], mode[1], "device" if mode[2] else "host"))
+
+
+def build(mode, d):
+    tier, moments, device = mode
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in (300, 50)]
+    kw = dict(moments=moments, moments_min_size=100) if moments != "fp32" else {}
+    if tier != "ram":
+        kw.update(state=tier, nvme_dir=d, host_budget=65536)
+    if device:
+        kw.update(offload_device=CpuDevice(), overlap=False, bucket_mb=0.002)
+    return ps, offload.AdamW([{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0.1}], lr=0.01, **kw)
+
+
+def _pair(mode, tmp_path, opts):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (ps, opt), (ref, ropt) = build(mode, tmp_path / "a"), build(mode, tmp_path / "b")
+    opts += [opt, ropt]
+    train(ps, opt, 0, 2)
+    train(ref, ropt, 0, 2)
+    return ps, opt, ref, ropt
+
+
+def _no_space(*a, **k):
+    raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_id)
+def test_add_param_group_that_cannot_grow_the_state_changes_nothing(mode, tmp_path, opts, monkeypatch):
+    # the tier cannot grow for the new group (a full disk, no memory): the group is not added
+    ps, opt, ref, ropt = _pair(mode, tmp_path, opts)
+    if testing.state_engine(opt) is None:
+        pytest.skip("host parameters with fp32 RAM state have no state engine (nothing to grow)")
+    before = snapshot(ps, opt)
+    monkeypatch.setattr(testing.tier(opt), "allocate", _no_space)
+    with pytest.raises(OSError, match="injected"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(200))]})
+    monkeypatch.undo()
+    assert len(opt.param_groups) == 2
+    assert_same(snapshot(ps, opt), before)
+    train(ps, opt, 2, 2)
+    train(ref, ropt, 2, 2)
+    assert_same(snapshot(ps, opt), snapshot(ref, ropt))
+    for o in (opt, ropt):   # and a group added afterwards works as in the other run
+        torch.manual_seed(1)
+        o.add_param_group({"params": [torch.nn.Parameter(torch.randn(200))]})
+    train(ps + opt.param_groups[2]["params"], opt, 4, 1)
+    train(ref + ropt.param_groups[2]["params"], ropt, 4, 1)
+    assert_same(snapshot(ps, opt), snapshot(ref, ropt))
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m[2]], ids=_id)
+def test_add_param_group_failing_after_the_state_grew_fails_the_optimizer(mode, tmp_path, opts, monkeypatch):
+    # the device staging cannot grow once the tier did: refused until a load, then bitwise as the other run
+    ps, opt, ref, ropt = _pair(mode, tmp_path, opts)
+    sd = copy.deepcopy(opt.state_dict())
+    monkeypatch.setattr(testing.side(opt), "allocate", _no_space)
+    with pytest.raises(OSError, match="injected"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(200))]})
+    monkeypatch.undo()
+    assert len(opt.param_groups) == 2
+    for call in (opt.step, opt.state_dict, lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})):
+        with pytest.raises(offload.OptimizerFailedError, match="injected.*load the last checkpoint"):
+            call()
+    opt.load_state_dict(sd)
+    train(ps, opt, 2, 2)
+    train(ref, ropt, 2, 2)
+    assert_same(snapshot(ps, opt), snapshot(ref, ropt))
