@@ -89,3 +89,49 @@ def test_add_param_group_failing_after_the_state_grew_fails_the_optimizer(mode, 
     train(ps, opt, 2, 2)
     train(ref, ropt, 2, 2)
     assert_same(snapshot(ps, opt), snapshot(ref, ropt))
+
+
+BAD_ENTRIES = {   # found after the entries of group 0 were read
+    "moment of another size": lambda st: st[1].__setitem__("exp_avg", torch.zeros(51)),
+    "no exp_avg_sq": lambda st: [st[1].pop(k) for k in list(st[1]) if k.startswith("exp_avg_sq")],
+}
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_id)
+@pytest.mark.parametrize("bad", list(BAD_ENTRIES))
+def test_load_state_dict_with_a_bad_entry_changes_nothing(mode, bad, tmp_path, opts):
+    ps, opt, ref, ropt = _pair(mode, tmp_path, opts)
+    sd = ropt.state_dict()
+    sd = dict(sd, state=copy.deepcopy(sd["state"]))
+    BAD_ENTRIES[bad](sd["state"])
+    before = snapshot(ps, opt)
+    with pytest.raises((ValueError, KeyError)):
+        opt.load_state_dict(sd)
+    assert_same(snapshot(ps, opt), before)
+    train(ps, opt, 2, 2)
+    train(ref, ropt, 2, 2)
+    assert_same(snapshot(ps, opt), snapshot(ref, ropt))
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m[0] != "ram" or m[1] != "fp32"], ids=_id)
+def test_load_state_dict_failing_while_writing_the_state_fails_the_optimizer(mode, tmp_path, opts, monkeypatch):
+    ps, opt, ref, ropt = _pair(mode, tmp_path, opts)
+    sd = copy.deepcopy(opt.state_dict())
+    real, calls = testing.tier(opt).write, [0]
+
+    def second_write_fails(*a):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return real(*a)
+    monkeypatch.setattr(testing.tier(opt), "write", second_write_fails)
+    with pytest.raises(OSError, match="injected"):
+        opt.load_state_dict(sd)
+    monkeypatch.undo()
+    for call in (opt.step, opt.state_dict):
+        with pytest.raises(offload.OptimizerFailedError, match="injected.*load the last checkpoint"):
+            call()
+    opt.load_state_dict(sd)
+    train(ps, opt, 2, 2)
+    train(ref, ropt, 2, 2)
+    assert_same(snapshot(ps, opt), snapshot(ref, ropt))
