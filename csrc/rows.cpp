@@ -137,7 +137,20 @@ bool same_layout(const Torch& T, PyObject* t, const int64_t* r, PyObject* layout
 }
 
 
-// state_rows(state, params, ready, recs, keys, ptrs, fns): rows i with ready[i] whose opt.state entry
+// d[key] with the key's hash known (-1: computed, which may call Python), borrowed; nullptr when absent.
+PyObject* lookup(PyObject* d, PyObject* key, int64_t hash) {
+  PyObject* v;
+#if PY_VERSION_HEX < 0x030D0000
+  v = hash == -1 ? PyDict_GetItemWithError(d, key) : _PyDict_GetItem_KnownHash(d, key, static_cast<Py_hash_t>(hash));
+#else
+  (void)hash;
+  v = PyDict_GetItemWithError(d, key);
+#endif
+  if (v == nullptr && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
+// state_rows(state, params, ready, recs, keys, ptrs, fns[, hashes]): rows i with ready[i] whose opt.state entry
 // differs from what recs[i] recorded. recs[i] = (outer, inner, want_0 .. want_{K-1}): outer is
 // state.get(params[i]) as validated (compared by identity), inner the plain dict that holds its
 // entries (outer itself, or the dict inside the engine's CompressedState); want_j the object
@@ -147,7 +160,7 @@ bool same_layout(const Torch& T, PyObject* t, const int64_t* r, PyObject* layout
 // up runs its __hash__ (Python), so every object used afterwards is held and sizes are re-checked.
 py::array_t<int64_t> state_rows(const py::object& state, const py::list& params, const py::array& ready_a,
                                 const py::list& recs, const py::tuple& keys, const py::array& ptrs_a,
-                                const py::tuple& fns) {
+                                const py::tuple& fns, const py::object& hashes_a) {
   if (!PyDict_Check(state.ptr())) throw std::invalid_argument("state_rows: state must be a dict");
   const py::ssize_t n = PyList_GET_SIZE(params.ptr());
   const py::ssize_t k = PyTuple_GET_SIZE(keys.ptr());
@@ -158,6 +171,18 @@ py::array_t<int64_t> state_rows(const py::object& state, const py::list& params,
       ready_a.ndim() != 1 || ready_a.shape(0) != n || !(ready_a.flags() & py::array::c_style))
     throw std::invalid_argument("state_rows: ready must be a C-contiguous bool array with one entry per parameter");
   const int64_t* want_ptr = table_data(ptrs_a, n, k, "ptrs");
+  // hashes[i]: hash(params[i]) as recorded (-1: unknown). A dict key's hash never changes while it
+  // is a key, so the lookup needs no call of the parameter's __hash__ (a Python function for torch
+  // tensors): a warm step runs no Python per parameter.
+  const int64_t* hashes = nullptr;
+  if (!hashes_a.is_none()) {
+    const py::array h = py::reinterpret_borrow<py::array>(hashes_a);
+    if (!py::isinstance<py::array_t<int64_t>>(h) || h.dtype().kind() != 'i' || h.itemsize() != 8 || h.ndim() != 1 ||
+        h.shape(0) != n || !(h.flags() & py::array::c_style))
+      throw std::invalid_argument("state_rows: hashes must be a C-contiguous int64 array with one entry per parameter");
+    hashes = static_cast<const int64_t*>(h.data());
+  }
+  const py::object hold_hashes = hashes_a;
   const bool* ready = static_cast<const bool*>(ready_a.data());
   if (fns.size() != 2) throw std::invalid_argument("state_rows: fns must be (data_ptr, skip)");
   PyObject* data_ptr = PyTuple_GET_ITEM(fns.ptr(), 0);
@@ -177,7 +202,7 @@ py::array_t<int64_t> state_rows(const py::object& state, const py::list& params,
       changed.push_back(i);
       continue;
     }
-    PyObject* d = PyDict_GetItemWithError(state.ptr(), p.ptr());  // borrowed: compared at once, no call between
+    PyObject* d = lookup(state.ptr(), p.ptr(), hashes ? hashes[i] : -1);  // borrowed: compared at once
     if (d == nullptr && PyErr_Occurred()) throw py::error_already_set();
     PyObject* inner = PyTuple_GET_ITEM(rec.ptr(), 1);  // held by rec
     if (d == nullptr || d != PyTuple_GET_ITEM(rec.ptr(), 0) || !PyDict_CheckExact(inner)) {
@@ -212,7 +237,7 @@ py::array_t<int64_t> state_rows(const py::object& state, const py::list& params,
 
 void register_state_rows(py::module_& m) {
   m.def("state_rows", &state_rows, py::arg("state"), py::arg("params"), py::arg("ready"), py::arg("recs"),
-        py::arg("keys"), py::arg("ptrs"), py::arg("fns"),
+        py::arg("keys"), py::arg("ptrs"), py::arg("fns"), py::arg("hashes") = py::none(),
         "Row indices (with ready[i]) whose opt.state entry is not the one recorded in recs (identity of "
         "the state dict and of its entries, data pointers of its tensors): to revalidate in Python. "
         "Internal: offload/step/torchstate.py. RuntimeError if a callback changes the size of a list.");

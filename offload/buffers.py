@@ -7,6 +7,7 @@ device side's staging ring is pinned, through ``offload.device``).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["ALIGN", "aligned_empty", "HostArena", "round_up"]
@@ -22,11 +23,12 @@ def round_up(x: int, a: int) -> int:
 def aligned_empty(nbytes: int, align: int = ALIGN) -> torch.Tensor:
     """Uninitialised uint8 CPU tensor of ``nbytes`` whose address is a multiple of ``align``.
 
-    The memory is not touched, so pages count towards RSS only once they are written.
+    The memory is not touched, so pages count towards RSS only once they are written. It is
+    numpy-owned: its storage cannot be resized (freed) by a caller while a kernel writes it.
     """
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    raw = torch.empty(nbytes + align, dtype=torch.uint8)
+    raw = torch.from_numpy(np.empty(nbytes + align, dtype=np.uint8))
     off = (-raw.data_ptr()) % align
     return raw[off:off + nbytes]  # the view keeps ``raw`` alive
 

@@ -29,9 +29,14 @@ class SharedMemoryError(ValueError, RuntimeError):
     before the paths were unified). ``offload.SharedMemoryError``."""
 
 
-__all__ = ["SharedMemoryError", "check_overlaps", "SpanIndex", "extent", "span_of", "WriteTracker", "resync_master"]
+__all__ = ["SharedMemoryError", "check_overlaps", "SpanIndex", "extent", "span_of", "spans_of", "WriteTracker", "resync_master"]
 
 _LOW = (torch.bfloat16, torch.float16)
+
+
+def _owned(own) -> list:
+    """The optimizer's own buffers: None, one tensor or a list of tensors (several arenas)."""
+    return [] if own is None else list(own) if isinstance(own, (list, tuple)) else [own]
 
 
 def _spans(groups: Sequence[Sequence[torch.Tensor]], own: Optional[torch.Tensor]) -> list:
@@ -42,9 +47,10 @@ def _spans(groups: Sequence[Sequence[torch.Tensor]], own: Optional[torch.Tensor]
             if p.numel():
                 a = p.data_ptr()
                 spans.append((a, a + p.numel() * p.element_size(), f"parameter {i} of group {gi}"))
-    if own is not None and own.numel():
-        a = own.data_ptr()
-        spans.append((a, a + own.numel() * own.element_size(), "the optimizer's state buffers"))
+    for t in _owned(own):
+        if t.numel():
+            a = t.data_ptr()
+            spans.append((a, a + t.numel() * t.element_size(), "the optimizer's state buffers"))
     spans.sort()
     return spans
 
@@ -66,7 +72,7 @@ class SpanIndex:
             prefix.append((reach, owner))
         self.spans, self.prefix = spans, prefix
         self.starts = [s for s, _, _ in spans]
-        self.own = span_of(own)
+        self.own = spans_of(own)
         self.where = [np.array([span_of(p) for p in ps], dtype=np.int64).reshape(len(ps), 2) for ps in groups]
 
     def check_grads(self, grads: Iterable) -> None:
@@ -91,6 +97,11 @@ def extent(t: torch.Tensor) -> int:
     if t.is_contiguous():
         return t.numel() * t.element_size()
     return (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def spans_of(own) -> tuple:
+    """(address, bytes) of each of the optimizer's own buffers (None, a tensor or a list of them)."""
+    return tuple(span_of(t) for t in _owned(own))
 
 
 def span_of(t: Optional[torch.Tensor]) -> tuple:

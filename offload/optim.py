@@ -23,16 +23,15 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
 
-from . import _kernels, fallback
-from ._kernels import COL_STEP
+from . import fallback
 from .checks import _check_group_options, _check_hyper, _check_init, _check_moments, _check_param, _scalar
 from .clipping import ClippingMixin
 from .failstop import OptimizerFailedError, detached, failed_message
 from .gpu import GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
-from .host_ram import HostRamPath
 from .options import GPU_OPTION_NAMES, OPTIONS_DOC, given_gpu_options, resolve_state
 from .state_dict import StateDictMixin
 from .step.feedstep import WriteRaceError
+from .step.rebuild import fits, rebuild
 
 __all__ = ["Adam", "AdamW"]
 
@@ -42,7 +41,7 @@ _OPTIMIZER_WIDE = ("moments", "moments_min_size", "state", "threads", "nvme_dir"
                    "nvme_options", "offload_device") + GPU_OPTION_NAMES
 
 
-class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Optimizer):
+class _AdamBase(ClippingMixin, StateDictMixin, GpuOffloadMixin, Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None,
@@ -105,14 +104,13 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
             raise ValueError("nvme_options={'staging_slots': ...} with state='ram' only applies to device parameters")
         self._gpu = None
         super().__init__(params, defaults)
-        # --- NVMe/mmap state (offload/step/engine.py): one engine for all groups, any parameter side
-        if state != "ram" or self.moments != "fp32" or self._gpu_device is not None:
-            opts = dict(nvme_options or {})
-            if self.moments != "fp32":
-                opts.update(moments=self.moments, moments_min_size=self.moments_min_size)
-            self._store = make_state_engine(self._engine_groups(), state, nvme_dir=nvme_dir, host_budget=host_budget,
-                                            keep=keep_files, nvme_options=opts,
-                                            device=self._gpu_device, gpu_options=gpu_options)
+        # --- the state engine (offload/step/engine.py): one for all groups, every tier and parameter side
+        opts = dict(nvme_options or {})
+        if self.moments != "fp32":
+            opts.update(moments=self.moments, moments_min_size=self.moments_min_size)
+        self._engine_args = dict(state=state, nvme_dir=nvme_dir, host_budget=host_budget, keep=keep_files,
+                                 nvme_options=opts, gpu_options=gpu_options)
+        self._store = self._make_engine()
         self._gpu = start_engine(self, self._gpu_device, gpu_options, self._store)
         # --- end GPU offload ---
 
@@ -173,6 +171,35 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         steps (offload/fallback.py: their state stays in host RAM), device parameters all."""
         return self.param_groups if self._gpu_device is not None else self._router.split(self.param_groups)[0]
 
+    def _make_engine(self):
+        """An empty state engine (offload/step/engine.py) for the param groups as they are now."""
+        a = self._engine_args
+        return make_state_engine(self._engine_groups(), a["state"], nvme_dir=a["nvme_dir"], host_budget=a["host_budget"],
+                                 keep=a["keep"], nvme_options=a["nvme_options"], device=self._gpu_device,
+                                 gpu_options=a["gpu_options"])
+
+    @property
+    def _rebuildable(self) -> bool:
+        """Host parameters with fp32 moments in RAM: the engine can be built again from opt.state."""
+        return self._state_mode == "ram" and self.moments == "fp32" and self._gpu_device is None
+
+    def _sync_engine(self, native: Optional[list] = None, stepping: bool = False) -> None:
+        """Make the engine hold the param groups as they are: built again from opt.state (offload/step/
+        rebuild.py) where a group's params list (or, ``stepping``, amsgrad) changed, if the configuration
+        allows; else the engine refuses by name at its next use."""
+        native = self._engine_groups() if native is None else native
+        if self._store is None or (self._rebuildable and not fits(self._store, native, stepping)):
+            engine, views = rebuild(self._make_engine, native, self.state, self._param_name)
+            old, self._store = self._store, engine
+            for p, st in views.items():
+                self.state[p] = st
+            if old is not None:
+                old.close()
+
+    def _param_name(self, gi: int, i: int) -> str:
+        names = self.param_groups[gi].get("param_names") if gi < len(self.param_groups) else None
+        return f"parameter {i}" + (f" ({names[i]!r})" if names and i < len(names) else "") + f" of group {gi}"
+
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
@@ -198,10 +225,14 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         if self._decoupled is not None:  # AdamW: torch forces decoupled weight decay for any loaded state
             for group in self.param_groups:
                 group["decoupled_weight_decay"] = self._decoupled
+        if self._store is None and self._rebuildable:   # unpickled or deep-copied: the engine from opt.state
+            self.__dict__.setdefault("_engine_args", dict(state="ram", nvme_dir=None, host_budget="2GiB", keep=False,
+                                                          nvme_options={}, gpu_options={}))
+            self._sync_engine()
 
     def __getstate__(self):
         self._check_usable()
-        if getattr(self, "_store", None) is not None:
+        if getattr(self, "_store", None) is not None and not self._rebuildable:
             what = ("NVMe/mmap state" if self._state_mode != "ram" else
                     "parameters on a device (GPU offload)" if self._gpu_device is not None else "compressed moments")
             raise TypeError(f"an optimizer with {what} cannot be pickled or deep-copied; use state_dict() / "
@@ -209,6 +240,10 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         d = super().__getstate__()
         d = dict(d)
         d.pop("_plans", None)
+        d["_store"] = None   # built again from opt.state by __setstate__ (offload/step/rebuild.py)
+        for k in ("_engine_args", "_state_mode", "moments", "moments_min_size", "_threads", "_wide"):
+            if k in self.__dict__:
+                d[k] = self.__dict__[k]
         d.pop("_router", None)
         d.pop("_gpu", None)
         d.pop("_gpu_device", None)
@@ -250,59 +285,14 @@ class _AdamBase(ClippingMixin, HostRamPath, StateDictMixin, GpuOffloadMixin, Opt
         for group, _ in fb:
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         fallback.check(self.state, fb, self.param_groups)
-        if self._store is not None:  # NVMe/mmap state, compressed moments: the engine pipelines all groups
-            self._store.step(native, lambda gi: self._group_hyper(self.param_groups[gi]), self.state, mult, threads)
-            self._clear_pending()
-            try:
-                if fb:
-                    fallback.step(self, fb, mult, self._decoupled)
-            except BaseException as e:
-                self._failure = detached(e)  # the engine's parameters are stepped: refuse to continue from here
-                raise
-            return loss
-        self._track_state()
-        work, changed = [], {}
-        self.__dict__["_created"] = created = []  # state made for rows first stepped now (_init_states)
-        try:
-            for gi, group in enumerate(native):
-                plan = self._plan(gi, group)
-                rows, ch = self._collect(plan, group)
-                if len(ch):
-                    changed[gi] = ch
-                if len(rows):
-                    hyper = self._group_hyper(group)
-                    if hyper["amsgrad"]:
-                        self._check_amsgrad(gi, plan, rows)
-                    work.append((gi, plan, rows, hyper))
-            self.__dict__["_state_seen"] = self._state_epoch[0]  # our own additions above
-            if changed or "overlap" not in self._plans:
-                self._check_overlap(work, changed)
-        except BaseException:
-            # rows validated before the error are cached as validated, but their gradients may not have
-            # been checked against the buffers the kernel writes yet: the next step checks every row
-            self._plans.pop("overlap", None)
-            for p in created:  # a step that raises leaves no state behind (their rows are re-made)
-                self.state.pop(p, None)
-            raise
-        finally:
-            self.__dict__["_created"] = None
-        # ---- everything is validated: from here on parameters and state change
+        self._sync_engine(native, stepping=True)
+        self._store.step(native, lambda gi: self._group_hyper(self.param_groups[gi]), self.state, mult, threads)
         self._clear_pending()
         try:
-            for _, plan, rows, hyper in work:
-                if len(rows) == len(plan.params):  # every parameter has a gradient: no row selection
-                    plan.steps_np += 1
-                    table = plan.table
-                    table[:, COL_STEP] = plan.steps_np
-                else:
-                    plan.steps_np[rows] += 1
-                    table = plan.table[rows]
-                    table[:, COL_STEP] = plan.steps_np[rows]
-                _kernels.step_table(table, hyper, mult, threads)
             if fb:
                 fallback.step(self, fb, mult, self._decoupled)
         except BaseException as e:
-            self._failure = detached(e)  # some rows may be stepped: refuse to continue from here
+            self._failure = detached(e)  # the engine's parameters are stepped: refuse to continue from here
             raise
         return loss
 

@@ -215,13 +215,10 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
         stage_cap = min(stage_cap or bucket_bytes, bucket_bytes)
     if state == "nvme" and state_cap < ALIGN:
         raise ValueError(f"host_budget={host_budget!r} is too small: need at least {depth + 2} buffers of {ALIGN} bytes")
-    lay = build_layout(shapes, amsgrad=[amsgrad], max_state_bytes=state_cap, max_param_bytes=stage_cap)
-    in_sections = sum(b.state_bytes for b in lay.buckets)
+    lay = build_layout(shapes, amsgrad=[amsgrad], max_state_bytes=state_cap, max_param_bytes=stage_cap,
+                       stagger=state == "ram")
     master = sum(b.cap * 4 for b in lay.buckets if b.master)
-    engine_ram = state == "ram" and moments != "fp32"   # compressed moments: the engine's RAM tier
-    if state == "ram" and not on_gpu and not engine_ram:   # optim._init_states: streams of one arena staggered by a gap
-        from .host_ram import arena_gap   # the gap after each stream of the (one) arena
-        in_sections += 4 * arena_gap(sum(b.cap for b in lay.buckets)) * (3 if amsgrad else 2) if lay.buckets else 0
+    engine_ram = state == "ram" and moments != "fp32"   # compressed moments in the RAM tier
 
     rows: List[Row] = []
     warnings: List[str] = []
@@ -241,8 +238,8 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
         rows.append(Row("host", "optimizer state: fp32 master weights (not pinned)", master))
         ring = 2 * staging_slots * max(64, lay.max_stage_bytes)
         rows.append(Row("host", f"pinned staging ring ({staging_slots} slots of grads + weights)", ring))
-    elif state == "ram":
-        rows.append(Row("host", state_what, in_sections - master))
+    elif state == "ram":   # the RAM tier: one arena of the layout, allocated with ALIGN bytes to align it
+        rows.append(Row("host", state_what, lay.nbytes + (ALIGN if lay.nbytes else 0) - master))
         if master:
             rows.append(Row("host", "optimizer state: fp32 master weights (bf16/fp16 params)", master))
     else:

@@ -25,6 +25,7 @@ class StateDictMixin:
         self._check_usable()   # never hand out a partially updated state as a checkpoint
         if self._gpu is not None:
             self._gpu.synchronize()
+        self._sync_engine()
         if self._store is not None:
             tensors = self._store.state_tensors()  # views of the mapped state file, not copies
         sd = self._state_dict_without_tier()
@@ -46,6 +47,7 @@ class StateDictMixin:
         self._check_usable()
         if self._gpu is not None:
             self._gpu.synchronize()
+        self._sync_engine()
         return self._state_dict_without_tier()["state"]
 
     def _state_dict_without_tier(self) -> dict:
@@ -70,6 +72,7 @@ class StateDictMixin:
         from .checkpoint.adapter import tensor_ref
         if create_from is not None:  # never asked: this state loads through load_state_dict (loads_itself)
             raise RuntimeError("compressed-moment state loads through load_state_dict")
+        self._sync_engine()
         tensors = self._store.raw_state_tensors()
         flat = [p for g in self.param_groups for p in g["params"]]
         refs = []
@@ -98,6 +101,8 @@ class StateDictMixin:
             if hook_result is not None:
                 state_dict = hook_result
         groups = self.param_groups
+        if self._rebuildable:
+            self._sync_engine()   # (a group's params list edited: the engine is laid out for the groups as they are)
         saved_groups = deepcopy(state_dict["param_groups"])
         if len(groups) != len(saved_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")

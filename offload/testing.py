@@ -10,13 +10,20 @@ import threading
 import time
 from typing import Optional
 
-__all__ = ["state_engine", "tier", "side", "device_schedule", "device", "inject_io_fault", "slow_drive"]
+__all__ = ["state_engine", "row_records", "tier", "side", "device_schedule", "device", "inject_io_fault", "slow_drive"]
 
 
 def state_engine(opt) -> Optional[object]:
-    """The state engine (offload/step/engine.py) of every mode but host parameters with fp32 RAM state
-    (None there: that mode runs in offload/host_ram.py)."""
+    """The state engine (offload/step/engine.py) that runs the optimizer's steps, in every mode."""
     return opt._store
+
+
+def row_records(opt) -> list:
+    """Per param group, the records of host parameters' rows that ``_C.collect_rows`` (csrc/rows.cpp)
+    reads and writes (params/hostrows.py GroupRows: ``params``, ``g_ref``, ``meta``, ``layouts``,
+    ``table``); empty before the first step."""
+    rows = side(opt).rows
+    return rows.groups if rows is not None else []
 
 
 def tier(opt):
@@ -55,7 +62,7 @@ def inject_io_fault(opt, kind: int, nth: int, drive: int = 0) -> None:
 def _engine(opt):
     eng = state_engine(opt)
     if eng is None:
-        raise ValueError("host parameters with fp32 moments in RAM have no state engine")
+        raise ValueError("the optimizer has no state engine")
     return eng
 
 

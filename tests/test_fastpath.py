@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import offload
-from offload import _C
+from offload import _C, testing
+from offload._plan import M_PPTR
 from offload.host_ram import _ROW_FNS
 
 
@@ -24,7 +25,7 @@ def _setup(dtype=torch.float32, n=4, shape=(4, 4)):
 
 
 def _gather(opt, full=False):
-    plan = opt._plans[0]
+    plan = testing.row_records(opt)[0]
     r = _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts, plan.table, _ROW_FNS)
     r = tuple(x.tolist() for x in r)
     return r if full else (r[0], r[2])  # (ready, changed); full: (ready, newgrad, changed, other)
@@ -190,7 +191,7 @@ def test_new_grad_overlapping_a_written_buffer_is_refused_every_time():
     params, opt = _setup(n=2)
     params[1].grad = params[0].detach()  # reads the buffer the kernel writes for parameter 0
     for _ in range(2):
-        with pytest.raises(RuntimeError, match="share memory"):
+        with pytest.raises(RuntimeError, match="shares memory with parameter 0"):
             opt.step()
 
 
@@ -208,11 +209,11 @@ def test_bf16_param_written_in_place_goes_to_changed_and_is_resynced():
 def test_missing_grad_dead_ref_and_no_record():
     params, opt = _setup()
     params[0].grad = None
-    plan = opt._plans[0]
+    plan = testing.row_records(opt)[0]
     plan.g_ref[3] = lambda: None  # "no validated gradient" stand-in (not a weakref): validated anew
     assert _gather(opt, full=True) == ([1, 2], [3], [], [])
     plan.g_ref[1] = weakref.ref(torch.zeros(1))  # dead weakref
-    plan.p_ptr[2] = -1  # no param record
+    plan.meta[2, M_PPTR] = -1  # no param record
     assert _gather(opt, full=True) == ([3], [1], [2], [])
 
 

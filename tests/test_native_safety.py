@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import offload
+import offload.testing
 from offload import _C, _kernels, kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,6 +56,7 @@ def test_collect_rows_survives_callbacks_that_shrink_the_lists():
     # references and size re-checks the gather read freed slots (use after free / segfault).
     r = _run("""
         import torch, offload
+        import offload.testing
         from offload import _C
         from offload.host_ram import _ROW_FNS
         F = list(_ROW_FNS)
@@ -65,7 +67,7 @@ def test_collect_rows_survives_callbacks_that_shrink_the_lists():
                 p.grad = torch.randn(8)
             opt = offload.AdamW(params)
             opt.step()
-            plan = opt._plans[0]
+            plan = offload.testing.row_records(opt)[0]
             plist, refs, lays = list(plan.params), list(plan.g_ref), list(plan.layouts)
             if where == "untyped_storage":  # reached for new gradients only
                 for p in params:
@@ -97,7 +99,7 @@ def test_collect_rows_refuses_bad_arguments():
         p.grad = torch.randn(8)
     opt = offload.AdamW(params)
     opt.step()
-    plan = opt._plans[0]
+    plan = offload.testing.row_records(opt)[0]
     from offload.host_ram import _ROW_FNS
     with pytest.raises(ValueError, match="one entry per parameter"):
         _C.collect_rows(plan.params[:2], plan.g_ref, plan.meta, plan.layouts, plan.table, _ROW_FNS)

@@ -228,11 +228,8 @@ def test_overlapping_parameters_are_refused(make):
     base = torch.randn(40)
     a = torch.nn.Parameter(base[0:30])
     b = torch.nn.Parameter(base[20:40])
-    opt = make([{"params": [a]}, {"params": [b]}])
-    set_grads([a, b], 1)
-    with pytest.raises(RuntimeError, match="share memory"):
-        opt.step()
-    assert not opt.state.get(a) and not opt.state.get(b)   # a step that raises leaves no state behind
+    with pytest.raises(RuntimeError, match="parameter 0 of group 1 shares memory with parameter 0 of group 0"):
+        make([{"params": [a]}, {"params": [b]}])   # refused when the state is laid out, before any step
 
 
 def test_gradient_aliasing_a_parameter_is_refused(make):
@@ -241,7 +238,7 @@ def test_gradient_aliasing_a_parameter_is_refused(make):
     set_grads(ours, 1)
     opt.step()
     ours[1].grad = ours[0].detach()  # reads what the step writes
-    with pytest.raises(RuntimeError, match="gradient of parameter 1 .* share memory|share memory"):
+    with pytest.raises(RuntimeError, match="gradient of parameter 1 of group 0 shares memory with parameter 0"):
         opt.step()
 
 
@@ -251,7 +248,7 @@ def test_state_aliasing_a_parameter_is_refused(make):
     set_grads(ours, 1)
     opt.step()
     opt.state[ours[1]]["exp_avg"] = ours[0].detach()
-    with pytest.raises(RuntimeError, match="share memory"):
+    with pytest.raises(RuntimeError, match="'exp_avg' shares memory with parameter 0 of group 0"):
         opt.step()
 
 

@@ -15,13 +15,7 @@ import offload
 SMALL, FEW, MANY = 64, 200, 400
 MAX_GROWTH = 8  # lines; a per-tensor loop of one line would add 200
 
-ENGINE_LOOPS = ("per-tensor Python in the state engine's step: step/engine.py:_jobs (list of active pieces "
-                "per bucket), step/registry.py:init_fresh (ready check per piece), step/pipeline.py:run "
-                "(step count per piece) and step/torchstate.py:_adopt_user_state (_C.state_rows looks every "
-                "parameter up in opt.state, calling torch's Python Tensor.__hash__ once per tensor)")
-MOMENTS = ["fp32",  # host fp32 in RAM: the GroupPlan path of host_ram.py, O(groups)
-           pytest.param("bf16", marks=pytest.mark.xfail(strict=False, reason=ENGINE_LOOPS)),
-           pytest.param("8bit", marks=pytest.mark.xfail(strict=False, reason=ENGINE_LOOPS))]
+MOMENTS = ["fp32", "bf16", "8bit"]   # host parameters, RAM state: the state engine in each moment format
 
 
 def traced_step(n: int, moments: str):

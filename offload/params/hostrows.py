@@ -27,7 +27,7 @@ from .. import _C
 from .._dist import is_dtensor, local
 from .._kernels import COL_G, COL_GD, COL_OD, COL_OUT, COL_P, DTYPE_CODES, OUT_USER_PARAM, TASK_COLS, _ptr
 from .._plan import M_CODE, M_COLS, M_GPTR, M_LOWP, M_NUMEL, M_PPTR, M_PVER, no_grad_ref, record_param
-from ..guards import SpanIndex, span_of
+from ..guards import SpanIndex, span_of, spans_of
 from ..layout import piece_columns
 from ..host_ram import _ROW_FNS
 from .base import LOW_PRECISION, check_grad
@@ -76,6 +76,7 @@ class HostRows:
         self.groups: List[GroupRows] = []
         self.spans: Optional[SpanIndex] = None
         self.steps = 0
+        self.revalidated: list = []
 
     def collect(self, groups: Sequence[list], local_groups: Sequence[list], dtypes: list, numels: list,
                 own: Optional[torch.Tensor], mode: str) -> tuple:
@@ -91,6 +92,7 @@ class HostRows:
         while len(self.groups) < len(groups):
             self.groups.append(GroupRows(groups[len(self.groups)]))
         active, grads, new = [], [], []
+        self.revalidated = revalidated = []   # (gi, rows) checked in Python this step (changed in any way)
         moved = False
         self.steps += 1
         for gi, params in enumerate(groups):
@@ -123,13 +125,15 @@ class HostRows:
             active.append(a)
             grads.append(gs)
             new.append((gi, newgrad.tolist() + slow))
+            if slow:
+                revalidated.append((gi, slow))
         self._check_overlaps(local_groups, active, grads, new, own, mode, moved)
         return active, grads
 
     def _check_overlaps(self, local_groups, active, grads, new, own, mode, moved: bool) -> None:
         spans = self.spans
         if not moved and spans is not None:
-            moved = len(spans.where) != len(local_groups) or spans.own != span_of(own) or \
+            moved = len(spans.where) != len(local_groups) or spans.own != spans_of(own) or \
                 any(len(w) != len(ps) for w, ps in zip(spans.where, local_groups))
         if not moved and spans is not None:
             for gi, (rows, a) in enumerate(zip(self.groups, active)):

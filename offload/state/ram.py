@@ -16,6 +16,7 @@ __all__ = ["RamTier"]
 class RamTier(StateTier):
     kind = "ram"
     resident = True
+    adopts = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -35,7 +36,7 @@ class RamTier(StateTier):
         raise IndexError(offset)
 
     def own_memory(self):
-        return self.arenas[0][1] if len(self.arenas) == 1 else None
+        return [arena for _, arena in self.arenas]
 
     def mapping(self):
         return self.view, None

@@ -37,6 +37,7 @@ class Block:
 class StateTier:
     kind = "abstract"
     resident = False
+    adopts = False   # a replaced opt.state tensor is copied in (resident RAM) rather than refused
 
     def __init__(self) -> None:
         self.failed: Optional[BaseException] = None
@@ -108,7 +109,7 @@ class StateTier:
         self.failed = None
 
     def own_memory(self):
-        """The host memory the tier writes (for the gradient-aliasing check), or None."""
+        """The host memory the tier writes (for the gradient-aliasing check): a tensor, a list of them, or None."""
         return None
 
 

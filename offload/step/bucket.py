@@ -17,6 +17,7 @@ import time
 from typing import Callable, Optional
 
 from .._kernels import step_table
+from ..layout import piece_columns
 from .table import bucket_rows, kernel_for
 
 __all__ = ["step_bucket"]
@@ -33,7 +34,7 @@ def step_bucket(b, act, blk, ptrs: Callable[[], list], *, registry, read_master,
     if between is not None:
         between()
     steps = registry.steps[b.group].numpy()
-    table = bucket_rows(b, act, blk.base, rows, [steps[pc.param] for pc in act])
+    table = bucket_rows(b, act, blk.base, rows, steps[piece_columns(b, act, "param")[0]])
     t0 = time.perf_counter()
     (step_table if b.moments == "fp32" else kernel_for(b))(table, hyper, mult, threads)
     t1 = time.perf_counter()

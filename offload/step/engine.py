@@ -21,7 +21,7 @@ import torch
 
 from .._dist import local
 from ..guards import WriteTracker, check_overlaps, resync_master
-from ..layout import ALIGN, build_layout
+from ..layout import ALIGN, build_layout, piece_columns
 from ..params.base import check_grad, shapes_of
 from ..params.host import HostParams
 from ..state.tier import make_tier, split_budget
@@ -88,7 +88,7 @@ class StateEngine(TorchLayout):
             shapes = [replace(s, active=False) if (s.group, s.index) in self.excluded else s for s in shapes]
         shapes = self._moment_shapes(shapes)
         return build_layout(shapes, amsgrad=self.amsgrad, max_state_bytes=self.state_cap,
-                            max_param_bytes=self.stage_cap)
+                            max_param_bytes=self.stage_cap, stagger=self.mode == "ram")
 
     def _moment_shapes(self, shapes: list) -> list:
         """Compressed moments for parameters of at least ``moments_min_size`` elements; fp32 below."""
@@ -175,6 +175,11 @@ class StateEngine(TorchLayout):
         return getattr(self.tier, name)
 
     # ------------------------------------------------------------------ step
+    def holds(self, params: list, amsgrad: list) -> bool:
+        """Laid out for exactly these parameter lists (by identity) and amsgrad settings (None: any)."""
+        return (amsgrad is None or amsgrad == self.amsgrad) and len(params) == len(self.groups) and all(
+            len(ps) == len(mine) and all(map(operator.is_, ps, mine)) for ps, mine in zip(params, self.groups))
+
     def _check_groups(self, groups: list) -> None:
         if len(groups) != len(self.groups) or not all(
                 len(g["params"]) == len(ps) and all(map(operator.is_, g["params"], ps))
@@ -241,7 +246,7 @@ class StateEngine(TorchLayout):
             shapes.append(Shape(gi, i, lp.numel(), lp.element_size(),
                                 master=self.device is not None or lp.dtype in LOW_PRECISION))
         new = build_layout(self._moment_shapes(shapes), amsgrad=self.amsgrad, max_state_bytes=self.state_cap,
-                           max_param_bytes=self.stage_cap)
+                           max_param_bytes=self.stage_cap, stagger=self.mode == "ram")
         self.layout.extend(new)
         self.tier.allocate(self.layout)
         if self.device is not None:
@@ -250,11 +255,15 @@ class StateEngine(TorchLayout):
     def _jobs(self, active: list, order=None) -> list:
         jobs = []
         buckets = self.layout.buckets if order is None else order
-        for b in buckets:
-            a = active[b.group]
-            act = [pc for pc in b.pieces if a[pc.param]]
-            if act:
-                jobs.append((b, act, self.registry.has_state(b)))
+        for b in buckets:   # Python per bucket; per piece only for buckets stepped in part
+            mask = active[b.group][piece_columns(b, b.pieces, "param")[0]]
+            if mask.all():
+                act = b.pieces
+            elif mask.any():
+                act = [pc for pc, m in zip(b.pieces, mask.tolist()) if m]
+            else:
+                continue
+            jobs.append((b, act, self.registry.has_state(b)))
         return jobs
 
     def step(self, param_groups: list, hyper: Callable[[int], dict], state: dict, mult: float, threads: int,
@@ -271,6 +280,7 @@ class StateEngine(TorchLayout):
         self._adopt_user_state(state)
         if active is None:
             active = self._collect(param_groups)
+            self._follow_shapes(state, getattr(self.side, "rows", None))
         hypers = {gi: hyper(gi) for gi, a in enumerate(active) if a.any()}   # validated before any change
         for gi, h in hypers.items():   # the native kernel refuses these too, but only after I/O has started
             for k in ("lr", "eps", "weight_decay", "beta1", "beta2"):

@@ -11,6 +11,8 @@ from typing import Callable, List, Sequence
 import numpy as np
 import torch
 
+from ..layout import piece_columns
+
 __all__ = ["Registry"]
 
 
@@ -27,12 +29,13 @@ class Registry:
             self.ready.append(np.zeros(n, dtype=bool))
 
     def has_state(self, b) -> bool:
-        r = self.ready[b.group]
-        return any(r[pc.param] for pc in b.pieces)
+        return bool(self.ready[b.group][piece_columns(b, b.pieces, "param")[0]].any())
 
     def init_fresh(self, b, pieces: Sequence, blk, read_master: Callable) -> None:
         """First step of a piece's parameter: zero moments; master = the parameter (read_master)."""
         r = self.ready[b.group]
+        if r[piece_columns(b, pieces, "param")[0]].all():
+            return   # (every warm step: no Python per piece)
         data = blk.data[:b.nbytes]
         f32 = data.view(torch.float32)
         for pc in pieces:

@@ -111,12 +111,12 @@ def _moment_cols(fmt: str) -> dict:
 def _sections(b) -> dict:
     """{key: (byte offset in the bucket, bytes per entry, per_block)} of a compressed bucket (cached)."""
     got = b.__dict__.get("_msecs")
-    if got is not None and got[0] == (b.cap, b.moments, b.master):
+    if got is not None and got[0] == (b.cap, b.moments, b.master, b.gap):
         return got[1]
     from .. import mformat
     pb = {k: blk for k, _, blk in mformat.sections(b.moments)}
     out = {k: (b.section(k), size, pb.get(k, False)) for k, size in b.keys}
-    b.__dict__["_msecs"] = ((b.cap, b.moments, b.master), out)
+    b.__dict__["_msecs"] = ((b.cap, b.moments, b.master, b.gap), out)
     return out
 
 

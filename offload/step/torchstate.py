@@ -14,6 +14,7 @@ import torch
 from .. import _C, mformat
 from .._dist import like, local
 from . import compressed, export
+from .adopt import copy_in, follow_shapes, missing_entry
 from .handouts import HeldMoments
 from .views import param_views
 
@@ -38,6 +39,7 @@ class _StateRecords:
     def __init__(self, n: int):
         self.objs: list = [None] * n                         # (outer, inner, entry per _KEYS) or None
         self.ptrs = np.full((n, len(_KEYS)), -1, dtype=np.int64)
+        self.hashes = np.full(n, -1, dtype=np.int64)         # hash(parameter): looked up without __hash__
 
 
 class TorchLayout(HeldMoments):
@@ -152,7 +154,7 @@ class TorchLayout(HeldMoments):
             if len(rec.objs) != len(ps):
                 rec = recs[gi] = _StateRecords(len(ps))
             if fast:
-                rows = _C.state_rows(state, ps, ready, rec.objs, _KEYS, rec.ptrs, _STATE_FNS).tolist()
+                rows = _C.state_rows(state, ps, ready, rec.objs, _KEYS, rec.ptrs, _STATE_FNS, rec.hashes).tolist()
             else:
                 rows = np.flatnonzero(ready).tolist()
             for i in rows:
@@ -171,8 +173,13 @@ class TorchLayout(HeldMoments):
                     st["step"] = steps[i]
                 for key, ptr in list(ptrs.get((gi, i), {}).items()):
                     t = st.get(key)
-                    if isinstance(t, torch.Tensor) and local(t).data_ptr() != ptr:
+                    if not isinstance(t, torch.Tensor):
+                        raise missing_entry(key, f"state of parameter {i} of group {gi}", t)
+                    if local(t).data_ptr() != ptr:
                         cur = self._holding(gi, i, key, t)
+                        if cur is None and self.tier.adopts and self.moment_format(gi, i) == "fp32":
+                            cur = self._view_of(gi, i, key)   # a resident tier takes the values over
+                            copy_in(cur, t, key, f"state of parameter {i} of group {gi}", self.local_groups)
                         if cur is not None:   # the same values elsewhere (Lightning's _optimizer_to_device)
                             st[key] = cur
                             ptrs[(gi, i)][key] = local(cur).data_ptr()
@@ -185,6 +192,19 @@ class TorchLayout(HeldMoments):
                 self._record_state(rec, i, ps[i], st, ptrs.get((gi, i), {}))
         # decoded compressed moments written in place by a caller who holds them (step/handouts.py)
         self._handouts().adopt(self._decode_current, self._write_moments)
+
+    def _follow_shapes(self, state: dict, rows) -> None:
+        """Parameters the side revalidated this step (``rows.revalidated``) that were given another
+        shape: their state views follow (step/adopt.py)."""
+        for gi, idx in getattr(rows, "revalidated", ()):
+            follow_shapes(self.groups[gi], idx, self.registry.ready[gi], state,
+                          lambda i, gi=gi: self.__dict__.get("_view_ptrs", {}).get((gi, i), ()),
+                          lambda i, gi=gi: self._forget_state(gi, i))
+
+    def _view_of(self, gi: int, i: int, key: str):
+        """The view of the state entry ``key`` of parameter (gi, i) (a fresh view object)."""
+        view, fd = self.tier.mapping()
+        return self._views(gi, i, view, fd)[key]
 
     def _holding(self, gi: int, i: int, key: str, t):
         """The view of the state entry ``key`` of parameter (gi, i) if ``t``, which replaced it, is a copy
@@ -219,6 +239,7 @@ class TorchLayout(HeldMoments):
             else:
                 rec.ptrs[i, j] = -1
         rec.objs[i] = (st, inner, *objs)
+        rec.hashes[i] = hash(p)
 
     def _forget_state(self, gi: int, i: int) -> None:
         """The engine replaced the entries of parameter i of group gi: look at them again next step."""
