@@ -28,7 +28,7 @@ from .checks import _check_group_options, _check_hyper, _check_init, _check_mome
 from .clipping import ClippingMixin
 from .failstop import OptimizerFailedError, detached, failed_message
 from .gpu import GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
-from .options import GPU_OPTION_NAMES, OPTIONS_DOC, given_gpu_options, resolve_state
+from .options import GPU_OPTION_NAMES, OPTIONS_DOC, given_gpu_options, resolve_storage
 from .state_dict import StateDictMixin
 from .step.feedstep import WriteRaceError
 from .step.rebuild import fits, rebuild
@@ -37,8 +37,8 @@ __all__ = ["Adam", "AdamW"]
 
 
 # the constructor's own options (not torch's hyperparameters): per optimizer, never per param group
-_OPTIMIZER_WIDE = ("moments", "moments_min_size", "state", "threads", "nvme_dir", "host_budget", "keep_files",
-                   "nvme_options", "offload_device") + GPU_OPTION_NAMES
+_OPTIMIZER_WIDE = ("moments", "moments_min_size", "storage", "state", "threads", "nvme_dir", "host_budget",
+                   "keep_files", "nvme_options", "offload_device") + GPU_OPTION_NAMES
 
 
 class _AdamBase(ClippingMixin, StateDictMixin, GpuOffloadMixin, Optimizer):
@@ -46,15 +46,15 @@ class _AdamBase(ClippingMixin, StateDictMixin, GpuOffloadMixin, Optimizer):
                  foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None,
                  decoupled_weight_decay: bool = False, threads: Optional[int] = None,
-                 state: Optional[str] = None, nvme_dir=None, host_budget="2GiB", keep_files: bool = False,
+                 storage: Optional[str] = None, nvme_dir=None, host_budget="2GiB", keep_files: bool = False,
                  nvme_options: Optional[dict] = None, offload_device=None, moments: str = "fp32",
                  moments_min_size: int = 4096, bucket_mb=None, overlap=None, step_during_backward=None,
                  max_grad_norm=None, check_overflow=None, release_grads=None, trace=None, small_param_numel=None,
-                 delay_updates=None):
+                 delay_updates=None, state: Optional[str] = None):
         gpu_options = given_gpu_options(bucket_mb=bucket_mb, overlap=overlap, step_during_backward=step_during_backward,
             max_grad_norm=max_grad_norm, check_overflow=check_overflow, release_grads=release_grads, trace=trace,
             small_param_numel=small_param_numel, delay_updates=delay_updates)
-        state = resolve_state(state, nvme_dir)
+        state = resolve_storage(storage, state, nvme_dir)   # state=: the old name of storage= (deprecated)
         if isinstance(lr, torch.Tensor) and foreach and not capturable:
             raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
         _check_hyper(lr, betas, eps, weight_decay)
@@ -369,10 +369,10 @@ class Adam(_AdamBase):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=False, threads=None, state=None, nvme_dir=None, host_budget="2GiB",
+                 decoupled_weight_decay=False, threads=None, storage=None, nvme_dir=None, host_budget="2GiB",
                  keep_files=False, nvme_options=None, offload_device=None, moments="fp32", moments_min_size=4096,
                  bucket_mb=None, overlap=None, step_during_backward=None, max_grad_norm=None, check_overflow=None,
-                 release_grads=None, trace=None, small_param_numel=None, delay_updates=None):
+                 release_grads=None, trace=None, small_param_numel=None, delay_updates=None, state=None):
         super().__init__(**_forward(locals()))
 
 
@@ -383,8 +383,8 @@ class AdamW(_AdamBase):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None, threads=None,
-                 state=None, nvme_dir=None, host_budget="2GiB", keep_files=False, nvme_options=None,
+                 storage=None, nvme_dir=None, host_budget="2GiB", keep_files=False, nvme_options=None,
                  offload_device=None, moments="fp32", moments_min_size=4096, bucket_mb=None, overlap=None,
                  step_during_backward=None, max_grad_norm=None, check_overflow=None, release_grads=None,
-                 trace=None, small_param_numel=None, delay_updates=None):
+                 trace=None, small_param_numel=None, delay_updates=None, state=None):
         super().__init__(decoupled_weight_decay=True, **_forward(locals()))

@@ -1,12 +1,14 @@
 """options.py: offload's own constructor options of ``offload.Adam`` / ``offload.AdamW`` (beyond torch's):
 their documentation (appended to both classes' docstrings, so ``help()`` shows each one), where the
-state lives when only ``nvme_dir`` is given, and which GPU-offload options the caller actually gave.
+state lives (``storage``; its old name ``state`` still works, with a DeprecationWarning), and which
+GPU-offload options the caller actually gave.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
-__all__ = ["OPTIONS_DOC", "GPU_OPTION_NAMES", "given_gpu_options", "resolve_state"]
+__all__ = ["OPTIONS_DOC", "GPU_OPTION_NAMES", "given_gpu_options", "resolve_state", "resolve_storage"]
 
 GPU_OPTION_NAMES = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm", "check_overflow",
                     "release_grads", "trace", "small_param_numel", "delay_updates")
@@ -16,12 +18,14 @@ OPTIONS_DOC = """
 
     threads: native threads of the CPU kernel. Default: every CPU of this process (host parameters),
         all but two with parameters on a GPU (left to the threads that launch GPU work).
-    state: where the fp32 master weights and Adam moments live: ``"ram"`` (host memory), ``"nvme"``
+    storage: where the fp32 master weights and Adam moments live: ``"ram"`` (host memory), ``"nvme"``
         (a file in ``nvme_dir``, read and written with O_DIRECT, host memory bounded by
         ``host_budget``) or ``"mmap"`` (a mapped file in ``nvme_dir``). Default: ``"nvme"`` when
-        ``nvme_dir`` is given, else ``"ram"``. docs/nvme.md.
-    nvme_dir: directory for the state file of ``state="nvme"|"mmap"`` (a private subdirectory is
-        created there and removed by ``close()`` unless ``keep_files``). Giving it alone is enough.
+        ``nvme_dir`` is given, else ``"ram"``. docs/nvme.md. (Formerly ``state=``, a name it shared
+        with ``Optimizer.state``; still accepted, with a DeprecationWarning.)
+    nvme_dir: directory for the state file of ``storage="nvme"|"mmap"`` (a private subdirectory is
+        created there and removed by ``close()`` unless ``keep_files``), or several comma-separated
+        (one per drive). Giving it alone is enough.
     host_budget: host memory for NVMe state buffers, bytes or a string like ``"2GiB"``.
     keep_files: keep the state directory after ``close()``.
     nvme_options: tuning of the NVMe tier (``depth``, ``staging_slots``, ...); docs/nvme.md.
@@ -51,6 +55,19 @@ def resolve_state(state: Optional[str], nvme_dir) -> str:
     if state is None:
         return "nvme" if nvme_dir is not None else "ram"
     return state
+
+
+def resolve_storage(storage: Optional[str], state: Optional[str], nvme_dir, *, stacklevel: int = 4) -> str:
+    """Where the state lives: ``storage``, or ``state`` (its old name: DeprecationWarning), or the default
+    of :func:`resolve_state`. ``stacklevel`` points the warning at the caller's constructor call."""
+    if state is not None:
+        warnings.warn(f"state={state!r} is deprecated: the argument is now called storage (storage={state!r}); "
+                      "state= will be removed in the next release", DeprecationWarning, stacklevel=stacklevel)
+        if storage is not None and storage != state:
+            raise ValueError(f"storage={storage!r} and state={state!r} disagree: pass storage= only (state= is its "
+                             "old name)")
+        storage = state
+    return resolve_state(storage, nvme_dir)
 
 
 def given_gpu_options(**options) -> dict:
