@@ -15,7 +15,7 @@ import torch
 
 from . import _kernels, fallback
 from ._dist import global_sumsq
-from ._plan import get_version
+from .params.rowrecord import get_version
 
 __all__ = ["ClippingMixin"]
 

@@ -8,7 +8,7 @@
 - ``WriteTracker``: a bf16/fp16 parameter's fp32 master lives apart from the parameter, and the
   kernel writes the parameter through a raw pointer (which does not bump its version counter).
   A user's write in between (``p.mul_(mask)``, ``clamp_``, ``copy_``, ``load_state_dict``,
-  ``p.data = ...``) changes the version counter or the data pointer; ``resync_master`` then takes
+  ``p.data = ...``) changes the version counter or the data pointer; ``refresh_master`` then takes
   the parameter's new values into the master where they differ from the rounded master, so
   unchanged elements keep their fp32 precision. (A write through ``p.data.mul_()`` bumps no
   counter of ``p`` and is not seen.)
@@ -29,7 +29,7 @@ class SharedMemoryError(ValueError, RuntimeError):
     before the paths were unified). ``offload.SharedMemoryError``."""
 
 
-__all__ = ["SharedMemoryError", "check_overlaps", "SpanIndex", "extent", "span_of", "spans_of", "WriteTracker", "resync_master"]
+__all__ = ["SharedMemoryError", "check_overlaps", "SpanIndex", "extent", "span_of", "spans_of", "WriteTracker", "refresh_master"]
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -166,7 +166,7 @@ class WriteTracker:
         return out
 
 
-def resync_master(master: torch.Tensor, param: torch.Tensor) -> None:
+def refresh_master(master: torch.Tensor, param: torch.Tensor) -> None:
     """Take ``param``'s values into the fp32 ``master`` (same length) where they differ from the rounded master."""
     changed = master.to(param.dtype) != param
     if changed.any():

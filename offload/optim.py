@@ -8,10 +8,11 @@ keeps torch's constructor signature, defaults, validation messages and ``state_d
 straight into the parameter in the same pass. Parameters the kernel cannot take but torch steps (float64,
 complex, non-contiguous, listed twice) go through torch's Adam code, state in RAM (offload/fallback.py).
 
-The class is assembled from: host_ram.py (the host-RAM fp32-moment fast path), state_dict.py
-(state_dict / load_state_dict / checkpoint tensors), gpu.py (the GPU-offload face), clipping.py
-(clip_grad_norm_ folded into the step), checks.py (argument checks); this file holds the
-constructor, param groups and step dispatch.
+The class is assembled from: state_dict.py (state_dict / load_state_dict / checkpoint tensors),
+gpu.py (the GPU-offload face), clipping.py (clip_grad_norm_ folded into the step), checks.py
+(argument checks); this file holds the constructor, param groups and step dispatch. Every mode
+steps through one state engine (step/engine.py): where the state lives (state/), where the
+parameters live (params/) and the moment format are its configuration.
 """
 from __future__ import annotations
 

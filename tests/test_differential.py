@@ -113,7 +113,7 @@ def _run(seed: int, plan: dict, side: str, tier: str, tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 5, 8, 25, 32, 48, 59, 1256])   # 0, 1, 2, 25, 32, 48 failed before the
 # fixes; 1256 (a halving write through p.data, 4096 elements) before the exact-product fingerprints
-def test_every_side_and_tier_bitwise_like_host_ram(seed, tmp_path):
+def test_every_side_and_tier_bitwise_like_host_parameters_in_ram(seed, tmp_path):
     plan = _plan(seed)
     ref_p, ref_state = _run(seed, plan, "host", "ram", tmp_path)
     for side, tier in COMBOS[1:]:

@@ -189,7 +189,7 @@ def test_change_noticed_as_uncached_all(kind, state, moments, dtype, tdir):
                                   "grad aliases its param", "grad back after memory moved"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("state", ["nvme", "mmap"])
-def test_fp32_moments_match_the_host_ram_path(kind, state, dtype, tdir):
+def test_disk_tiers_match_the_ram_tier(kind, state, dtype, tdir):
     engine = _check(kind, state, "fp32", dtype, tdir)
     host = _scenario(kind, "ram", "fp32", dtype, tdir / "host")
     # raised or not alike (the overlap refusals of the two paths are ValueError / RuntimeError)

@@ -11,8 +11,7 @@ import torch
 
 import offload
 from offload import _C, testing
-from offload._plan import M_PPTR
-from offload.host_ram import _ROW_FNS
+from offload.params.rowrecord import M_PPTR, ROW_FNS
 
 
 def _setup(dtype=torch.float32, n=4, shape=(4, 4)):
@@ -26,7 +25,7 @@ def _setup(dtype=torch.float32, n=4, shape=(4, 4)):
 
 def _gather(opt, full=False):
     plan = testing.row_records(opt)[0]
-    r = _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts, plan.table, _ROW_FNS)
+    r = _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts, plan.table, ROW_FNS)
     r = tuple(x.tolist() for x in r)
     return r if full else (r[0], r[2])  # (ready, changed); full: (ready, newgrad, changed, other)
 

@@ -104,7 +104,7 @@ def assert_same(ps_a, opt_a, ps_b, opt_b):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("side", SIDES)
-def test_bitwise_like_host_ram(tmp_path, side, tier, dtype):
+def test_bitwise_like_the_host_reference(tmp_path, side, tier, dtype):
     ref = reference(dtype)
     ps = make_params(dtype)
     opt = make_opt(ps, side, tier, tmp_path, slots=1 + (dtype == torch.float32))
@@ -193,8 +193,6 @@ def test_frozen_params_reserve_no_disk(tmp_path, side, tier):
     base = torch.nn.Parameter(torch.randn(1 << 16), requires_grad=False)   # a frozen base: 256 KiB fp32
     lora = torch.nn.Parameter(torch.randn(64))
     opts = dict(state="nvme", nvme_dir=tmp_path, host_budget=1 << 20) if tier == "nvme" else {}
-    if tier == "ram" and side == "host":
-        pytest.skip("host parameters with RAM state keep torch's per-parameter state (host_ram.py)")
     if side != "host":
         opts.update(offload_device=FakeDevice(seed=4) if side == "fake" else CpuDevice())
     opt = offload.AdamW([base, lora], **opts)

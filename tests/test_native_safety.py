@@ -58,8 +58,8 @@ def test_collect_rows_survives_callbacks_that_shrink_the_lists():
         import torch, offload
         import offload.testing
         from offload import _C
-        from offload.host_ram import _ROW_FNS
-        F = list(_ROW_FNS)
+        from offload.params.rowrecord import ROW_FNS
+        F = list(ROW_FNS)
         for where in ("grad", "data_ptr", "stride", "is_neg", "untyped_storage"):
             n = 64
             params = [torch.nn.Parameter(torch.randn(8)) for _ in range(n)]
@@ -100,19 +100,19 @@ def test_collect_rows_refuses_bad_arguments():
     opt = offload.AdamW(params)
     opt.step()
     plan = offload.testing.row_records(opt)[0]
-    from offload.host_ram import _ROW_FNS
+    from offload.params.rowrecord import ROW_FNS
     with pytest.raises(ValueError, match="one entry per parameter"):
-        _C.collect_rows(plan.params[:2], plan.g_ref, plan.meta, plan.layouts, plan.table, _ROW_FNS)
+        _C.collect_rows(plan.params[:2], plan.g_ref, plan.meta, plan.layouts, plan.table, ROW_FNS)
     with pytest.raises(ValueError, match="rec must be a writable"):
-        _C.collect_rows(plan.params, plan.g_ref, plan.meta[:2], plan.layouts, plan.table, _ROW_FNS)
+        _C.collect_rows(plan.params, plan.g_ref, plan.meta[:2], plan.layouts, plan.table, ROW_FNS)
     with pytest.raises(ValueError, match="table must be a writable"):
-        _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts, plan.table.astype("int32"), _ROW_FNS)
+        _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts, plan.table.astype("int32"), ROW_FNS)
     ro = plan.table.copy()
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="table must be a writable"):
-        _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts, ro, _ROW_FNS)
+        _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts, ro, ROW_FNS)
     with pytest.raises(ValueError, match="fns must hold"):
-        _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts, plan.table, _ROW_FNS[:5])
+        _C.collect_rows(plan.params, plan.g_ref, plan.meta, plan.layouts, plan.table, ROW_FNS[:5])
 
 
 # ---------------------------------------------------------------- storage bounds (item 10)

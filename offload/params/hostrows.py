@@ -26,11 +26,10 @@ import torch
 from .. import _C
 from .._dist import is_dtensor, local
 from .._kernels import COL_G, COL_GD, COL_OD, COL_OUT, COL_P, DTYPE_CODES, OUT_USER_PARAM, TASK_COLS, _ptr
-from .._plan import M_CODE, M_COLS, M_GPTR, M_LOWP, M_NUMEL, M_PPTR, M_PVER, no_grad_ref, record_param
 from ..guards import SpanIndex, span_of, spans_of
 from ..layout import piece_columns
-from ..host_ram import _ROW_FNS
 from .base import LOW_PRECISION, check_grad
+from .rowrecord import M_CODE, M_COLS, M_GPTR, M_LOWP, M_NUMEL, M_PPTR, M_PVER, ROW_FNS, no_grad_ref, record_param
 
 __all__ = ["HostRows"]
 
@@ -103,7 +102,7 @@ class HostRows:
             rows.token = -1
             got = [None] * n
             ready, newgrad, changed, other = _C.collect_rows(params, rows.g_ref, rows.meta, rows.layouts, rows.table,
-                                                             _ROW_FNS, got)
+                                                             ROW_FNS, got)
             gs = StepGrads(got)
             a = np.zeros(n, dtype=bool)
             a[ready] = True

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .._dist import local
-from ..guards import WriteTracker, check_overlaps, resync_master
+from ..guards import WriteTracker, check_overlaps, refresh_master
 from ..layout import ALIGN, build_layout, piece_columns
 from ..params.base import check_grad, shapes_of
 from ..params.host import HostParams
@@ -325,7 +325,7 @@ class StateEngine(TorchLayout):
             for pc in pieces:
                 if (b.group, pc.param) in which:
                     sec = b.section("master_param") // 4 + pc.pos
-                    resync_master(f32[sec:sec + pc.n],
+                    refresh_master(f32[sec:sec + pc.n],
                                   self.local_groups[b.group][pc.param].detach().reshape(-1)[pc.start:pc.start + pc.n])
         return apply
 

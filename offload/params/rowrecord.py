@@ -1,0 +1,43 @@
+"""params/rowrecord.py: what the native per-step check of host parameters and gradients
+(``_C.collect_rows``, csrc/rows.cpp) is given: the getters and constants of torch it calls (``ROW_FNS``),
+the columns of the per-row record it compares against, and how a validated parameter is recorded.
+Used by params/hostrows.py; tests of the native check use it too.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+__all__ = ["ROW_FNS", "M_PPTR", "M_GPTR", "M_CODE", "M_DIM", "M_SIZE0", "M_NUMEL", "M_PVER", "M_LOWP", "M_COLS",
+           "no_grad_ref", "record_param", "get_version"]
+
+# what the native fast path (_C.collect_rows, csrc/rows.cpp) reads of each param/grad: the getset
+# descriptors and unbound methods of torch's tensor base class (direct C calls, no attribute lookup),
+# then the constants it compares with; the order is fixed by csrc/rows.cpp
+_TensorBase = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
+_TB = _TensorBase.__dict__
+ROW_FNS = (_TB["grad"], _TB["data_ptr"], _TB["dtype"], _TB["stride"], _TB["is_neg"], _TB["is_conj"], _TB["_version"],
+           _TB["shape"], _TB["is_cpu"], _TB["layout"], _TB["storage_offset"], _TB["untyped_storage"],
+           torch._C.StorageBase.nbytes, torch.Tensor, torch.nn.Parameter, torch.strided,
+           torch.float32, torch.bfloat16, torch.float16, _TensorBase)
+
+
+def no_grad_ref():  # stands in for a weakref of a row that has no validated gradient yet
+    return None
+
+
+get_version = operator.attrgetter("_version")
+
+
+# columns of GroupRows.meta (params/hostrows.py), the per-row record csrc/rows.cpp (collect_rows) compares against
+M_PPTR, M_GPTR, M_CODE, M_DIM, M_SIZE0, M_NUMEL, M_PVER, M_LOWP = range(8)
+M_COLS = 8
+
+
+def record_param(plan, i: int, lp: torch.Tensor, code: int) -> None:
+    """Record validated parameter ``lp`` (a plain contiguous CPU tensor) in row i of ``plan.meta``."""
+    m = plan.meta[i]
+    m[M_PPTR], m[M_CODE], m[M_DIM] = lp.data_ptr(), code, lp.dim()
+    m[M_SIZE0], m[M_NUMEL] = (lp.shape[0] if lp.dim() else 0), lp.numel()
+    plan.layouts[i] = (lp.shape, lp.stride())
