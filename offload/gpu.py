@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
-import weakref
 from typing import Optional
 
 import torch
@@ -20,6 +18,7 @@ import torch
 from .device import Device, resolve_device
 from .smallparams import small_params
 from .step.device_step import DeviceStep
+from .step.port import port_of
 
 __all__ = ["GpuOffloadMixin", "describe", "make_state_engine", "split_params", "start_engine"]
 
@@ -74,24 +73,6 @@ _HOST_STATS = dict(step=0, d2h_s=0.0, kernel_s=0.0, h2d_s=0.0, nvme_s=0.0, expos
                    buckets=0, skipped=False, grad_multiplier=1.0, overlapped=False, waited_all=False, complete=True)
 
 
-def _time_host_steps(opt) -> None:
-    """RAM state, host parameters: last_step_stats() from the step's wall time (it is all kernel)."""
-    ref = weakref.ref(opt)
-    box = {}
-
-    def pre(o, args, kwargs):
-        box["t"] = time.perf_counter()
-
-    def post(o, args, kwargs):
-        me = ref()
-        if me is not None and "t" in box:
-            dt = time.perf_counter() - box.pop("t")
-            prev = getattr(me, "_host_stats", None)
-            me._host_stats = dict(step=(prev["step"] if prev else 0) + 1, kernel_s=dt, step_s=dt)
-    opt.register_step_pre_hook(pre)
-    opt.register_step_post_hook(post)
-
-
 def describe(opt, device: Optional[Device], store, engine=None) -> str:
     """One line: where the parameters are stepped, where the state lives, the moment format."""
     n = sum(len(g["params"]) for g in opt.param_groups)
@@ -117,12 +98,10 @@ def describe(opt, device: Optional[Device], store, engine=None) -> str:
 
 def start_engine(opt, device: Optional[Device], gpu_options: dict, store=None):
     if device is None:
-        if store is None:
-            _time_host_steps(opt)
         log.info(describe(opt, None, store))
         return None
     opt._step_supports_amp_scaling = True   # GradScaler hands us grad_scale / found_inf instead of unscaling
-    engine = DeviceStep(opt, store, device, **gpu_options)   # buckets stream through a staging ring
+    engine = DeviceStep(port_of(opt), store, device, **gpu_options)   # buckets stream through a staging ring
     engine.owns_device = getattr(device, "_created_by_offload", False)
     log.info(describe(opt, device, store, engine))
     return engine
@@ -169,7 +148,7 @@ class GpuOffloadMixin:
         if self._gpu is not None:
             return self._gpu.last_step_stats(wait)
         store = getattr(self, "_store", None)
-        st = store.last_stats if store is not None else getattr(self, "_host_stats", None)
+        st = store.last_stats if store is not None else None
         if st is None:
             return None
         out = dict(_HOST_STATS)

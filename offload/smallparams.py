@@ -21,14 +21,15 @@ _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
 class DeviceSideAdam:
-    def __init__(self, opt, small: Dict[int, List[torch.Tensor]], decoupled: bool):
-        """``small``: outer group index -> its small parameters."""
-        self.opt = opt
+    def __init__(self, port, small: Dict[int, List[torch.Tensor]], decoupled: bool):
+        """``port``: the outer optimizer's StepPort (step/port.py); ``small``: outer group index -> its small
+        parameters."""
+        self.port = port
         self.group_of = []           # inner group index -> outer group index
         groups = []
         for gi, params in small.items():
             if params:
-                g = opt.param_groups[gi]
+                g = port.groups()[gi]
                 groups.append({"params": params, **{k: g[k] for k in _HYPER}})
                 self.group_of.append(gi)
         self.params = [p for g in groups for p in g["params"]]
@@ -49,7 +50,7 @@ class DeviceSideAdam:
         if self.inner is None:
             return
         for ig, gi in enumerate(self.group_of):
-            outer = self.opt.param_groups[gi]
+            outer = self.port.groups()[gi]
             for k in _HYPER:
                 self.inner.param_groups[ig][k] = outer[k]
         g = self.grads()
@@ -60,7 +61,7 @@ class DeviceSideAdam:
         self.inner.step()
         for p in self.params:
             if p in self.inner.state:
-                self.opt.state[p] = self.inner.state[p]   # the same dict: state_dict sees it
+                self.port.state()[p] = self.inner.state[p]   # the same dict: state_dict sees it
 
     def load(self) -> None:
         """After the outer ``load_state_dict``: hand each small parameter's loaded state to torch."""
@@ -69,7 +70,7 @@ class DeviceSideAdam:
         sd = self.inner.state_dict()
         state = {}
         for i, p in enumerate(self.params):
-            st = self.opt.state.get(p)
+            st = self.port.state().get(p)
             if st:
                 # copies: the loaded state_dict's tensors stay the caller's (torch would alias them)
                 state[i] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
@@ -78,9 +79,9 @@ class DeviceSideAdam:
         self.inner.load_state_dict(sd)   # torch casts to the parameter's device and dtype
         for p in self.params:
             if p in self.inner.state:
-                self.opt.state[p] = self.inner.state[p]
+                self.port.state()[p] = self.inner.state[p]
             else:
-                self.opt.state.pop(p, None)
+                self.port.state().pop(p, None)
 
 
 def small_params(param_groups: list, small_param_numel: int) -> set:

@@ -142,7 +142,7 @@ class BackwardFeed(FeedStep):
         self._reset()
         eng = self.engine
         with eng._using():
-            eng._adopt_user_state(self.face.opt.state)
+            eng._adopt_user_state(self.face.port.state())
         self.face.reload_changed()
         self.side.grads = self.grads
         tel = self.tier.telemetry
@@ -197,7 +197,7 @@ class BackwardFeed(FeedStep):
             p.grad = None
 
     def hyper(self, gi: int) -> dict:
-        h = self.face.opt.group_hyper(gi)
+        h = self.face.port.hyper(gi)
         for k in ("lr", "eps", "weight_decay", "beta1", "beta2"):
             if not math.isfinite(h[k]):
                 raise ValueError(f"group {gi}: {k} = {h[k]} is not finite")

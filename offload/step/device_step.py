@@ -46,7 +46,7 @@ def _mark(p) -> tuple:
 
 
 class DeviceStep:
-    def __init__(self, opt, engine, device, *, bucket_mb: float = 32.0, overlap: bool = True,
+    def __init__(self, port, engine, device, *, bucket_mb: float = 32.0, overlap: bool = True,
                  step_during_backward=None, max_grad_norm=None, check_overflow: bool = False,
                  release_grads: bool = False, trace: bool = False, small_param_numel: int = 0, delay_updates=0):
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
@@ -64,7 +64,7 @@ class DeviceStep:
                              "unset (the default steps after backward when several ranks run)")
         if step_during_backward is None:   # (DDP rewrites gradients after they are ready, even on one rank)
             step_during_backward = max_grad_norm is None and not check_overflow and not in_process_group()
-        self.opt = opt
+        self.port = port
         self.engine = engine
         self.device = device
         self.overlap = bool(overlap)
@@ -74,8 +74,9 @@ class DeviceStep:
         engine.side.trace = self.trace
         # parameters of at most small_param_numel elements stay on the device (offload/smallparams.py)
         small = sorted(engine.excluded)
-        self.small = DeviceSideAdam(opt, {gi: [opt.param_groups[gi]["params"][i] for g2, i in small if g2 == gi]
-                                          for gi in range(len(opt.param_groups))}, opt.group_hyper(0)["decoupled"])
+        groups = port.groups()
+        self.small = DeviceSideAdam(port, {gi: [groups[gi]["params"][i] for g2, i in small if g2 == gi]
+                                           for gi in range(len(groups))}, port.hyper(0)["decoupled"])
         self.feed = None
         if self.overlap:
             from .backward import BackwardFeed
@@ -98,7 +99,7 @@ class DeviceStep:
         """Threads of the CPU kernel: the optimizer's ``threads``, else every CPU of this process but the
         device's ``launch_threads`` (on CUDA two, for the training thread and autograd's device thread,
         which launch GPU work while the kernel runs; 0 means every CPU)."""
-        threads = self.opt.kernel_threads
+        threads = self.port.threads()
         if threads or not self.device.launch_threads:
             return threads
         return max(1, affinity_cpus() - self.device.launch_threads)
@@ -194,38 +195,36 @@ class DeviceStep:
                 "offload GPU mode: clip_grad_norm_ needs every gradient before any bucket is stepped, but this "
                 "optimizer steps buckets during backward. Construct it with max_grad_norm=... (clipping inside "
                 "step()) or step_during_backward=False.")
-        opt = self.opt
-        pending = opt.pending_clip_coefficient()   # a coefficient left by an earlier call, if still valid
+        port = self.port
+        pending = port.pending()   # a coefficient left by an earlier call, if still valid
         total = math.sqrt(self._sumsq()) * pending
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total}), so it cannot be clipped")
         coef = float(max_norm) / (total + 1e-6)
-        opt.set_clip_coefficient(pending * coef if coef < 1.0 else pending,
-                                 [p for ps in self.engine.groups for p in ps if p.grad is not None])
+        port.set_pending(pending * coef if coef < 1.0 else pending,
+                         [p for ps in self.engine.groups for p in ps if p.grad is not None])
         return torch.tensor(total, dtype=torch.float32)
 
     def step(self, grad_multiplier: Optional[float]) -> None:
         t0 = time.perf_counter()
         (self.feed or self.engine.tier).check_usable()   # failed: refused before any check, any small parameter
-        opt = self.opt
-        mult = opt.pending_clip_coefficient() * (1.0 if grad_multiplier is None else float(grad_multiplier))
+        mult = self.port.pending() * (1.0 if grad_multiplier is None else float(grad_multiplier))
         self._step(t0, mult)
-        opt.set_clip_coefficient(1.0, [])   # used up by a step that ran or was skipped; one that raised keeps it
+        self.port.set_pending(1.0, [])   # used up by a step that ran or was skipped; one that raised keeps it
 
     def _step(self, t0: float, mult: float) -> None:
-        opt = self.opt
+        port = self.port
         if self.small:   # they are stepped first: every group's hyperparameters are checked before that
-            for gi in range(len(opt.param_groups)):
-                opt.group_hyper(gi)
-        gs = getattr(opt, "grad_scale", None)
-        found_inf = getattr(opt, "found_inf", None)
+            for gi in range(len(port.groups())):
+                port.hyper(gi)
+        gs, found_inf = port.amp()
         if gs is not None:
             mult /= float(gs)
         if self.feed is not None and self.eager:
             return self._queued(t0, self.feed.step(mult, gs, found_inf, before=self._small_step(mult)), mult)
         skip = found_inf is not None and float(found_inf) > 0
         if self.feed is None:
-            active = self.engine._collect(opt.param_groups)   # validation first: nothing changes on error
+            active = self.engine._collect(port.groups())   # validation first: nothing changes on error
         # (GradScaler checked for inf/NaN already when it hands found_inf over: no second pass for that)
         if not skip and (self.max_grad_norm is not None or (self.check_overflow and found_inf is None)):
             total = self._sumsq()
@@ -248,7 +247,7 @@ class DeviceStep:
         if not skip:
             self._small_step(mult)()
             self.reload_changed()   # the user wrote parameters (e.g. model.load_state_dict): masters follow
-            self.engine.step(opt.param_groups, opt.group_hyper, opt.state,
+            self.engine.step(port.groups(), port.hyper, port.state(),
                              mult, self.kernel_threads(), active=active)
             self._versions = self._snapshot()
             stats = self.engine.last_stats

@@ -52,7 +52,7 @@ class FeedStep:
         """Queue what is left of this step and return at once; the returned record is completed by the
         worker (``done``). ``skip``: decided by the caller (overflow); ``before()``: runs first if not skipped."""
         t_step = time.perf_counter()
-        opt = self.face.opt
+        port = self.face.port
         if not self.in_cycle:
             self._begin()
         early = bool(self.dispatched)
@@ -74,7 +74,7 @@ class FeedStep:
                 self.wait_idle()   # the layout grows (tier, staging ring): nothing may be in flight
                 self._raise_if_failed()
             with eng._lock:
-                eng._collect(opt.param_groups)   # validates the other gradients; lays out late parameters
+                eng._collect(port.groups())   # validates the other gradients; lays out late parameters
                 eng._grads = None
             self._maps()
             self.grads += [[None] * len(g) for g in eng.groups[len(self.grads):]]
@@ -121,14 +121,14 @@ class FeedStep:
 
     def _finish(self, active: list, fresh: list, rec: dict, order: list) -> None:
         """The worker, after the step's last bucket: write-backs done, the state committed."""
-        eng, opt = self.engine, self.face.opt
+        eng, port = self.engine, self.face.port
         with eng._lock:
             self.tier.drain()
             self.ahead = order   # read ahead the next step's first buckets (during forward)
             eng.registry.commit(active)
             for gi, a in enumerate(active):
                 eng.tracker.record(gi, np.flatnonzero(a))
-            eng._install(fresh, opt.state)
+            eng._install(fresh, port.state())
             self.side.grads = None
         self.grads = [[None] * len(g) for g in self.grads]   # no reference to this step's gradients survives it
         self.sent, self.unsent = {}, {}
