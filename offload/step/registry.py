@@ -55,7 +55,9 @@ class Registry:
 
     def advance(self, active: Sequence[np.ndarray]) -> None:
         for gi, a in enumerate(active):
-            if a.any():
+            if a.all():
+                self.steps[gi] += 1   # (every parameter has a gradient: no masked update)
+            elif a.any():
                 self.steps[gi][torch.from_numpy(a)] += 1
 
     def commit(self, active: Sequence[np.ndarray]) -> None:
