@@ -13,11 +13,12 @@ Two measurements, both in one process, every schedule on the same machine state:
   figure is the median iteration, the table shows the median over rounds and the range (noise).
 * ``loss``: the order-2 Markov GPT of ``python -m offload.bench fidelity`` (``--size quick``: 300 steps,
   the default; ``default``: 400 steps of a larger model; the same data, init and lr schedule for both
-  contenders), exact vs ``delay_updates=1``, on the fake device: mean loss of the last 50 steps, for
-  ``--seeds`` seeds.
+  contenders), exact vs ``delay_updates=1`` after each ``--delay-after`` number of exact steps, on the
+  fake device: mean loss of the last 50 steps, for ``--seeds`` seeds.
 
     python bench/delayed.py --json out.json            # both (about 3 minutes on 2 cores)
     python bench/delayed.py --only timing --rounds 5
+    python bench/delayed.py --only loss --size default --delay-after 0,20,50,100
 """
 from __future__ import annotations
 
@@ -120,14 +121,16 @@ def timing_case(fwd_s, bwd_s, args) -> dict:
                 exact_eager_vs_sum=med["exact (eager)"] / (f + s))
 
 
-def loss_run(delay: int, seed: int, size) -> list:
+def loss_run(delay_after, seed: int, size) -> list:
+    """Training losses of every step: exact (``delay_after`` None) or delayed after that many steps."""
     stream = MarkovStream(size.vocab, size.contexts, seed=seed + 1234)
     gen = torch.Generator().manual_seed(seed + 1)
     cfg = GPTConfig(vocab=size.vocab, seq=size.seq, n_layer=size.n_layer, n_head=size.n_head, d_model=size.d_model)
     torch.manual_seed(seed)
     model = GPT(cfg)
     opt = offload.AdamW(param_groups(model, 0.1), lr=size.lr, betas=(0.9, 0.95), offload_device=fake(),
-                        bucket_mb=0.05, step_during_backward=False, delay_updates=delay)
+                        bucket_mb=0.05, step_during_backward=False,
+                        **({} if delay_after is None else dict(delay_updates=1, delay_after=delay_after)))
     losses = []
     for step in range(size.steps):
         x, _ = stream.sample(size.batch, size.seq + 1, gen)
@@ -145,13 +148,17 @@ def loss_run(delay: int, seed: int, size) -> list:
 def loss_table(args) -> dict:
     size = SIZES[args.size]
     out = []
+    afters = [int(a) for a in args.delay_after.split(",")]
     for seed in range(args.seeds):
-        last = {}
-        for delay in (0, 1):
-            ls = loss_run(delay, seed, size)
-            last[delay] = sum(ls[-50:]) / 50
-        out.append(dict(seed=seed, exact=last[0], delayed=last[1], ratio=last[1] / last[0]))
-    return dict(size=args.size, steps=size.steps, rows=out)
+        ls = loss_run(None, seed, size)
+        row = dict(seed=seed, exact=sum(ls[-50:]) / 50, delayed={})
+        for a in afters:
+            ls = loss_run(a, seed, size)
+            row["delayed"][a] = sum(ls[-50:]) / 50
+        out.append(row)
+        cells = [f"{row['delayed'][a]:.4f} ({row['delayed'][a] / row['exact']:.4f})" for a in afters]
+        print(f"| {seed} | {row['exact']:.4f} | " + " | ".join(cells) + " |", flush=True)
+    return dict(size=args.size, steps=size.steps, delay_after=afters, rows=out)
 
 
 def cpu_model() -> str:
@@ -174,6 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket-mb", type=float, default=1.0)
     ap.add_argument("--drive-ms", type=float, default=8.0, help="seconds per bucket read or write on the slow drive")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--delay-after", default="0,50", help="comma-separated warm-ups (exact steps) to measure (loss)")
     ap.add_argument("--size", choices=sorted(SIZES), default="quick", help="the fidelity bench's size (loss)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -196,12 +204,11 @@ def main(argv=None) -> int:
                   f"{cell('delay_updates=1')} | {c['delayed_vs_max']:.2f} | {c['exact_deferred_vs_sum']:.2f} |",
                   flush=True)
     if args.only in (None, "loss"):
+        afters = args.delay_after.split(",")
+        print(f"| seed | exact: mean loss, last 50 of {SIZES[args.size].steps} steps ({args.size}) | "
+              + " | ".join(f"delay_after={a} (ratio)" for a in afters) + " |")
+        print("|---|---|" + "---|" * len(afters))
         out["loss"] = loss_table(args)
-        print(f"| seed | exact: mean loss, last 50 of {out['loss']['steps']} steps ({args.size}) | delay_updates=1 "
-              "| ratio |")
-        print("|---|---|---|---|")
-        for r in out["loss"]["rows"]:
-            print(f"| {r['seed']} | {r['exact']:.4f} | {r['delayed']:.4f} | {r['ratio']:.4f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

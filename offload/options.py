@@ -11,7 +11,7 @@ from typing import Optional
 __all__ = ["OPTIONS_DOC", "GPU_OPTION_NAMES", "given_gpu_options", "resolve_state", "resolve_storage"]
 
 GPU_OPTION_NAMES = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm", "check_overflow",
-                    "release_grads", "trace", "small_param_numel", "delay_updates")
+                    "release_grads", "trace", "small_param_numel", "delay_updates", "delay_after")
 
 OPTIONS_DOC = """
     offload's own keyword arguments (after torch's):
@@ -47,6 +47,8 @@ OPTIONS_DOC = """
     small_param_numel: parameters of at most this many elements stay on the GPU, stepped by torch.
     delay_updates: 0 (exact, default) or 1: the CPU step of each iteration runs during the next
         forward and backward, which see the weights before it (one step of staleness; docs/gpu.md).
+    delay_after: with ``delay_updates=1``, the number of steps run exact before the delay starts
+        (default 50: the first steps, when the weights change fastest, are where staleness costs most).
 """
 
 

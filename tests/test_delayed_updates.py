@@ -1,8 +1,9 @@
 """tests/test_delayed_updates.py: ``delay_updates=1`` (offload/step/delayed.py) against a plain reference of its rule.
 
 The rule (docs/gpu.md): the forward and backward of iteration t see every update but the one still
-pending, so with w_t the master weights after update t, g_t is computed on w_{t-2} (w_{-1} = w_0) and
-w_t = AdamW(w_{t-1}, g_t). ``reference`` writes that rule out with a plain optimizer over fp32 masters:
+pending, so with w_t the master weights after update t, w_t = AdamW(w_{t-1}, g_t) and g_t is computed
+on w_{t-1} for t <= delay_after + 1 (the first delay_after updates are exact), on w_{t-2} after that.
+``reference`` writes that rule out with a plain optimizer over fp32 masters:
 with offload's host (CPU-mode) AdamW, the same kernel, the device run must match bitwise (losses of
 every iteration, weights, moments); with ``torch.optim.AdamW`` it matches to rounding (the two kernels
 differ in the last bit). The parameters are on a FakeDevice (random copy delays, NaN poison, hazard
@@ -56,17 +57,19 @@ def losses_of(model, micro, inf=False, scale=lambda loss: loss):
     return out
 
 
-def reference(kind, dtype, data, clip=None, inf_step=None):
+def reference(kind, dtype, data, clip=None, inf_step=None, after=0):
     """The rule with a plain optimizer: ``model`` holds the weights forward sees, ``master`` the fp32
-    masters; after step t the model gets the masters as they were before update t."""
+    masters; after step t the model gets the masters as they were before update t, or after it while
+    fewer than ``after`` updates were applied before it (the exact warm-up; a skipped step is no update)."""
     model = make_net(dtype)
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     opt = (offload.AdamW(master, lr=LR, weight_decay=WD) if kind == "offload" else
            torch.optim.AdamW(master, lr=LR, weight_decay=WD, foreach=False))
-    losses = []
+    losses, updates = [], 0
     for t, micro in enumerate(data):
         losses += losses_of(model, micro, inf_step == t)
-        prev = [m.detach().clone() for m in master]
+        held = updates >= after
+        prev = [m.detach().clone() for m in master] if held else master
         if inf_step != t:   # an overflow skips the update (the pending one still lands)
             for m, p in zip(master, model.parameters()):
                 m.grad = p.grad.float()
@@ -74,16 +77,19 @@ def reference(kind, dtype, data, clip=None, inf_step=None):
                 (opt.clip_grad_norm_ if kind == "offload" else
                  lambda c: torch.nn.utils.clip_grad_norm_(master, c))(clip)
             opt.step()
+            updates += 1
         with torch.no_grad():
             for p, w in zip(model.parameters(), prev):
-                p.copy_(w)
+                p.copy_(w.detach())
             model.zero_grad(set_to_none=True)
     return losses, [m.detach() for m in master], opt
 
 
 def ours(dtype, data, *, device=None, delay=1, clip=None, inf_step=None, scaler=None, accum_with=None,
-         state_opts=None, bucket_mb=0.002):
+         state_opts=None, bucket_mb=0.002, after=0):
     model = make_net(dtype)
+    if delay:   # (after=None: the default warm-up)
+        state_opts = dict(state_opts or {}, **({} if after is None else dict(delay_after=after)))
     opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD, bucket_mb=bucket_mb,
                         offload_device=device or FakeDevice(max_delay=0.002, seed=1), delay_updates=delay,
                         max_grad_norm=clip, check_overflow=inf_step is not None or scaler is not None,
@@ -153,6 +159,27 @@ def test_matches_the_reference_rule(dtype, where, tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype,after,inf_step", [(torch.float32, 2, None), (torch.bfloat16, 3, 1)])
+def test_exact_warm_up_then_delayed(dtype, after, inf_step):
+    """delay_after: the first ``after`` updates exact (a skipped step is no update), then one step of delay."""
+    data, clip = batches(STEPS, dtype=dtype), (None if inf_step is None else 0.05)
+    model, opt, losses = ours(dtype, data, after=after, clip=clip, inf_step=inf_step)
+    ref = reference("offload", dtype, data, clip=clip, inf_step=inf_step, after=after)
+    assert losses == ref[0]
+    assert_matches(model, opt, ref)
+    check_device(opt)
+    exact = ours(dtype, data, delay=0, clip=clip, inf_step=inf_step)[2]
+    k = after + 1 + (inf_step is not None and inf_step <= after)   # the first forward without the last update
+    assert exact[:k] == losses[:k] and exact[k] != losses[k]
+    opt.close()
+
+
+def test_default_warm_up_is_exact():
+    data = batches(3)
+    assert ours(torch.float32, data, after=None)[2] == ours(torch.float32, data, delay=0)[2]
+
+
+@pytest.mark.timeout(60)
 def test_clipping_and_overflow_skip():
     data = batches(STEPS)
     model, opt, losses = ours(torch.float32, data, clip=0.05, inf_step=3)
@@ -187,10 +214,11 @@ def test_gradient_accumulation(how):
 
 # ------------------------------------------------------------------------------------ checkpoints, close
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_checkpoint_holds_the_pending_update_and_resumes_bitwise(dtype, tmp_path):
+@pytest.mark.parametrize("dtype,after", [(torch.float32, 0), (torch.bfloat16, 0), (torch.float32, 4)])
+def test_checkpoint_holds_the_pending_update_and_resumes_bitwise(dtype, after, tmp_path):
+    """(after=4: saved in the exact warm-up; both runs switch to the delay at the same step)"""
     data = batches(STEPS, dtype=dtype)
-    model, opt, _ = ours(dtype, data[:3])
+    model, opt, _ = ours(dtype, data[:3], after=after)
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}   # completes the pending update
     offload.save(opt, str(tmp_path / "ckpt"))
     sd = opt.state_dict()["state"]
@@ -208,7 +236,8 @@ def test_checkpoint_holds_the_pending_update_and_resumes_bitwise(dtype, tmp_path
     fresh = make_net(dtype)
     fresh.load_state_dict(saved_model)
     opt2 = offload.AdamW(fresh.parameters(), lr=LR, weight_decay=WD, bucket_mb=0.002,
-                         offload_device=FakeDevice(max_delay=0.002, seed=3), delay_updates=1)
+                         offload_device=FakeDevice(max_delay=0.002, seed=3), delay_updates=1,
+                         delay_after=after)
     offload.load(opt2, str(tmp_path / "ckpt"))
     rest2 = []
     for micro in data[3:]:
@@ -238,7 +267,8 @@ def test_close_applies_the_pending_update():
 # ------------------------------------------------------------------------------------ refusals
 @pytest.mark.parametrize("opts,match", [
     (dict(overlap=False), "overlap"), (dict(step_during_backward=True), "step_during_backward"),
-    (dict(small_param_numel=64), "small_param_numel"), (dict(delay_updates=2), "0 \\(exact\\) or 1")])
+    (dict(small_param_numel=64), "small_param_numel"), (dict(delay_updates=2), "0 \\(exact\\) or 1"),
+    (dict(delay_after=-1), "delay_after must be"), (dict(delay_updates=0, delay_after=5), "delay_updates=1 only")])
 def test_refused_combinations_name_the_alternative(opts, match):
     kw = dict(delay_updates=1)
     kw.update(opts)

@@ -2,13 +2,16 @@
 
 ``step()`` of iteration t queues its CPU step (D2H of the gradients, the kernel, the NVMe traffic) as
 the *pending update* and returns; that CPU step runs while the forward and backward of iteration t+1
-run on the weights without it. The kernel writes each bucket's new weights into a host buffer of
+run on the weights without it. The first ``delay_after`` updates are exact (``DelayedUpdates.step``
+decides between CPU steps, from the optimizer's step count, so a resumed run decides as the
+uninterrupted one did); until then ``HeldParams`` passes the weights through as ``DeviceParams`` does.
+Once delayed, the kernel writes each bucket's new weights into a host buffer of
 that bucket (``HeldParams``) instead of uploading them. ``step()`` of iteration t+1 first waits for
 the pending CPU step, then uploads its weights (after t+1's backward on the compute stream), queues
 its own CPU step and returns; the next forward waits bucket by bucket for those uploads, as in the
 exact schedule (step/uploads.py). So with w_t the master weights after update t:
 
-    w_t = AdamW(w_{t-1}, g_t),   g_t computed on w_{t-2}   (w_{-1} = w_0)
+    w_t = AdamW(w_{t-1}, g_t),   g_t computed on w_{t-1} for t <= delay_after + 1, on w_{t-2} after
 
 Anything that needs the current weights completes the pending update first (``DelayedUpdates.
 synchronize``: ``opt.synchronize()``, ``state_dict()``, ``offload.save``, ``close()``, ``add_param_group``,
@@ -29,19 +32,29 @@ from ..params.device import DeviceParams
 from .hooks import weak_hook
 from .uploads import Upload
 
-__all__ = ["DelayedUpdates", "HeldParams", "prepare"]
+__all__ = ["DELAY_AFTER", "DelayedUpdates", "HeldParams", "prepare"]
+
+DELAY_AFTER = 50   # exact steps before the delay starts, by default (bench/delayed.py --only loss: docs/gpu.md)
 
 
-def prepare(delay_updates, overlap: bool, step_during_backward, small_param_numel, engine) -> tuple:
-    """Validate ``delay_updates`` against the other options (nothing changes on error); with a delay,
-    the engine's parameter side becomes a ``HeldParams``. Returns (0 (exact) or 1, step_during_backward:
-    False with a delay, which steps the buckets after backward)."""
+def prepare(overlap: bool, step_during_backward, small_param_numel, engine, delay_updates=0,
+            delay_after=None) -> tuple:
+    """Validate ``delay_updates`` and ``delay_after`` against the other options (nothing changes on
+    error); with a delay, the engine's parameter side becomes a ``HeldParams``. Returns (None (exact) or
+    the number of exact steps before the delay, step_during_backward: False with a delay, which steps
+    the buckets after backward)."""
     if isinstance(delay_updates, bool):
         delay_updates = int(delay_updates)
     if not isinstance(delay_updates, int) or delay_updates not in (0, 1):
         raise ValueError(f"delay_updates must be 0 (exact) or 1 (one step of delay), got {delay_updates!r}")
+    if delay_after is not None and (isinstance(delay_after, bool) or not isinstance(delay_after, int)
+                                    or delay_after < 0):
+        raise ValueError(f"delay_after must be a number of steps >= 0, got {delay_after!r}")
     if not delay_updates:
-        return 0, step_during_backward
+        if delay_after is not None:
+            raise ValueError("delay_after (exact steps before the delayed update starts) applies with "
+                             "delay_updates=1 only: add delay_updates=1 or leave delay_after unset")
+        return None, step_during_backward
     if not overlap:
         raise ValueError("delay_updates=1 cannot be combined with overlap=False (which runs the whole step inside "
                          "step()): leave overlap at its default")
@@ -58,17 +71,19 @@ def prepare(delay_updates, overlap: bool, step_during_backward, small_param_nume
     engine.side = HeldParams(old.groups, old.device, old.nslots)
     engine.side.allocate(engine.layout)
     old.close()
-    return 1, False
+    return (DELAY_AFTER if delay_after is None else delay_after), False
 
 
 class HeldParams(DeviceParams):
-    """DeviceParams whose new weights wait in one host buffer per bucket until ``release``."""
+    """DeviceParams whose new weights wait in one host buffer per bucket until ``release`` (while
+    ``hold``; otherwise, in the exact steps before the delay starts, a plain ``DeviceParams``)."""
 
     def __init__(self, groups, device, slots: int = 2):
         super().__init__(groups, device, slots)
         self.bufs: dict = {}      # bucket index -> host buffer of its weights (its staging layout)
         self.held: dict = {}      # bucket index -> (bucket, pieces) stepped and not uploaded yet
         self.reading: dict = {}   # bucket index -> event of the upload still reading its buffer
+        self.hold = True          # set by DelayedUpdates.step, with no CPU step in flight
 
     def allocate(self, layout) -> None:
         super().allocate(layout)
@@ -84,6 +99,8 @@ class HeldParams(DeviceParams):
         """The kernel's pointers, its output redirected to the bucket's own buffer (once the last
         upload from that buffer has read it)."""
         rows = super().ptrs(b, pieces, staged)
+        if not self.hold:
+            return rows
         ev = self.reading.pop(b.index, None)
         if ev is not None:
             ev.synchronize()
@@ -92,6 +109,8 @@ class HeldParams(DeviceParams):
 
     def publish(self, b, pieces, staged, after=None):
         """Nothing goes up now: the bucket's weights are held until ``release``."""
+        if not self.hold:
+            return super().publish(b, pieces, staged, after)
         self.held[b.index] = (b, list(pieces))
         return None
 
@@ -131,24 +150,37 @@ class HeldParams(DeviceParams):
 
 class DelayedUpdates:
     """The pending update of the device schedule: ``step`` releases the previous one and queues the
-    next; ``synchronize`` completes it (the device weights are then the master weights)."""
+    next; ``synchronize`` completes it (the device weights are then the master weights). Updates up to
+    the ``after``-th are exact: their CPU step uploads as in the deferred schedule."""
 
-    def __init__(self, feed, side: HeldParams, device):
-        self.feed, self.side, self.device = feed, side, device
+    def __init__(self, feed, side: HeldParams, device, after: int = 0):
+        self.feed, self.side, self.device, self.after = feed, side, device, after
         self.pending = False   # a step() queued since the last synchronize
         feed.uploads.before_read = weak_hook(self, "before_read")   # a module's state_dict / load_state_dict
 
     def step(self, run: Callable[[], dict]) -> dict:
         """``run`` queues this step's CPU step (the feed's step()); before it, the pending one is
-        waited for and its weights go up after this backward; the next forward waits for those."""
+        waited for and its weights go up after this backward; the next forward waits for those.
+        Whether this update is held is decided here, between CPU steps, from the optimizer's step
+        count (the largest of its parameters'; restored by a load) before it: held from ``after`` on."""
         self.feed.synchronize()   # the pending CPU step: it ran during this forward and backward
         ups = self._release()
+        self.side.hold = self.steps() >= self.after
+        if not self.side.hold:   # an exact update: the feed's step starts its own uploads
+            if ups:   # (none: the step count only grows, and a load discards what was held)
+                self.feed.uploads.start(ups)
+                self.feed.uploads.wait_all()
+            return run()
         try:
             rec = run()
             self.pending = True
             return rec
         finally:
             self.feed.uploads.start(ups)
+
+    def steps(self) -> int:
+        """The optimizer's step count: updates applied so far (skipped steps do not count)."""
+        return int(max((float(s.max()) for s in self.feed.engine.registry.steps if s.numel()), default=0))
 
     def wrap(self, feed_step: Callable[..., dict]) -> Callable[..., dict]:
         """The feed's step() (step/feedstep.py) as ``step`` runs it."""

@@ -48,12 +48,12 @@ def _mark(p) -> tuple:
 class DeviceStep:
     def __init__(self, port, engine, device, *, bucket_mb: float = 32.0, overlap: bool = True,
                  step_during_backward=None, max_grad_norm=None, check_overflow: bool = False,
-                 release_grads: bool = False, trace: bool = False, small_param_numel: int = 0, delay_updates=0):
+                 release_grads: bool = False, trace: bool = False, small_param_numel: int = 0, **delay):
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise ValueError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
         if max_grad_norm is not None and not (float(max_grad_norm) > 0):
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-        delay, step_during_backward = prepare(delay_updates, overlap, step_during_backward, small_param_numel, engine)
+        delay, step_during_backward = prepare(overlap, step_during_backward, small_param_numel, engine, **delay)
         if step_during_backward and (max_grad_norm is not None or check_overflow):
             raise ValueError("step_during_backward=True cannot be combined with max_grad_norm or check_overflow: "
                              "both need every gradient before any bucket may be stepped")
@@ -82,7 +82,7 @@ class DeviceStep:
             from .backward import BackwardFeed
             self.feed = BackwardFeed(self, engine, device, eager=self.eager, release_grads=release_grads,
                                      trace=self.trace)
-        self.delayed = DelayedUpdates(self.feed, engine.side, device) if delay else None
+        self.delayed = None if delay is None else DelayedUpdates(self.feed, engine.side, device, after=delay)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.check_overflow = bool(check_overflow)
         self.owns_device = False
