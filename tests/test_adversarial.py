@@ -133,7 +133,7 @@ def test_duplicate_with_disk_state_steps_twice_like_torch(mode, tmp_path):
     def make():
         p = P(4, 3)
         return [p, P(5, seed=1), p]
-    a, b, oa, ob = run_pair(make, lambda ps, **kw: offload.AdamW(ps, state=mode, nvme_dir=tmp_path, **kw),
+    a, b, oa, ob = run_pair(make, lambda ps, **kw: offload.AdamW(ps, storage=mode, nvme_dir=tmp_path, **kw),
                             torch.optim.AdamW, dict(lr=0.05, amsgrad=True))
     assert torch.equal(a[0], b[0]) and float(oa.state[a[0]]["step"]) == 6.0
     torch.testing.assert_close(a[1], b[1])
@@ -237,7 +237,7 @@ def test_named_parameters_like_torch():
 
 def test_named_parameters_with_nvme_state(tmp_path):
     m = torch.nn.Linear(4, 3)
-    opt = offload.AdamW(m.named_parameters(), state="nvme", nvme_dir=tmp_path)
+    opt = offload.AdamW(m.named_parameters(), storage="nvme", nvme_dir=tmp_path)
     m(torch.randn(2, 4)).sum().backward()
     opt.step()
     sd = opt.state_dict()
@@ -330,7 +330,7 @@ def test_fused_clip_includes_odd_params_and_scales_their_grads():
 @pytest.mark.parametrize("mode", ["nvme", "mmap", "8bit"])
 def test_odd_params_with_disk_state_or_compressed_moments_match_torch_bitwise(mode, tmp_path):
     """Their state stays in host RAM in torch's layout (not in the state file, not compressed)."""
-    kw = dict(moments="8bit") if mode == "8bit" else dict(state=mode, nvme_dir=tmp_path)
+    kw = dict(moments="8bit") if mode == "8bit" else dict(storage=mode, nvme_dir=tmp_path)
     a, b, oa, ob = run_pair(_odd_params, lambda ps, **k: offload.AdamW(ps, **kw, **k), torch.optim.AdamW,
                             dict(lr=0.01, weight_decay=0.1))
     for i, (x, y) in enumerate(zip(a[:5], b[:5])):
@@ -345,7 +345,7 @@ def test_odd_device_params_are_refused_by_name(tmp_path):
     from offload.device import FakeDevice
     for p, what in zip(_odd_params()[:3], ("float64", "complex", "not contiguous")):
         with pytest.raises((TypeError, RuntimeError), match=f"parameter 0 of group 0 .*{what}"):
-            offload.AdamW([p], offload_device=FakeDevice(), state="nvme", nvme_dir=tmp_path)
+            offload.AdamW([p], offload_device=FakeDevice(), storage="nvme", nvme_dir=tmp_path)
 
 
 def test_float8_and_int_params_still_refused_by_name():
@@ -361,7 +361,7 @@ def test_compiled_training_step(mode, tmp_path):
     torch.manual_seed(0)
     m, ref = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     ref.load_state_dict(m.state_dict())
-    kw = {} if mode == "ram" else dict(state=mode, nvme_dir=tmp_path)
+    kw = {} if mode == "ram" else dict(storage=mode, nvme_dir=tmp_path)
     opt, ropt = offload.AdamW(m.parameters(), lr=0.1, **kw), torch.optim.AdamW(ref.parameters(), lr=0.1)
     x = torch.randn(8, 4)
 

@@ -26,7 +26,7 @@ def build(tier, moments, d, **kw):
     if moments != "fp32":
         kw.update(moments=moments, moments_min_size=100)
     if tier != "ram":
-        kw.update(state=tier, nvme_dir=d, host_budget=65536)
+        kw.update(storage=tier, nvme_dir=d, host_budget=65536)
     groups = [{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.1}]
     kw = dict(dict(overlap=False, bucket_mb=0.002), **kw)
     return ps, offload.AdamW(groups, lr=0.01, offload_device=CpuDevice(), **kw)

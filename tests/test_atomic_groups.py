@@ -28,7 +28,7 @@ def build(mode, d):
     ps = [torch.nn.Parameter(torch.randn(s)) for s in (300, 50)]
     kw = dict(moments=moments, moments_min_size=100) if moments != "fp32" else {}
     if tier != "ram":
-        kw.update(state=tier, nvme_dir=d, host_budget=65536)
+        kw.update(storage=tier, nvme_dir=d, host_budget=65536)
     if device:
         kw.update(offload_device=CpuDevice(), overlap=False, bucket_mb=0.002)
     return ps, offload.AdamW([{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0.1}], lr=0.01, **kw)

@@ -34,7 +34,7 @@ def build(tier, moments, d):
         ps += [torch.nn.Parameter(torch.randn(6, dtype=torch.float64)), torch.nn.Parameter(torch.randn(5, 4).t())]
     kw = dict(moments=moments, moments_min_size=100) if moments != "fp32" else {}
     if tier != "ram":
-        kw.update(state=tier, nvme_dir=d, host_budget=16384 if tier == "nvme" else 4096)
+        kw.update(storage=tier, nvme_dir=d, host_budget=16384 if tier == "nvme" else 4096)
     groups = [{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.1}]
     return ps, offload.AdamW(groups, lr=0.01, **kw)
 

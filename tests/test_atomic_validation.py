@@ -95,7 +95,7 @@ def test_first_step_that_raises_leaves_no_state_behind():
 
 @pytest.mark.parametrize("mode", ["nvme", "mmap", "8bit"])
 def test_amsgrad_switched_on_with_the_state_engine_changes_nothing(tmp_path, mode):
-    kw = dict(moments="8bit", moments_min_size=4) if mode == "8bit" else dict(state=mode, nvme_dir=tmp_path)
+    kw = dict(moments="8bit", moments_min_size=4) if mode == "8bit" else dict(storage=mode, nvme_dir=tmp_path)
     (ps, opt), (ref, ropt) = _pair(2, **kw)
     train(ps, opt, 0, 1)
     train(ref, ropt, 0, 1)
@@ -117,7 +117,7 @@ def test_amsgrad_switched_on_with_the_state_engine_changes_nothing(tmp_path, mod
 def test_offload_load_recovers_a_failed_optimizer(tmp_path, monkeypatch, mode):
     # a step that failed part-way: refused until offload.load of the last checkpoint, then bitwise
     kw = (dict(moments="8bit", moments_min_size=4) if mode == "8bit" else
-          dict(state=mode, nvme_dir=tmp_path) if mode == "nvme" else {})
+          dict(storage=mode, nvme_dir=tmp_path) if mode == "nvme" else {})
     (ps, opt), (ref, ropt) = _pair(2, **kw)
     train(ps, opt, 0, 2)
     train(ref, ropt, 0, 4)

@@ -39,7 +39,7 @@ def build(tier, moments, schedule, d):
     if moments != "fp32":
         kw.update(moments=moments, moments_min_size=0)
     if tier != "ram":
-        kw.update(state=tier, nvme_dir=d, host_budget=65536)
+        kw.update(storage=tier, nvme_dir=d, host_budget=65536)
     opt = offload.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, offload_device=FakeDevice(max_delay=0.001),
                         bucket_mb=0.001, **kw)
     return model, opt

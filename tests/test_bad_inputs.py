@@ -82,7 +82,7 @@ MATRIX = [
     ("float64_nvme", "import tempfile; p = P(3, dtype=torch.float64); o = offload.AdamW([p], nvme_dir=tempfile.mkdtemp()); "
      "p.grad = torch.ones(3, dtype=torch.float64); o.step(); assert o.state[p]['exp_avg'].dtype == torch.float64; "
      "o.close()", "ok"),   # stepped by torch's code, its state in RAM
-    ("edited_params_engine", "import tempfile\nfor kw in (dict(moments='8bit', moments_min_size=0), dict(state='nvme', "
+    ("edited_params_engine", "import tempfile\nfor kw in (dict(moments='8bit', moments_min_size=0), dict(storage='nvme', "
      "nvme_dir=tempfile.mkdtemp())):\n    p, q = P(300), P(200); o = offload.AdamW([p], **kw); p.grad = torch.ones(300); o.step()\n"
      "    o.param_groups[0]['params'].append(q); q.grad = torch.ones(200)\n    try:\n        o.step()\n"
      "    except RuntimeError as e:\n        assert 'add_param_group' in str(e), e\n    else:\n        raise AssertionError('no error')\n"

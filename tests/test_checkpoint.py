@@ -313,7 +313,7 @@ def _mode_kwargs(mode, tmp_path):
         from offload.device import CpuDevice
         return {"offload_device": CpuDevice()}
     os.makedirs(tmp_path, exist_ok=True)
-    return {"state": mode, "nvme_dir": str(tmp_path), "host_budget": 16384}
+    return {"storage": mode, "nvme_dir": str(tmp_path), "host_budget": 16384}
 
 
 @pytest.mark.timeout(60)
@@ -512,7 +512,7 @@ def test_failed_save_async_raises_once_then_training_goes_on(tmp_path, monkeypat
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("mode", ["ram", "nvme"])
 def test_pending_save_does_not_keep_the_optimizer_alive(tmp_path, mode):
-    kw = {} if mode == "ram" else {"state": "nvme", "nvme_dir": str(tmp_path / "nv"), "host_budget": 16384}
+    kw = {} if mode == "ram" else {"storage": "nvme", "nvme_dir": str(tmp_path / "nv"), "host_budget": 16384}
     os.makedirs(tmp_path / "nv", exist_ok=True)
     params = [torch.nn.Parameter(torch.randn(50_000)) for _ in range(3)]
     opt = offload.AdamW(params, **kw)

@@ -145,7 +145,7 @@ def check_device(opt):
                                          (torch.float32, "cpu-device")])
 def test_matches_the_reference_rule(dtype, where, tmp_path):
     data = batches(STEPS, dtype=dtype)
-    state_opts = dict(state="nvme", nvme_dir=str(tmp_path), host_budget="1MiB") if where == "nvme" else None
+    state_opts = dict(storage="nvme", nvme_dir=str(tmp_path), host_budget="1MiB") if where == "nvme" else None
     model, opt, losses = ours(dtype, data, state_opts=state_opts,
                               device=CpuDevice() if where == "cpu-device" else None)
     ref = reference("offload", dtype, data)

@@ -119,7 +119,7 @@ def test_gradient_written_in_place_while_the_worker_copies_it_raises(tmp_path, m
 
     monkeypatch.setattr(DeviceParams, where, waiting)
     ps = params()
-    opts = dict(state=tier, nvme_dir=tmp_path) if tier != "ram" else {}
+    opts = dict(storage=tier, nvme_dir=tmp_path) if tier != "ram" else {}
     opt = offload.AdamW(ps, lr=1e-2, offload_device=CpuDevice(), bucket_mb=0.01, **opts)
     bufs = [torch.zeros(p.shape) for p in ps]
     gen = torch.Generator().manual_seed(1)
@@ -332,7 +332,7 @@ _EXIT_SCRIPT = """
 import sys, tempfile, torch, offload
 from offload.device import CpuDevice
 p = torch.nn.Parameter(torch.zeros(12_000_000))
-kw = dict(state="nvme", nvme_dir=tempfile.mkdtemp()) if sys.argv[1] == "nvme" else {}
+kw = dict(storage="nvme", nvme_dir=tempfile.mkdtemp()) if sys.argv[1] == "nvme" else {}
 opt = offload.AdamW([p], lr=1e-2, offload_device=CpuDevice(), step_during_backward=False, **kw)
 p.grad = torch.ones_like(p)
 opt.step()        # returns while the CPU worker is inside the kernel (GIL released)

@@ -83,7 +83,7 @@ def _close(a, b, what):
 def _zero1(rank, outdir):
     _zero1_run(rank, os.path.join(outdir, "ram"), {})
     # the same with each rank's shard of the state in its own NVMe store file
-    _zero1_run(rank, os.path.join(outdir, "nvme"), {"state": "nvme", "host_budget": 16384})
+    _zero1_run(rank, os.path.join(outdir, "nvme"), {"storage": "nvme", "host_budget": 16384})
 
 
 def _zero1_run(rank, outdir, state_kw):
@@ -160,7 +160,7 @@ def _fsdp2(rank, outdir):
     model_nv = _fsdp_model()
     nvdir = os.path.join(outdir, f"nvme-rank{rank}")
     os.makedirs(nvdir)
-    opt_nv = offload.AdamW(model_nv.parameters(), lr=1e-2, weight_decay=0.1, threads=1, state="nvme",
+    opt_nv = offload.AdamW(model_nv.parameters(), lr=1e-2, weight_decay=0.1, threads=1, storage="nvme",
                            nvme_dir=nvdir, host_budget=64 * 1024)
     storages = [p.to_local().data_ptr() for p in model.parameters()]
     ref, ref_norms = _reference(STEPS, clip=clip)

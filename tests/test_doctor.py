@@ -80,7 +80,7 @@ def test_a_float64_parameter_logs_the_fallback_once(caplog):
 def test_nvme_state_without_o_direct_logs_buffered_io(tmp_path, caplog, no_o_direct):
     caplog.set_level(logging.INFO, logger="offload")
     with pytest.warns(RuntimeWarning, match="O_DIRECT is not supported"):
-        opt = offload.AdamW([torch.nn.Parameter(torch.zeros(1000))], state="nvme", nvme_dir=str(tmp_path))
+        opt = offload.AdamW([torch.nn.Parameter(torch.zeros(1000))], storage="nvme", nvme_dir=str(tmp_path))
     try:
         msgs = [r.getMessage() for r in caplog.records]
         assert any(m.startswith(f"O_DIRECT is not supported in the NVMe state directory {tmp_path}") and

@@ -27,7 +27,7 @@ def _make(params, state, moments, tmp_path):
     if state != "ram":
         d = tmp_path / f"{state}-{moments}"
         d.mkdir(exist_ok=True)
-        opts.update(state=state, nvme_dir=str(d))
+        opts.update(storage=state, nvme_dir=str(d))
     return offload.AdamW(params, lr=1e-2, weight_decay=0.01, **opts)
 
 

@@ -1,5 +1,5 @@
 # test_fallback_tiers.py: the parameters offload's native kernel cannot take (float64, complex,
-# non-contiguous, listed twice) with state="nvme"|"mmap" and compressed moments: stepped by torch's
+# non-contiguous, listed twice) with storage="nvme"|"mmap" and compressed moments: stepped by torch's
 # own code with their state in host RAM (offload/fallback.py), bitwise the RAM tier's results through
 # clipping, add_param_group, state_dict from torch, offload.save/load, a step that raises; where their
 # state lives is logged, and a large host-RAM state warns once.
@@ -19,7 +19,7 @@ def kw_of(tier, tmp_path):
     state, _, moments = tier.partition("-")
     if state != "ram":
         tmp_path.mkdir(parents=True, exist_ok=True)
-    kw = {} if state == "ram" else dict(state=state, nvme_dir=tmp_path)
+    kw = {} if state == "ram" else dict(storage=state, nvme_dir=tmp_path)
     return dict(kw, moments=moments, moments_min_size=16) if moments else kw
 
 
@@ -153,7 +153,7 @@ def test_a_step_that_raises_changes_nothing(tier, tmp_path):
 
 def test_where_the_state_lives_is_logged_and_a_large_ram_state_warns_once(tmp_path, caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="offload.fallback"):
-        opt = quiet(offload.AdamW, make_params(), state="nvme", nvme_dir=tmp_path)
+        opt = quiet(offload.AdamW, make_params(), storage="nvme", nvme_dir=tmp_path)
     assert "kept in host RAM in torch's layout, not in the state file (state='nvme')" in caplog.text
     opt.close()
     monkeypatch.setattr(fallback, "RAM_WARN_BYTES", 100)

@@ -67,7 +67,7 @@ def fit(make_opt, steps=6, save=None, resume=None, **trainer_kw):
 def configs(tmp_path):
     return {
         "ram": lambda ps: offload.AdamW(ps, lr=1e-2),
-        "nvme": lambda ps: offload.AdamW(ps, lr=1e-2, state="nvme", nvme_dir=tmp_path),
+        "nvme": lambda ps: offload.AdamW(ps, lr=1e-2, storage="nvme", nvme_dir=tmp_path),
         "8bit": lambda ps: offload.AdamW(ps, lr=1e-2, moments="8bit", moments_min_size=0),
         "cpu_device_deferred": lambda ps: offload.AdamW(ps, lr=1e-2, offload_device=CpuDevice(), bucket_mb=0.001,
                                                         step_during_backward=False),

@@ -94,7 +94,7 @@ def test_fp32_checkpoint_records_no_codes(tmp_path):
 def test_save_never_decodes_compressed_moments(tmp_path, monkeypatch, state):
     """offload.save stores the compressed bytes; decoding them (a transient fp32 copy of every
     moment) would defeat bounded memory with large NVMe/mmap states."""
-    kw = dict(state=state, nvme_dir=str(tmp_path)) if state != "ram" else {}
+    kw = dict(storage=state, nvme_dir=str(tmp_path)) if state != "ram" else {}
     g = torch.Generator().manual_seed(3)
     p = torch.randn(4096 + 300, generator=g)
     opt = offload.AdamW([p], lr=1e-2, moments="8bit", **kw)

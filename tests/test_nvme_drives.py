@@ -132,7 +132,7 @@ def test_nvme_dir_forms_are_validated(tmp_path):
     with pytest.raises(FileNotFoundError):
         offload.AdamW([torch.zeros(10)], nvme_dir=[ds[0], str(tmp_path / "missing")])
     with pytest.raises(ValueError, match="one nvme_dir"):
-        offload.AdamW([torch.zeros(10)], state="mmap", nvme_dir=ds)
+        offload.AdamW([torch.zeros(10)], storage="mmap", nvme_dir=ds)
     assert all(os.listdir(d) == [] for d in ds)   # nothing created before every directory was checked
 
 

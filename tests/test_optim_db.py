@@ -32,8 +32,8 @@ if DB_STATE == "ram":
 else:
     _DB_DIR = tempfile.mkdtemp(prefix="offload-optim-db-")
     atexit.register(shutil.rmtree, _DB_DIR, True)
-    OURS = {"Adam": functools.partial(offload.Adam, state=DB_STATE, nvme_dir=_DB_DIR),
-            "AdamW": functools.partial(offload.AdamW, state=DB_STATE, nvme_dir=_DB_DIR)}
+    OURS = {"Adam": functools.partial(offload.Adam, storage=DB_STATE, nvme_dir=_DB_DIR),
+            "AdamW": functools.partial(offload.AdamW, storage=DB_STATE, nvme_dir=_DB_DIR)}
 NAMES = sorted(INFOS)
 assert NAMES == ["Adam", "AdamW"], NAMES
 
@@ -69,7 +69,7 @@ def _train(model, opt, steps, seed=1):
 
 def _compare(name, kw, dtype, state="ram", tmp_path=None, steps=4, foreach=False):
     m1, m2 = _model(dtype), _model(dtype)
-    extra = {} if state == "ram" else dict(state=state, nvme_dir=tmp_path)
+    extra = {} if state == "ram" else dict(storage=state, nvme_dir=tmp_path)
     o1 = OURS[name](m1.parameters(), **dict(_kwargs_dict(kw), foreach=foreach), **extra)
     o2 = getattr(torch.optim, name)(m2.parameters(), **dict(_kwargs_dict(kw), foreach=foreach))
     _train(m1, o1, steps)
@@ -282,7 +282,7 @@ def _odd_run(make, steps=3, seed=5):
 
 def _opt_kw(state, tmp_path):
     state, _, moments = state.partition("-")
-    return dict({} if state == "ram" else dict(state=state, nvme_dir=tmp_path), **({"moments": moments} if moments else {}))
+    return dict({} if state == "ram" else dict(storage=state, nvme_dir=tmp_path), **({"moments": moments} if moments else {}))
 
 
 @pytest.mark.parametrize("state", STATES)

@@ -34,7 +34,7 @@ def _rss_anon() -> int:
 def test_state_dict_decodes_into_file_backed_memory(tmp_path, state):
     g = torch.Generator().manual_seed(0)
     p = torch.randn(N, generator=g)
-    opt = offload.AdamW([p], lr=1e-3, moments="8bit", state=state, nvme_dir=str(tmp_path))
+    opt = offload.AdamW([p], lr=1e-3, moments="8bit", storage=state, nvme_dir=str(tmp_path))
     p.grad = torch.randn(N, generator=g)
     opt.step()
     p.grad = None

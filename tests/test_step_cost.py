@@ -1,6 +1,6 @@
 # test_step_cost.py: the per-step Python of offload.AdamW must not grow with the number of tensors.
 # Deterministic stand-in for a timing guard: sys.settrace counts the Python line events of one warm
-# step() of host parameters in RAM (state="ram") with 200 and then 400 tensors of 64 elements; the
+# step() of host parameters in RAM (storage="ram") with 200 and then 400 tensors of 64 elements; the
 # count may grow by at most MAX_GROWTH lines (the step is O(groups + buckets), never O(tensors)).
 # Every Python line counts, torch's included (e.g. Tensor.__hash__ called from a native dict lookup).
 import collections

@@ -96,7 +96,7 @@ def test_reference_takes_the_users_value_where_it_differs(dt):
 def _train(dt, mode, through_data, **opt_kw):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(3000).to(dt))
-    kw = {} if mode == "ram" else dict(state=mode, nvme_dir=tempfile.mkdtemp(prefix="offload-uw-"))
+    kw = {} if mode == "ram" else dict(storage=mode, nvme_dir=tempfile.mkdtemp(prefix="offload-uw-"))
     opt = offload.AdamW([p], lr=1e-2, **kw, **opt_kw)
     for s in range(3):
         p.grad = torch.randn(3000).to(dt)
