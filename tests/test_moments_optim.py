@@ -204,7 +204,7 @@ def test_load_state_dict_converts_formats(src, dst, tmp_path):
     opt = offload.AdamW([p], lr=1e-3, moments=src)
     _run(opt, [p], 3)
     dec = {k: opt.state[p][k] for k in ("exp_avg", "exp_avg_sq")}
-    kw = dict(state="mmap", nvme_dir=str(tmp_path)) if dst == "fp32" else {}
+    kw = dict(storage="mmap", nvme_dir=str(tmp_path)) if dst == "fp32" else {}
     other = offload.AdamW([p.clone()], lr=1e-3, moments=dst, **kw)
     d = tmp_path / "ck"
     offload.save(opt, d)
@@ -224,7 +224,7 @@ def test_save_load_resume_bitwise(fmt, state, tmp_path):
     torch.manual_seed(6)
     (tmp_path / "s").mkdir()
     (tmp_path / "s2").mkdir()
-    kw = dict(state=state, nvme_dir=str(tmp_path / "s")) if state != "ram" else {}
+    kw = dict(storage=state, nvme_dir=str(tmp_path / "s")) if state != "ram" else {}
     ps = [torch.randn(N, dtype=torch.bfloat16), torch.randn(SMALL)]
     opt = offload.AdamW(ps, lr=1e-2, moments=fmt, **kw)
     _run(opt, ps, 2)
@@ -235,7 +235,7 @@ def test_save_load_resume_bitwise(fmt, state, tmp_path):
     if fmt == "8bit":
         assert keys["exp_avg.8bit"] == "I8" and "exp_avg_scale.8bit" in keys
     qs = [p.clone() for p in ps]
-    kw2 = dict(state=state, nvme_dir=str(tmp_path / "s2")) if state != "ram" else {}
+    kw2 = dict(storage=state, nvme_dir=str(tmp_path / "s2")) if state != "ram" else {}
     opt2 = offload.AdamW(qs, lr=1e-2, moments=fmt, **kw2)
     offload.load(opt2, tmp_path / "ck")
     _run(opt, ps, 2, seed=20)
@@ -289,7 +289,7 @@ def test_held_moment_tensors_behave_like_torchs_live_state(fmt, state, tmp_path)
     an in-place write is adopted at the next step (as torch's live state tensors) and after each
     step it holds the new moments. Checked against the same writes into a kernel-level state."""
     torch.manual_seed(11)
-    kw = dict(state=state, nvme_dir=str(tmp_path)) if state != "ram" else {}
+    kw = dict(storage=state, nvme_dir=str(tmp_path)) if state != "ram" else {}
     ps = [torch.randn(N)]
     opt = offload.AdamW(ps, lr=1e-2, moments=fmt, **kw)
     twin = offload.AdamW([ps[0].clone()], lr=1e-2, moments=fmt)
@@ -405,7 +405,7 @@ def test_tiers_bitwise_equal_ram(fmt, state, budget, tmp_path):
     a = [p.clone() for p in base]
     b = [p.clone() for p in base]
     ram = offload.AdamW(a, lr=1e-2, moments=fmt)
-    disk = offload.AdamW(b, lr=1e-2, moments=fmt, state=state, nvme_dir=str(tmp_path), host_budget=budget)
+    disk = offload.AdamW(b, lr=1e-2, moments=fmt, storage=state, nvme_dir=str(tmp_path), host_budget=budget)
     if budget != "2GiB":
         assert len(disk._store.layout.of_param[(0, 0)]) > 1   # split parameter
     _run(ram, a, 3)
@@ -489,7 +489,7 @@ def test_refusals():
 def test_planner_bytes_match_the_engine(fmt, state, tmp_path):
     m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 10))
     pl = offload.plan(m, device="cpu", state=state, moments=fmt)
-    kw = dict(state=state, nvme_dir=str(tmp_path)) if state != "ram" else {}
+    kw = dict(storage=state, nvme_dir=str(tmp_path)) if state != "ram" else {}
     opt = offload.AdamW(m.parameters(), moments=fmt, **kw)
     if fmt == "fp32" and state == "ram":
         assert opt._store is None
@@ -544,7 +544,7 @@ def _fsdp2_worker(rank, outdir):
         m1, m2 = model(), model()
         o1 = offload.AdamW(m1.parameters(), lr=1e-2, threads=1, moments="8bit", moments_min_size=1024)
         o2 = offload.AdamW(m2.parameters(), lr=1e-2, threads=1, moments="8bit", moments_min_size=1024,
-                           state="nvme", nvme_dir=nv, host_budget=64 * 1024)
+                           storage="nvme", nvme_dir=nv, host_budget=64 * 1024)
         run(m1, o1, 2)
         run(m2, o2, 2)
         w = next(iter(m1.parameters()))

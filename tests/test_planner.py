@@ -68,7 +68,7 @@ def test_cli(tmp_path, capsys):
 def test_nvme_figures_match_the_store(tmp_path, amsgrad, budget):
     model = _model()
     p = offload.plan(model, device="cpu", state="nvme", amsgrad=amsgrad, host_budget=budget)
-    opt = offload.AdamW(model.parameters(), amsgrad=amsgrad, state="nvme", nvme_dir=tmp_path, host_budget=budget)
+    opt = offload.AdamW(model.parameters(), amsgrad=amsgrad, storage="nvme", nvme_dir=tmp_path, host_budget=budget)
     try:
         info = opt.storage_info()
         assert p.bytes_of("nvme", "optimizer state file") == info["file_bytes"] == os.path.getsize(info["path"])
@@ -96,7 +96,7 @@ def test_gpu_mode_figures_match_the_engine(tmp_path):
         opt.close()
     budget = 1 << 20
     p = offload.plan(model, device="cuda", state="nvme", host_budget=budget, staging_slots=2)
-    opt = offload.AdamW(model.parameters(), offload_device=FakeDevice(), state="nvme", nvme_dir=tmp_path,
+    opt = offload.AdamW(model.parameters(), offload_device=FakeDevice(), storage="nvme", nvme_dir=tmp_path,
                         host_budget=budget, nvme_options={"staging_slots": 2})
     info = opt.storage_info()
     assert p.bytes_of("nvme", "optimizer state file") == info["file_bytes"]
