@@ -40,8 +40,10 @@ from offload.bench.fidelity import SIZES, MarkovStream, lr_at
 from offload.bench.gpt import GPT, GPTConfig, param_groups
 from offload.device import FakeDevice
 
+# delay_after=0: delayed from the first step, the schedule of every step after the warm-up (whose
+# delay_after steps run the exact deferred schedule)
 SCHEDULES = {"exact (deferred)": dict(step_during_backward=False), "exact (eager)": {},
-             "delay_updates=1": dict(delay_updates=1)}
+             "delay_updates=1": dict(delay_updates=1, delay_after=0)}
 
 
 class _Sleep(torch.autograd.Function):
