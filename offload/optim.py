@@ -172,10 +172,12 @@ class _AdamBase(ClippingMixin, StateDictMixin, GpuOffloadMixin, Optimizer):
         steps (offload/fallback.py: their state stays in host RAM), device parameters all."""
         return self.param_groups if self._gpu_device is not None else self._router.split(self.param_groups)[0]
 
-    def _make_engine(self):
-        """An empty state engine (offload/step/engine.py) for the param groups as they are now."""
+    def _make_engine(self, groups: Optional[list] = None):
+        """An empty state engine (offload/step/engine.py) for ``groups`` (default: the param groups as they
+        are now, without the parameters torch's code steps)."""
         a = self._engine_args
-        return make_state_engine(self._engine_groups(), a["state"], nvme_dir=a["nvme_dir"], host_budget=a["host_budget"],
+        groups = self._engine_groups() if groups is None else groups
+        return make_state_engine(groups, a["state"], nvme_dir=a["nvme_dir"], host_budget=a["host_budget"],
                                  keep=a["keep"], nvme_options=a["nvme_options"], device=self._gpu_device,
                                  gpu_options=a["gpu_options"])
 

@@ -238,8 +238,8 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
         rows.append(Row("host", "optimizer state: fp32 master weights (not pinned)", master))
         ring = 2 * staging_slots * max(64, lay.max_stage_bytes)
         rows.append(Row("host", f"pinned staging ring ({staging_slots} slots of grads + weights)", ring))
-    elif state == "ram":   # the RAM tier: one arena of the layout, allocated with ALIGN bytes to align it
-        rows.append(Row("host", state_what, lay.nbytes + (ALIGN if lay.nbytes else 0) - master))
+    elif state == "ram":   # the RAM tier: one arena of the layout
+        rows.append(Row("host", state_what, lay.nbytes - master))
         if master:
             rows.append(Row("host", "optimizer state: fp32 master weights (bf16/fp16 params)", master))
     else:

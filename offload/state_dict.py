@@ -15,6 +15,7 @@ from . import fallback, mformat
 from ._dist import is_dtensor, local
 from .checks import _scalar
 from .step.compressed import CompressedState
+from .step.rebuild import rebuild
 
 
 class StateDictMixin:
@@ -132,22 +133,14 @@ class StateDictMixin:
                     st[key] = torch.tensor(_scalar(val), dtype=torch.float32)
                 elif isinstance(val, torch.Tensor):
                     if mformat.parse_saved_key(key) is not None:   # compressed moments: checked by the engine
-                        if self._store is None:
-                            raise ValueError(f"state '{key}' of saved parameter {k} holds compressed moments; this "
-                                             f"optimizer has moments={self.moments!r}: build it with moments="
-                                             f"{key.rsplit('.', 1)[1]!r}, or load a state_dict() (fp32 moments)")
-                        st[key] = val
+                        st[key] = val   # (decoded where this optimizer has fp32 moments)
                         continue
                     # a DTensor (FSDP2) parameter's state may come as its local shard (offload.load)
                     want = local(p).shape if is_dtensor(p) and not is_dtensor(val) else p.shape
                     if val.shape != want:
                         raise ValueError(f"state '{key}' of saved parameter {k} has shape {tuple(val.shape)}, "
                                          f"but the parameter has shape {tuple(want)}")
-                    dtype = torch.float32 if val.is_floating_point() else val.dtype
-                    if self._store is not None:
-                        st[key] = val  # streamed into the state file below, one bucket at a time
-                    else:
-                        st[key] = val.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+                    st[key] = val  # copied into the state's tier below (a file: one bucket at a time)
                 else:
                     st[key] = deepcopy(val)
             new_state[p] = st
@@ -157,7 +150,14 @@ class StateDictMixin:
                 sg["param_names"] = g["param_names"]
         if self._gpu is not None:
             self._gpu.synchronize()
-        if self._store is not None:  # NVMe/mmap state: write tensors to the file, keep only 'step' in RAM
+        native = self._router.split(saved_groups)[0]   # the groups the engine holds, as loaded
+        if self._rebuildable and [bool(g["amsgrad"]) for g in native] != self._store.amsgrad:
+            # amsgrad differs from what the engine was laid out for: a new engine for the loaded state
+            engine, views = rebuild(lambda: self._make_engine(native), native, new_state, self._param_name)
+            old, self._store = self._store, engine
+            new_state.update(views)
+            old.close()
+        elif self._store is not None:  # write the tensors into the tier (a file: bucket by bucket)
             flat = [p for g in groups for p in g["params"]]
             small = self._store.excluded   # GPU offload: small parameters stepped on the device keep torch's state
             # (gi, i) of the engine's parameters (not those torch's code steps: their state stays in opt.state)
