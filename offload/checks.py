@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import mformat
-from ._dist import local
+from .base.dist import local
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOW_PRECISION = (torch.bfloat16, torch.float16)

@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from . import _kernels, fallback
-from ._dist import global_sumsq
+from .base.dist import global_sumsq
 from .params.rowrecord import get_version
 
 __all__ = ["ClippingMixin"]

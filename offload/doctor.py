@@ -155,7 +155,7 @@ def _filesystem(path: str) -> Optional[str]:
 def _speed(directory: str, free: int, speed_test: bool) -> dict:
     """O_DIRECT and, with ``speed_test``, MB/s of writing then reading a file of a new subdirectory."""
     from .aio import AioEngine
-    from .buffers import aligned_empty
+    from .base.memory import aligned_empty
 
     sub = tempfile.mkdtemp(prefix="offload-doctor-", dir=directory)
     path = os.path.join(sub, "probe.bin")

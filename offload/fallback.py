@@ -29,7 +29,7 @@ import torch
 from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from ._dist import is_dtensor, local
+from .base.dist import is_dtensor, local
 from .guards import SharedMemoryError, extent
 
 __all__ = ["FALLBACK_DTYPES", "RAM_WARN_BYTES", "elsewhere", "reason", "Router", "check", "step", "grad_sumsq", "cast_state",

@@ -30,7 +30,7 @@ import torch
 from .layout import ALIGN, Shape, build_layout
 from .state.drives import parse_dirs
 from .state.tier import split_budget
-from .units import parse_size
+from .base.units import parse_size
 
 __all__ = ["plan", "MemoryPlan"]
 

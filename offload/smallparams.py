@@ -13,7 +13,7 @@ from typing import Dict, List
 
 import torch
 
-from ._dist import local
+from .base.dist import local
 
 __all__ = ["DeviceSideAdam", "small_params"]
 

@@ -12,7 +12,7 @@ from itertools import chain
 import torch
 
 from . import fallback, mformat
-from ._dist import is_dtensor, local
+from .base.dist import is_dtensor, local
 from .checks import _scalar
 from .step.compressed import CompressedState
 from .step.rebuild import rebuild

@@ -5,6 +5,6 @@ from .state.files import make_private_dir as _make_private_dir  # noqa: F401 (te
 from . import statedir  # noqa: F401
 from .state.tier import StoreFailedError
 from .statedir import STATE_FILE, find_stale_state, remove_stale_state  # noqa: F401
-from .units import parse_size
+from .base.units import parse_size
 
 __all__ = ["StoreFailedError", "parse_size", "find_stale_state", "remove_stale_state"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from offload import aio
-from offload.buffers import HostArena, aligned_empty
+from offload.base.memory import HostArena, aligned_empty
 
 
 def _pattern(nbytes: int, seed: int) -> torch.Tensor:

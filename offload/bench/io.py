@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..aio import AioEngine
-from ..buffers import aligned_empty
+from ..base.memory import aligned_empty
 from ..state.drives import parse_dirs
 from ..store import parse_size
 from .common import add_common_options, write_json

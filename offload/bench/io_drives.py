@@ -18,7 +18,7 @@ import time
 from collections import deque
 
 from ..aio import AioEngine
-from ..buffers import aligned_empty
+from ..base.memory import aligned_empty
 from ..state.drives import parse_dirs
 from ..store import parse_size
 from .common import write_json

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, List
 
 import torch
 
-from .._dist import local
+from ..base.dist import local
 
 # families whose state layout (moments shaped like the parameter) the loader checks strictly
 ADAM_KINDS = ("Adam", "AdamW")

@@ -15,7 +15,7 @@ import zlib
 
 import torch
 
-from .._dist import like, world
+from ..base.dist import like, world
 from . import adapter
 from .format import DEFAULT_CHUNK, CheckpointError, build_value
 from .validate import Plan, check_header, open_data, plan_load

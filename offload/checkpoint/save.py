@@ -21,7 +21,7 @@ from typing import List, Optional
 
 import torch
 
-from .._dist import is_dtensor, local, world
+from ..base.dist import is_dtensor, local, world
 from ..mformat import CODE_VERSIONS, parse_saved_key
 from . import adapter
 from .format import (DEFAULT_CHUNK, FORMAT, INDEX, INTENT_RE, RANK_RE, TMP_RE, VERSION, CheckpointError, GEN_RE,

@@ -18,7 +18,7 @@ from typing import List, Optional
 
 import torch
 
-from .._dist import is_dtensor, local
+from ..base.dist import is_dtensor, local
 from ..mformat import CODE_VERSIONS, parse_saved_key, spec as moment_spec
 from . import adapter
 from .format import (DTYPES, FORMAT, GEN_RE, INDEX, MAX_JSON, TAGS, VERSION, CheckpointError, check_compatible,

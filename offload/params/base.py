@@ -5,7 +5,7 @@ from typing import List, Sequence
 
 import torch
 
-from .._dist import local
+from ..base.dist import local
 from .._kernels import check_tensor
 from ..layout import Shape
 

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import torch
 
-from .._dist import local
+from ..base.dist import local
 from .._kernels import DTYPE_CODES
 
 __all__ = ["DeviceParams"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._dist import local
+from ..base.dist import local
 from .._kernels import DTYPE_CODES, OUT_USER_PARAM
 from .base import LOW_PRECISION
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .. import _C
-from .._dist import is_dtensor, local
+from ..base.dist import is_dtensor, local
 from .._kernels import COL_G, COL_GD, COL_OD, COL_OUT, COL_P, DTYPE_CODES, OUT_USER_PARAM, TASK_COLS, _ptr
 from ..guards import SpanIndex, span_of, spans_of
 from ..layout import piece_columns

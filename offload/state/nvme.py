@@ -19,7 +19,7 @@ from collections import deque
 
 import torch
 
-from ..buffers import HostArena
+from ..base.memory import HostArena
 from ..layout import ALIGN
 from . import files
 from .drives import Drive, Placement, named, parse_dirs

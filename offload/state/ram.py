@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..buffers import aligned_empty
+from ..base.memory import aligned_empty
 from .tier import Block, StateTier
 
 __all__ = ["RamTier"]

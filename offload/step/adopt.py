@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .._dist import local
+from ..base.dist import local
 from ..guards import SharedMemoryError, extent
 from .compressed import CompressedState
 

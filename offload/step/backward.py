@@ -35,7 +35,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .._dist import local
+from ..base.dist import local
 from ..params.base import check_grad
 from .bucket import step_bucket
 from .feedstep import FeedStep

@@ -19,7 +19,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from .. import mformat
-from .._dist import local
+from ..base.dist import local
 
 __all__ = ["CompressedState", "bitwise_equal", "raw", "to_format", "write_piece"]
 

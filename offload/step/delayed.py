@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from .._dist import is_dtensor, local, multi_rank
+from ..base.dist import is_dtensor, local, multi_rank
 from ..params.device import DeviceParams
 from .hooks import weak_hook
 from .uploads import Upload

@@ -26,11 +26,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .._dist import global_sumsq, in_process_group, is_dtensor, local, multi_rank
+from ..base.dist import global_sumsq, in_process_group, is_dtensor, local, multi_rank
 from .._kernels import affinity_cpus
 from ..params.fingerprint import fingerprints
 from ..smallparams import DeviceSideAdam
-from ..telemetry import Trace
+from ..base.trace import Trace
 from .delayed import DelayedUpdates, prepare
 from .uploads import compiled_code_in_use
 

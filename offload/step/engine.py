@@ -19,13 +19,13 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .._dist import local
+from ..base.dist import local
 from ..guards import WriteTracker, check_overlaps, refresh_master
 from ..layout import ALIGN, build_layout, piece_columns
 from ..params.base import check_grad, shapes_of
 from ..params.host import HostParams
 from ..state.tier import make_tier, split_budget
-from ..units import parse_size
+from ..base.units import parse_size
 from . import pipeline
 from .registry import Registry
 from .torchstate import TorchLayout

@@ -27,7 +27,7 @@ from typing import Callable, Dict
 import torch
 
 from .. import mformat
-from .._dist import local
+from ..base.dist import local
 from . import compressed
 from .compressed import bitwise_equal
 

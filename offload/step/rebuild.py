@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from .._dist import local
+from ..base.dist import local
 
 __all__ = ["fits", "rebuild"]
 

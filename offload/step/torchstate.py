@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .. import _C, mformat
-from .._dist import like, local
+from ..base.dist import like, local
 from . import compressed, export
 from .adopt import copy_in, follow_shapes, missing_entry
 from .handouts import HeldMoments

@@ -1,4 +1,4 @@
-"""_dist.py: the few torch.distributed facts the optimizer and the checkpoints need.
+"""base/dist.py: the few torch.distributed facts the optimizer and the checkpoints need.
 
 DTensor (FSDP2 ``fully_shard`` parameters): the kernel works on each rank's local shard, so
 everything that takes a pointer goes through :func:`local`, which returns the local tensor that

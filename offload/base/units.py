@@ -1,4 +1,4 @@
-"""units.py: sizes: ``parse_size('2GiB')`` and ``human(n)``."""
+"""base/units.py: sizes: ``parse_size('2GiB')`` and ``human(n)``."""
 from __future__ import annotations
 
 import re

@@ -1,4 +1,4 @@
-"""buffers.py: 4 KiB-aligned host memory for NVMe transfers.
+"""base/memory.py: 4 KiB-aligned host memory for NVMe transfers.
 
 ``HostArena`` is one aligned allocation (O_DIRECT needs aligned buffer addresses) cut into
 equal slots; the NVMe tier reuses its slots for every bucket, so host memory stays fixed

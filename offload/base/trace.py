@@ -1,4 +1,4 @@
-"""telemetry.py: the optional Chrome-trace timeline of GPU offload (``trace=True``).
+"""base/trace.py: the optional Chrome-trace timeline of GPU offload (``trace=True``).
 
 ``Trace`` collects spans (CPU steps of buckets, step() calls, forward waits for weights) and
 ``export_chrome_trace`` writes them as Chrome trace JSON. The per-step figures of
