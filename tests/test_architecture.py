@@ -105,10 +105,13 @@ def test_importers_of_the_native_module_are_found(tmp_path):
         "offload/step/n3.py": '"""step/n3.py: n3."""\ndef f():\n    import offload._C\n',
         "offload/step/n4.py": '"""step/n4.py: n4."""\nfrom offload._C import adam_step\n',
         "offload/step/n5.py": '"""step/n5.py: n5."""\nfrom .. import _Cx\nimport torch._C\n',
+        "offload/step/n6.py": '"""step/n6.py: n6."""\nfrom ..native import _C\n',
+        "offload/native/__init__.py": '"""native/: the door."""\nfrom .. import _C\n',
+        "offload/native/k.py": '"""native/k.py: k."""\nfrom . import _C\nimport offload._C\n',
     }))
     assert [k for k in found if k.startswith("native")] == [
         "native offload/n1.py", "native offload/step/n2.py", "native offload/step/n3.py",
-        "native offload/step/n4.py"]
+        "native offload/step/n4.py", "native offload/step/n6.py"]  # offload/native/ may: it is the door
 
 
 def test_files_over_400_lines_are_found(tmp_path):

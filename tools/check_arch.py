@@ -4,7 +4,8 @@ Parses every module under offload/ (bench/ included) with ``ast``. Kinds of find
   cycle    strongly connected components of the import graph of offload modules: relative and absolute
            imports, at module level (in if/try/class bodies too) AND function level. ``from .p import n``
            is an edge to module ``p.n`` if that exists, else to ``p``; parent packages are not implied.
-  native   modules importing ``offload._C``, in any spelling (``from .. import _C``, ``import offload._C``).
+  native   modules outside offload/native/ (NATIVE_HOME) importing ``offload._C``, in any spelling (``from .. import
+           _C``, ``import offload._C``, ``from offload.native import _C``): that package is the one door to it.
   size     files over MAX_LINES lines in offload/, csrc/, tests/.
   private  private attributes reached across modules, approximated without type inference: ``_x`` (no
            dunder) is owned by the modules defining it (``self._x =``, ``cls._x =``, ``def _x`` or
@@ -56,6 +57,8 @@ MAX_LINES = 400
 SIZE_DIRS = ("offload", "csrc", "tests")
 SIZE_EXTS = (".py", ".h", ".hpp", ".c", ".cc", ".cpp", ".cu", ".cuh")
 NATIVE = "offload._C"
+NATIVE_SPELLINGS = {NATIVE, "offload.native._C"}  # native/__init__.py binds _C: the same module by another name
+NATIVE_HOME = "offload/native/"  # the only package that may import it
 NOT_OURS = {"_version", "_base"}  # torch's Tensor._version/_base (offload also has a _base of its own)
 CITE_RE = re.compile(r"(?<![\w./-])((?:offload|csrc|docs|tests|examples|tools)/(?:[\w-]+(?:\.[\w-]+)*/?)*)")
 KINDS = ("parse", "cycle", "layer", "native", "size", "private", "header", "cite")
@@ -127,7 +130,8 @@ class Module:
     def resolve(self, node, known):
         """[(target, local name, module bound to it or None)] of one Import/ImportFrom."""
         if isinstance(node, ast.Import):
-            return [(a.name, a.asname or a.name.split(".")[0], a.name if a.asname else a.name.split(".")[0])
+            return [(NATIVE if a.name in NATIVE_SPELLINGS else a.name, a.asname or a.name.split(".")[0],
+                     (NATIVE if a.name in NATIVE_SPELLINGS else a.name) if a.asname else a.name.split(".")[0])
                     for a in node.names]
         base = node.module or ""
         if node.level:
@@ -136,6 +140,7 @@ class Module:
         out = []
         for a in node.names:
             full = f"{base}.{a.name}"
+            full = NATIVE if full in NATIVE_SPELLINGS else full
             tgt = full if full in known or full == NATIVE else base
             out.append((tgt, a.asname or a.name, full if full == tgt else None))
         return out
@@ -182,7 +187,8 @@ def check_imports(mods, layers=None, only=None):
     layers, only = (LAYERS if layers is None else layers), (ONLY if only is None else only)
     graph, out = {m: set() for m in mods}, []
     for m in mods.values():
-        out += [Finding("native", m.rel, line=ln, note=f"{lvl} level") for t, ln, lvl in m.imports if t == NATIVE]
+        out += [Finding("native", m.rel, line=ln, note=f"{lvl} level") for t, ln, lvl in m.imports
+                if t == NATIVE and not m.rel.startswith(NATIVE_HOME)]
         graph[m.name] |= {t for t, _, _ in m.imports if t != NATIVE}
     for comp in _sccs(graph):
         rels = [mods[n].rel for n in comp]
