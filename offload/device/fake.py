@@ -56,8 +56,9 @@ class _FakeStream:
         self._thread = threading.Thread(target=self._run, name=f"offload-fake-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], None], after: Optional[Event], delay: float) -> _FakeEvent:
-        ev = _FakeEvent(self)
+    def submit(self, fn: Callable[[], None], after: Optional[Event], delay: float,
+               ev: Optional[_FakeEvent] = None) -> _FakeEvent:
+        ev = ev or _FakeEvent(self)
         self._q.put((fn, after, delay, ev))
         return ev
 
@@ -157,20 +158,19 @@ class FakeDevice(Device):
             if self.poison:
                 _poison(d)
         label = stream.name
-        box: List[_FakeEvent] = []
+        ev = _FakeEvent(stream)   # (made before submit: the stream may run the copy before submit returns)
 
         def run():
             for (d, s), snap in zip(pairs, snaps):
                 if snap is not None and not _same_bits(s, snap):
-                    box[0].hazards.append(f"{label} copy source {tuple(s.shape)} {s.dtype} was modified between "
+                    ev.hazards.append(f"{label} copy source {tuple(s.shape)} {s.dtype} was modified between "
                                           "enqueue and execution (overwritten while in use)")
                 d.copy_(s.reshape(d.shape))
-            if box[0].hazards:
+            if ev.hazards:
                 with self._lock:
-                    self._hazardous.append(box[0])
+                    self._hazardous.append(ev)
 
-        ev = stream.submit(run, after, delay)
-        box.append(ev)
+        stream.submit(run, after, delay, ev)
         with self._lock:
             self._last.append(ev)
             if len(self._last) > 64:
