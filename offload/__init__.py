@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging as _logging
 
 from ._version import __version__
-from . import _C
+from .native import _C
 from . import kernels
 from .optim import Adam, AdamW
 from .failstop import OptimizerFailedError

@@ -13,9 +13,10 @@ import weakref
 
 import torch
 
-from . import _kernels, fallback
+from .native import adam as _kernels
+from . import fallback
 from .base.dist import global_sumsq
-from .params.rowrecord import get_version
+from .native.rows import get_version
 
 __all__ = ["ClippingMixin"]
 

@@ -7,7 +7,7 @@ available, thread count and CPU affinity, RAM, CUDA devices and whether pinned m
 allocated (only when ``torch.cuda.is_available()``; CUDA is never initialized otherwise),
 transparent huge pages, and, for a directory (default: the system's temporary directory): its
 filesystem, free space, whether it takes O_DIRECT (opened the way the NVMe state file is, through
-offload/aio.py) and a write+read speed of at most about 2 s, on a file in a new subdirectory that
+offload/native/aio.py) and a write+read speed of at most about 2 s, on a file in a new subdirectory that
 is removed afterwards (nothing else there is touched). ``problems`` lists what looks wrong, each
 with what to do. ``format_report`` renders the text form; ``main`` is the command line.
 """
@@ -154,7 +154,7 @@ def _filesystem(path: str) -> Optional[str]:
 
 def _speed(directory: str, free: int, speed_test: bool) -> dict:
     """O_DIRECT and, with ``speed_test``, MB/s of writing then reading a file of a new subdirectory."""
-    from .aio import AioEngine
+    from .native.aio import AioEngine
     from .base.memory import aligned_empty
 
     sub = tempfile.mkdtemp(prefix="offload-doctor-", dir=directory)

@@ -1,7 +1,7 @@
 """mformat.py: the storage description of compressed Adam moments, as the layout, the
 engine, state_dict and the checkpoint need it.
 
-Everything here is derived from the kernel's public API (``offload._moments.moment_state`` /
+Everything here is derived from the kernel's public API (``offload.native.moments.moment_state`` /
 ``decode_moments``): which tensors a format has, their dtype, and whether a tensor has one entry
 per element or one per ``MOMENT_BLOCK`` block. Nothing hard-codes a byte size, so a change of the
 kernel's format either flows through or fails loudly here (an unknown tensor shape raises at import).
@@ -18,7 +18,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ._moments import MOMENT_BLOCK, MOMENT_FORMATS, decode_moments, moment_state
+from .native.moments import MOMENT_BLOCK, MOMENT_FORMATS, decode_moments, moment_state
 
 __all__ = ["FORMATS", "BLOCK", "CODE_VERSIONS", "check_moments", "sections", "per_block", "saved_key", "parse_saved_key",
            "spec", "encode", "decode", "check_values", "keys_of", "MOMENT_KEYS"]

@@ -68,8 +68,8 @@ def opts():
 
 @pytest.fixture
 def no_o_direct(monkeypatch):
-    """The filesystem refuses O_DIRECT (as some do, with EINVAL) for every open through offload/aio.py."""
-    from offload import aio
+    """The filesystem refuses O_DIRECT (as some do, with EINVAL) for every open through offload/native/aio.py."""
+    from offload.native import aio
     real_open = os.open
 
     def no_direct(path, flags, mode=0o777, **kw):

@@ -1,4 +1,4 @@
-"""Tests of the native async I/O engine (csrc/aio.cpp via offload/aio.py): round trips swept over
+"""Tests of the native async I/O engine (csrc/aio.cpp via offload/native/aio.py): round trips swept over
 direct/buffered, block sizes, queue depths and unaligned tails; many requests in flight; injected
 faults (EIO, short transfers, EINTR); argument validation; the O_DIRECT fallback."""
 import errno
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from offload import aio
+from offload.native import aio
 from offload.base.memory import HostArena, aligned_empty
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import offload
-from offload import aio, testing
+from offload.native import aio
+from offload import testing
 from offload.failstop import OptimizerFailedError
 from offload.step import bucket
 from atomic_util import assert_same, grads, snapshot, train

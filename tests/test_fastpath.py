@@ -11,7 +11,7 @@ import torch
 
 import offload
 from offload import _C, testing
-from offload.params.rowrecord import M_PPTR, ROW_FNS
+from offload.native.rows import M_PPTR, ROW_FNS
 
 
 def _setup(dtype=torch.float32, n=4, shape=(4, 4)):

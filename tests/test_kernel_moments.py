@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from offload import _C, _kernels, kernels
+from offload import _C, kernels
+from offload.native import adam as _kernels
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 # 8, 23: one and two AVX2 vectors (the pipelined loops); 1280, 1343: the last size whose first block,

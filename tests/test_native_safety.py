@@ -17,7 +17,8 @@ import torch
 
 import offload
 import offload.testing
-from offload import _C, _kernels, kernels
+from offload import _C, kernels
+from offload.native import adam as _kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,7 +101,7 @@ def test_collect_rows_refuses_bad_arguments():
     opt = offload.AdamW(params)
     opt.step()
     plan = offload.testing.row_records(opt)[0]
-    from offload.params.rowrecord import ROW_FNS
+    from offload.native.rows import ROW_FNS
     with pytest.raises(ValueError, match="one entry per parameter"):
         _C.collect_rows(plan.params[:2], plan.g_ref, plan.meta, plan.layouts, plan.table, ROW_FNS)
     with pytest.raises(ValueError, match="rec must be a writable"):
@@ -249,7 +250,7 @@ def test_raw_address_entries_are_private():
     for name in ("adam_step", "grad_sumsq", "bandwidth_probe", "bandwidth_probe_moments", "adam_step_moments", "fingerprint"):
         assert not hasattr(_C, name), name
         assert hasattr(_C, "_" + name)
-    assert not hasattr(kernels, "step_table") and not hasattr(kernels, "step_moment_table")  # internal (offload._kernels._step_table... callers only)
+    assert not hasattr(kernels, "step_table") and not hasattr(kernels, "step_moment_table")  # internal (offload.native.adam.step_table... callers only)
     public = set(kernels.__all__)
     assert {"adam_step", "grad_sumsq", "check_tensor", "tensor_signature", "bandwidth_probe"} <= public
     assert offload.kernels is kernels

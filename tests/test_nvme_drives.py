@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import offload
-from offload import aio, testing
+from offload.native import aio
+from offload import testing
 from offload.device import FakeDevice
 from offload.state.drives import parse_dirs
 from offload.store import StoreFailedError

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import offload
-from offload import aio, store as store_mod
+from offload.native import aio
+from offload import store as store_mod
 from offload.store import StoreFailedError, parse_size
 
 MODES = ["nvme", "mmap"]

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import offload
-from offload import _C, _kernels
-from offload._kernels import (COL_G, COL_GD, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V,
-                              DTYPE_CODES, OUT_USER_PARAM, TASK_COLS)
+from offload import _C
+from offload.native import adam as _kernels
+from offload.native.adam import (COL_G, COL_GD, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, DTYPE_CODES,
+                                 OUT_USER_PARAM, TASK_COLS)
 
 LOWP = [torch.bfloat16, torch.float16]
 H = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, amsgrad=False,
@@ -121,14 +122,14 @@ def test_writes_through_p_data_are_kept_in_every_state_mode(dt, mode):
 
 # ---------------------------------------------------------------- compressed moments (issue 9)
 def _q_state(n, dt, fmt, seed):
-    from offload._moments import moment_state
+    from offload.native.moments import moment_state
     master, _, _, g, out = _state(n, dt, seed)
     st = moment_state(n, fmt)
     return master, g, out, st
 
 
 def _q_step(s, fmt, reference, threads):
-    from offload._moments import moment_table, step_moment_table
+    from offload.native.moments import moment_table, step_moment_table
     from offload.step.table import _moment_cols
     master, g, out, st = s
     kw = dict(m_scales=[st["exp_avg_scale"]], v_scales=[st["exp_avg_sq_scale"]]) if fmt == "8bit" else {}

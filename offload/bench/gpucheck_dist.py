@@ -157,7 +157,7 @@ def check_robustness(ctx: Ctx, res: Result) -> None:
     opt.step()
     opt.zero_grad()
     opt.synchronize()
-    from offload import _kernels
+    from offload.native import adam as _kernels
     orig = _kernels.step_table
     hits = [m for name, m in list(sys.modules.items())
             if name.startswith("offload") and m is not None and getattr(m, "step_table", None) is orig]

@@ -33,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from ..aio import AioEngine
+from ..native.aio import AioEngine
 from ..base.memory import aligned_empty
 from ..state.drives import parse_dirs
 from ..store import parse_size

@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections import deque
 
-from ..aio import AioEngine
+from ..native.aio import AioEngine
 from ..base.memory import aligned_empty
 from ..state.drives import parse_dirs
 from ..store import parse_size

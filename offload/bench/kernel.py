@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import offload
-from offload import _C
+from offload.native import _C
 
 from .common import (Progress, add_common_options, cpu_model, format_table, machine_info, median, paired_ratio,
                      write_json)

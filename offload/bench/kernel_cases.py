@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 import offload
-from offload import _C, _kernels
+from offload.native import _C, adam as _kernels
 
 STREAM_STAGGER = 16400  # floats between the probe's streams (as offload.optim's state arena)
 BYTES_PER_PARAM = 28  # read g, p, m, v (16 B) + write p, m, v (12 B); bf16 case: 2+12 read, 12+2 written

@@ -13,8 +13,8 @@ import time
 import numpy as np
 import torch
 
-from offload import _C
-from offload import _kernels as kernels  # table-level entries (moment_table, step_table) are internal
+from offload.native import _C
+from offload.native import adam as kernels  # table-level entries (moment_table, step_table) are internal
 
 from .common import format_table, median, paired_ratio
 

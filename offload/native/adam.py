@@ -1,4 +1,4 @@
-"""_kernels.py: the only caller of the native kernels in ``offload._C``.
+"""native/adam.py: the fp32-moment Adam entry points of the native core ``offload._C``.
 
 It validates tensors (device, dtype, layout, sizes, storage bounds, neg/conj bits, overlap)
 before any pointer crosses into C++, and builds the int64 task tables the private native
@@ -302,6 +302,6 @@ def _init_from_env() -> None:
 
 _init_from_env()
 
-# compressed moments: offload/_moments.py, csrc/moments.h
-from ._moments import (MOMENT_BLOCK, MOMENT_FORMATS, adam_step_moments, decode_moments,  # noqa: E402
-                       moment_state, moment_table, step_moment_table)
+# compressed moments: offload/native/moments.py, csrc/moments.h
+from .moments import (MOMENT_BLOCK, MOMENT_FORMATS, adam_step_moments, decode_moments, moment_state, moment_table,
+                      step_moment_table)

@@ -1,4 +1,4 @@
-"""aio.py: Python face of the native async file I/O engine (``offload._C.AioEngine``).
+"""native/aio.py: Python face of the native async file I/O engine (``offload._C.AioEngine``).
 
 ``AioEngine.open`` opens a file with O_DIRECT (falling back to buffered I/O with a warning
 where the filesystem refuses it, e.g. tmpfs), ``read``/``write`` queue a transfer between the
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import _C
-from ._kernels import check_storage
+from .adam import check_storage
 
 __all__ = ["AioEngine", "AioFile", "Request", "DIRECT_ALIGN", "FAULT_EIO", "FAULT_SHORT", "FAULT_EINTR"]
 

@@ -1,5 +1,6 @@
-"""_moments.py: validated tensor API of the compressed-moment Adam kernel (formats in
-csrc/moments.h). Re-exported by ``offload.kernels``. Not wired into the optimizers yet.
+"""native/moments.py: validated tensor API of the compressed-moment Adam kernel (formats in
+csrc/moments.h). Re-exported by ``offload.kernels``; the state engine steps compressed buckets through
+``moment_table`` / ``step_moment_table`` (offload/step/table.py).
 
 Formats: ``"bf16"`` (exp_avg/exp_avg_sq are bfloat16 tensors, round-to-nearest-even) and
 ``"8bit"`` (exp_avg int8, exp_avg_sq uint8, blocks of 256 elements with one float32 scale per
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from . import _C
-from ._kernels import DTYPE_CODES, OUT_NONE, _ptr, check_tensor
+from .adam import DTYPE_CODES, OUT_NONE, _ptr, check_tensor
 
 __all__ = ["MOMENT_FORMATS", "MOMENT_BLOCK", "MOMENT_TASK_COLS", "moment_state", "moment_table",
            "adam_step_moments", "step_moment_table", "decode_moments"]

@@ -1,7 +1,7 @@
-"""params/rowrecord.py: what the native per-step check of host parameters and gradients
+"""native/rows.py: what the native per-step check of host parameters and gradients
 (``_C.collect_rows``, csrc/rows.cpp) is given: the getters and constants of torch it calls (``ROW_FNS``),
 the columns of the per-row record it compares against, and how a validated parameter is recorded.
-Used by params/hostrows.py; tests of the native check use it too.
+Used by offload/params/hostrows.py; tests of the native check use it too.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def no_grad_ref():  # stands in for a weakref of a row that has no validated gra
 get_version = operator.attrgetter("_version")
 
 
-# columns of GroupRows.meta (params/hostrows.py), the per-row record csrc/rows.cpp (collect_rows) compares against
+# columns of GroupRows.meta (offload/params/hostrows.py), the per-row record csrc/rows.cpp (collect_rows) compares against
 M_PPTR, M_GPTR, M_CODE, M_DIM, M_SIZE0, M_NUMEL, M_PVER, M_LOWP = range(8)
 M_COLS = 8
 

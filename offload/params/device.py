@@ -16,7 +16,7 @@ from typing import List, Optional
 import torch
 
 from ..base.dist import local
-from .._kernels import DTYPE_CODES
+from ..native.adam import DTYPE_CODES
 
 __all__ = ["DeviceParams"]
 
@@ -176,7 +176,7 @@ class DeviceParams:
         if not grads:
             return 0.0
         if all(g.device.type == "cpu" and g.is_contiguous() for g in grads):   # CpuDevice / FakeDevice
-            from .._kernels import grad_sumsq
+            from ..native.adam import grad_sumsq
             return grad_sumsq(grads, threads)
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32)   # on the device: one scalar crosses
         return float(torch.stack(norms).double().square().sum().item())

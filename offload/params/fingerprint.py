@@ -26,7 +26,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from .. import _kernels
+from ..native import adam as _kernels
 
 __all__ = ["fingerprints", "chunk_weights", "CHUNK"]
 

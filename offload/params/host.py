@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..base.dist import local
-from .._kernels import DTYPE_CODES, OUT_USER_PARAM
+from ..native.adam import DTYPE_CODES, OUT_USER_PARAM
 from .base import LOW_PRECISION
 
 __all__ = ["HostParams"]
@@ -62,7 +62,7 @@ class HostParams:
         return None
 
     def grad_sumsq(self, grads, threads: int) -> float:
-        from .._kernels import grad_sumsq
+        from ..native.adam import grad_sumsq
         return grad_sumsq([local(g) for g in grads], threads) if grads else 0.0
 
     def publish(self, b, pieces, staged) -> None:

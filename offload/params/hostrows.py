@@ -23,13 +23,13 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from .. import _C
+from ..native import _C
 from ..base.dist import is_dtensor, local
-from .._kernels import COL_G, COL_GD, COL_OD, COL_OUT, COL_P, DTYPE_CODES, OUT_USER_PARAM, TASK_COLS, _ptr
+from ..native.adam import COL_G, COL_GD, COL_OD, COL_OUT, COL_P, DTYPE_CODES, OUT_USER_PARAM, TASK_COLS, _ptr
 from ..guards import SpanIndex, span_of, spans_of
 from ..layout import piece_columns
 from .base import LOW_PRECISION, check_grad
-from .rowrecord import M_CODE, M_COLS, M_GPTR, M_LOWP, M_NUMEL, M_PPTR, M_PVER, ROW_FNS, no_grad_ref, record_param
+from ..native.rows import M_CODE, M_COLS, M_GPTR, M_LOWP, M_NUMEL, M_PPTR, M_PVER, ROW_FNS, no_grad_ref, record_param
 
 __all__ = ["HostRows"]
 

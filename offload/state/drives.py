@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import os
 
-from ..aio import AioEngine
+from ..native.aio import AioEngine
 from ..statedir import parse_dirs
 from . import files
 

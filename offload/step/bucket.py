@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from .._kernels import step_table
+from ..native.adam import step_table
 from ..layout import piece_columns
 from .table import bucket_rows, kernel_for
 

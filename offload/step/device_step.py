@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..base.dist import global_sumsq, in_process_group, is_dtensor, local, multi_rank
-from .._kernels import affinity_cpus
+from ..native.adam import affinity_cpus
 from ..params.fingerprint import fingerprints
 from ..smallparams import DeviceSideAdam
 from ..base.trace import Trace

@@ -5,7 +5,7 @@ itself), its moments (state sections), its gradient and, for bf16/fp16 or device
 the rounded new weight goes (the parameter, or a staging slot).
 
 Buckets with compressed moments (``b.moments`` "bf16"/"8bit") get rows of the compressed-moment
-kernel (offload/_moments.py) instead; its column order is read once from ``moment_table`` itself
+kernel (offload/native/moments.py) instead; its column order is read once from ``moment_table`` itself
 (:func:`_moment_cols`), not assumed.
 """
 from __future__ import annotations
@@ -16,8 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .._kernels import (COL_G, COL_GD, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX,
-                        TASK_COLS)
+from ..native.adam import COL_G, COL_GD, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX, TASK_COLS
 from ..layout import piece_columns
 
 __all__ = ["bucket_rows", "kernel_for"]
@@ -67,9 +66,9 @@ def _step_col(steps, k: int) -> np.ndarray:
 def kernel_for(b):
     """The native entry that steps bucket ``b``'s rows (fp32 or compressed moments)."""
     if b.moments == "fp32":
-        from .._kernels import step_table
+        from ..native.adam import step_table
         return step_table
-    from .._moments import step_moment_table
+    from ..native.moments import step_moment_table
     return step_moment_table
 
 
@@ -77,8 +76,8 @@ def kernel_for(b):
 def _moment_cols(fmt: str) -> dict:
     """Column of each field in a compressed-moment table row, found by building one row with
     ``moment_table`` from tensors whose addresses and sizes are known."""
-    from .._kernels import DTYPE_CODES
-    from .._moments import MOMENT_FORMATS, moment_state, moment_table
+    from ..native.adam import DTYPE_CODES
+    from ..native.moments import MOMENT_FORMATS, moment_state, moment_table
     n = 3
     st = moment_state(n, fmt)
     p, g, out = torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)
@@ -122,7 +121,7 @@ def _sections(b) -> dict:
 
 def _moment_rows(b, pieces, base, ptrs, steps) -> np.ndarray:
     from .. import mformat
-    from .._moments import MOMENT_FORMATS
+    from ..native.moments import MOMENT_FORMATS
     c = _moment_cols(b.moments)
     secs = _sections(b)
     t = np.zeros((len(pieces), c["ncols"]), dtype=np.int64)

@@ -11,7 +11,8 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from .. import _C, mformat
+from ..native import _C
+from .. import mformat
 from ..base.dist import like, local
 from . import compressed, export
 from .adopt import copy_in, follow_shapes, missing_entry

@@ -1,0 +1,13 @@
+"""native/: the one door to the compiled core ``offload._C`` (C++ in csrc/, built by setup.py).
+
+This package is the only place that imports ``offload._C``; the shared library itself stays in the
+package root (``offload._C``, next to offload/__init__.py). Everything else calls the Python modules
+here, which check tensors before any pointer crosses into C++:
+
+- ``adam``: the fp32-moment Adam kernel: task tables (``step_table``), ``adam_step``, ``grad_sumsq``,
+  the bandwidth probes, ISA and thread-count settings.
+- ``moments``: the same update over compressed (bf16 / 8-bit) moments.
+- ``rows``: what the native per-step check of parameter rows is given (getters, record columns).
+- ``aio``: the asynchronous O_DIRECT file engine the NVMe tier uses.
+"""
+from .. import _C  # noqa: F401  (the modules of this package use it as ``from . import _C``)
