@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import offload
+from conftest import configs
 from offload.device import FakeDevice
 
 accelerate = pytest.importorskip("accelerate")
@@ -24,14 +25,11 @@ def fake(**kw):
     return dict(offload_device=FakeDevice(min_delay=0.001, max_delay=0.005), bucket_mb=0.01, **kw)
 
 
-MODES = {
-    "ram": lambda d: {},
-    "nvme": lambda d: dict(state="nvme", nvme_dir=d),
-    "8bit": lambda d: dict(moments="8bit", moments_min_size=0),
-    "fake_device_deferred": lambda d: fake(step_during_backward=False),
-    "fake_device_eager": lambda d: fake(),                                    # steps during backward
-    "fake_device_eager_nvme_8bit": lambda d: fake(state="nvme", nvme_dir=d, moments="8bit", moments_min_size=0),
-}
+# the setups each run through accelerate (a whole training run each): conftest.py configs()
+SETUPS = dict(sides=("host", "fake"), tiers=("ram", "nvme"), moments=("fp32", "8bit"), schedules=("eager", "deferred"),
+              cover="listed", include=[("host", "ram", "fp32"), ("host", "nvme", "fp32"), ("host", "ram", "8bit"),
+                                       ("fake", "ram", "fp32", "deferred"), ("fake", "ram", "fp32", "eager"),
+                                       ("fake", "nvme", "8bit", "eager")])
 
 
 def dataset():
@@ -84,14 +82,14 @@ def train(make_opt, steps, clip, ckpt=None, save_at=None, resume=False):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", sorted(MODES))
-def test_accumulate_clip_schedule_resume(tmp_path, mode):
+@pytest.mark.parametrize("cfg", configs(**SETUPS))
+def test_accumulate_clip_schedule_resume(tmp_path, cfg):
     # clipping needs every gradient before any bucket is stepped: not in the eager schedules
-    clip = None if "eager" in mode else 0.5
-    kw = MODES[mode](str(tmp_path))
+    clip = None if cfg.schedule == "eager" else 0.5
+    kw = cfg.kwargs(tmp_path, **(fake() if cfg.side == "fake" else {}))
     losses, weights = train(lambda ps: offload.AdamW(ps, lr=1e-2, **kw), 6, clip)
     ref_losses, ref_weights = train(lambda ps: torch.optim.AdamW(ps, lr=1e-2), 6, clip)
-    tol = dict(rtol=2e-2, atol=2e-3) if "8bit" in mode else dict(rtol=1e-5, atol=1e-6)
+    tol = dict(rtol=2e-2, atol=2e-3) if cfg.moments == "8bit" else dict(rtol=1e-5, atol=1e-6)
     assert losses == pytest.approx(ref_losses, rel=tol["rtol"])
     for a, b in zip(weights, ref_weights):
         torch.testing.assert_close(a, b, **tol)

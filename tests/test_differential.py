@@ -18,10 +18,8 @@ import pytest
 import torch
 
 import offload
+from conftest import configs
 from offload.device import CpuDevice, FakeDevice
-
-COMBOS = [(side, tier) for side in ("host", "cpu", "fake") for tier in ("ram", "nvme", "mmap")]
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
 
@@ -48,7 +46,7 @@ def _plan(seed: int) -> dict:
 def _build(ps, side, tier, d, plan):
     kw = dict(moments=plan["fmt"], moments_min_size=plan["minsize"])
     if tier != "ram":
-        kw.update(state=tier, nvme_dir=d, host_budget=plan["budget"])
+        kw.update(storage=tier, nvme_dir=d, host_budget=plan["budget"])
     if side == "cpu":
         kw.update(offload_device=CpuDevice(), bucket_mb=0.01, nvme_options={"staging_slots": 2})
     elif side == "fake":
@@ -116,9 +114,9 @@ def _run(seed: int, plan: dict, side: str, tier: str, tmp_path):
 def test_every_side_and_tier_bitwise_like_host_parameters_in_ram(seed, tmp_path):
     plan = _plan(seed)
     ref_p, ref_state = _run(seed, plan, "host", "ram", tmp_path)
-    for side, tier in COMBOS[1:]:
-        got_p, got_state = _run(seed, plan, side, tier, tmp_path)
-        where = f"{side}/{tier}, moments={plan['fmt']}, {plan['dtype']}, shapes {plan['shapes']}"
+    for cfg in [c.values[0] for c in configs(moments=(plan["fmt"],), cover="all")][1:]:   # after host-ram
+        got_p, got_state = _run(seed, plan, cfg.side, cfg.tier, tmp_path)
+        where = f"{cfg.side}/{cfg.tier}, moments={plan['fmt']}, {plan['dtype']}, shapes {plan['shapes']}"
         for i, (a, b) in enumerate(zip(ref_p, got_p)):
             assert torch.equal(a, b), f"{where}: parameter {i}, max diff {(a.float() - b.float()).abs().max().item()}"
         assert sorted(ref_state) == sorted(got_state), where

@@ -16,6 +16,7 @@ import torch.nn as nn
 import offload
 from offload.bench.gpt import GPT, PRESETS, param_groups, random_batch
 from offload.device import FakeDevice
+from conftest import SCHEDULES, Config, configs
 from tiny_models import slow_backward
 
 CFG = PRESETS["tiny"]
@@ -25,11 +26,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
 
 
 LR = 1e-2
-MODES = {  # name -> GPU-offload options
-    "eager": dict(overlap=True),
-    "deferred": dict(overlap=True, step_during_backward=False),
-    "sync": dict(overlap=False),
-}
+FAKE = dict(sides=("fake",), tiers=("ram",), moments=("fp32",))   # configs(...) of this file: the schedules vary
+SCHED = {c: Config("fake", schedule=c).schedule_kw for c in SCHEDULES}   # schedule -> its constructor options
 
 
 class Net(nn.Module):
@@ -134,26 +132,26 @@ def assert_same(a, b, exact=True, atol=1e-6, rtol=1e-5, state=True):
 
 # ------------------------------------------------------------------------------------ results
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", list(MODES))
-def test_fp32_matches_torch_and_cpu_mode(mode):
-    got = train(ours(**MODES[mode]))
+@pytest.mark.parametrize("cfg", configs(schedules=SCHEDULES, **FAKE))
+def test_fp32_matches_torch_and_cpu_mode(cfg):
+    got = train(ours(**cfg.schedule_kw))
     assert_same(got, train(cpu_mode))                      # same kernel: bitwise
     assert_same(got, train(torch_ref), exact=False)        # torch's AdamW: rounding only
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("cfg", configs(schedules=SCHEDULES, **FAKE))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_matches_cpu_mode_bitwise(mode, dtype):
-    got = train(ours(**MODES[mode]), dtype=dtype)
+def test_low_precision_matches_cpu_mode_bitwise(cfg, dtype):
+    got = train(ours(**cfg.schedule_kw), dtype=dtype)
     assert_same(got, train(cpu_mode, dtype=dtype))
     assert "master_param" in next(iter(got[1].state_dict()["state"].values()))
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", list(MODES))
-def test_grad_accumulation_with_no_sync(mode):
-    got = train(ours(**MODES[mode]), accum=3)
+@pytest.mark.parametrize("cfg", configs(schedules=SCHEDULES, **FAKE))
+def test_grad_accumulation_with_no_sync(cfg):
+    got = train(ours(**cfg.schedule_kw), accum=3)
     assert_same(got, train(cpu_mode, accum=3))
     assert_same(got, train(torch_ref, accum=3), exact=False)
 
@@ -161,7 +159,7 @@ def test_grad_accumulation_with_no_sync(mode):
 @pytest.mark.timeout(60)
 def test_accumulation_boundary_flag_equals_no_sync():
     def factory(model):
-        opt = ours(**MODES["eager"])(model)
+        opt = ours(**SCHED["eager"])(model)
         return opt
     model = make_net(torch.float32)
     opt = factory(model)
@@ -180,29 +178,29 @@ def test_accumulation_boundary_flag_equals_no_sync():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["deferred", "sync"])
-def test_second_backward_without_no_sync_accumulates(mode):
-    assert_same(train(ours(**MODES[mode]), two_backwards=True), train(cpu_mode, two_backwards=True))
+@pytest.mark.parametrize("cfg", configs(schedules=("deferred", "sync"), **FAKE))
+def test_second_backward_without_no_sync_accumulates(cfg):
+    assert_same(train(ours(**cfg.schedule_kw), two_backwards=True), train(cpu_mode, two_backwards=True))
 
 
 @pytest.mark.timeout(60)
 def test_second_backward_in_eager_mode_raises():
     with pytest.raises(RuntimeError, match="no_sync"):
-        train(ours(**MODES["eager"], bucket_mb=100), two_backwards=True)
+        train(ours(**SCHED["eager"], bucket_mb=100), two_backwards=True)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["eager", "deferred", "sync"])
-def test_release_grads(mode):
+@pytest.mark.parametrize("cfg", configs(schedules=SCHEDULES, **FAKE))
+def test_release_grads(cfg):
     model = make_net(torch.float32)
-    opt = ours(release_grads=True, **MODES[mode])(model)
+    opt = ours(release_grads=True, **cfg.schedule_kw)(model)
     idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(1))
     model(idx, tgt, use_aux=True).backward()
-    if mode == "eager":   # released as soon as copied (deferred: in step(), the staging ring is a few buckets)
+    if cfg.schedule == "eager":   # released as soon as copied (deferred: in step(), the staging ring is a few buckets)
         assert all(p.grad is None for p in model.parameters())
     opt.step()
     assert all(p.grad is None for p in model.parameters())
-    assert_same(train(ours(release_grads=True, **MODES[mode])), train(cpu_mode))
+    assert_same(train(ours(release_grads=True, **cfg.schedule_kw)), train(cpu_mode))
 
 
 # ------------------------------------------------------------------------------------ clipping
@@ -243,8 +241,8 @@ def test_torch_clip_on_device_grads_is_seen_in_deferred_mode():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["deferred", "sync"])
-def test_step_grad_multiplier(mode):
+@pytest.mark.parametrize("cfg", configs(schedules=("deferred", "sync"), **FAKE))
+def test_step_grad_multiplier(cfg):
     def run(factory):
         model = make_net(torch.float32)
         opt = factory(model)
@@ -256,7 +254,7 @@ def test_step_grad_multiplier(mode):
             opt.zero_grad()
         opt.synchronize()
         return model, opt
-    assert_same(run(ours(**MODES[mode])), run(cpu_mode))
+    assert_same(run(ours(**cfg.schedule_kw)), run(cpu_mode))
 
 
 @pytest.mark.timeout(60)
@@ -451,8 +449,8 @@ def test_options_are_validated():
 
 def test_last_step_stats_in_every_mode(tmp_path):
     """Host params with RAM or NVMe state report the same keys as GPU offload; nvme_s is filled."""
-    for kw in ({}, dict(state="nvme", nvme_dir=tmp_path), dict(state="mmap", nvme_dir=tmp_path),
-               dict(offload_device=FakeDevice(), state="nvme", nvme_dir=tmp_path), dict(offload_device=FakeDevice()),
+    for kw in ({}, dict(storage="nvme", nvme_dir=tmp_path), dict(storage="mmap", nvme_dir=tmp_path),
+               dict(offload_device=FakeDevice(), storage="nvme", nvme_dir=tmp_path), dict(offload_device=FakeDevice()),
                dict(offload_device=FakeDevice(), overlap=False)):
         p = torch.nn.Parameter(torch.randn(5000))
         opt = offload.AdamW([p], **kw)
@@ -634,7 +632,7 @@ def test_buckets_are_stepped_during_backward(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("opts", [dict(step_during_backward=False), dict(max_grad_norm=1e3),
-                                  dict(check_overflow=True, state="nvme", host_budget=256 * 1024)])
+                                  dict(check_overflow=True, storage="nvme", host_budget=256 * 1024)])
 def test_forward_waits_only_for_the_buckets_it_reads(opts, tmp_path):
     """step() returns while uploads are in flight; a module's forward waits (in upload order) for the
     buckets holding its parameters, the later buckets keep uploading. Without that wait the first
@@ -672,8 +670,8 @@ def test_bookkeeping_stays_bounded_without_reading_stats():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mode", ["eager", "sync"])
-def test_parameters_written_after_construction_are_picked_up(dtype, mode):
+@pytest.mark.parametrize("cfg", configs(schedules=("eager", "sync"), **FAKE))
+def test_parameters_written_after_construction_are_picked_up(dtype, cfg):
     # e.g. model.load_state_dict(pretrained) after the optimizer was built
     torch.manual_seed(7)
     pretrained = Net().to(dtype).state_dict()
@@ -688,7 +686,7 @@ def test_parameters_written_after_construction_are_picked_up(dtype, mode):
     def load_then_cpu(model):
         model.load_state_dict(pretrained)
         return cpu_mode(model)
-    got = train(factory_then_load(MODES[mode]), dtype=dtype, steps=3)
+    got = train(factory_then_load(cfg.schedule_kw), dtype=dtype, steps=3)
     assert_same(got, train(load_then_cpu, dtype=dtype, steps=3))
 
 
@@ -717,15 +715,15 @@ def _write_through_data(partial, steps, visible=False):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("dtype,partial", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
                                            (torch.bfloat16, True)])
-@pytest.mark.parametrize("mode", list(MODES))
-def test_writes_through_data_after_synchronize_are_kept(mode, dtype, partial):
+@pytest.mark.parametrize("cfg", configs(schedules=SCHEDULES, **FAKE))
+def test_writes_through_data_after_synchronize_are_kept(cfg, dtype, partial):
     # p.data.mul_() moves no version counter: before the device fingerprints the next step overwrote
     # it with round(master) (a reverted write); torch's AdamW and the host path keep it
     # 5 steps: the layer used on even steps only is stepped last, so its master adopted the writes on
     # both sides (the host path adopts at the parameter's next step, the device path at the next backward)
     def write():
         return _write_through_data(partial, steps=5)
-    got = train(ours(**MODES[mode]), dtype=dtype, steps=5, after_step=write())
+    got = train(ours(**cfg.schedule_kw), dtype=dtype, steps=5, after_step=write())
     assert_same(got, train(cpu_mode, dtype=dtype, steps=5, after_step=write()))
     if dtype == torch.float32:
         assert_same(got, train(torch_ref, steps=5, after_step=write()), exact=False)
@@ -766,7 +764,7 @@ def test_writes_survive_later_synchronizing_calls(dtype, then, visible):
     # a second synchronize() (or state_dict(), offload.save, load_state_dict, which synchronize) used
     # to take new fingerprints that included the write, and add_param_group / load_state_dict
     # restarted the version tracking: the next upload then reverted the write
-    got = train(ours(**MODES["eager"]), dtype=dtype, steps=5, after_step=_write_then(then, 5, visible))
+    got = train(ours(**SCHED["eager"]), dtype=dtype, steps=5, after_step=_write_then(then, 5, visible))
     assert_same(got, train(cpu_mode, dtype=dtype, steps=5, after_step=_write_then(then, 5, visible)))
 
 
@@ -777,7 +775,7 @@ def test_deferred_schedule_keeps_writes_made_between_backward_and_step(dtype):
     # backward must be what step() updates, as with torch (the eager schedule has stepped by then)
     def write():
         return _write_through_data(True, steps=5)
-    got = train(ours(**MODES["deferred"]), dtype=dtype, steps=5, before_step=write())
+    got = train(ours(**SCHED["deferred"]), dtype=dtype, steps=5, before_step=write())
     assert_same(got, train(cpu_mode, dtype=dtype, steps=5, before_step=write()))
 
 
@@ -791,7 +789,7 @@ def test_deferred_schedule_keeps_writes_through_the_parameter_between_backward_a
             for p in model.parameters():
                 p.mul_(0.99)
     # 5 steps: the layer used on even steps only is stepped last, so both sides adopted the writes
-    got = train(ours(**MODES["deferred"]), dtype=dtype, steps=5, before_step=write)
+    got = train(ours(**SCHED["deferred"]), dtype=dtype, steps=5, before_step=write)
     assert_same(got, train(cpu_mode, dtype=dtype, steps=5, before_step=write))
 
 
@@ -858,7 +856,7 @@ def test_threads_end_when_optimizer_and_model_are_gone():
 def _tiered(tmp_path, tier="nvme", slots=1, **opts):
     d = tmp_path / f"state-{tier}-{slots}"
     d.mkdir(exist_ok=True)
-    return ours(state=tier, nvme_dir=d, host_budget=64 * 1024, nvme_options={"staging_slots": slots},
+    return ours(storage=tier, nvme_dir=d, host_budget=64 * 1024, nvme_options={"staging_slots": slots},
                 max_delay=0.003, **opts)
 
 
@@ -906,7 +904,7 @@ def test_nvme_read_ahead_learns_the_backward_order(tmp_path):
         model = _Reversed()
         kw = dict(lr=1e-3)
         if side == "nvme":
-            kw.update(offload_device=FakeDevice(max_delay=0.001, seed=3), bucket_mb=0.005, state="nvme",
+            kw.update(offload_device=FakeDevice(max_delay=0.001, seed=3), bucket_mb=0.005, storage="nvme",
                       nvme_dir=tmp_path, host_budget=96 * 1024, trace=True)
         return model, offload.AdamW(model.parameters(), **kw)
     (m_ref, o_ref), (model, opt) = make("host"), make("nvme")

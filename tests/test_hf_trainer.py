@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import offload
-from offload.device import CpuDevice, FakeDevice
+from conftest import Config, configs
+from offload.device import FakeDevice
 from tiny_models import Counting, tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -21,23 +22,19 @@ pytest.importorskip("accelerate")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
 
 
-MODES = {
-    "ram": dict,
-    "nvme": lambda d: dict(state="nvme", nvme_dir=d),
-    "8bit": lambda d: dict(moments="8bit", moments_min_size=0),
-    # copies of 20 ms that poison their destination until they land: the upload is still running
-    # when the Trainer saves the model
-    "fake_device_deferred": lambda d: dict(offload_device=FakeDevice(min_delay=0.02, max_delay=0.02), bucket_mb=0.01,
-                                           step_during_backward=False),
-}
+# the setups each trained by the Trainer (conftest.py configs()); the fake device's copies take 20 ms and
+# poison their destination until they land: the upload is still running when the Trainer saves the model
+SETUPS = dict(sides=("host", "fake"), tiers=("ram", "nvme"), moments=("fp32", "8bit"), schedules=("deferred",),
+              cover="listed", include=[("host", "ram", "fp32"), ("host", "nvme", "fp32"), ("host", "ram", "8bit"),
+                                       ("fake", "ram", "fp32", "deferred")])
 
 
-def train(tmp_path, mode, steps, save=None, resume=None, max_grad_norm=1.0):
+def train(tmp_path, cfg, steps, save=None, resume=None, max_grad_norm=1.0):
     from transformers import Trainer, TrainingArguments
     transformers.logging.set_verbosity_error()
     model = tiny_llama()
-    kw = MODES[mode](str(tmp_path)) if mode != "ram" else {}
-    opt = offload.AdamW(model.parameters(), lr=3e-3, **kw)
+    slow = dict(offload_device=FakeDevice(min_delay=0.02, max_delay=0.02)) if cfg.side == "fake" else {}
+    opt = offload.AdamW(model.parameters(), **cfg.kwargs(tmp_path, lr=3e-3, **slow))
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=16,
                              logging_steps=1, max_grad_norm=max_grad_norm, use_cpu=True, report_to=[],
                              save_strategy="steps" if save else "no", save_steps=save or 10 ** 6,
@@ -57,10 +54,10 @@ def train(tmp_path, mode, steps, save=None, resume=None, max_grad_norm=1.0):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mode", sorted(MODES))
-def test_trainer_checkpoint_resume_is_bitwise(tmp_path, mode):
-    losses, params = train(tmp_path, mode, 6, save=3)
-    r_losses, r_params = train(tmp_path, mode, 6, resume=str(tmp_path / "out" / "checkpoint-3"))
+@pytest.mark.parametrize("cfg", configs(**SETUPS))
+def test_trainer_checkpoint_resume_is_bitwise(tmp_path, cfg):
+    losses, params = train(tmp_path, cfg, 6, save=3)
+    r_losses, r_params = train(tmp_path, cfg, 6, resume=str(tmp_path / "out" / "checkpoint-3"))
     assert r_losses == losses
     assert all(torch.equal(a, b) for a, b in zip(r_params, params))
 
@@ -69,9 +66,6 @@ def test_trainer_checkpoint_resume_is_bitwise(tmp_path, mode):
 def test_trainer_clipping_with_buckets_stepped_during_backward_is_refused(tmp_path):
     """The Trainer clips (max_grad_norm, default 1.0) between backward and step: with buckets stepped
     during backward (the GPU-offload default) that is refused by name, saying what to pass instead."""
-    MODES["cpu_device_eager"] = lambda d: dict(offload_device=CpuDevice(), bucket_mb=0.01)
-    try:
-        with pytest.raises(RuntimeError, match="max_grad_norm"):
-            train(tmp_path, "cpu_device_eager", 3)
-    finally:
-        del MODES["cpu_device_eager"]
+    with pytest.raises(RuntimeError, match="max_grad_norm"):
+        train(tmp_path, Config("cpu"), 3)   # the device default: eager
+

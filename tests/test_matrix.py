@@ -17,10 +17,9 @@ import pytest
 import torch
 
 import offload
+from conftest import configs
 from offload.device import CpuDevice, FakeDevice
 
-SIDES = ("host", "cpu", "fake")
-TIERS = ("ram", "nvme", "mmap")
 SIZES = [(700,), (33, 5), (4100,), (3,), (2, 3, 4)]   # 4100: split over buckets under the small budget
 
 
@@ -42,7 +41,7 @@ def make_opt(ps, side, tier, tmp_path, slots=2, seed=1, **kw):
     if tier != "ram":
         d = tmp_path / f"state-{side}-{tier}"
         d.mkdir(exist_ok=True)
-        opts.update(state=tier, nvme_dir=d, host_budget=96 * 1024)
+        opts.update(storage=tier, nvme_dir=d, host_budget=96 * 1024)
     if side != "host":   # the staging ring of device parameters, every tier
         opts["nvme_options"] = {"staging_slots": slots}
     if side == "cpu":
@@ -102,15 +101,14 @@ def assert_same(ps_a, opt_a, ps_b, opt_b):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("side", SIDES)
-def test_bitwise_like_the_host_reference(tmp_path, side, tier, dtype):
+@pytest.mark.parametrize("cfg", configs(moments=("fp32",), cover="all"))
+def test_bitwise_like_the_host_reference(tmp_path, cfg, dtype):
     ref = reference(dtype)
     ps = make_params(dtype)
-    opt = make_opt(ps, side, tier, tmp_path, slots=1 + (dtype == torch.float32))
+    opt = make_opt(ps, cfg.side, cfg.tier, tmp_path, slots=1 + (dtype == torch.float32))
     run(ps, opt, 3, dtype)
     assert_same(*ref, ps, opt)
-    if tier != "ram":   # opt.state offers the moments, as views of the state
+    if cfg.tier != "ram":   # opt.state offers the moments, as views of the state
         sd = opt.state_dict()["state"]
         for i, p in enumerate(ps):
             assert torch.equal(opt.state[p]["exp_avg"], sd[i]["exp_avg"])
@@ -118,20 +116,19 @@ def test_bitwise_like_the_host_reference(tmp_path, side, tier, dtype):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("side", SIDES)
-def test_state_dict_round_trip_through_torch_and_resume(tmp_path, side, tier):
+@pytest.mark.parametrize("cfg", configs(moments=("fp32",), cover="all"))
+def test_state_dict_round_trip_through_torch_and_resume(tmp_path, cfg):
     dtype = torch.float32
     ref = reference(dtype, steps=5)
     ps = make_params(dtype)
-    opt = make_opt(ps, side, tier, tmp_path)
+    opt = make_opt(ps, cfg.side, cfg.tier, tmp_path)
     run(ps, opt, 2, dtype)
     t = torch.optim.AdamW(groups([p.detach().clone() for p in ps]), lr=1e-2)
     t.load_state_dict(opt.state_dict())   # torch's loader accepts our layout
     sd = t.state_dict()
     opt.close()
     ps2 = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    opt2 = make_opt(ps2, side, tier, tmp_path, seed=7)
+    opt2 = make_opt(ps2, cfg.side, cfg.tier, tmp_path, seed=7)
     opt2.load_state_dict(sd)              # and ours accepts torch's
     run(ps2, opt2, 3, dtype, start=2)
     assert_same(*ref, ps2, opt2)
@@ -139,18 +136,17 @@ def test_state_dict_round_trip_through_torch_and_resume(tmp_path, side, tier):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("side", SIDES)
-def test_checkpoint_resume(tmp_path, side, tier):
+@pytest.mark.parametrize("cfg", configs(moments=("fp32",), cover="all"))
+def test_checkpoint_resume(tmp_path, cfg):
     dtype = torch.bfloat16
     ref = reference(dtype, steps=4)
     ps = make_params(dtype)
-    opt = make_opt(ps, side, tier, tmp_path)
+    opt = make_opt(ps, cfg.side, cfg.tier, tmp_path)
     run(ps, opt, 2, dtype)
     offload.save(opt, tmp_path / "ckpt")
     opt.close()
     ps2 = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    opt2 = make_opt(ps2, side, tier, tmp_path, seed=3)
+    opt2 = make_opt(ps2, cfg.side, cfg.tier, tmp_path, seed=3)
     offload.load(opt2, tmp_path / "ckpt")
     run(ps2, opt2, 2, dtype, start=2)
     assert_same(*ref, ps2, opt2)
@@ -158,9 +154,8 @@ def test_checkpoint_resume(tmp_path, side, tier):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("side", SIDES)
-def test_add_param_group(tmp_path, side, tier):
+@pytest.mark.parametrize("cfg", configs(moments=("fp32",), cover="all"))
+def test_add_param_group(tmp_path, cfg):
     dtype = torch.float32
 
     def go(ps, opt):
@@ -173,13 +168,13 @@ def test_add_param_group(tmp_path, side, tier):
     go(ps_r, ref)
     ps = make_params(dtype)
     kw = {}
-    opt = make_opt(ps, side, tier, tmp_path)
+    opt = make_opt(ps, cfg.side, cfg.tier, tmp_path)
     opt.close()   # (make_opt builds two groups; this test wants one, then a second added)
-    opts = dict(state=tier, nvme_dir=tmp_path / f"state-{side}-{tier}", host_budget=96 * 1024, **kw)
-    if tier == "ram":
+    opts = dict(storage=cfg.tier, nvme_dir=tmp_path / f"state-{cfg.side}-{cfg.tier}", host_budget=96 * 1024, **kw)
+    if cfg.tier == "ram":
         opts = {}
-    if side != "host":
-        opts.update(offload_device=FakeDevice(seed=2) if side == "fake" else CpuDevice(), bucket_mb=0.01)
+    if cfg.side != "host":
+        opts.update(offload_device=FakeDevice(seed=2) if cfg.side == "fake" else CpuDevice(), bucket_mb=0.01)
     opt = offload.AdamW(ps[:3], lr=1e-2, **opts)
     go(ps, opt)
     assert_same(ps_r, ref, ps, opt)
@@ -187,14 +182,13 @@ def test_add_param_group(tmp_path, side, tier):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("side", SIDES)
-@pytest.mark.parametrize("tier", ("nvme", "ram"))
-def test_frozen_params_reserve_no_disk(tmp_path, side, tier):
+@pytest.mark.parametrize("cfg", configs(tiers=("nvme", "ram"), moments=("fp32",), cover="all"))
+def test_frozen_params_reserve_no_disk(tmp_path, cfg):
     base = torch.nn.Parameter(torch.randn(1 << 16), requires_grad=False)   # a frozen base: 256 KiB fp32
     lora = torch.nn.Parameter(torch.randn(64))
-    opts = dict(state="nvme", nvme_dir=tmp_path, host_budget=1 << 20) if tier == "nvme" else {}
-    if side != "host":
-        opts.update(offload_device=FakeDevice(seed=4) if side == "fake" else CpuDevice())
+    opts = dict(storage="nvme", nvme_dir=tmp_path, host_budget=1 << 20) if cfg.tier == "nvme" else {}
+    if cfg.side != "host":
+        opts.update(offload_device=FakeDevice(seed=4) if cfg.side == "fake" else CpuDevice())
     opt = offload.AdamW([base, lora], **opts)
     assert opt.storage_info()["file_bytes"] == 4096   # one bucket: lora's state only
     lora.grad = torch.randn(64)
@@ -230,7 +224,7 @@ _RSS_SCRIPT = textwrap.dedent("""
     base = anon()
     peak = 0
     kw = dict(offload_device=FakeDevice(max_delay=0.0, poison=False, check=False)) if side == "fake" else {}
-    opt = offload.AdamW(ps, state="nvme", nvme_dir=d, host_budget="32MiB", **kw)
+    opt = offload.AdamW(ps, storage="nvme", nvme_dir=d, host_budget="32MiB", **kw)
     for _ in range(2):
         opt.step()
         peak = max(peak, anon())
@@ -263,7 +257,7 @@ def test_fake_device_clip_scaler_and_slow_copies(tmp_path, tier, slots):
     ref = offload.AdamW(groups(ps_r), lr=1e-2)
     ps = make_params(dtype)
     dev = FakeDevice(max_delay=0.006, min_delay=0.001, seed=slots)
-    opt = offload.AdamW(groups(ps), lr=1e-2, state=tier, nvme_dir=tmp_path, host_budget=96 * 1024,
+    opt = offload.AdamW(groups(ps), lr=1e-2, storage=tier, nvme_dir=tmp_path, host_budget=96 * 1024,
                         offload_device=dev, bucket_mb=0.004, max_grad_norm=0.5, check_overflow=True,
                         nvme_options={"staging_slots": slots})
     for s in range(4):
@@ -301,9 +295,8 @@ def test_fake_device_clip_scaler_and_slow_copies(tmp_path, tier, slots):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("moments", ("fp32", "8bit"))
-def test_add_param_group_while_the_last_step_is_in_flight(tmp_path, monkeypatch, tier, moments):
+@pytest.mark.parametrize("cfg", configs(sides=("cpu",), moments=("fp32", "8bit"), cover="all"))
+def test_add_param_group_while_the_last_step_is_in_flight(tmp_path, monkeypatch, cfg):
     """add_param_group right after step(), without synchronize(): the CPU worker is still stepping
     (here its first bucket waits between its D2H and its kernel: gradients staged) when the layout,
     the tier and the staging ring grow (the new 5000-element parameter needs bigger slots). The
@@ -334,13 +327,13 @@ def test_add_param_group_while_the_last_step_is_in_flight(tmp_path, monkeypatch,
         big = torch.randn(5000, generator=torch.Generator().manual_seed(9))   # needs bigger staging slots
         return make_params(torch.float32) + [torch.nn.Parameter(big)]
 
-    kw = dict(moments=moments, moments_min_size=4096)
+    kw = dict(moments=cfg.moments, moments_min_size=4096)
     ps_r = params()
     ref = offload.AdamW(ps_r[:5], lr=1e-2, **kw)
     go(ps_r, ref)
     monkeypatch.setattr(backward.BackwardFeed, "_step_bucket", slow_step_bucket)
     ps = params()
-    opts = dict(state=tier, nvme_dir=tmp_path, host_budget=96 * 1024) if tier != "ram" else {}
+    opts = dict(storage=cfg.tier, nvme_dir=tmp_path, host_budget=96 * 1024) if cfg.tier != "ram" else {}
     opt = offload.AdamW(ps[:5], lr=1e-2, offload_device=CpuDevice(), bucket_mb=0.01, **opts, **kw)
     go(ps, opt, wait=True)
     for i, (a, b) in enumerate(zip(ps_r, ps)):
@@ -350,10 +343,9 @@ def test_add_param_group_while_the_last_step_is_in_flight(tmp_path, monkeypatch,
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("order", ("model_first", "optimizer_first"))
-@pytest.mark.parametrize("moments", ("fp32", "8bit"))
-@pytest.mark.parametrize("tier", ("ram", "nvme"))
-@pytest.mark.parametrize("side", ("cpu", "fake"))
-def test_resume_in_either_order_is_bitwise_the_uninterrupted_run(tmp_path, side, tier, moments, order):
+@pytest.mark.parametrize("cfg", configs(sides=("cpu", "fake"), tiers=("ram", "nvme"), moments=("fp32", "8bit"),
+                                        cover="all"))
+def test_resume_in_either_order_is_bitwise_the_uninterrupted_run(tmp_path, cfg, order):
     """bf16 device parameters: a fresh model + optimizer, model.load_state_dict and opt.load_state_dict
     of the same checkpoint in either order, continue: bitwise the run that was not interrupted. (The
     parameters before the model's load are the fresh model's: taking them into the loaded masters at
@@ -362,11 +354,11 @@ def test_resume_in_either_order_is_bitwise_the_uninterrupted_run(tmp_path, side,
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(70, 90), torch.nn.Linear(90, 50)).to(torch.bfloat16)
         opts = {}
-        if tier != "ram":
+        if cfg.tier != "ram":
             (tmp_path / f"{seed}").mkdir()
-            opts = dict(state=tier, nvme_dir=tmp_path / f"{seed}", host_budget=1 << 20)
-        dev = CpuDevice() if side == "cpu" else FakeDevice(max_delay=0.001)
-        opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, moments=moments, moments_min_size=1024,
+            opts = dict(storage=cfg.tier, nvme_dir=tmp_path / f"{seed}", host_budget=1 << 20)
+        dev = CpuDevice() if cfg.side == "cpu" else FakeDevice(max_delay=0.001)
+        opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, moments=cfg.moments, moments_min_size=1024,
                             offload_device=dev, bucket_mb=0.01, **opts)
         return model, opt
 

@@ -13,32 +13,16 @@ import pytest
 import torch
 
 import offload
-from offload.device import FakeDevice
+from conftest import Config, configs
 
-MODES = ["ram", "nvme", "mmap"]
+TIERS = dict(sides=("host",), moments=("fp32",))   # configs(...) of this file: the tiers vary
 LR = 1e-2
 
 
 @pytest.fixture
-def make(tmp_path):
-    """make(params, mode, **kw) -> an offload.AdamW in that state mode (closed at teardown)."""
-    opts = []
-
-    def _make(params, mode="ram", **kw):
-        if mode == "ram":
-            opt = offload.AdamW(params, lr=kw.pop("lr", LR), **kw)
-        elif mode == "gpu":
-            opt = offload.AdamW(params, lr=kw.pop("lr", LR), offload_device=FakeDevice(), step_during_backward=False, **kw)
-        else:
-            d = tmp_path / f"s{len(opts)}"
-            d.mkdir()
-            opt = offload.AdamW(params, lr=kw.pop("lr", LR), state=mode, nvme_dir=str(d), **kw)
-        opts.append(opt)
-        return opt
-
-    yield _make
-    for o in opts:
-        o.close()
+def make(make_opt):
+    """make(params, cfg, **kw) -> make_opt's offload.AdamW of that configuration (host RAM by default)."""
+    return lambda params, cfg=Config(), **kw: make_opt(cfg, params, **dict(dict(lr=LR), **kw))
 
 
 def pair(shape=(6, 5), dtype=torch.float32, seed=0, n=1):
@@ -61,11 +45,11 @@ def close(a, b, **kw):
 
 
 # ----------------------------------------------------------------------------- item 2: clip coefficient
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cfg", configs(**TIERS))
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_clip_coefficient_discarded_by_zero_grad(make, mode, set_to_none):
+def test_clip_coefficient_discarded_by_zero_grad(make, cfg, set_to_none):
     ours, ref = pair()  # eps=0.1: Adam is not invariant to the gradient scale, so a stale coefficient shows
-    opt, topt = make(ours, mode, eps=0.1), torch.optim.AdamW(ref, lr=LR, eps=0.1)
+    opt, topt = make(ours, cfg, eps=0.1), torch.optim.AdamW(ref, lr=LR, eps=0.1)
     set_grads(ours, 1, scale=100.0)
     set_grads(ref, 1, scale=100.0)
     opt.clip_grad_norm_(1.0)  # the batch is skipped: no step
@@ -82,12 +66,13 @@ def test_clip_coefficient_discarded_by_zero_grad(make, mode, set_to_none):
     close(ours, ref)
 
 
-@pytest.mark.parametrize("mode", ["ram", "gpu"])
-def test_clip_coefficient_discarded_by_zero_grad_with_backward(make, mode):
+@pytest.mark.parametrize("cfg", configs(sides=("host", "fake"), tiers=("ram",), moments=("fp32",),
+                                        schedules=("deferred",)))
+def test_clip_coefficient_discarded_by_zero_grad_with_backward(make, cfg):
     torch.manual_seed(0)
     model, ref_model = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     ref_model.load_state_dict(model.state_dict())
-    opt, topt = make(model.parameters(), mode), torch.optim.AdamW(ref_model.parameters(), lr=LR)
+    opt, topt = make(model.parameters(), cfg), torch.optim.AdamW(ref_model.parameters(), lr=LR)
     x = torch.randn(8, 4)
     (model(x).pow(2).sum() * 1e3).backward()
     opt.clip_grad_norm_(1e-3)  # the batch is skipped
@@ -95,17 +80,17 @@ def test_clip_coefficient_discarded_by_zero_grad_with_backward(make, mode):
     for m, o in ((model, opt), (ref_model, topt)):
         m(x).pow(2).sum().backward()
         o.step()
-    if mode == "gpu":
+    if cfg.device:
         opt.synchronize()  # GPU mode uploads the new weights asynchronously (the next forward waits for them)
     close(model.parameters(), ref_model.parameters())
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_clip_coefficient_of_a_skipped_step_is_not_applied_to_new_gradients(make, mode):
+@pytest.mark.parametrize("cfg", configs(**TIERS))
+def test_clip_coefficient_of_a_skipped_step_is_not_applied_to_new_gradients(make, cfg):
     # GradScaler found inf: the norm is inf, the coefficient 0, and opt.step() is never called; the
     # next batch's gradients are new tensors (model.zero_grad() / p.grad = None, not opt.zero_grad()).
     ours, ref = pair()
-    opt, topt = make(ours, mode, eps=0.1), torch.optim.AdamW(ref, lr=LR, eps=0.1)
+    opt, topt = make(ours, cfg, eps=0.1), torch.optim.AdamW(ref, lr=LR, eps=0.1)
     set_grads(ours, 1)
     ours[0].grad[0, 0] = float("inf")
     assert not torch.isfinite(opt.clip_grad_norm_(1.0))
@@ -142,10 +127,10 @@ def test_clip_coefficient_of_a_step_grad_scaler_skipped(make):
     close(model.parameters(), ref_model.parameters())
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_gradients_modified_after_clip_raise(make, mode):
+@pytest.mark.parametrize("cfg", configs(**TIERS))
+def test_gradients_modified_after_clip_raise(make, cfg):
     ours, _ = pair()
-    opt = make(ours, mode)
+    opt = make(ours, cfg)
     set_grads(ours, 1, scale=100.0)
     opt.clip_grad_norm_(1.0)
     ours[0].grad.add_(1.0)  # another backward accumulating: torch would add onto clipped values
@@ -188,13 +173,13 @@ def _write(p, how):
             p.data = torch.full(p.shape, 0.125, dtype=p.dtype)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cfg", configs(**TIERS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("how", ["mul_", "clamp_", "copy_", "load_state_dict", "data"])
-def test_write_to_low_precision_param_between_steps_is_kept(make, mode, dtype, how):
+def test_write_to_low_precision_param_between_steps_is_kept(make, cfg, dtype, how):
     ours, _ = pair(dtype=dtype)
     p = ours[0]
-    opt = make(ours, mode, lr=0.0, weight_decay=0.0)  # lr 0: a step must leave p as the user wrote it
+    opt = make(ours, cfg, lr=0.0, weight_decay=0.0)  # lr 0: a step must leave p as the user wrote it
     set_grads(ours, 1)
     opt.step()
     _write(p, how)
@@ -266,10 +251,10 @@ def test_disjoint_views_of_one_storage_are_fine(make):
 
 
 # ----------------------------------------------------------------------------- item 5: all-or-nothing step
-@pytest.mark.parametrize("mode", MODES)
-def test_failed_step_advances_no_step_count(make, mode):
+@pytest.mark.parametrize("cfg", configs(**TIERS))
+def test_failed_step_advances_no_step_count(make, cfg):
     ours, ref = pair(n=2)
-    opt = make([{"params": [ours[0]]}, {"params": [ours[1]]}], mode)
+    opt = make([{"params": [ours[0]]}, {"params": [ours[1]]}], cfg)
     topt = torch.optim.AdamW([{"params": [ref[0]]}, {"params": [ref[1]]}], lr=LR)
     for s in range(2):
         set_grads(ours, s)
@@ -306,12 +291,12 @@ def test_replaced_state_tensors_are_used(make, key):
     assert float(opt.state[ours[0]]["step"]) == float(topt.state[ref[0]]["step"])
 
 
-@pytest.mark.parametrize("mode", ["nvme", "mmap"])
-def test_disk_state_replaced_moment_is_refused_cleared_state_starts_fresh(make, mode):
+@pytest.mark.parametrize("cfg", configs(tiers=("nvme", "mmap"), **TIERS))
+def test_disk_state_replaced_moment_is_refused_cleared_state_starts_fresh(make, cfg):
     # the moments live in the state file: a replacement tensor is refused by name (never ignored);
     # in-place writes to the views and opt.state.clear() behave as in torch
     ours, ref = pair()
-    opt, topt = make(ours, mode), torch.optim.AdamW(ref, lr=LR)
+    opt, topt = make(ours, cfg), torch.optim.AdamW(ref, lr=LR)
     for s in range(2):
         set_grads(ours, s)
         set_grads(ref, s)
@@ -337,10 +322,10 @@ def test_disk_state_replaced_moment_is_refused_cleared_state_starts_fresh(make, 
     assert float(opt.state[ours[0]]["step"]) == float(topt.state[ref[0]]["step"]) == 1.0
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_replaced_step_is_used(make, mode):
+@pytest.mark.parametrize("cfg", configs(**TIERS))
+def test_replaced_step_is_used(make, cfg):
     ours, ref = pair()
-    opt, topt = make(ours, mode), torch.optim.AdamW(ref, lr=LR)
+    opt, topt = make(ours, cfg), torch.optim.AdamW(ref, lr=LR)
     for s in range(4):
         set_grads(ours, s)
         set_grads(ref, s)

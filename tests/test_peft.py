@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import offload
+from conftest import configs
 from offload.device import FakeDevice
 from tiny_models import tiny_llama
 
@@ -106,21 +107,18 @@ def test_frozen_weights_are_never_written(kw):
     assert all(not torch.equal(run["params"][n], run_initial(n).bfloat16()) for n in trainable_names(run))
 
 
-MODES = {
-    "nvme": lambda d: dict(state="nvme", nvme_dir=d),
-    "mmap": lambda d: dict(state="mmap", nvme_dir=d),
-    # device parameters: weights go up after the step while PEFT merges into the frozen ones
-    "fake_device": lambda d: dict(offload_device=FakeDevice(min_delay=0.002, max_delay=0.01), bucket_mb=0.01),
-    "fake_device_deferred_nvme": lambda d: dict(offload_device=FakeDevice(min_delay=0.002, max_delay=0.01),
-                                                bucket_mb=0.01, step_during_backward=False, state="nvme",
-                                                nvme_dir=d),
-}
+# the setups each fine-tuned (conftest.py configs()); device parameters: weights go up after the step while PEFT
+# merges into the frozen ones
+SETUPS = dict(sides=("host", "fake"), tiers=("ram", "nvme", "mmap"), moments=("fp32",), schedules=("eager", "deferred"),
+              cover="listed", include=[("host", "nvme", "fp32"), ("host", "mmap", "fp32"),
+                                       ("fake", "ram", "fp32", "eager"), ("fake", "nvme", "fp32", "deferred")])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mode", sorted(MODES))
-def test_every_tier_and_side_gives_the_host_path_bitwise(tmp_path, host_runs, mode, dtype):
-    run = finetune(lambda ps: offload.AdamW(ps, lr=1e-2, **MODES[mode](str(tmp_path))), dtype)
+@pytest.mark.parametrize("cfg", configs(**SETUPS))
+def test_every_tier_and_side_gives_the_host_path_bitwise(tmp_path, host_runs, cfg, dtype):
+    dev = dict(offload_device=FakeDevice(min_delay=0.002, max_delay=0.01)) if cfg.side == "fake" else {}
+    run = finetune(lambda ps: offload.AdamW(ps, **cfg.kwargs(tmp_path, lr=1e-2, **dev)), dtype)
     host = host_runs[dtype]
     assert run["stateful"] == host["stateful"]
     assert run["losses"] == host["losses"] and run["evals"] == host["evals"]

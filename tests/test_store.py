@@ -16,8 +16,7 @@ import offload
 from offload.native import aio
 from offload import store as store_mod
 from offload.store import StoreFailedError, parse_size
-
-MODES = ["nvme", "mmap"]
+from conftest import configs
 
 
 def make_params(seed=1):
@@ -66,20 +65,20 @@ def reference():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cfg", configs(sides=("host",), tiers=("nvme", "mmap"), moments=("fp32",)))
 @pytest.mark.parametrize("budget,depth", [(16384, 1), (64 * 1024, 3), ("2GiB", 2)])
-def test_bitwise_identical_to_ram(tmp_path, reference, mode, budget, depth):
+def test_bitwise_identical_to_ram(tmp_path, reference, cfg, budget, depth):
     ps = make_params()
-    opts = {"depth": depth} if mode == "nvme" else {}
-    opt = make_opt(ps, state=mode, nvme_dir=tmp_path, host_budget=budget, nvme_options=opts)
+    opts = {"depth": depth} if cfg.tier == "nvme" else {}
+    opt = make_opt(ps, storage=cfg.tier, nvme_dir=tmp_path, host_budget=budget, nvme_options=opts)
     info = opt.storage_info()
     if budget != "2GiB":  # budget below the state size: many buckets, several in flight
         assert info["buckets"] > 4 and info["slot_bytes"] * info["slots"] <= parse_size(budget)
-    elif mode == "nvme":  # a big budget is not allocated beyond the largest bucket
+    elif cfg.tier == "nvme":  # a big budget is not allocated beyond the largest bucket
         assert opt._store.arena.nbytes < 1 << 20
     run_steps(ps, opt, 12)
     assert_same(*reference, ps, opt.state_dict())
-    if mode == "nvme":
+    if cfg.tier == "nvme":
         assert opt.storage_info()["engine"]["errors"] == 0
     opt.close()
 
@@ -87,7 +86,7 @@ def test_bitwise_identical_to_ram(tmp_path, reference, mode, budget, depth):
 @pytest.mark.timeout(60)
 def test_adam_class_and_buffered_io(tmp_path):
     ps_r, ps_n = make_params(2), make_params(2)
-    ram, nv = make_opt(ps_r, offload.Adam), make_opt(ps_n, offload.Adam, state="nvme", nvme_dir=tmp_path,
+    ram, nv = make_opt(ps_r, offload.Adam), make_opt(ps_n, offload.Adam, storage="nvme", nvme_dir=tmp_path,
                                                      host_budget=32768, nvme_options={"direct": False})
     run_steps(ps_r, ram, 6)
     run_steps(ps_n, nv, 6)
@@ -96,10 +95,10 @@ def test_adam_class_and_buffered_io(tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", MODES)
-def test_state_dict_round_trip_and_resume(tmp_path, mode):
+@pytest.mark.parametrize("cfg", configs(sides=("host",), tiers=("nvme", "mmap"), moments=("fp32",)))
+def test_state_dict_round_trip_and_resume(tmp_path, cfg):
     ps_a, ps_r = make_params(3), make_params(3)
-    a = make_opt(ps_a, state=mode, nvme_dir=tmp_path, host_budget=20480)
+    a = make_opt(ps_a, storage=cfg.tier, nvme_dir=tmp_path, host_budget=20480)
     r = make_opt(ps_r)
     run_steps(ps_a, a, 4)
     run_steps(ps_r, r, 4)
@@ -108,7 +107,7 @@ def test_state_dict_round_trip_and_resume(tmp_path, mode):
     loaded = torch.load(tmp_path / "ckpt.pt")
     # resume into a fresh NVMe optimizer and into a RAM optimizer; both continue identically
     ps_b = [p.clone() for p in ps_a]
-    b = make_opt(ps_b, state=mode, nvme_dir=tmp_path, host_budget=20480)
+    b = make_opt(ps_b, storage=cfg.tier, nvme_dir=tmp_path, host_budget=20480)
     b.load_state_dict(loaded)
     run_steps(ps_b, b, 5, start=4)
     run_steps(ps_r, r, 5, start=4)
@@ -122,7 +121,7 @@ def test_state_loads_into_torch_adamw_and_back(tmp_path):
     g = torch.Generator().manual_seed(5)
     ps = [torch.randn(300, generator=g), torch.randn(17, 3, generator=g)]
     ps_t = [p.clone() for p in ps]
-    opt = offload.AdamW(ps, lr=1e-2, state="nvme", nvme_dir=tmp_path, host_budget=16384)
+    opt = offload.AdamW(ps, lr=1e-2, storage="nvme", nvme_dir=tmp_path, host_budget=16384)
     for s in range(3):
         for p in ps:
             p.grad = torch.randn(p.shape, generator=g)
@@ -133,7 +132,7 @@ def test_state_loads_into_torch_adamw_and_back(tmp_path):
     assert torch.equal(t.state[ps_t[1]]["exp_avg_sq"], sd["state"][1]["exp_avg_sq"])
     # and torch's state loads back into an NVMe optimizer
     ps2 = [p.clone() for p in ps]
-    back = offload.AdamW(ps2, lr=1e-2, state="nvme", nvme_dir=tmp_path, host_budget=16384)
+    back = offload.AdamW(ps2, lr=1e-2, storage="nvme", nvme_dir=tmp_path, host_budget=16384)
     back.load_state_dict(t.state_dict())
     sd2 = back.state_dict()
     for k in (0, 1):
@@ -146,7 +145,7 @@ def test_large_param_split_over_buckets(tmp_path):
     g = torch.Generator().manual_seed(6)
     ps = [torch.randn(10007, generator=g).bfloat16(), torch.randn(5003, generator=g)]
     ps_r = [p.clone() for p in ps]
-    nv = offload.AdamW(ps, state="nvme", nvme_dir=tmp_path, host_budget=4 * 4096)
+    nv = offload.AdamW(ps, storage="nvme", nvme_dir=tmp_path, host_budget=4 * 4096)
     ram = offload.AdamW(ps_r)
     assert len(nv._store.pieces[(0, 0)]) > 10  # one parameter, many buckets
     for s in range(4):
@@ -160,10 +159,10 @@ def test_large_param_split_over_buckets(tmp_path):
 
 # ---------------------------------------------------------------------------------- files
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", MODES)
-def test_file_private_preallocated_and_removed(tmp_path, mode):
+@pytest.mark.parametrize("cfg", configs(sides=("host",), tiers=("nvme", "mmap"), moments=("fp32",)))
+def test_file_private_preallocated_and_removed(tmp_path, cfg):
     ps = make_params()
-    opt = make_opt(ps, state=mode, nvme_dir=tmp_path, host_budget=32768)
+    opt = make_opt(ps, storage=cfg.tier, nvme_dir=tmp_path, host_budget=32768)
     st = opt._store
     d = st.directory
     assert os.path.dirname(d) == str(tmp_path)
@@ -171,7 +170,7 @@ def test_file_private_preallocated_and_removed(tmp_path, mode):
     assert stat.S_IMODE(os.stat(st.path).st_mode) == 0o600
     assert os.stat(st.path).st_size == st.file_bytes
     assert os.stat(st.path).st_blocks * 512 >= st.file_bytes  # reserved, not sparse
-    other = make_opt(make_params(), state=mode, nvme_dir=tmp_path, host_budget=32768)
+    other = make_opt(make_params(), storage=cfg.tier, nvme_dir=tmp_path, host_budget=32768)
     assert other._store.directory != d  # every optimizer gets a new directory
     opt.close()
     assert not os.path.exists(d)
@@ -181,7 +180,7 @@ def test_file_private_preallocated_and_removed(tmp_path, mode):
     del other
     gc.collect()
     assert not os.path.exists(d2)  # removed on garbage collection too
-    kept = make_opt(make_params(), state=mode, nvme_dir=tmp_path, keep_files=True)
+    kept = make_opt(make_params(), storage=cfg.tier, nvme_dir=tmp_path, keep_files=True)
     path = kept._store.path
     kept.close()
     assert os.path.exists(path)
@@ -191,22 +190,22 @@ def test_file_private_preallocated_and_removed(tmp_path, mode):
 def test_constructor_validation(tmp_path):
     ps = make_params()
     with pytest.raises(ValueError, match="state must be"):
-        make_opt(ps, state="disk")
+        make_opt(ps, storage="disk")
     with pytest.raises(ValueError, match="needs nvme_dir"):
-        make_opt(ps, state="nvme")
+        make_opt(ps, storage="nvme")
     with pytest.raises(ValueError, match="only apply"):
-        make_opt(ps, state="ram", nvme_dir=tmp_path)
+        make_opt(ps, storage="ram", nvme_dir=tmp_path)
     with pytest.raises(FileNotFoundError):
-        make_opt(ps, state="nvme", nvme_dir=tmp_path / "missing")
+        make_opt(ps, storage="nvme", nvme_dir=tmp_path / "missing")
     (tmp_path / "afile").write_bytes(b"x")
     with pytest.raises(NotADirectoryError):
-        make_opt(ps, state="nvme", nvme_dir=tmp_path / "afile")
+        make_opt(ps, storage="nvme", nvme_dir=tmp_path / "afile")
     with pytest.raises(ValueError, match="too small"):
-        make_opt(ps, state="nvme", nvme_dir=tmp_path, host_budget=4096)
+        make_opt(ps, storage="nvme", nvme_dir=tmp_path, host_budget=4096)
     with pytest.raises(ValueError, match="cannot parse"):
-        make_opt(ps, state="nvme", nvme_dir=tmp_path, host_budget="lots")
+        make_opt(ps, storage="nvme", nvme_dir=tmp_path, host_budget="lots")
     assert os.listdir(tmp_path) == ["afile"]  # failed constructions leave nothing behind
-    opt = make_opt(ps, nvme_dir=tmp_path)   # nvme_dir alone: state="nvme"
+    opt = make_opt(ps, nvme_dir=tmp_path)   # nvme_dir alone: storage="nvme"
     opt.add_param_group({"params": [torch.zeros(3)]})  # NVMe state grows (tests/test_matrix.py checks the math)
     assert len(opt.param_groups) == 4 and opt.storage_info()["mode"] == "nvme"  # make_params: three groups
     with pytest.raises(TypeError, match="pickled"):
@@ -230,7 +229,7 @@ def test_symlink_planted_where_state_file_goes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(files_mod, "make_private_dir", planted)
     with pytest.raises(FileExistsError):
-        make_opt(make_params(), state="nvme", nvme_dir=tmp_path)
+        make_opt(make_params(), storage="nvme", nvme_dir=tmp_path)
     gc.collect()
     assert victim.read_bytes() == b"precious"
     assert sorted(os.listdir(tmp_path)) == ["victim"]
@@ -260,11 +259,11 @@ def readonly_fs(tmp_path):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("mode", MODES)
-def test_full_disk_fails_at_construction(small_fs, mode):
+@pytest.mark.parametrize("cfg", configs(sides=("host",), tiers=("nvme", "mmap"), moments=("fp32",)))
+def test_full_disk_fails_at_construction(small_fs, cfg):
     ps = [torch.zeros(1 << 20)]  # 8 MiB of state on a 1 MiB filesystem
     with pytest.raises(OSError, match="not enough space") as ei:
-        offload.AdamW(ps, state=mode, nvme_dir=small_fs)
+        offload.AdamW(ps, storage=cfg.tier, nvme_dir=small_fs)
     assert ei.value.errno == errno.ENOSPC
     gc.collect()
     assert os.listdir(small_fs) == []
@@ -273,7 +272,7 @@ def test_full_disk_fails_at_construction(small_fs, mode):
 @pytest.mark.timeout(30)
 def test_unwritable_directory(readonly_fs):
     with pytest.raises(OSError, match="cannot create the optimizer state directory") as ei:
-        offload.AdamW([torch.zeros(10)], state="nvme", nvme_dir=readonly_fs)
+        offload.AdamW([torch.zeros(10)], storage="nvme", nvme_dir=readonly_fs)
     assert ei.value.errno == errno.EROFS
 
 
@@ -282,7 +281,7 @@ def test_unwritable_directory(readonly_fs):
 @pytest.mark.parametrize("nth", [1, 5, 12])
 def test_injected_eio_poisons_optimizer(tmp_path, nth):
     ps = make_params()
-    opt = make_opt(ps, state="nvme", nvme_dir=tmp_path, host_budget=16384)
+    opt = make_opt(ps, storage="nvme", nvme_dir=tmp_path, host_budget=16384)
     run_steps(ps, opt, 2)
     opt._store.engine._set_fault(aio.FAULT_EIO, nth)
     with pytest.raises(OSError) as ei:
@@ -301,7 +300,7 @@ def test_injected_eio_poisons_optimizer(tmp_path, nth):
 @pytest.mark.timeout(60)
 def test_injected_short_transfers_keep_results_exact(tmp_path, reference):
     ps = make_params()
-    opt = make_opt(ps, state="nvme", nvme_dir=tmp_path, host_budget=128 * 1024)
+    opt = make_opt(ps, storage="nvme", nvme_dir=tmp_path, host_budget=128 * 1024)
     for s in range(12):
         opt._store.engine._set_fault(aio.FAULT_SHORT if s % 2 else aio.FAULT_EINTR, 1 + s)
         run_steps(ps, opt, 1, start=s)
@@ -314,7 +313,7 @@ def test_injected_short_transfers_keep_results_exact(tmp_path, reference):
 @pytest.mark.timeout(60)
 def test_real_error_truncated_state_file(tmp_path):
     ps = make_params()
-    opt = make_opt(ps, state="nvme", nvme_dir=tmp_path, host_budget=16384)
+    opt = make_opt(ps, storage="nvme", nvme_dir=tmp_path, host_budget=16384)
     run_steps(ps, opt, 1)
     os.truncate(opt._store.path, 4096)  # e.g. someone else's mistake: the reads now hit end of file
     with pytest.raises(OSError, match="unexpected end of file"):
@@ -326,7 +325,7 @@ def test_real_error_truncated_state_file(tmp_path):
 @pytest.mark.timeout(30)
 def test_validation_errors_do_not_poison(tmp_path):
     ps = make_params()
-    opt = make_opt(ps, state="nvme", nvme_dir=tmp_path, host_budget=16384)
+    opt = make_opt(ps, storage="nvme", nvme_dir=tmp_path, host_budget=16384)
     run_steps(ps, opt, 1)
     ps[0].grad = torch.zeros(2000)[::2]
     with pytest.raises(RuntimeError, match="not contiguous"):
@@ -352,7 +351,7 @@ RSS_SCRIPT = textwrap.dedent("""
     offload.AdamW([torch.zeros(1)])  # torch's first Optimizer() imports ~70 MB of modules: not ours
     open("/proc/self/clear_refs", "w").write("5")   # reset VmHWM to the current RSS
     base = status("VmRSS:")
-    opt = offload.AdamW([p], state=sys.argv[2], nvme_dir=sys.argv[1], host_budget="16MiB")
+    opt = offload.AdamW([p], storage=sys.argv[2], nvme_dir=sys.argv[1], host_budget="16MiB")
     for _ in range(2):
         opt.step()
     print(status("VmHWM:") - base, opt.storage_info()["file_bytes"])
@@ -360,10 +359,10 @@ RSS_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", MODES)
-def test_peak_rss_bounded_by_budget(tmp_path, mode):
+@pytest.mark.parametrize("cfg", configs(sides=("host",), tiers=("nvme", "mmap"), moments=("fp32",)))
+def test_peak_rss_bounded_by_budget(tmp_path, cfg):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path), mode], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path), cfg.tier], capture_output=True, text=True,
                        env=env, timeout=110)
     assert r.returncode == 0, r.stderr
     growth, state_bytes = map(int, r.stdout.split())
@@ -376,7 +375,7 @@ def test_peak_rss_bounded_by_budget(tmp_path, mode):
 def test_params_that_fit_a_bucket_are_not_split(tmp_path):
     # 4 slots of 16 KiB: 1360 fp32 elements of master|m|v per bucket; each 1000-element param fits alone
     ps = [torch.randn(1000).bfloat16() for _ in range(5)] + [torch.randn(3000).bfloat16()]
-    opt = offload.AdamW(ps, state="nvme", nvme_dir=tmp_path, host_budget=4 * 16384)
+    opt = offload.AdamW(ps, storage="nvme", nvme_dir=tmp_path, host_budget=4 * 16384)
     pieces = opt._store.pieces
     assert all(len(pieces[(0, i)]) == 1 for i in range(5))
     assert len(pieces[(0, 5)]) == 3  # larger than a bucket: split
@@ -391,12 +390,12 @@ def test_params_that_fit_a_bucket_are_not_split(tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", MODES)
-def test_load_partial_state_resets_the_others_like_ram(tmp_path, mode):
+@pytest.mark.parametrize("cfg", configs(sides=("host",), tiers=("nvme", "mmap"), moments=("fp32",)))
+def test_load_partial_state_resets_the_others_like_ram(tmp_path, cfg):
     # a saved state without some parameters: those start afresh, exactly as in RAM mode
     ps_r, ps_n = make_params(7), make_params(7)
     ram = make_opt(ps_r)
-    nv = make_opt(ps_n, state=mode, nvme_dir=tmp_path, host_budget=20480)
+    nv = make_opt(ps_n, storage=cfg.tier, nvme_dir=tmp_path, host_budget=20480)
     run_steps(ps_r, ram, 3)
     run_steps(ps_n, nv, 3)
     sd = ram.state_dict()
@@ -411,13 +410,13 @@ def test_load_partial_state_resets_the_others_like_ram(tmp_path, mode):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", MODES)
-def test_hyperparameters_follow_loaded_groups_and_schedulers(tmp_path, mode):
+@pytest.mark.parametrize("cfg", configs(sides=("host",), tiers=("nvme", "mmap"), moments=("fp32",)))
+def test_hyperparameters_follow_loaded_groups_and_schedulers(tmp_path, cfg):
     # load_state_dict replaces the group dicts; the store must use the live ones (lr from the
     # checkpoint, then from the scheduler)
     ps_r, ps_n = make_params(8), make_params(8)
     ram = make_opt(ps_r)
-    nv = make_opt(ps_n, state=mode, nvme_dir=tmp_path, host_budget=20480)
+    nv = make_opt(ps_n, storage=cfg.tier, nvme_dir=tmp_path, host_budget=20480)
     run_steps(ps_r, ram, 2)
     run_steps(ps_n, nv, 2)
     sd = ram.state_dict()
@@ -451,7 +450,7 @@ LIFETIME_SCRIPT = """
     def make(mode):
         torch.manual_seed(0)
         ps = [torch.randn(20000), torch.randn(30000).bfloat16()]
-        opt = offload.AdamW(ps, state=mode, nvme_dir=d, host_budget=4 * 65536)  # param 1 split: a copy
+        opt = offload.AdamW(ps, storage=mode, nvme_dir=d, host_budget=4 * 65536)  # param 1 split: a copy
         for p in ps:
             p.grad = torch.ones(p.shape, dtype=p.dtype)
         opt.step()
@@ -541,7 +540,7 @@ FORK_SCRIPT = """
     result = {}
     for mode in ("mmap", "nvme"):
         ps = [torch.randn(1000), torch.randn(500).bfloat16()]
-        opt = offload.AdamW(ps, state=mode, nvme_dir=d, host_budget=4 * 8192)
+        opt = offload.AdamW(ps, storage=mode, nvme_dir=d, host_budget=4 * 8192)
         for p in ps:
             p.grad = torch.ones(p.shape, dtype=p.dtype)
         opt.step()
@@ -622,11 +621,11 @@ def _grads(ps, s):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", MODES)
-def test_user_writes_to_lowp_params_are_not_reverted(tmp_path, mode):
+@pytest.mark.parametrize("cfg", configs(sides=("host",), tiers=("nvme", "mmap"), moments=("fp32",)))
+def test_user_writes_to_lowp_params_are_not_reverted(tmp_path, cfg):
     # two identical runs; run B writes its bf16/fp16 params between steps in the ways users do
     A, B = _lowp(0), _lowp(0)
-    kw = dict(lr=1e-3, state=mode, nvme_dir=tmp_path, host_budget=4 * 8192)  # param 0 is split over buckets
+    kw = dict(lr=1e-3, storage=cfg.tier, nvme_dir=tmp_path, host_budget=4 * 8192)  # param 0 is split over buckets
     oa, ob = offload.AdamW(A, **kw), offload.AdamW(B, **kw)
     assert len(ob._store.pieces[(0, 0)]) > 1
 
@@ -674,10 +673,10 @@ def test_user_writes_to_lowp_params_are_not_reverted(tmp_path, mode):
 
 # ---------------------------------------------------------------------------------- aliasing, leftovers (item 19)
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", MODES)
-def test_aliasing_gradients_refused_by_name_store_stays_usable(tmp_path, mode):
+@pytest.mark.parametrize("cfg", configs(sides=("host",), tiers=("nvme", "mmap"), moments=("fp32",)))
+def test_aliasing_gradients_refused_by_name_store_stays_usable(tmp_path, cfg):
     ps = make_params()
-    opt = make_opt(ps, state=mode, nvme_dir=tmp_path, host_budget=16384)
+    opt = make_opt(ps, storage=cfg.tier, nvme_dir=tmp_path, host_budget=16384)
     run_steps(ps, opt, 1)
     ref = [p.clone() for p in ps]
     for bad, who in ((lambda: ps[0].data, "parameter 0 of group 0"),           # p.grad = p.data
@@ -702,7 +701,7 @@ def test_aliasing_gradients_refused_by_name_store_stays_usable(tmp_path, mode):
         run_steps(ps, opt, 1, start=1)
     opt.param_groups[0]["lr"] = 1e-3
     run_steps(ps, opt, 1, start=1)  # the store is still usable
-    if mode == "mmap":              # a gradient that is a view of the state itself
+    if cfg.tier == "mmap":              # a gradient that is a view of the state itself
         ps[0].grad = opt.state_dict()["state"][0]["exp_avg"]
         with pytest.raises(ValueError, match="shares memory with the optimizer's state buffers"):
             opt.step()
@@ -711,14 +710,14 @@ def test_aliasing_gradients_refused_by_name_store_stays_usable(tmp_path, mode):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("mode", MODES)
-def test_parameters_sharing_memory_refused_at_construction(tmp_path, mode):
+@pytest.mark.parametrize("cfg", configs(sides=("host",), tiers=("nvme", "mmap"), moments=("fp32",)))
+def test_parameters_sharing_memory_refused_at_construction(tmp_path, cfg):
     base = torch.randn(100)
     with pytest.raises(ValueError, match="parameter 1 of group 0 shares memory with parameter 0 of group 0"):
-        offload.AdamW([base[:60], base[40:]], state=mode, nvme_dir=tmp_path)
+        offload.AdamW([base[:60], base[40:]], storage=cfg.tier, nvme_dir=tmp_path)
     assert os.listdir(tmp_path) == []   # (a parameter listed twice is torch's code's: test_adversarial.py)
     a, b = base[:50], base[50:]  # adjacent views are fine
-    opt = offload.AdamW([a, b], state=mode, nvme_dir=tmp_path)
+    opt = offload.AdamW([a, b], storage=cfg.tier, nvme_dir=tmp_path)
     a.grad, b.grad = torch.ones(50), torch.ones(50)
     opt.step()
     b.data = a.data  # made to overlap later: refused at the step
@@ -727,17 +726,17 @@ def test_parameters_sharing_memory_refused_at_construction(tmp_path, mode):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("mode", MODES)
-def test_gradients_not_kept_after_step(tmp_path, mode):
+@pytest.mark.parametrize("cfg", configs(sides=("host",), tiers=("nvme", "mmap"), moments=("fp32",)))
+def test_gradients_not_kept_after_step(tmp_path, cfg):
     import weakref
     ps = make_params()
-    opt = make_opt(ps, state=mode, nvme_dir=tmp_path, host_budget=16384)
+    opt = make_opt(ps, storage=cfg.tier, nvme_dir=tmp_path, host_budget=16384)
     run_steps(ps, opt, 2)
     refs = [weakref.ref(p.grad) for p in ps if p.grad is not None]
     opt.zero_grad(set_to_none=True)
     gc.collect()
     assert all(r() is None for r in refs)
-    if mode == "nvme":  # also not by the error a failed step leaves behind
+    if cfg.tier == "nvme":  # also not by the error a failed step leaves behind
         run_steps(ps, opt, 1, start=2)
         refs = [weakref.ref(p.grad) for p in ps if p.grad is not None]
         opt._store.engine._set_fault(aio.FAULT_EIO, 1)
@@ -752,7 +751,7 @@ def test_gradients_not_kept_after_step(tmp_path, mode):
 
 KILLED_SCRIPT = """
     import sys, time, torch, offload
-    opts = [offload.AdamW([torch.zeros(300000)], state=m, nvme_dir=sys.argv[1]) for m in ("nvme", "mmap")]
+    opts = [offload.AdamW([torch.zeros(300000)], storage=m, nvme_dir=sys.argv[1]) for m in ("nvme", "mmap")]
     print(" ".join(o._store.directory for o in opts), flush=True)
     time.sleep(60)
 """
@@ -763,9 +762,9 @@ def test_leftovers_of_killed_runs_reported_and_removed(tmp_path):
     import json
     import signal
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    live = offload.AdamW([torch.zeros(10)], state="nvme", nvme_dir=tmp_path)._store
+    live = offload.AdamW([torch.zeros(10)], storage="nvme", nvme_dir=tmp_path)._store
     live_dir = live.directory                                           # a live process's state (ours)
-    kept = offload.AdamW([torch.zeros(10)], state="mmap", nvme_dir=tmp_path, keep_files=True)
+    kept = offload.AdamW([torch.zeros(10)], storage="mmap", nvme_dir=tmp_path, keep_files=True)
     kept_dir = kept._store.directory
     kept.close()                                                        # kept on purpose: not a leftover
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED_SCRIPT), str(tmp_path)],
@@ -792,7 +791,7 @@ def test_leftovers_of_killed_runs_reported_and_removed(tmp_path):
     (reused / store_mod.STATE_FILE).write_bytes(b"\0" * 8192)
 
     with pytest.warns(RuntimeWarning, match="processes that no longer run") as rec:
-        opt = offload.AdamW([torch.zeros(10)], state="nvme", nvme_dir=tmp_path)
+        opt = offload.AdamW([torch.zeros(10)], storage="nvme", nvme_dir=tmp_path)
     msg = str(rec[0].message)
     assert dead[0] in msg and extra in msg and str(reused) in msg and "2.3 MiB" in msg  # 300000 * 8 B, 4 KiB pages
     assert f"offload.store.remove_stale_state({str(tmp_path)!r})" in msg
@@ -839,7 +838,7 @@ def test_mmap_state_stays_mapped_within_the_budget_and_is_released_beyond(tmp_pa
     for budget, kept in (("64MiB", True), ("4MiB", False)):
         d = tmp_path / budget
         d.mkdir()
-        opt = offload.AdamW(ps, state="mmap", nvme_dir=d, host_budget=budget)
+        opt = offload.AdamW(ps, storage="mmap", nvme_dir=d, host_budget=budget)
         opt.step()
         opt.step()
         path = opt.storage_info()["path"]
