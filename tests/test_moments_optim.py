@@ -243,24 +243,18 @@ def test_save_load_resume_bitwise(fmt, state, tmp_path):
 
 
 def test_compressed_checkpoint_into_fp32_ram_is_decoded(tmp_path):
-    # an 8-bit checkpoint loaded by an optimizer with fp32 moments (every tier): the moments decoded,
-    # exactly what the 8-bit optimizer's opt.state shows
+    # loaded by fp32 moments (any tier): decoded, exactly what the 8-bit optimizer's opt.state shows
     p = torch.randn(N)
     opt = offload.AdamW([p], moments="8bit")
     _run(opt, [p], 1)
     offload.save(opt, tmp_path)
-    want = {k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
-    q = p.clone()
-    fp32 = offload.AdamW([q])
-    offload.load(fp32, tmp_path)
     sd = {"state": {0: dict(opt._store.raw_state_tensors()[(0, 0)], step=torch.tensor(1.0))},
           "param_groups": opt.state_dict()["param_groups"]}
-    r = p.clone()
-    raw = offload.AdamW([r])
+    (q, r), want = (p.clone(), p.clone()), {k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+    fp32, raw = offload.AdamW([q]), offload.AdamW([r])
+    offload.load(fp32, tmp_path)
     raw.load_state_dict(sd)
-    for o, t in ((fp32, q), (raw, r)):
-        for k, v in want.items():
-            assert torch.equal(o.state[t][k], v), k
+    assert all(torch.equal(o.state[t][k], v) for o, t in ((fp32, q), (raw, r)) for k, v in want.items())
 
 
 @pytest.mark.parametrize("fmt,key,bad,match", [
