@@ -25,8 +25,8 @@ import torch
 class SharedMemoryError(ValueError, RuntimeError):
     """Parameters, gradients or optimizer state that share memory (a parameter listed twice,
     overlapping views, ``p.grad = p.data``): refused before a step reads or writes anything, with
-    the same type on every path (a ValueError; also a RuntimeError, which the host-RAM path raised
-    before the paths were unified). ``offload.SharedMemoryError``."""
+    the same type in every mode: a ValueError, and also a RuntimeError (what torch raises for memory
+    it cannot write while reading it). ``offload.SharedMemoryError``."""
 
 
 __all__ = ["SharedMemoryError", "check_overlaps", "SpanIndex", "extent", "span_of", "spans_of", "WriteTracker", "refresh_master"]
