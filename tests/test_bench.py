@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_kernel_bench_tiny_run_writes_json(tmp_path):
     out = tmp_path / "not_yet_there" / "k.json"  # the folder is created
@@ -86,3 +88,22 @@ def test_every_measuring_subcommand_accepts_no_progress():
 def test_bench_default_subcommand_is_kernel():
     r = subprocess.run([sys.executable, "-m", "offload.bench", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "kernel" in r.stdout
+
+
+def test_verdict_lines():
+    """One helper words every benchmark's verdict: against the fastest peer, or against a ceiling."""
+    from offload.bench.common import verdict
+    from offload.bench.train import train_verdict
+    v = verdict(1.0, {"torch": 1.5, "ds": 2.0, "none": None})            # times: lower is better
+    assert v["peer"] == "torch" and v["speedup"] == 1.5 and v["line"].endswith("(torch): offload faster")
+    assert verdict(2.0, {"a": 1.0, "b": 1.5}, higher_is_better=True)["line"].endswith("(b): offload faster")
+    assert "even (within 2 %)" in verdict(1.0, {"a": 1.01})["line"]
+    assert verdict(1.0, {}) is None
+    c = verdict(1.1, {"io only": 1.0}, ceiling=True, ours_name="the step")
+    assert c["speedup"] == pytest.approx(1.1) and c["line"].endswith("takes 1.10x its ceiling (io only): 10 % over it")
+    assert verdict(0.5, {"fio": 1.0}, higher_is_better=True, ceiling=True)["line"].endswith("50 % under it")
+    rows = [dict(variant="torch-fused", iter_s=0.2), dict(variant="offload-sync", iter_s=0.3),
+            dict(variant="offload-overlap", iter_s=0.25), dict(variant="offload-clip", error="x")]
+    t = train_verdict(rows)
+    assert t["peer"] == "torch-fused" and t["speedup"] == pytest.approx(0.8) and "offload-overlap" in t["line"]
+    assert train_verdict(rows[1:]) is None and train_verdict(rows[:1]) is None

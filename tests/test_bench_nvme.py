@@ -18,25 +18,32 @@ def _run(args, timeout=240, **kw):
 @pytest.mark.timeout(300)
 def test_io_bench_tiny_run_writes_json(tmp_path):
     out = tmp_path / "io.json"
-    stdout = _run(["io", "--dir", str(tmp_path), "--size", "8MiB", "--request", "1MiB", "--reps", "1",
-                   "--fio-depths", "1", "--fio-jobs", "", "--skip", "deepspeed", "--json", str(out)])
+    png = tmp_path / "io.png"
+    stdout = _run(["io", "--nvme-dir", str(tmp_path), "--size", "8MiB", "--request", "1MiB", "--reps", "1",
+                   "--fio-depths", "1", "--fio-jobs", "", "--skip", "deepspeed", "--json", str(out), "--plot", str(png)])
     data = json.loads(out.read_text())
     assert data["results"]["ours"]["write"] > 0 and data["results"]["ours"]["read"] > 0
+    assert data["results"]["ours"]["mixed"] > 0          # both directions at once (the planner reads it)
     assert {"pwrite", "memmap"} <= set(data["results"])
-    assert "ours" in stdout
-    assert [p for p in os.listdir(tmp_path) if p != "io.json"] == []  # work files removed
+    assert "ours" in stdout and stdout.startswith("question: ") and data["question"] in stdout
+    peer = [v for v in data["verdicts"] if v["against"] == "peer"]
+    assert [v["op"] for v in peer] == ["write", "read"] and all(v["line"] in stdout for v in peer)
+    assert png.exists() or "not drawn, matplotlib is not installed" in stdout
+    assert [p for p in os.listdir(tmp_path) if p not in ("io.json", "io.png")] == []  # work files removed
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("state", ["nvme", "mmap"])
 def test_step_bench_tiny_run_writes_json(tmp_path, state):
     out = tmp_path / "step.json"
-    stdout = _run(["step", "--state", state, "--dir", str(tmp_path), "--params", "2e5", "--tensors", "3",
+    flag = "--nvme-dir" if state == "nvme" else "--dir"   # --dir: the old spelling, still taken
+    stdout = _run(["step", "--state", state, flag, str(tmp_path), "--params", "2e5", "--tensors", "3",
                    "--budget", "256KiB", "--steps", "1", "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["step_s"] > 0 and data["kernel_s"] > 0 and data["buckets"] > 1
     assert (data["io_s"] is not None) == (state == "nvme")
-    assert "peak RSS" in stdout
+    assert "peak RSS" in stdout and stdout.startswith("question: ")
+    assert data["verdict"]["line"] in stdout and data["verdict"]["speedup"] > 0
     assert [p for p in os.listdir(tmp_path) if p != "step.json"] == []
 
 

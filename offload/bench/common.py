@@ -37,6 +37,29 @@ def paired_ratio(num: list, den: list) -> float:
     return statistics.median([a / b for a, b in zip(num, den)])
 
 
+def verdict(ours: float, peers: dict, *, higher_is_better: bool = False, ours_name: str = "offload",
+            label: str = "", ceiling: bool = False) -> Optional[dict]:
+    """One line comparing ``ours`` with the best of ``peers`` (name -> figure of the same run): times
+    (lower is better) or rates (``higher_is_better``). Against peers ``speedup`` > 1 means ours is
+    faster (within 2 %: even). With ``ceiling`` the one entry of ``peers`` is a limit (a disk's fio
+    figure, a step's slowest part alone) and ``speedup`` is ours / the ceiling: how close ours gets to
+    it. None when nothing was measured to compare with."""
+    peers = {k: v for k, v in peers.items() if v}
+    if ours is None or not peers:
+        return None
+    head = f"{label}: " if label else ""
+    best = (max if higher_is_better else min)(peers, key=peers.get)
+    if ceiling:
+        ratio = ours / peers[best]
+        word = ("at the ceiling (within 2 %)" if abs(ratio - 1) <= 0.02 else
+                f"{abs(ratio - 1) * 100:.0f} % {'over' if ratio > 1 else 'under'} it")
+        verb = "reaches" if higher_is_better else "takes"
+        return dict(peer=best, speedup=ratio, line=f"{head}{ours_name} {verb} {ratio:.2f}x its ceiling ({best}): {word}")
+    ratio = ours / peers[best] if higher_is_better else peers[best] / ours
+    word = "offload faster" if ratio >= 1.02 else "the peer faster" if ratio <= 0.98 else "even (within 2 %)"
+    return dict(peer=best, speedup=ratio, line=f"{head}{ours_name} is {ratio:.2f}x the fastest peer ({best}): {word}")
+
+
 class Progress:
     """tqdm when installed, else a one-line counter on stderr (silent when not a terminal)."""
 

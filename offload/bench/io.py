@@ -11,17 +11,19 @@ the end; the directory --dir names is never deleted:
   aiofiles    aiofiles (thread-pool buffered I/O) if installed
   deepspeed   DeepSpeed's AIO handle (libaio, O_DIRECT) with its page-locked buffer, if importable
               and its op builds (pip install deepspeed; apt-get install libaio-dev)
+Ours is also timed reading one half of the region while writing the other ("mixed": both directions at
+once, as an NVMe step does; the planner's step-time model reads it from the JSON).
 Every method overwrites the same, already written file (as the state store rewrites its file every
 step; on ext4 a direct write that extends a file or fills unwritten extents holds the inode lock
 for its whole duration, so first writes to a fresh file run one at a time whatever the queue
 depth, for fio as for us). Buffered peers drop the page cache for the file (fsync + posix_fadvise DONTNEED) before reading,
 so every read comes from the disk. Each figure is the median of --reps repetitions; ratios are to
-fio's best queue depth for the same direction.
+fio's best queue depth for the same direction. The verdict compares ours with the fastest peer of the
+run, and with fio's best where fio ran; ``--plot PATH`` draws the table.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -30,25 +32,19 @@ import subprocess
 import tempfile
 import time
 
-import numpy as np
 import torch
 
 from ..native.aio import AioEngine
 from ..base.memory import aligned_empty
 from ..state.drives import parse_dirs
 from ..store import parse_size
-from .common import add_common_options, write_json
+from .common import Progress, add_common_options, verdict, write_json
+from .io_peers import bench_aiofiles, bench_deepspeed, bench_memmap, bench_pwrite
+
+QUESTION = ("How fast does offload's I/O engine write and read a state-sized file in this directory, against "
+            "other ways of doing the same file I/O and against the disk's ceiling (fio)?")
 
 GB = 1e9
-
-
-def _drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _fill(buf: torch.Tensor) -> None:
@@ -76,6 +72,20 @@ def bench_ours(path: str, size: int, buf: torch.Tensor, request: int, qd: int, b
             if op == "write":
                 os.fsync(f.fd)
             out[op] = size / (time.perf_counter() - t)
+        half = max(request, size // 2 // request * request)
+        if 2 * half <= size:   # read the first half while writing the second, 2 x inflight queued
+            t = time.perf_counter()
+            pending = []
+            for k, (op, off) in enumerate((op, off) for off in range(0, half, request) for op in ("r", "w")):
+                if len(pending) >= 2 * inflight:
+                    pending.pop(0).wait()
+                slot = buf[(k % nbuf) * request:(k % nbuf + 1) * request]
+                n = min(request, half - off)
+                pending.append(eng.read(f, slot, off, n) if op == "r" else eng.write(f, slot, half + off, n))
+            for r in pending:
+                r.wait()
+            os.fsync(f.fd)
+            out["mixed"] = 2 * half / (time.perf_counter() - t)
         out["direct"] = f.direct
         f.close()
     return out
@@ -101,127 +111,6 @@ def bench_fio(path: str, size: int, configs: list) -> dict:
     return res
 
 
-# ------------------------------------------------------------------------------ peers
-def bench_pwrite(path: str, size: int, buf: torch.Tensor, chunk: int = 1 << 20) -> dict:
-    out = {}
-    mv = memoryview(buf.numpy())
-    nbuf = buf.numel() // chunk
-    fd = os.open(path, os.O_RDWR)
-    try:
-        t = time.perf_counter()
-        for k, off in enumerate(range(0, size, chunk)):
-            s = (k % nbuf) * chunk
-            os.pwrite(fd, mv[s:s + min(chunk, size - off)], off)
-        os.fsync(fd)
-        out["write"] = size / (time.perf_counter() - t)
-        _drop_cache(path)
-        t = time.perf_counter()
-        for k, off in enumerate(range(0, size, chunk)):
-            s = (k % nbuf) * chunk
-            os.preadv(fd, [mv[s:s + min(chunk, size - off)]], off)
-        out["read"] = size / (time.perf_counter() - t)
-    finally:
-        os.close(fd)
-    return out
-
-
-def bench_memmap(path: str, size: int, buf: torch.Tensor) -> dict:
-    out = {}
-    src = buf.numpy()
-    n = src.size
-    t = time.perf_counter()
-    mm = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
-    for off in range(0, size, n):
-        k = min(n, size - off)
-        mm[off:off + k] = src[:k]
-    mm.flush()
-    del mm
-    _drop_cache(path)
-    out["write"] = size / (time.perf_counter() - t)
-    t = time.perf_counter()
-    mm = np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
-    for off in range(0, size, n):
-        k = min(n, size - off)
-        src[:k] = mm[off:off + k]
-    del mm
-    out["read"] = size / (time.perf_counter() - t)
-    return out
-
-
-def bench_aiofiles(path: str, size: int, buf: torch.Tensor, chunk: int = 1 << 20):
-    try:
-        import aiofiles
-    except ImportError:
-        return None
-    mv = memoryview(buf.numpy())
-    nbuf = buf.numel() // chunk
-
-    async def run():
-        out = {}
-        async with aiofiles.open(path, "r+b") as f:
-            t = time.perf_counter()
-            for k, off in enumerate(range(0, size, chunk)):
-                s = (k % nbuf) * chunk
-                await f.write(mv[s:s + min(chunk, size - off)])
-            await f.flush()
-            os.fsync(f.fileno())
-            out["write"] = size / (time.perf_counter() - t)
-        _drop_cache(path)
-        async with aiofiles.open(path, "rb") as f:
-            t = time.perf_counter()
-            k = 0
-            while True:
-                s = (k % nbuf) * chunk
-                n = await f.readinto(mv[s:s + chunk])
-                if not n:
-                    break
-                k += 1
-            out["read"] = size / (time.perf_counter() - t)
-        return out
-
-    return asyncio.run(run())
-
-
-def bench_deepspeed(path: str, size: int, request: int, qd: int, block: int, inflight: int, threads: int):
-    """DeepSpeed's AIO handle (libaio, O_DIRECT) on its own page-locked buffer: batches of
-    ``inflight`` async requests of ``request`` bytes, then wait(). None if DeepSpeed is not usable."""
-    try:
-        import logging
-        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-        builder = AsyncIOBuilder()
-        if not builder.is_compatible(verbose=False):
-            return None
-        ds = builder.load(verbose=False)
-    except Exception:
-        return None
-    h = ds.aio_handle(block, qd, False, True, threads)
-    locked = h.new_cpu_locked_tensor(request * inflight, torch.empty(0, dtype=torch.uint8))
-    out = {}
-    try:
-        for op in ("write", "read"):
-            fn = h.async_pwrite if op == "write" else h.async_pread
-            t = time.perf_counter()
-            queued = 0
-            for off in range(0, size, request):
-                n = min(request, size - off)
-                fn(locked[queued * request:queued * request + n], path, off)
-                queued += 1
-                if queued == inflight:
-                    h.wait()
-                    queued = 0
-            if queued:
-                h.wait()
-            if op == "write":
-                fd = os.open(path, os.O_RDONLY)
-                os.fsync(fd)
-                os.close(fd)
-            out[op] = size / (time.perf_counter() - t)
-    finally:
-        h.free_cpu_locked_tensor(locked)
-    return out
-
-
 # ------------------------------------------------------------------------------ driver
 def run(args) -> int:
     measure(args)
@@ -241,9 +130,12 @@ def measure(args) -> dict:
     work = tempfile.mkdtemp(prefix="offload-io-bench-", dir=base)   # removed at the end; base never is
     configs = [(int(x), 1) for x in args.fio_depths.split(",")] + \
         [(int(x), int(j)) for x, j in (c.split("x") for c in args.fio_jobs.split(",") if c)]
-    buf = aligned_empty(max(request * args.inflight, 64 << 20))
+    buf = aligned_empty(max(2 * request * args.inflight, 64 << 20))
     _fill(buf)
     results: dict = {k: {"write": [], "read": []} for k in ("ours", "deepspeed", "pwrite", "memmap", "aiofiles")}
+    results["ours"]["mixed"] = []
+    peers = [x for x in ("pwrite", "memmap", "aiofiles", "deepspeed") if x not in args.skip.split(",")]
+    progress = Progress(args.reps * (1 + len(peers)) + 1, "io bench", enabled=not args.no_progress)
     fio_all: dict = {}
     has_fio = shutil.which("fio") is not None and not args.no_fio
     notes = []
@@ -253,12 +145,15 @@ def measure(args) -> dict:
         fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.close(fd)
         bench_ours(p, size, buf, request, args.queue_depth, block, args.inflight)
+        progress.update("lay out")
         for rep in range(args.reps):
             r = bench_ours(p, size, buf, request, args.queue_depth, block, args.inflight)
+            progress.update(f"rep {rep + 1}: ours")
             if not r["direct"]:
                 notes.append("our engine fell back to buffered I/O (O_DIRECT refused)")
-            for op in ("write", "read"):
-                results["ours"][op].append(r[op])
+            for op in ("write", "read", "mixed"):
+                if op in r:
+                    results["ours"][op].append(r[op])
             if has_fio:
                 for key, v in bench_fio(p, size, configs).items():
                     fio_all.setdefault(key, []).append(v)
@@ -270,10 +165,12 @@ def measure(args) -> dict:
                 if name in args.skip.split(","):
                     continue
                 r = fn(p)
+                progress.update(f"rep {rep + 1}: {name}")
                 if r is not None:
                     for op in ("write", "read"):
                         results[name][op].append(r[op])
     finally:
+        progress.close()
         shutil.rmtree(work, ignore_errors=True)
     med = {k: {op: statistics.median(v) for op, v in d.items() if v} for k, d in results.items()}
     med = {k: v for k, v in med.items() if v}
@@ -283,15 +180,40 @@ def measure(args) -> dict:
         for op in ("write", "read"):
             qd, j = max(configs, key=lambda c: fio_med[f"{op}_qd{c[0]}_x{c[1]}"])
             ceiling[op] = {"bytes_per_s": fio_med[f"{op}_qd{qd}_x{j}"], "iodepth": qd, "jobs": j}
-    report = dict(bench="io", dir=base, size=size, request=request, block_size=block, queue_depth=args.queue_depth,
-                  inflight=args.inflight, reps=args.reps, results=med, fio=fio_med, fio_best=ceiling,
-                  notes=sorted(set(notes)), missing=[k for k in results if k not in med])
+    report = dict(bench="io", question=QUESTION, dir=base, size=size, request=request, block_size=block,
+                  queue_depth=args.queue_depth, inflight=args.inflight, reps=args.reps, results=med, fio=fio_med,
+                  fio_best=ceiling, notes=sorted(set(notes)), missing=[k for k in results if k not in med])
+    report["verdicts"] = io_verdicts(med, ceiling)
     _print(report)
     write_json(args.json, report)
+    if getattr(args, "plot", None):
+        from .plots import grouped_bars
+        grouped_bars(args.plot, ["write", "read"], {k: [v.get("write", 0) / GB, v.get("read", 0) / GB]
+                                                    for k, v in med.items()},
+                     ylabel="GB/s", title=f"file I/O in {base}: {size / GB:.2f} GB, median of {args.reps}",
+                     ceilings={op: c["bytes_per_s"] / GB for op, c in ceiling.items()})
     return report
 
 
+def io_verdicts(med: dict, ceiling: dict) -> list:
+    """Per direction: ours against the fastest peer of the run, and against fio's best where fio ran."""
+    out = []
+    for op in ("write", "read"):
+        ours = med.get("ours", {}).get(op)
+        v = verdict(ours, {k: d.get(op) for k, d in med.items() if k != "ours"}, higher_is_better=True,
+                    ours_name="offload's engine", label=op)
+        if v is not None:
+            out.append(dict(op=op, against="peer", **v))
+        if op in ceiling:
+            v = verdict(ours, {f"fio iodepth {ceiling[op]['iodepth']} x {ceiling[op]['jobs']}":
+                               ceiling[op]["bytes_per_s"]}, higher_is_better=True, ours_name="offload's engine",
+                        label=op, ceiling=True)
+            out.append(dict(op=op, against="ceiling", **v))
+    return out
+
+
 def _print(r: dict) -> None:
+    print(f"question: {r['question']}")
     print(f"io benchmark: {r['size'] / GB:.2f} GB region in {r['dir']}, median of {r['reps']} runs "
           f"(ours: {r['request'] >> 20} MiB requests, {r['inflight']} queued, queue depth {r['queue_depth']}, "
           f"{r['block_size'] >> 10} KiB blocks)")
@@ -318,14 +240,22 @@ def _print(r: dict) -> None:
         print("fio not installed: no disk ceiling measured (apt-get install fio)")
     if r["missing"]:
         print("not measured (not installed or skipped): " + ", ".join(r["missing"]))
+    mixed = r["results"].get("ours", {}).get("mixed")
+    if mixed:
+        print(f"ours, reading and writing at once: {mixed / GB:.2f} GB/s of both together")
     for n in r["notes"]:
         print("note: " + n)
+    if r["verdicts"]:
+        print("verdict (medians of this run; above 1.00x offload is faster):")
+        print("\n".join("  " + v["line"] for v in r["verdicts"]))
+    else:
+        print("verdict: no peer and no ceiling measured in this run (every peer skipped, fio not installed)")
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("io", help="NVMe read/write throughput: our engine vs fio, DeepSpeed AIO and buffered peers",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default=None, help="directory on the disk to measure (several, comma-separated: each drive "
+    p.add_argument("--nvme-dir", dest="dir", default=None, help="directory on the disk to measure (several, comma-separated: each drive "
                    "and all at once, bench/io_drives.py); the test file goes into a new subdirectory, removed at the end "
                    f"(default: the system temporary directory, here {tempfile.gettempdir()})")
     p.add_argument("--size", default="2GiB", help="bytes written then read per method (default 2GiB)")
@@ -338,5 +268,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-fio", action="store_true", help="skip fio")
     p.add_argument("--skip", default="", help="comma-separated peers to skip: pwrite,memmap,aiofiles,deepspeed")
     p.add_argument("--ds-threads", type=int, default=2, help="DeepSpeed intra_op_parallelism (default 2)")
-    add_common_options(p, reps=3)  # --reps, --json, --no-progress (io prints no progress display)
+    p.add_argument("--dir", dest="dir", default=None, help=argparse.SUPPRESS)   # the old spelling of --nvme-dir
+    add_common_options(p, reps=3)  # --reps, --json, --no-progress
+    p.add_argument("--plot", metavar="PATH", help="draw the table as a PNG chart (needs matplotlib)")
     p.set_defaults(func=run)

@@ -24,7 +24,7 @@ import offload
 from offload.native import _C
 
 from .common import (Progress, add_common_options, cpu_model, format_table, machine_info, median, paired_ratio,
-                     write_json)
+                     verdict, write_json)
 from .kernel_cases import (BYTES_PER_PARAM, CASE_KEYS, OPT_IN, Case, DeepSpeed, MetadataFloor, Ours, OursKernel,
                            OursKernelIsa, Probe, TorchAdamW, deepspeed_available, has_avx512, make_cases, randn_like_sizes)
 
@@ -93,16 +93,11 @@ def verdicts(cases: list, thread_counts: list) -> list:
     for case in cases:
         for t in thread_counts:
             res = case.results[t]
-            ours = res.get("offload.AdamW.step")
             peers = {k: v for k, v in res.items() if k.startswith(("torch", "DeepSpeed"))}
-            if ours is None or not peers:
-                continue
-            name = min(peers, key=peers.get)
-            ratio = peers[name] / ours
-            word = "offload faster" if ratio >= 1.02 else "the peer faster" if ratio <= 0.98 else "even (within 2 %)"
-            out.append(dict(case=case.name, threads=t, peer=name, speedup=ratio,
-                            line=f"{case.name}, {t} thr: offload.AdamW.step is {ratio:.2f}x the fastest peer "
-                                 f"({name}): {word}"))
+            v = verdict(res.get("offload.AdamW.step"), peers, ours_name="offload.AdamW.step",
+                        label=f"{case.name}, {t} thr")
+            if v is not None:
+                out.append(dict(case=case.name, threads=t, **v))
     return out
 
 
@@ -195,6 +190,10 @@ def plot(path: str, records: list) -> None:
     print(f"plot written to {path}")
 
 
+QUESTION = ("How fast is offload's CPU Adam step against torch's and DeepSpeed's optimizers on the same tensors, "
+            "and how close does it get to the memory bandwidth (the probe)?")
+
+
 def run(args) -> int:
     all_threads = _C.affinity_cpu_count()
     thread_counts = sorted({all_threads if t == "all" else int(t) for t in args.threads.split(",")})
@@ -203,6 +202,7 @@ def run(args) -> int:
     info = offload.build_info()
     print(f"CPU: {cpu_model()}  |  kernel ISA: {info['isa']} (available: {', '.join(info['available_isas'])})"
           f"  |  cpus(affinity)={all_threads}")
+    print(f"question: {QUESTION}")
     isa_note = None
     if any(c.key == "isa" for c in cases) and not has_avx512():
         isa_note = (f"'is AVX-512 worth it?' case skipped: this CPU has no AVX-512 "
@@ -247,7 +247,8 @@ def run(args) -> int:
         print("\nspeed targets (PASS: this run reached the speed offload aims for on this CPU; MISS: it did not, "
               "results are still correct; medians of this run):")
         print("\n".join("  " + t for t in targets))
-    write_json(args.json, dict(machine=machine_info(), build=info, reps=args.reps, scale=args.scale, full=args.full,
+    write_json(args.json, dict(bench="kernel", question=QUESTION, machine=machine_info(), build=info, reps=args.reps,
+                               scale=args.scale, full=args.full,
                                results=records, verdicts=verdict, targets=targets, target_definitions=list(TARGETS), isa_case=isa or isa_note,
                                raw={f"{c.name}|{t}": c.results[t]["_raw"] for c in cases for t in thread_counts}))
     if args.plot:

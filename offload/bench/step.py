@@ -1,4 +1,4 @@
-"""bench/step.py: ``python -m offload.bench step --state nvme``: optimizer steps with state on
+"""bench/step.py: ``python -m offload.bench step --storage nvme``: optimizer steps with state on
 disk, and how well the pipeline overlaps I/O with the kernel.
 
 Reported, as medians over --steps steps (the first step, which only writes freshly created
@@ -16,9 +16,12 @@ once and reused. ``--moments fp32,8bit`` runs the whole measurement once per mom
 (``offload.AdamW(moments=...)``, the same parameters) and prints each format's step time as a
 ratio of the first's (speed target: 8bit <= 0.6x fp32 on NVMe).
 
-The state file goes into a new directory inside --dir (default: the system's temporary directory,
+The verdict: the step against its ceiling, max(io, kernel) measured in the same run (there is no
+peer: no other library steps Adam with the state on disk here). ``--plot PATH`` draws the four times.
+
+The state file goes into a new directory inside --nvme-dir (default: the system's temporary directory,
 e.g. /tmp, which may be RAM-backed: name a directory on the disk you mean), removed at the end; the
-directory --dir names is never deleted.
+directory --nvme-dir names is never deleted.
 """
 from __future__ import annotations
 
@@ -32,9 +35,11 @@ import torch
 
 from .. import AdamW
 from ..store import parse_size
-from .common import remove_dirs, scratch_dirs, write_json
+from .common import Progress, remove_dirs, scratch_dirs, verdict, write_json
 
 GB = 1e9
+QUESTION = ("How long does one optimizer step take with the state on disk, and how much of the disk I/O does the "
+            "pipeline hide behind the kernel?")
 
 
 def _status(key: str, path: str = "/proc/self/status") -> int:
@@ -80,9 +85,10 @@ def measure(args, moments: str = "fp32") -> dict:
     setup_s = time.perf_counter() - t0
     model_bytes = sum(p.numel() * p.element_size() * 2 for p in params)
     per_param = (12 if dtype != torch.float32 else 8)
-    report = dict(bench="step", state=args.state, moments=moments, params=n, tensors=args.tensors, dtype=args.dtype,
+    report = dict(bench="step", question=QUESTION, state=args.state, moments=moments, params=n, tensors=args.tensors, dtype=args.dtype,
                   host_budget=budget, dir=args.dir or tempfile.gettempdir(), params_and_grads_bytes=model_bytes, state_bytes=n * per_param,
                   command="python -m offload.bench step " + " ".join(args.argv))
+    progress = Progress(3 * args.steps + 5, f"step bench ({moments} moments)", enabled=not args.no_progress)
     try:
         # ------------------------------------------------ kernel alone: in-RAM step on a copy
         kernel_s = None
@@ -97,6 +103,7 @@ def measure(args, moments: str = "fp32") -> dict:
                 t = time.perf_counter()
                 ram.step()
                 times.append(time.perf_counter() - t)
+                progress.update("in-RAM step")
             kernel_s = statistics.median(times[1:])
             del ram, cp
         # ------------------------------------------------ NVMe / mmap state
@@ -110,7 +117,7 @@ def measure(args, moments: str = "fp32") -> dict:
             from ..device import FakeDevice
             dev_opts = dict(offload_device=FakeDevice(max_delay=0.0, poison=False, check=False))
         t = time.perf_counter()
-        opt = AdamW(params, lr=1e-4, state=args.state, nvme_dir=work if len(work) > 1 else work[0],
+        opt = AdamW(params, lr=1e-4, storage=args.state, nvme_dir=work if len(work) > 1 else work[0],
                     host_budget=budget, nvme_options=opts,
                     moments=moments, **dev_opts)
         ctor_s = time.perf_counter() - t
@@ -125,6 +132,7 @@ def measure(args, moments: str = "fp32") -> dict:
             t = time.perf_counter()
             opt.step()
             steps.append(time.perf_counter() - t)
+            progress.update(f"{args.state} step")
             st = opt.last_step_stats(wait=True)
             copies.append(max(st["d2h_s"], st["h2d_s"]))
             after = opt.storage_info()
@@ -132,7 +140,7 @@ def measure(args, moments: str = "fp32") -> dict:
                                                            "bytes_written")})
         io_s = None
         if args.state == "nvme":
-            io_s = statistics.median(opt.io_only_pass() for _ in range(max(1, min(3, args.steps))))
+            io_s = statistics.median(_counted(opt.io_only_pass, progress) for _ in range(max(1, min(3, args.steps))))
         peak = _status("VmHWM:") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         in_step_kernel = statistics.median(x["kernel_s"] for x in tel)
         k = kernel_s if kernel_s is not None else in_step_kernel
@@ -153,13 +161,25 @@ def measure(args, moments: str = "fp32") -> dict:
             rss_growth=peak - base_rss, peak_rss_exact=reset)
         opt.close()
     finally:
+        progress.close()
         remove_dirs(work)
+    ceiling = max(x for x in (report["io_s"], report["kernel_s"], report["copy_s"]) if x is not None)
+    which = "io only" if ceiling == report["io_s"] else "kernel" if ceiling == report["kernel_s"] else "copies"
+    report["verdict"] = verdict(report["step_s"], {f"max(io, kernel) = {which}": ceiling}, ours_name="the step",
+                                label=f"{args.state} state", ceiling=True)
     _print(report)
     return report
 
 
+def _counted(fn, progress):
+    out = fn()
+    progress.update("io only")
+    return out
+
+
 def _print(r: dict) -> None:
     gib = 2 ** 30
+    print(f"question: {r['question']}")
     print(f"step benchmark: {r['params'] / 1e9:.3f} G {r['dtype']} params in {r['tensors']} tensors, state={r['state']}, "
           f"moments={r['moments']}"
           f" ({r['file_bytes'] / GB:.2f} GB file, {r['buckets']} buckets, O_DIRECT={r['direct']}) in {r['dir']}; "
@@ -183,6 +203,8 @@ def _print(r: dict) -> None:
               "I/O inside the kernel's page faults; no separate I/O time)")
     print(f"  {'peak RSS':<34}{r['peak_rss'] / gib:9.2f} GiB (params+grads {r['params_and_grads_bytes'] / gib:.2f} GiB; "
           f"growth once they existed {r['rss_growth'] / gib:.3f} GiB vs budget {r['host_budget'] / gib:.2f} GiB)")
+    print(f"verdict (medians of this run; 1.00x: the step takes no longer than its slowest part alone):\n  "
+          f"{r['verdict']['line']}")
 
 
 def run(args) -> int:
@@ -200,14 +222,22 @@ def run(args) -> int:
             if r["moments"] == "8bit" and first["moments"] == "fp32" and args.state == "nvme":
                 line += f"   {'PASS' if ratio <= 0.6 else 'MISS'} [speed target] 8bit NVMe step <= 0.6x fp32"
             print(line)
-    write_json(args.json, reports[0] if len(reports) == 1 else dict(bench="step", runs=reports))
+    write_json(args.json, reports[0] if len(reports) == 1 else dict(bench="step", question=QUESTION, runs=reports))
+    if args.plot:
+        from .plots import grouped_bars
+        parts = ("step_s", "io_s", "kernel_s")
+        grouped_bars(args.plot, [f"moments={r['moments']}" for r in reports],
+                     {k.replace("_s", ""): [r[k] for r in reports] for k in parts},
+                     ylabel="seconds (median)", title=f"optimizer step, {args.state} state, {reports[0]['params']:,} params")
     return 0
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("step", help="optimizer steps with NVMe/mmap state: step vs I/O vs kernel time",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--state", choices=("nvme", "mmap"), default="nvme")
+    p.add_argument("--storage", dest="state", choices=("nvme", "mmap"), default="nvme",
+                   help="where the optimizer state lives, as the optimizer's storage= (default nvme)")
+    p.add_argument("--state", dest="state", choices=("nvme", "mmap"), help=argparse.SUPPRESS)   # the old name
     p.add_argument("--params", default="2e8", help="number of parameters (default 2e8)")
     p.add_argument("--tensors", type=int, default=16, help="parameter tensors they are split into (default 16)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
@@ -216,7 +246,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--queue-depth", type=int, default=8, help="I/O worker threads (default 8)")
     p.add_argument("--block-size", default="1MiB", help="I/O piece size (default 1MiB)")
     p.add_argument("--steps", type=int, default=5, help="timed steps after the first (default 5)")
-    p.add_argument("--dir", default=None, help="directory on the disk to measure, or several (comma-separated) to "
+    p.add_argument("--nvme-dir", dest="dir", default=None, help="directory on the disk to measure, or several (comma-separated) to "
                    "spread the state over drives; the state goes into a new subdirectory of each, removed at the end "
                    f"(default: the system temporary directory, here {tempfile.gettempdir()})")
     p.add_argument("--no-ram", action="store_true", help="skip the in-RAM kernel-only step")
@@ -224,9 +254,10 @@ def add_parser(subparsers) -> None:
                    help="fake: parameters on offload.device.FakeDevice (GPU-params + NVMe path, copies on threads)")
     p.add_argument("--moments", default="fp32",
                    help="moment format(s), comma-separated: fp32, bf16, 8bit (default fp32; e.g. fp32,8bit)")
+    p.add_argument("--dir", dest="dir", default=None, help=argparse.SUPPRESS)   # the old spelling of --nvme-dir
     p.add_argument("--json", default=None, metavar="PATH")
-    p.add_argument("--no-progress", action="store_true",
-                   help="accepted as by every subcommand (this one prints no progress display)")
+    p.add_argument("--plot", metavar="PATH", help="draw step, io and kernel times as a PNG (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
 
     def _run(args):
         import sys

@@ -7,14 +7,15 @@ Variants, all from the same initial weights and batches, in one run:
                    uploads overlapped with the next forward
   offload-clip     the same with max_grad_norm (the step waits for all gradients; copies still overlap)
   offload-sync     the non-overlapped schedule: everything inside step()
-  offload-nvme     (with --state nvme|mmap) device params with state in that tier, stepped during backward;
+  offload-nvme     (with --storage nvme|mmap) device params with state in that tier, stepped during backward;
                    its optimizer span (first bucket ready -> end of step()) vs max(I/O-only pass, kernel,
                    copies) of the same run, and host buffers vs host_budget
 For each: median over repetitions of the mean iteration time, exposed offload time per iteration
 (training thread / compute stream blocked on offload work), D2H and H2D GB/s achieved (bytes moved /
 copy time) next to a pinned-copy probe measured in the same run (the physical ceiling), and peak
 device memory. On a machine without CUDA the device is the fake device of offload/device.py (copies
-are host memcpy on background threads, no PCIe) and the table says so.
+are host memcpy on background threads, no PCIe) and the table says so. The verdict: the fastest
+offload variant's iteration time against torch-fused's (the peer) of the same run.
 """
 from __future__ import annotations
 
@@ -27,10 +28,13 @@ import weakref
 
 import torch
 
-from .common import remove_dirs, scratch_dirs
+from .common import Progress, remove_dirs, scratch_dirs, verdict
 from .gpt import GPT, PRESETS, GPTConfig, param_groups, random_batch
 
 __all__ = ["add_parser", "main", "run"]
+
+QUESTION = ("How long is a training iteration of a small GPT with offload's optimizer (state in host RAM or on "
+            "disk, copies overlapped or not), against torch.optim.AdamW(fused=True) with everything on the device?")
 
 
 def _sync(device) -> None:
@@ -83,7 +87,7 @@ def _make_optimizer(variant: str, model, device, args):
     if variant == "offload-nvme":
         dirs = scratch_dirs(args.nvme_dir, "offload-train-bench-")   # one per drive, removed with the device
         weakref.finalize(dev, remove_dirs, dirs)
-        return offload.AdamW(groups, lr=args.lr, state=args.state, nvme_dir=dirs if len(dirs) > 1 else dirs[0],
+        return offload.AdamW(groups, lr=args.lr, storage=args.state, nvme_dir=dirs if len(dirs) > 1 else dirs[0],
                              host_budget=args.host_budget, **opts), dev
     opts["trace"] = bool(args.trace)
     if variant == "offload-overlap":
@@ -100,7 +104,7 @@ def make_optimizer(variant: str, model, device, args):
     return _make_optimizer(variant, model, device, args)
 
 
-def run_variant(variant: str, cfg: GPTConfig, device, dtype, args) -> dict:
+def run_variant(variant: str, cfg: GPTConfig, device, dtype, args, progress=None) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg).to(device=device, dtype=dtype)
     if device.type == "cuda":
@@ -142,6 +146,8 @@ def run_variant(variant: str, cfg: GPTConfig, device, dtype, args) -> dict:
             if hasattr(opt, "synchronize"):
                 opt.synchronize()
             per_iter.append((time.perf_counter() - t0) / args.steps)
+            if progress is not None:
+                progress.update(f"{variant} rep {r + 1}")
     except torch.cuda.OutOfMemoryError as e:
         return {"variant": variant, "error": "out of memory: " + str(e).splitlines()[0]}
     res = {"variant": variant, "iter_s": statistics.median(per_iter), "iter_s_all": per_iter,
@@ -198,14 +204,25 @@ def run(args) -> dict:
     nparams = sum(p.numel() for p in GPT(cfg).parameters())
     probe = copy_probe(device, int(args.bucket_mb * 2 ** 20))
     rows = []
-    for v in args.variants.split(","):
-        if v == "offload-nvme" and args.state == "ram":
-            continue
-        rows.append(run_variant(v, cfg, device, dtype, args))
-    return {"device": str(device), "fake_device": device.type != "cuda", "params": nparams,
+    variants = [v for v in args.variants.split(",") if not (v == "offload-nvme" and args.state == "ram")]
+    progress = Progress(len(variants) * args.reps, "train bench", enabled=not args.no_progress)
+    for v in variants:
+        rows.append(run_variant(v, cfg, device, dtype, args, progress))
+    progress.close()
+    return {"bench": "train", "question": QUESTION, "verdict": train_verdict(rows), "device": str(device), "fake_device": device.type != "cuda", "params": nparams,
             "config": cfg.__dict__, "dtype": args.dtype, "batch": args.batch, "bucket_mb": args.bucket_mb,
             "steps": args.steps, "reps": args.reps, "probe_gbps": probe, "results": rows,
             "torch_threads": torch.get_num_threads()}
+
+
+def train_verdict(rows: list):
+    """The fastest offload variant's iteration time against torch-fused's, measured in the same run."""
+    ours = {r["variant"]: r["iter_s"] for r in rows if r["variant"].startswith("offload") and "iter_s" in r}
+    peer = {r["variant"]: r["iter_s"] for r in rows if r["variant"] == "torch-fused" and "iter_s" in r}
+    if not ours:
+        return None
+    best = min(ours, key=ours.get)
+    return verdict(ours[best], peer, ours_name=best, label="iteration time")
 
 
 def _fmt(x, spec):
@@ -220,6 +237,7 @@ def print_table(out: dict, file=None) -> None:
     p = out["probe_gbps"]
     where = ("CUDA " + out["device"]) if not out["fake_device"] else \
         "CPU-only machine: fake device (copies are host memcpy on threads, not PCIe; times show pipeline overhead)"
+    print(f"question: {out.get('question', QUESTION)}", file=file)
     print(f"train benchmark on {where}", file=file)
     print(f"GPT {out['params'] / 1e6:.1f}M params {out['config']}, {out['dtype']}, batch {out['batch']}, "
           f"bucket {out['bucket_mb']} MB, {out['steps']} steps x {out['reps']} reps (median), "
@@ -256,6 +274,10 @@ def print_table(out: dict, file=None) -> None:
                   f"{r['kernel_s'] * 1e3:.1f}, copy {r['copy_s'] * 1e3:.1f}) ms = {r['bound']:.2f} (target <= 1.15); "
                   f"host buffers {r['host_bytes'] / 2**20:.1f} MiB of budget {r['host_budget'] / 2**20:.0f} MiB",
                   file=file)
+    v = out.get("verdict")
+    print("verdict (medians of this run; above 1.00x offload is faster): " + (v["line"] if v else
+          "no torch-fused run to compare with (add it to --variants)") +
+          (" (fake device: no PCIe, see above)" if v and out["fake_device"] else ""), file=file)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -277,10 +299,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads (a busy small host runs steadier with 1)")
     p.add_argument("--trace", default=None, help="write Chrome traces to PATH.<variant>.json")
     p.add_argument("--json", default=None, help="write the results as JSON")
-    p.add_argument("--no-progress", action="store_true",
-                   help="accepted as by every subcommand (this one prints no progress display)")
-    p.add_argument("--state", choices=["ram", "nvme", "mmap"], default="ram",
-                   help="also run offload-nvme: device params with this state tier (default ram: not run)")
+    p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
+    p.add_argument("--storage", dest="state", choices=["ram", "nvme", "mmap"], default="ram",
+                   help="also run offload-nvme: device params with the optimizer state in this place, as the "
+                   "optimizer's storage= (default ram: not run)")
+    p.add_argument("--state", dest="state", choices=["ram", "nvme", "mmap"], help=argparse.SUPPRESS)   # old name
     p.add_argument("--nvme-dir", dest="nvme_dir", default=None, help="directory for the state file, or several (comma-separated) to spread it over drives; a new "
                    "subdirectory in each, removed at the end (default: the system temp dir)")
     p.add_argument("--host-budget", dest="host_budget", default="256MiB", help="host_budget of offload-nvme")
