@@ -69,3 +69,41 @@ def test_trainer_clipping_with_buckets_stepped_during_backward_is_refused(tmp_pa
     with pytest.raises(RuntimeError, match="max_grad_norm"):
         train(tmp_path, Config("cpu"), 3)   # the device default: eager
 
+
+def _trainer_run(tmp_path, **trainer_kw):
+    from transformers import Trainer, TrainingArguments
+    transformers.logging.set_verbosity_error()
+    model = tiny_llama()
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=16,
+                             logging_steps=1, use_cpu=True, report_to=[], save_strategy="no", learning_rate=1.0,
+                             weight_decay=0.1, dataloader_num_workers=0, disable_tqdm=True, seed=0,
+                             lr_scheduler_type="constant")
+    if "optimizers" in trainer_kw:   # the Trainer's own grouping: weight decay off for biases and norms
+        decay = set(Trainer(model=model, args=args).get_decay_parameter_names(model))
+        groups = [{"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": 0.1},
+                  {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
+        trainer_kw = dict(optimizers=(offload.AdamW(groups, lr=3e-3), None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Trainer(model=model, args=args, train_dataset=Counting(64, 24), **trainer_kw)
+        trainer.train()
+    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)   # accelerate wraps it
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    lrs = [g["lr"] for g in opt.param_groups]
+    opt.close()
+    return type(opt), lrs, losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(120)
+def test_trainer_builds_offload_from_optimizer_cls_and_kwargs(tmp_path):
+    """Trainer(optimizer_cls_and_kwargs=(offload.AdamW, kwargs)): the Trainer builds the optimizer itself
+    (after moving the model), on its weight-decay groups; lr comes from kwargs, not TrainingArguments. The
+    run equals one with optimizers=(offload.AdamW(same groups), None) bitwise. TrainingArguments(optim=)
+    takes only transformers' own optimizer names."""
+    from transformers import TrainingArguments
+    cls, lrs, losses, params = _trainer_run(tmp_path, optimizer_cls_and_kwargs=(offload.AdamW, {"lr": 3e-3}))
+    assert cls is offload.AdamW and lrs == [3e-3, 3e-3]
+    _, _, ref_losses, ref_params = _trainer_run(tmp_path, optimizers=True)
+    assert losses == ref_losses and all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    with pytest.raises(ValueError):
+        TrainingArguments(output_dir=str(tmp_path / "x"), optim="offload_adamw", use_cpu=True)
