@@ -50,7 +50,7 @@ def device(opt):
 
 
 def inject_io_fault(opt, kind: int, nth: int, drive: int = 0) -> None:
-    """Make the NVMe tier's ``nth`` next system call fail with ``kind`` (offload.aio.FAULT_EIO, ...);
+    """Make the NVMe tier's ``nth`` next system call fail with ``kind`` (offload.native.aio.FAULT_EIO, ...);
     ``drive``: which directory of ``nvme_dir`` (several drives: each has its own I/O engine)."""
     eng = _engine(opt)
     drives = getattr(eng.tier, "drives", None)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from offload import _C, kernels
-from offload.native import adam as _kernels
+from offload.native import moments as _moments
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 # 8, 23: one and two AVX2 vectors (the pipelined loops); 1280, 1343: the last size whose first block,
@@ -254,16 +254,16 @@ def test_bad_input_is_refused_by_name():
         kernels.adam_step_moments([p], [g], [st["exp_avg"]], [st["exp_avg_sq"]], [1], fmt="8bit",
                                   m_scales=[torch.zeros(1)], v_scales=[st["exp_avg_sq_scale"]], **kw)
     # the native layer's own checks
-    good = _kernels.moment_table([p], [g], [st["exp_avg"]], [st["exp_avg_sq"]], [1], fmt="8bit",
+    good = _moments.moment_table([p], [g], [st["exp_avg"]], [st["exp_avg_sq"]], [1], fmt="8bit",
                                 m_scales=[st["exp_avg_scale"]], v_scales=[st["exp_avg_sq_scale"]])
     hyper = dict(kw, amsgrad=False, maximize=False)
-    _kernels.step_moment_table(good, hyper)
+    _moments.step_moment_table(good, hyper)
     for col, val, what in [(11, 5, "moment format"), (3, 0, "m_scale"), (7, -1, "negative"), (8, 0, "step"),
                            (1, int(good[0, 0]), "overlap"), (10, 2, "output")]:
         bad = good.copy()
         bad[0, col] = val
         with pytest.raises(ValueError, match=what):
-            _kernels.step_moment_table(bad, hyper)
+            _moments.step_moment_table(bad, hyper)
     with pytest.raises(ValueError, match="shape"):
         _C._adam_step_moments(np.zeros((1, 10), dtype=np.int64), 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, False, 1.0)
     with pytest.raises(ValueError, match="int64"):

@@ -81,7 +81,7 @@ def test_too_small_budget_is_a_clear_error():
 def test_tier_reads_out_of_order_on_demand(tmp_path, kind):
     """Prefetched buckets and buckets acquired out of the expected order (on demand) both read what
     was written; the NVMe ring never uses more than depth + 2 slots."""
-    from offload.state.tier import make_tier
+    from offload.state import make_tier
     shapes = [Shape(0, i, 1000, 4, False) for i in range(8)]
     lay = build_layout(shapes, amsgrad=[False], max_state_bytes=8192)
     tier = make_tier(kind, nvme_dir=tmp_path, depth=2)

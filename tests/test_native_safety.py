@@ -59,7 +59,7 @@ def test_collect_rows_survives_callbacks_that_shrink_the_lists():
         import torch, offload
         import offload.testing
         from offload import _C
-        from offload.params.rowrecord import ROW_FNS
+        from offload.native.rows import ROW_FNS
         F = list(ROW_FNS)
         for where in ("grad", "data_ptr", "stride", "is_neg", "untyped_storage"):
             n = 64
@@ -260,8 +260,8 @@ def test_raw_address_entries_are_private():
 FORK_SETUP = """
     import os, sys, tempfile, time, signal
     import torch
-    from offload import aio
-    from offload.buffers import aligned_empty
+    from offload.native import aio
+    from offload.base.memory import aligned_empty
     d = tempfile.mkdtemp()
     eng = aio.AioEngine(queue_depth=2, block_size=4096)
     f = eng.open(os.path.join(d, "f"), create=True, direct=False)

@@ -15,7 +15,7 @@ Parses every module under offload/ (bench/ included) with ``ast``. Kinds of find
            module, or ``base._x = ...`` is written by a module that does not own ``_x`` (even if none
            does); in tests/, when any offload module owns ``_x``, or base is an offload module or _C.
            Never: names no offload module owns (torch's, numpy's), NOT_OURS, attributes of other
-           libraries' modules, private submodules (``offload._kernels``), ``_C._x`` in offload/.
+           libraries' modules, private submodules (``offload._version``), ``_C._x`` in offload/.
   header   offload modules whose opening docstring does not start with their own path and ":"
            (``step/uploads.py: ...`` or ``offload/step/uploads.py: ...``; a package ``__init__`` may
            say ``step/`` or ``offload.step``, the root one ``offload``). Without a docstring, the first

@@ -13,8 +13,8 @@ import time
 import numpy as np
 import torch
 
-from offload.native import _C
-from offload.native import adam as kernels  # table-level entries (moment_table, step_table) are internal
+from offload.native import adam as kernels  # table-level entries (step_table, moment_table) are internal
+from offload.native import moments as native_moments
 
 from .common import format_table, median, paired_ratio
 
@@ -99,7 +99,7 @@ class _Contender:
             if fmt == "8bit":
                 self.st["exp_avg_scale"], self.st["exp_avg_sq_scale"] = bufs[-2], bufs[-1]
             q8 = fmt == "8bit"
-            self.table = kernels.moment_table(
+            self.table = native_moments.moment_table(
                 [self.p], [self.g], [self.st["exp_avg"]], [self.st["exp_avg_sq"]], [10], fmt=fmt, outs=outs,
                 m_scales=[self.st["exp_avg_scale"]] if q8 else None,
                 v_scales=[self.st["exp_avg_sq_scale"]] if q8 else None)
@@ -108,7 +108,7 @@ class _Contender:
         if self.fmt == "fp32":
             kernels.step_table(self.table, HYPER, 1.0, self.threads)
         else:
-            kernels.step_moment_table(self.table, HYPER, 1.0, self.threads)
+            native_moments.step_moment_table(self.table, HYPER, 1.0, self.threads)
 
 
 def run(n: int, thread_counts: list, reps: int, probe_cls, progress) -> tuple:
@@ -152,8 +152,8 @@ def run(n: int, thread_counts: list, reps: int, probe_cls, progress) -> tuple:
                 line = (f"{'PASS' if speedup >= target else 'MISS'}  [moments] {c.name}, {t} thr: "
                         f">= {target}x the fp32-moment step: {speedup:.2f}x ({own_pct:.0f}% of its own "
                         f"streams' probe; that probe is {ceiling:.2f}x the fp32 streams' probe)")
-                if speedup < target and _C.get_isa() != "avx512":
-                    line += f"; expected with the {_C.get_isa()} kernels (not reached on AVX2-only CPUs: docs/moments.md)"
+                if speedup < target and kernels.get_isa() != "avx512":
+                    line += f"; expected with the {kernels.get_isa()} kernels (not reached on AVX2-only CPUs: docs/moments.md)"
                 summary.append(line)
         for c in list(fprobes.values()) + [probe]:
             sec = med[c.name]

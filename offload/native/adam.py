@@ -1,7 +1,7 @@
 """native/adam.py: the fp32-moment Adam entry points of the native core ``offload._C``.
 
-It validates tensors (device, dtype, layout, sizes, storage bounds, neg/conj bits, overlap)
-before any pointer crosses into C++, and builds the int64 task tables the private native
+It validates tensors (device, dtype, layout, sizes, storage bounds, neg/conj bits, overlap: the checks
+of offload/base/tensors.py) before any pointer crosses into C++, and builds the int64 task tables the private native
 multi-tensor entry points (``_C._adam_step``, ``_C._grad_sumsq``, ``_C._bandwidth_probe``) take.
 Everything above this file deals in tensors; everything below it in pointers and lengths. The
 public, validated subset is re-exported as ``offload.kernels`` (offload/kernels.py);
@@ -16,12 +16,12 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from ..base.tensors import check_no_overlap, check_tensor, ptr
 from . import _C
 
 __all__ = [
-    "DTYPE_CODES", "TASK_COLS", "adam_step", "step_table", "grad_sumsq", "bandwidth_probe", "bandwidth_probe_moments",
-    "check_tensor",
-    "check_storage", "tensor_signature", "set_isa", "get_isa", "available_isas",
+    "DTYPE_CODES", "TASK_COLS", "adam_step", "adam_table", "step_table", "grad_sumsq", "bandwidth_probe",
+    "bandwidth_probe_moments", "fingerprint", "set_isa", "get_isa", "available_isas",
     "get_num_threads", "set_num_threads", "affinity_cpus",
 ]
 
@@ -33,103 +33,6 @@ OUT_NONE = 0
 OUT_USER_PARAM = {torch.bfloat16: 4, torch.float16: 5}
 TASK_COLS = 10  # p, m, v, vmax, g, out, n, step, gdtype, odtype
 COL_P, COL_M, COL_V, COL_VMAX, COL_G, COL_OUT, COL_N, COL_STEP, COL_GD, COL_OD = range(TASK_COLS)
-
-
-def check_storage(t: torch.Tensor, name: str) -> None:
-    """Raise unless every element of the view ``t`` lies inside its storage.
-
-    A view can outgrow its storage: ``t.untyped_storage().resize_(16)``, or a storage shrunk
-    under a gradient. torch's own kernels check this; a raw pointer handed to C++ does not.
-    """
-    if t.numel() == 0:
-        return
-    try:
-        st = t.untyped_storage()
-        nbytes = st.nbytes()
-    except (RuntimeError, NotImplementedError, TypeError) as e:
-        raise RuntimeError(f"{name} has no accessible storage ({e}); offload needs plain CPU tensors") from None
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    need = (last + 1) * t.element_size()
-    if t.storage_offset() < 0 or min(t.stride(), default=0) < 0 or need > nbytes:
-        raise RuntimeError(f"{name} reaches byte {need} of its storage, but the storage holds only {nbytes} bytes "
-                           "(was its untyped_storage() resized or set_() to a smaller one?); the native kernel "
-                           "would read or write out of bounds. Give it a tensor whose storage covers the view.")
-
-
-def tensor_signature(t: torch.Tensor) -> tuple:
-    """Everything about ``t`` that a pointer table depends on, as a comparable tuple.
-
-    (data_ptr, storage data_ptr, storage nbytes, storage_offset, shape, strides, dtype, device,
-    neg bit, conj bit). Any change a user can make that matters to a cached table row
-    (``p.data = p.data[:1000]`` keeping the data pointer, ``t_()``, a reshape, a storage
-    ``resize_``/``set_``, a dtype view) changes the signature. In-place value writes do not
-    (see ``t._version`` for those).
-    """
-    try:
-        st = t.untyped_storage()
-        sptr, snb = st.data_ptr(), st.nbytes()
-    except (RuntimeError, NotImplementedError, TypeError):
-        sptr, snb = -1, -1
-    return (t.data_ptr(), sptr, snb, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device,
-            t.is_neg(), t.is_conj())
-
-
-def check_tensor(t: torch.Tensor, name: str, *, dtypes=(torch.float32,), numel: Optional[int] = None,
-                 shape: Optional[torch.Size] = None) -> torch.Tensor:
-    """Raise a clear exception unless ``t`` is a dense, contiguous CPU tensor we may hand to C++.
-
-    Checks type, layout, device, dtype, contiguity, shape/numel, the neg/conj bits (their values
-    are not what the memory holds) and that the view lies inside its storage.
-    """
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout is not torch.strided:
-        raise RuntimeError(f"{name} is {t.layout}: offload does not support sparse tensors")
-    if t.device.type != "cpu":
-        raise RuntimeError(f"{name} is on {t.device}; the native kernel works on CPU tensors")
-    if t.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of: {names}")
-    if not t.is_contiguous():
-        raise RuntimeError(f"{name} is not contiguous (strides {tuple(t.stride())}); "
-                           "offload never updates a temporary copy: make it contiguous first")
-    if t.is_neg() or t.is_conj():
-        raise RuntimeError(f"{name} is a lazy {'negative' if t.is_neg() else 'conjugate'}-bit view: its memory does "
-                           "not hold its values; call .resolve_neg() / .resolve_conj() first")
-    if shape is not None and t.shape != shape:
-        raise RuntimeError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    if numel is not None and t.numel() != numel:
-        raise RuntimeError(f"{name} has {t.numel()} elements, expected {numel}")
-    check_storage(t, name)
-    return t
-
-
-def _check_no_overlap(written, read=()) -> None:
-    """ValueError if a written tensor's bytes overlap any other tensor's (reads may share memory).
-
-    ``written``/``read``: (name, tensor) pairs of contiguous tensors.
-    """
-    spans = []
-    for is_written, seq in ((True, written), (False, read)):
-        for name, t in seq:
-            if t is not None and t.numel() > 0:
-                start = t.data_ptr()
-                spans.append((start, start + t.numel() * t.element_size(), is_written, name))
-    spans.sort(key=lambda x: x[0])
-    reach_any = reach_written = None  # (end, name) of the furthest-reaching span so far
-    for start, end, is_written, name in spans:
-        other = reach_any if is_written else reach_written
-        if other is not None and start < other[0]:
-            raise ValueError(f"{name} overlaps {other[1]} in memory and one of them is written by the update; "
-                             "give each parameter and state its own memory")
-        if reach_any is None or end > reach_any[0]:
-            reach_any = (end, name)
-        if is_written and (reach_written is None or end > reach_written[0]):
-            reach_written = (end, name)
-
-
-def _ptr(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
 def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
@@ -183,9 +86,9 @@ def adam_table(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, out
         written += [(f"params[{i}]", p), (f"exp_avgs[{i}]", m), (f"exp_avg_sqs[{i}]", v),
                     (f"max_exp_avg_sqs[{i}]", vm), (f"outs[{i}]", o)]
         read.append((f"grads[{i}]", g))
-        table[i] = (_ptr(p), _ptr(m), _ptr(v), _ptr(vm), _ptr(g), _ptr(o), k, step,
+        table[i] = (ptr(p), ptr(m), ptr(v), ptr(vm), ptr(g), ptr(o), k, step,
                     DTYPE_CODES[g.dtype], DTYPE_CODES[o.dtype] if o is not None else OUT_NONE)
-    _check_no_overlap(written, read)
+    check_no_overlap(written, read)
     return table
 
 
@@ -212,7 +115,7 @@ def grad_sumsq(grads: Sequence[torch.Tensor], threads: int = 0) -> float:
     table = np.zeros((len(grads), 3), dtype=np.int64)
     for i, g in enumerate(grads):
         check_tensor(g, f"grads[{i}]", dtypes=tuple(DTYPE_CODES))
-        table[i] = (_ptr(g), g.numel(), DTYPE_CODES[g.dtype])
+        table[i] = (ptr(g), g.numel(), DTYPE_CODES[g.dtype])
     return _C._grad_sumsq(table, int(threads))
 
 
@@ -224,8 +127,8 @@ def bandwidth_probe(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.
     n = check_tensor(p, "p").numel()
     for name, t in (("m", m), ("v", v), ("g", g)):
         check_tensor(t, name, numel=n)
-    _check_no_overlap([("p", p), ("m", m), ("v", v)], [("g", g)])
-    _C._bandwidth_probe(_ptr(p), _ptr(m), _ptr(v), _ptr(g), n, int(threads))
+    check_no_overlap([("p", p), ("m", m), ("v", v)], [("g", g)])
+    _C._bandwidth_probe(ptr(p), ptr(m), ptr(v), ptr(g), n, int(threads))
 
 
 _MOMENT_PROBE_DTYPES = {1: (torch.int8, torch.uint8), 2: (torch.bfloat16, torch.float16, torch.int16), 4: (torch.float32,)}
@@ -248,8 +151,8 @@ def bandwidth_probe_moments(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g
     if out is not None:
         check_tensor(out, "out", dtypes=(torch.bfloat16, torch.float16), numel=n)
         written.append(("out", out))
-    _check_no_overlap(written, [("g", g)])
-    _C._bandwidth_probe_moments(_ptr(p), _ptr(m), _ptr(v), _ptr(g), _ptr(out) if out is not None else 0, n, mb,
+    check_no_overlap(written, [("g", g)])
+    _C._bandwidth_probe_moments(ptr(p), ptr(m), ptr(v), ptr(g), ptr(out) if out is not None else 0, n, mb,
                                 g.element_size(), int(threads))
 
 
@@ -258,7 +161,7 @@ def fingerprint(t: torch.Tensor) -> int:
     summed mod 2^64, returned as int64; any dtype):
     the CPU path of offload/params/fingerprint.py."""
     check_tensor(t, "tensor", dtypes=(t.dtype,))
-    return int(_C._fingerprint(_ptr(t), t.numel() * t.element_size()))
+    return int(_C._fingerprint(ptr(t), t.numel() * t.element_size()))
 
 
 def available_isas() -> list:
@@ -301,7 +204,3 @@ def _init_from_env() -> None:
 
 
 _init_from_env()
-
-# compressed moments: offload/native/moments.py, csrc/moments.h
-from .moments import (MOMENT_BLOCK, MOMENT_FORMATS, adam_step_moments, decode_moments, moment_state, moment_table,
-                      step_moment_table)

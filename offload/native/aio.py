@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import _C
-from .adam import check_storage
+from ..base.tensors import check_storage
 
 __all__ = ["AioEngine", "AioFile", "Request", "DIRECT_ALIGN", "FAULT_EIO", "FAULT_SHORT", "FAULT_EINTR"]
 

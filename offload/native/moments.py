@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from . import _C
-from .adam import DTYPE_CODES, OUT_NONE, _ptr, check_tensor
+from ..base.tensors import check_tensor, ptr
+from .adam import DTYPE_CODES, OUT_NONE
 
 __all__ = ["MOMENT_FORMATS", "MOMENT_BLOCK", "MOMENT_TASK_COLS", "moment_state", "moment_table",
            "adam_step_moments", "step_moment_table", "decode_moments"]
@@ -85,7 +86,7 @@ def moment_table(params, grads, exp_avgs, exp_avg_sqs, steps, *, fmt: str, m_sca
         step = int(steps[i])
         if step < 1:
             raise ValueError(f"steps[{i}] must be >= 1, got {step}")
-        table[i] = (_ptr(p), _ptr(m), _ptr(v), _ptr(ms), _ptr(vs), _ptr(g), _ptr(o), k, step,
+        table[i] = (ptr(p), ptr(m), ptr(v), ptr(ms), ptr(vs), ptr(g), ptr(o), k, step,
                     DTYPE_CODES[g.dtype], DTYPE_CODES[o.dtype] if o is not None else OUT_NONE, MOMENT_FORMATS[fmt])
     return table
 

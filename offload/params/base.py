@@ -6,7 +6,7 @@ from typing import List, Sequence
 import torch
 
 from ..base.dist import local
-from ..native.adam import check_tensor
+from ..base.tensors import check_tensor
 from ..layout import Shape
 
 __all__ = ["LOW_PRECISION", "frozen", "shapes_of", "check_grad"]

@@ -46,7 +46,7 @@ class DeviceParams:
         self._last_up = None
         self.stats = dict(d2h_s=0.0, h2d_s=0.0, d2h_bytes=0, h2d_bytes=0)
         self.publishes = 0            # uploads issued so far: fingerprints older than the last one are stale
-        self.trace = None             # offload.telemetry.Trace: copy spans (trace=True)
+        self.trace = None             # offload.base.trace.Trace: copy spans (trace=True)
         self._events: list = []       # (kind, event) of copies not yet counted; the worker appends
         self._events_lock = threading.Lock()
 

@@ -25,7 +25,8 @@ import torch
 
 from ..native import _C
 from ..base.dist import is_dtensor, local
-from ..native.adam import COL_G, COL_GD, COL_OD, COL_OUT, COL_P, DTYPE_CODES, OUT_USER_PARAM, TASK_COLS, _ptr
+from ..base.tensors import ptr
+from ..native.adam import COL_G, COL_GD, COL_OD, COL_OUT, COL_P, DTYPE_CODES, OUT_USER_PARAM, TASK_COLS
 from ..guards import SpanIndex, span_of, spans_of
 from ..layout import piece_columns
 from .base import LOW_PRECISION, check_grad
@@ -63,11 +64,11 @@ class GroupRows:
         record_param(self, i, lp, DTYPE_CODES[lp.dtype])
         m, t = self.meta[i], self.table[i]
         m[M_PVER], m[M_LOWP] = (lp._version if low else -1), low
-        t[COL_P], t[COL_OUT] = (0, _ptr(lp)) if low else (_ptr(lp), 0)
+        t[COL_P], t[COL_OUT] = (0, ptr(lp)) if low else (ptr(lp), 0)
         t[COL_OD] = OUT_USER_PARAM[lp.dtype] if low else 0
         self.g_ref[i] = weakref.ref(g)
         m[M_GPTR] = g.data_ptr()
-        t[COL_G], t[COL_GD] = _ptr(g), DTYPE_CODES[g.dtype]
+        t[COL_G], t[COL_GD] = ptr(g), DTYPE_CODES[g.dtype]
 
 
 class HostRows:

@@ -2,8 +2,22 @@
 
 ``ram`` (one aligned arena, never pinned), ``nvme`` (a private O_DIRECT file + a small ring of host
 slots), ``mmap`` (a shared mapping of the same file). Tiers know buckets (offload/layout.py) and
-bytes; they never see parameters, gradients or the optimizer.
+bytes; they never see parameters, gradients or the optimizer. ``make_tier`` (here, not in tier.py, so
+that the tiers import tier.py and nothing imports back) builds one by name.
 """
-from .tier import Block, StateTier, StoreFailedError, make_tier
+from .tier import Block, StateTier, StoreFailedError
 
 __all__ = ["Block", "StateTier", "StoreFailedError", "make_tier"]
+
+
+def make_tier(kind: str, **kw) -> StateTier:
+    if kind == "ram":
+        from .ram import RamTier
+        return RamTier()
+    if kind == "nvme":
+        from .nvme import NvmeTier
+        return NvmeTier(**{k: v for k, v in kw.items() if k != "budget"})   # its slots are sized by the engine
+    if kind == "mmap":
+        from .mmap import MmapTier
+        return MmapTier(**{k: v for k, v in kw.items() if k in ("nvme_dir", "keep", "budget")})
+    raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {kind!r}")

@@ -19,7 +19,7 @@ import torch
 from ..failstop import OptimizerFailedError, detached, failed_message
 from ..layout import ALIGN
 
-__all__ = ["Block", "StateTier", "StoreFailedError", "make_tier", "split_budget"]
+__all__ = ["Block", "StateTier", "StoreFailedError", "split_budget"]
 
 
 class StoreFailedError(OptimizerFailedError):
@@ -130,16 +130,3 @@ def split_budget(kind: str, budget: int, depth: int, staging_slots: int) -> tupl
         s = max(s, ALIGN)
     stage = s // 3 if staging_slots else None
     return s, stage
-
-
-def make_tier(kind: str, **kw) -> StateTier:
-    if kind == "ram":
-        from .ram import RamTier
-        return RamTier()
-    if kind == "nvme":
-        from .nvme import NvmeTier
-        return NvmeTier(**{k: v for k, v in kw.items() if k != "budget"})   # its slots are sized by the engine
-    if kind == "mmap":
-        from .mmap import MmapTier
-        return MmapTier(**{k: v for k, v in kw.items() if k in ("nvme_dir", "keep", "budget")})
-    raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {kind!r}")

@@ -24,7 +24,8 @@ from ..guards import WriteTracker, check_overlaps, refresh_master
 from ..layout import ALIGN, build_layout, piece_columns
 from ..params.base import check_grad, shapes_of
 from ..params.host import HostParams
-from ..state.tier import make_tier, split_budget
+from ..state import make_tier
+from ..state.tier import split_budget
 from ..base.units import parse_size
 from . import pipeline
 from .registry import Registry
