@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging as _logging
 
 from ._version import __version__
-from .native import _C
+from . import native
 from . import kernels
 from .optim import Adam, AdamW
 from .failstop import OptimizerFailedError
@@ -36,14 +36,7 @@ __all__ = ["Adam", "AdamW", "build_info", "kernels", "__version__", "OptimizerFa
 
 def build_info() -> dict:
     """Version of the package and of the compiled core, chosen/available ISAs, thread count."""
-    return {
-        "version": __version__,
-        "native_version": _C.__version__,
-        "isa": _C.get_isa(),
-        "available_isas": list(_C.available_isas()),
-        "threads": _C.get_num_threads(),
-        "affinity_cpus": _C.affinity_cpu_count(),
-    }
+    return {"version": __version__, **native.info()}
 
 
 def doctor(dir=None, *, print_report: bool = False, speed_test: bool = True) -> dict:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import offload
-from offload.native import _C
+from offload.native import adam as _native
 
 from .common import (Progress, add_common_options, cpu_model, format_table, machine_info, median, paired_ratio,
                      verdict, write_json)
@@ -35,7 +35,7 @@ def run_case(case: Case, thread_counts: list, reps: int, use_ds: bool, progress:
     ours = Ours(case, grads, thread_counts[0])
     ours.step()  # creates state and the pointer table
     if case.key == "isa":
-        native = _C.get_isa()
+        native = _native.get_isa()
         contenders = [OursKernelIsa(ours, thread_counts[0], "avx2", native),
                       OursKernelIsa(ours, thread_counts[0], native, native)]
     else:
@@ -195,9 +195,9 @@ QUESTION = ("How fast is offload's CPU Adam step against torch's and DeepSpeed's
 
 
 def run(args) -> int:
-    all_threads = _C.affinity_cpu_count()
+    all_threads = _native.affinity_cpus()
     thread_counts = sorted({all_threads if t == "all" else int(t) for t in args.threads.split(",")})
-    _C.set_num_threads(max(thread_counts + [_C.get_num_threads()]))
+    _native.set_num_threads(max(thread_counts + [_native.get_num_threads()]))
     cases = make_cases(args.scale, args.cases, full=args.full)
     info = offload.build_info()
     print(f"CPU: {cpu_model()}  |  kernel ISA: {info['isa']} (available: {', '.join(info['available_isas'])})"

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 import torch
 
 import offload
-from offload.native import _C, adam as _kernels
+from offload.native import adam as _kernels
 
 STREAM_STAGGER = 16400  # floats between the probe's streams (as offload.optim's state arena)
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, amsgrad=False,
+             maximize=False)  # of the raw kernel call (OursKernel)
 BYTES_PER_PARAM = 28  # read g, p, m, v (16 B) + write p, m, v (12 B); bf16 case: 2+12 read, 12+2 written
 
 
@@ -79,7 +81,7 @@ def make_cases(scale: float, only, full: bool = False) -> list:
 
 
 def has_avx512() -> bool:
-    return "avx512" in _C.available_isas()
+    return "avx512" in _kernels.available_isas()
 
 
 # --------------------------------------------------------------------------- contenders
@@ -155,7 +157,7 @@ class OursKernel(Contender):
         self.threads = threads
 
     def step(self) -> None:
-        _C._adam_step(self.table, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, False, False, 1.0, self.threads, False)
+        _kernels.step_table(self.table, HYPER, 1.0, self.threads)
 
 
 class OursKernelIsa(OursKernel):
@@ -167,11 +169,11 @@ class OursKernelIsa(OursKernel):
         self.name = f"offload kernel call [{isa}]"
 
     def step(self) -> None:
-        _C.set_isa(self.isa)
+        _kernels.set_isa(self.isa)
         try:
             super().step()
         finally:
-            _C.set_isa(self.native)
+            _kernels.set_isa(self.native)
 
 
 class TorchAdamW(Contender):
@@ -256,8 +258,7 @@ class Probe(Contender):
         self.threads, self.numel = threads, numel
 
     def step(self) -> None:
-        p, m, v, g = (b.data_ptr() for b in self.bufs)
-        _C._bandwidth_probe(p, m, v, g, self.numel, self.threads)
+        _kernels.bandwidth_probe(*self.bufs, threads=self.threads)
 
 
 def deepspeed_available() -> bool:

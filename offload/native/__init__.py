@@ -11,3 +11,16 @@ here, which check tensors before any pointer crosses into C++:
 - ``aio``: the asynchronous O_DIRECT file engine the NVMe tier uses.
 """
 from .. import _C  # noqa: F401  (the modules of this package use it as ``from . import _C``)
+
+__all__ = ["info"]
+
+
+def info() -> dict:
+    """The compiled core's version, chosen and available ISAs, thread count, CPUs in the affinity mask."""
+    return {
+        "native_version": _C.__version__,
+        "isa": _C.get_isa(),
+        "available_isas": list(_C.available_isas()),
+        "threads": _C.get_num_threads(),
+        "affinity_cpus": _C.affinity_cpu_count(),
+    }

@@ -1,7 +1,10 @@
-"""native/rows.py: what the native per-step check of host parameters and gradients
-(``_C.collect_rows``, csrc/rows.cpp) is given: the getters and constants of torch it calls (``ROW_FNS``),
-the columns of the per-row record it compares against, and how a validated parameter is recorded.
-Used by offload/params/hostrows.py; tests of the native check use it too.
+"""native/rows.py: the native per-step row checks (csrc/rows.cpp) and what they are given.
+
+``collect_rows`` compares every host parameter and gradient with its record (used by
+offload/params/hostrows.py); ``state_rows`` says which ``opt.state`` entries are no longer the
+recorded objects (used by offload/step/torchstate.py). Here too: the getters and constants of torch
+``collect_rows`` calls (``ROW_FNS``), the columns of the per-row record it compares against, and how
+a validated parameter is recorded. Tests of the native check use it too.
 """
 from __future__ import annotations
 
@@ -9,8 +12,13 @@ import operator
 
 import torch
 
-__all__ = ["ROW_FNS", "M_PPTR", "M_GPTR", "M_CODE", "M_DIM", "M_SIZE0", "M_NUMEL", "M_PVER", "M_LOWP", "M_COLS",
+from . import _C
+
+__all__ = ["collect_rows", "state_rows", "ROW_FNS", "M_PPTR", "M_GPTR", "M_CODE", "M_DIM", "M_SIZE0", "M_NUMEL", "M_PVER", "M_LOWP", "M_COLS",
            "no_grad_ref", "record_param", "get_version"]
+
+collect_rows = _C.collect_rows  # the native entries themselves: no wrapper on the per-step path
+state_rows = _C.state_rows
 
 # what the native fast path (_C.collect_rows, csrc/rows.cpp) reads of each param/grad: the getset
 # descriptors and unbound methods of torch's tensor base class (direct C calls, no attribute lookup),

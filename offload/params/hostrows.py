@@ -2,7 +2,7 @@
 
 What ``check_grad`` (params/base.py) and the overlap check (guards.py) establish about a row (a
 parameter and its gradient) is recorded when the row is validated. Each step the native
-``_C.collect_rows`` (csrc/rows.cpp: the check the fp32 RAM path uses) compares every row with its
+``collect_rows`` (offload/native/rows.py, csrc/rows.cpp: the check the fp32 RAM path uses) compares every row with its
 record and validates a new plain gradient itself; only rows that changed in any way (a new
 parameter tensor or ``p.data = ...``: pointer, dtype, shape, strides, neg bit; a bf16/fp16
 parameter written in place; a gradient that is not a plain CPU tensor) and parameters of other
@@ -23,14 +23,14 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from ..native import _C
 from ..base.dist import is_dtensor, local
 from ..base.tensors import ptr
 from ..native.adam import COL_G, COL_GD, COL_OD, COL_OUT, COL_P, DTYPE_CODES, OUT_USER_PARAM, TASK_COLS
 from ..guards import SpanIndex, span_of, spans_of
 from ..layout import piece_columns
 from .base import LOW_PRECISION, check_grad
-from ..native.rows import M_CODE, M_COLS, M_GPTR, M_LOWP, M_NUMEL, M_PPTR, M_PVER, ROW_FNS, no_grad_ref, record_param
+from ..native.rows import (M_CODE, M_COLS, M_GPTR, M_LOWP, M_NUMEL, M_PPTR, M_PVER, ROW_FNS, collect_rows, no_grad_ref,
+                           record_param)
 
 __all__ = ["HostRows"]
 
@@ -102,7 +102,7 @@ class HostRows:
             n = len(params)
             rows.token = -1
             got = [None] * n
-            ready, newgrad, changed, other = _C.collect_rows(params, rows.g_ref, rows.meta, rows.layouts, rows.table,
+            ready, newgrad, changed, other = collect_rows(params, rows.g_ref, rows.meta, rows.layouts, rows.table,
                                                              ROW_FNS, got)
             gs = StepGrads(got)
             a = np.zeros(n, dtype=bool)

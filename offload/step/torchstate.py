@@ -11,7 +11,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from ..native import _C
+from ..native.rows import state_rows
 from .. import mformat
 from ..base.dist import like, local
 from . import compressed, export
@@ -143,7 +143,7 @@ class TorchLayout(HeldMoments):
 
         Each parameter's entry is recorded once validated; each step only the entries that are not
         the recorded objects, or whose tensors moved (``.data = ...``), are looked at again
-        (``_C.state_rows``, natively). The records go with any change the engine makes itself."""
+        (``state_rows`` of offload/native/rows.py, natively). The records go with any change the engine makes itself."""
         ptrs = self.__dict__.get("_view_ptrs", {})
         recs = self.__dict__.setdefault("_state_recs", [])
         fast = type(state) is dict or type(state) is defaultdict   # their .get is the C lookup state_rows does
@@ -155,7 +155,7 @@ class TorchLayout(HeldMoments):
             if len(rec.objs) != len(ps):
                 rec = recs[gi] = _StateRecords(len(ps))
             if fast:
-                rows = _C.state_rows(state, ps, ready, rec.objs, _KEYS, rec.ptrs, _STATE_FNS, rec.hashes).tolist()
+                rows = state_rows(state, ps, ready, rec.objs, _KEYS, rec.ptrs, _STATE_FNS, rec.hashes).tolist()
             else:
                 rows = np.flatnonzero(ready).tolist()
             for i in rows:
