@@ -14,11 +14,13 @@ Two measurements, both in one process, every schedule on the same machine state:
 * ``loss``: the order-2 Markov GPT of ``python -m offload.bench fidelity`` (``--size quick``: 300 steps,
   the default; ``default``: 400 steps of a larger model; the same data, init and lr schedule for both
   contenders), exact vs ``delay_updates=1`` after each ``--delay-after`` number of exact steps, on the
-  fake device: mean loss of the last 50 steps, for ``--seeds`` seeds.
+  fake device: mean loss of the last 50 steps, for ``--seeds`` seeds; ``--extrapolate-after``: the
+  same with ``delay_extrapolate=True`` (the stale forwards on the weights extrapolated).
 
     python bench/delayed.py --json out.json            # both (about 3 minutes on 2 cores)
     python bench/delayed.py --only timing --rounds 5
     python bench/delayed.py --only loss --size default --delay-after 0,20,50,100
+    python bench/delayed.py --only loss --delay-after "" --extrapolate-after 0,50
 """
 from __future__ import annotations
 
@@ -123,7 +125,7 @@ def timing_case(fwd_s, bwd_s, args) -> dict:
                 exact_eager_vs_sum=med["exact (eager)"] / (f + s))
 
 
-def loss_run(delay_after, seed: int, size) -> list:
+def loss_run(delay_after, seed: int, size, extrapolate: bool = False) -> list:
     """Training losses of every step: exact (``delay_after`` None) or delayed after that many steps."""
     stream = MarkovStream(size.vocab, size.contexts, seed=seed + 1234)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -132,7 +134,8 @@ def loss_run(delay_after, seed: int, size) -> list:
     model = GPT(cfg)
     opt = offload.AdamW(param_groups(model, 0.1), lr=size.lr, betas=(0.9, 0.95), offload_device=fake(),
                         bucket_mb=0.05, step_during_backward=False,
-                        **({} if delay_after is None else dict(delay_updates=1, delay_after=delay_after)))
+                        **({} if delay_after is None else dict(delay_updates=1, delay_after=delay_after,
+                                                              delay_extrapolate=extrapolate)))
     losses = []
     for step in range(size.steps):
         x, _ = stream.sample(size.batch, size.seq + 1, gen)
@@ -150,17 +153,22 @@ def loss_run(delay_after, seed: int, size) -> list:
 def loss_table(args) -> dict:
     size = SIZES[args.size]
     out = []
-    afters = [int(a) for a in args.delay_after.split(",")]
+    afters = [int(a) for a in args.delay_after.split(",") if a]
+    extrapolated = [int(a) for a in args.extrapolate_after.split(",") if a]
     for seed in range(args.seeds):
         ls = loss_run(None, seed, size)
-        row = dict(seed=seed, exact=sum(ls[-50:]) / 50, delayed={})
+        row = dict(seed=seed, exact=sum(ls[-50:]) / 50, delayed={}, extrapolated={})
         for a in afters:
             ls = loss_run(a, seed, size)
             row["delayed"][a] = sum(ls[-50:]) / 50
+        for a in extrapolated:
+            ls = loss_run(a, seed, size, extrapolate=True)
+            row["extrapolated"][a] = sum(ls[-50:]) / 50
         out.append(row)
-        cells = [f"{row['delayed'][a]:.4f} ({row['delayed'][a] / row['exact']:.4f})" for a in afters]
+        cells = [f"{v:.4f} ({v / row['exact']:.4f})" for v in list(row["delayed"].values()) +
+                 list(row["extrapolated"].values())]
         print(f"| {seed} | {row['exact']:.4f} | " + " | ".join(cells) + " |", flush=True)
-    return dict(size=args.size, steps=size.steps, delay_after=afters, rows=out)
+    return dict(size=args.size, steps=size.steps, delay_after=afters, extrapolate_after=extrapolated, rows=out)
 
 
 def cpu_model() -> str:
@@ -184,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--drive-ms", type=float, default=8.0, help="seconds per bucket read or write on the slow drive")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--delay-after", default="0,50", help="comma-separated warm-ups (exact steps) to measure (loss)")
+    ap.add_argument("--extrapolate-after", default="", help="comma-separated warm-ups to measure with "
+                    "delay_extrapolate=True (loss)")
     ap.add_argument("--size", choices=sorted(SIZES), default="quick", help="the fidelity bench's size (loss)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -206,10 +216,11 @@ def main(argv=None) -> int:
                   f"{cell('delay_updates=1')} | {c['delayed_vs_max']:.2f} | {c['exact_deferred_vs_sum']:.2f} |",
                   flush=True)
     if args.only in (None, "loss"):
-        afters = args.delay_after.split(",")
+        cols = [f"delay_after={a} (ratio)" for a in args.delay_after.split(",") if a] + \
+            [f"extrapolated, delay_after={a} (ratio)" for a in args.extrapolate_after.split(",") if a]
         print(f"| seed | exact: mean loss, last 50 of {SIZES[args.size].steps} steps ({args.size}) | "
-              + " | ".join(f"delay_after={a} (ratio)" for a in afters) + " |")
-        print("|---|---|" + "---|" * len(afters))
+              + " | ".join(cols) + " |")
+        print("|---|---|" + "---|" * len(cols))
         out["loss"] = loss_table(args)
     if args.json:
         with open(args.json, "w") as f:

@@ -51,10 +51,11 @@ class _AdamBase(ClippingMixin, StateDictMixin, GpuOffloadMixin, Optimizer):
                  nvme_options: Optional[dict] = None, offload_device=None, moments: str = "fp32",
                  moments_min_size: int = 4096, bucket_mb=None, overlap=None, step_during_backward=None,
                  max_grad_norm=None, check_overflow=None, release_grads=None, trace=None, small_param_numel=None,
-                 delay_updates=None, delay_after=None, state: Optional[str] = None):
+                 delay_updates=None, delay_after=None, delay_extrapolate=None, state: Optional[str] = None):
         gpu_options = given_gpu_options(bucket_mb=bucket_mb, overlap=overlap, step_during_backward=step_during_backward,
             max_grad_norm=max_grad_norm, check_overflow=check_overflow, release_grads=release_grads, trace=trace,
-            small_param_numel=small_param_numel, delay_updates=delay_updates, delay_after=delay_after)
+            small_param_numel=small_param_numel, delay_updates=delay_updates, delay_after=delay_after,
+            delay_extrapolate=delay_extrapolate)
         state = resolve_storage(storage, state, nvme_dir)   # state=: the old name of storage= (deprecated)
         if isinstance(lr, torch.Tensor) and foreach and not capturable:
             raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
@@ -375,7 +376,8 @@ class Adam(_AdamBase):
                  decoupled_weight_decay=False, threads=None, storage=None, nvme_dir=None, host_budget="2GiB",
                  keep_files=False, nvme_options=None, offload_device=None, moments="fp32", moments_min_size=4096,
                  bucket_mb=None, overlap=None, step_during_backward=None, max_grad_norm=None, check_overflow=None,
-                 release_grads=None, trace=None, small_param_numel=None, delay_updates=None, delay_after=None, state=None):
+                 release_grads=None, trace=None, small_param_numel=None, delay_updates=None, delay_after=None,
+                 delay_extrapolate=None, state=None):
         super().__init__(**_forward(locals()))
 
 
@@ -389,5 +391,6 @@ class AdamW(_AdamBase):
                  storage=None, nvme_dir=None, host_budget="2GiB", keep_files=False, nvme_options=None,
                  offload_device=None, moments="fp32", moments_min_size=4096, bucket_mb=None, overlap=None,
                  step_during_backward=None, max_grad_norm=None, check_overflow=None, release_grads=None,
-                 trace=None, small_param_numel=None, delay_updates=None, delay_after=None, state=None):
+                 trace=None, small_param_numel=None, delay_updates=None, delay_after=None, delay_extrapolate=None,
+                 state=None):
         super().__init__(decoupled_weight_decay=True, **_forward(locals()))

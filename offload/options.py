@@ -11,7 +11,8 @@ from typing import Optional
 __all__ = ["OPTIONS_DOC", "GPU_OPTION_NAMES", "given_gpu_options", "resolve_state", "resolve_storage"]
 
 GPU_OPTION_NAMES = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm", "check_overflow",
-                    "release_grads", "trace", "small_param_numel", "delay_updates", "delay_after")
+                    "release_grads", "trace", "small_param_numel", "delay_updates", "delay_after",
+                    "delay_extrapolate")
 
 OPTIONS_DOC = """
     offload's own keyword arguments (after torch's):
@@ -49,6 +50,9 @@ OPTIONS_DOC = """
         forward and backward, which see the weights before it (one step of staleness; docs/gpu.md).
     delay_after: with ``delay_updates=1``, the number of steps run exact before the delay starts
         (default 50: the first steps, when the weights change fastest, are where staleness costs most).
+    delay_extrapolate: with ``delay_updates=1``, True: each forward sees the weights it would have
+        seen without delay predicted from the last update, w + (w - w_before) (default False; it
+        costs one more host copy of the parameters and a pass over them per step; docs/gpu.md).
 """
 
 

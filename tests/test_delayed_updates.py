@@ -57,19 +57,25 @@ def losses_of(model, micro, inf=False, scale=lambda loss: loss):
     return out
 
 
-def reference(kind, dtype, data, clip=None, inf_step=None, after=0):
+def reference(kind, dtype, data, clip=None, inf_step=None, after=0, extrapolate=False):
     """The rule with a plain optimizer: ``model`` holds the weights forward sees, ``master`` the fp32
-    masters; after step t the model gets the masters as they were before update t, or after it while
-    fewer than ``after`` updates were applied before it (the exact warm-up; a skipped step is no update)."""
+    masters. An update is exact (the model gets its weights at once) while fewer than ``after`` were
+    applied before it (a skipped step is no update), else pending: the next step() gives the model its
+    weights, w, or with ``extrapolate`` (when the update before was pending too) w + (w - w_before),
+    computed in fp32 from the weights in the parameters' dtype; a skipped step gives them w itself."""
     model = make_net(dtype)
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     opt = (offload.AdamW(master, lr=LR, weight_decay=WD) if kind == "offload" else
            torch.optim.AdamW(master, lr=LR, weight_decay=WD, foreach=False))
-    losses, updates = [], 0
+    losses, updates, pending, before = [], 0, None, None
     for t, micro in enumerate(data):
         losses += losses_of(model, micro, inf_step == t)
+        if pending is not None:   # step(): the pending update goes up
+            with torch.no_grad():
+                for p, w, e in zip(model.parameters(), *pending):
+                    p.copy_(w if inf_step == t else e)
+            pending = None
         held = updates >= after
-        prev = [m.detach().clone() for m in master] if held else master
         if inf_step != t:   # an overflow skips the update (the pending one still lands)
             for m, p in zip(master, model.parameters()):
                 m.grad = p.grad.float()
@@ -78,18 +84,24 @@ def reference(kind, dtype, data, clip=None, inf_step=None, after=0):
                  lambda c: torch.nn.utils.clip_grad_norm_(master, c))(clip)
             opt.step()
             updates += 1
-        with torch.no_grad():
-            for p, w in zip(model.parameters(), prev):
-                p.copy_(w.detach())
-            model.zero_grad(set_to_none=True)
+            new = [m.detach().to(p.dtype, copy=True) for m, p in zip(master, model.parameters())]
+            if not held:
+                with torch.no_grad():
+                    for p, w in zip(model.parameters(), new):
+                        p.copy_(w)
+            ext = new if not (extrapolate and before) else \
+                [(w.float() + (w.float() - b.float())).to(w.dtype) for w, b in zip(new, before)]
+            pending, before = ((new, ext), new) if held else (None, None)
+        model.zero_grad(set_to_none=True)
     return losses, [m.detach() for m in master], opt
 
 
 def ours(dtype, data, *, device=None, delay=1, clip=None, inf_step=None, scaler=None, accum_with=None,
-         state_opts=None, bucket_mb=0.002, after=0):
+         state_opts=None, bucket_mb=0.002, after=0, extrapolate=None):
     model = make_net(dtype)
     if delay:   # (after=None: the default warm-up)
-        state_opts = dict(state_opts or {}, **({} if after is None else dict(delay_after=after)))
+        state_opts = dict(state_opts or {}, **({} if after is None else dict(delay_after=after)),
+                          **({} if extrapolate is None else dict(delay_extrapolate=extrapolate)))
     opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD, bucket_mb=bucket_mb,
                         offload_device=device or FakeDevice(max_delay=0.002, seed=1), delay_updates=delay,
                         max_grad_norm=clip, check_overflow=inf_step is not None or scaler is not None,
@@ -159,12 +171,14 @@ def test_matches_the_reference_rule(dtype, where, tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("dtype,after,inf_step", [(torch.float32, 2, None), (torch.bfloat16, 3, 1)])
-def test_exact_warm_up_then_delayed(dtype, after, inf_step):
-    """delay_after: the first ``after`` updates exact (a skipped step is no update), then one step of delay."""
-    data, clip = batches(STEPS, dtype=dtype), (None if inf_step is None else 0.05)
-    model, opt, losses = ours(dtype, data, after=after, clip=clip, inf_step=inf_step)
-    ref = reference("offload", dtype, data, clip=clip, inf_step=inf_step, after=after)
+@pytest.mark.parametrize("dtype,after,inf_step,ext", [(torch.float32, 2, None, False), (torch.bfloat16, 3, 1, False),
+                                                      (torch.float32, 1, None, True), (torch.bfloat16, 1, 3, True)])
+def test_exact_warm_up_then_delayed(dtype, after, inf_step, ext):
+    """delay_after: the first ``after`` updates exact (a skipped step is no update), then one step of
+    delay; delay_extrapolate: the stale forwards on the weights extrapolated."""
+    data, clip = batches(STEPS + 2, dtype=dtype), (None if inf_step is None else 0.05)
+    model, opt, losses = ours(dtype, data, after=after, clip=clip, inf_step=inf_step, extrapolate=ext)
+    ref = reference("offload", dtype, data, clip=clip, inf_step=inf_step, after=after, extrapolate=ext)
     assert losses == ref[0]
     assert_matches(model, opt, ref)
     check_device(opt)

@@ -38,7 +38,7 @@ DELAY_AFTER = 50   # exact steps before the delay starts, by default (bench/dela
 
 
 def prepare(overlap: bool, step_during_backward, small_param_numel, engine, delay_updates=0,
-            delay_after=None) -> tuple:
+            delay_after=None, delay_extrapolate=None) -> tuple:
     """Validate ``delay_updates`` and ``delay_after`` against the other options (nothing changes on
     error); with a delay, the engine's parameter side becomes a ``HeldParams``. Returns (None (exact) or
     the number of exact steps before the delay, step_during_backward: False with a delay, which steps
@@ -51,9 +51,9 @@ def prepare(overlap: bool, step_during_backward, small_param_numel, engine, dela
                                     or delay_after < 0):
         raise ValueError(f"delay_after must be a number of steps >= 0, got {delay_after!r}")
     if not delay_updates:
-        if delay_after is not None:
-            raise ValueError("delay_after (exact steps before the delayed update starts) applies with "
-                             "delay_updates=1 only: add delay_updates=1 or leave delay_after unset")
+        if delay_after is not None or delay_extrapolate is not None:
+            raise ValueError("delay_after and delay_extrapolate apply with delay_updates=1 only: add "
+                             "delay_updates=1 or leave them unset")
         return None, step_during_backward
     if not overlap:
         raise ValueError("delay_updates=1 cannot be combined with overlap=False (which runs the whole step inside "
@@ -68,7 +68,7 @@ def prepare(overlap: bool, step_during_backward, small_param_numel, engine, dela
         raise ValueError("delay_updates=1 is not supported with several torch.distributed ranks or DTensor (FSDP2) "
                          "parameters: use delay_updates=0 (the exact schedule)")
     old = engine.side
-    engine.side = HeldParams(old.groups, old.device, old.nslots)
+    engine.side = HeldParams(old.groups, old.device, old.nslots, extrapolate=bool(delay_extrapolate))
     engine.side.allocate(engine.layout)
     old.close()
     return (DELAY_AFTER if delay_after is None else delay_after), False
@@ -78,22 +78,37 @@ class HeldParams(DeviceParams):
     """DeviceParams whose new weights wait in one host buffer per bucket until ``release`` (while
     ``hold``; otherwise, in the exact steps before the delay starts, a plain ``DeviceParams``)."""
 
-    def __init__(self, groups, device, slots: int = 2):
+    def __init__(self, groups, device, slots: int = 2, extrapolate: bool = False):
         super().__init__(groups, device, slots)
-        self.bufs: dict = {}      # bucket index -> host buffer of its weights (its staging layout)
+        self.extrapolate = extrapolate
+        self.bufs: dict = {}      # bucket index -> host buffers of its weights (its staging layout; two to extrapolate)
         self.held: dict = {}      # bucket index -> (bucket, pieces) stepped and not uploaded yet
-        self.reading: dict = {}   # bucket index -> event of the upload still reading its buffer
+        self.reading: dict = {}   # (bucket index, buffer) -> event of the upload still reading that buffer
         self.hold = True          # set by DelayedUpdates.step, with no CPU step in flight
+        self.cur: dict = {}       # extrapolate: bucket index -> (buffer of its latest weights, their pieces)
+        self.pred: dict = {}      # extrapolate: bucket index -> buffer of the held weights extrapolated
 
     def allocate(self, layout) -> None:
         super().allocate(layout)
         for b in layout.buckets:
             if b.index not in self.bufs:
-                self.bufs[b.index] = self.device.host_empty(max(64, b.stage_bytes), torch.uint8)
+                self.bufs[b.index] = [self.device.host_empty(max(64, b.stage_bytes), torch.uint8)
+                                      for _ in range(2 if self.extrapolate else 1)]
 
     @property
     def pinned_bytes(self) -> int:
-        return super().pinned_bytes + sum(buf.numel() for buf in self.bufs.values())
+        return super().pinned_bytes + sum(buf.numel() for bufs in self.bufs.values() for buf in bufs)
+
+    def _free(self, bi: int, k: int):
+        """Buffer k of bucket bi, once the last upload from it has read it."""
+        ev = self.reading.pop((bi, k), None)
+        if ev is not None:
+            ev.synchronize()
+        return self.bufs[bi][k]
+
+    def _target(self, bi: int) -> int:
+        """The buffer the kernel writes: not the one of the weights before (extrapolate)."""
+        return 1 - self.cur[bi][0] if bi in self.cur else 0
 
     def ptrs(self, b, pieces, staged) -> list:
         """The kernel's pointers, its output redirected to the bucket's own buffer (once the last
@@ -101,10 +116,7 @@ class HeldParams(DeviceParams):
         rows = super().ptrs(b, pieces, staged)
         if not self.hold:
             return rows
-        ev = self.reading.pop(b.index, None)
-        if ev is not None:
-            ev.synchronize()
-        base = self.bufs[b.index].data_ptr()
+        base = self._free(b.index, self._target(b.index)).data_ptr()
         return [(r[0], r[1], r[2], base + pc.boff, r[4]) for r, pc in zip(rows, pieces)]
 
     def publish(self, b, pieces, staged, after=None):
@@ -112,24 +124,50 @@ class HeldParams(DeviceParams):
         if not self.hold:
             return super().publish(b, pieces, staged, after)
         self.held[b.index] = (b, list(pieces))
+        if self.extrapolate:
+            self._extrapolate(b, pieces)
         return None
 
-    def release(self, after, order) -> list:
+    def _extrapolate(self, b, pieces) -> None:
+        """(extrapolate) into the buffer of the weights before, w_{t-1}, for each piece the previous
+        update stepped too: w_t + (w_t - w_{t-1}), computed in fp32 and rounded to the parameter's
+        dtype; other pieces get w_t. Nothing to extrapolate from (the first delayed update, after a
+        load): the held weights are w_t."""
+        bi, k = b.index, self._target(b.index)
+        keys = {(pc.param, pc.start, pc.n) for pc in pieces}
+        if bi not in self.cur:
+            self.cur[bi], self.pred[bi] = (k, keys), k
+            return
+        o, before = self.cur[bi][0], self.cur[bi][1]
+        old_buf, params = self._free(bi, o), self.groups[b.group]
+        for pc in pieces:
+            dtype = local(params[pc.param]).dtype
+            new, old = self._piece(self.bufs[bi][k], pc, dtype), self._piece(old_buf, pc, dtype)
+            if (pc.param, pc.start, pc.n) in before:
+                x = new.float()
+                old.copy_(x + (x - old.float()))
+            else:
+                old.copy_(new)
+        self.cur[bi], self.pred[bi] = (k, keys), o
+
+    def release(self, after, order, actual: bool = False) -> list:
         """Upload every held bucket (after ``after``, the compute stream's event), in ``order`` first;
-        returns their ``Upload`` records for the next forward's waits."""
+        returns their ``Upload`` records for the next forward's waits. With extrapolate, the weights
+        extrapolated, or (``actual``) the new weights themselves."""
         held, self.held = self.held, {}
         ups = []
         first = [bi for bi in order if bi in held]
         for bi in first + sorted(set(held) - set(first)):
             b, pieces = held[bi]
-            params, buf = self.groups[b.group], self.bufs[bi]
+            k = (self.cur[bi][0] if actual else self.pred[bi]) if self.extrapolate else 0
+            params, buf = self.groups[b.group], self.bufs[bi][k]
             pairs = []
             for pc in pieces:   # through .data: our own write must not look like a user's (version counter)
                 p = local(params[pc.param])
                 pairs.append((p.data.reshape(-1)[pc.start:pc.start + pc.n], self._piece(buf, pc, p.dtype)))
             self.publishes += 1
             ev = self.device.copy_to_device(pairs, after)
-            self.reading[bi] = self._last_up = ev
+            self.reading[(bi, k)] = self._last_up = ev
             with self._events_lock:
                 self._events.append(("h2d", ev))
             self.stats["h2d_bytes"] += sum(d.numel() * d.element_size() for d, _ in pairs)
@@ -141,7 +179,7 @@ class HeldParams(DeviceParams):
 
     def discard(self) -> None:
         """A load replaced the state: the held weights are not the loaded ones."""
-        self.held = {}
+        self.held, self.cur, self.pred = {}, {}, {}
 
     def synchronize(self) -> None:
         super().synchronize()
@@ -158,13 +196,14 @@ class DelayedUpdates:
         self.pending = False   # a step() queued since the last synchronize
         feed.uploads.before_read = weak_hook(self, "before_read")   # a module's state_dict / load_state_dict
 
-    def step(self, run: Callable[[], dict]) -> dict:
+    def step(self, run: Callable[[], dict], skip: bool = False) -> dict:
         """``run`` queues this step's CPU step (the feed's step()); before it, the pending one is
         waited for and its weights go up after this backward; the next forward waits for those.
         Whether this update is held is decided here, between CPU steps, from the optimizer's step
-        count (the largest of its parameters'; restored by a load) before it: held from ``after`` on."""
+        count (the largest of its parameters'; restored by a load) before it: held from ``after`` on.
+        A skipped step queues none: the weights of the pending one go up as they are (not extrapolated)."""
         self.feed.synchronize()   # the pending CPU step: it ran during this forward and backward
-        ups = self._release()
+        ups = self._release(actual=skip)
         self.side.hold = self.steps() >= self.after
         if not self.side.hold:   # an exact update: the feed's step starts its own uploads
             if ups:   # (none: the step count only grows, and a load discards what was held)
@@ -184,18 +223,18 @@ class DelayedUpdates:
 
     def wrap(self, feed_step: Callable[..., dict]) -> Callable[..., dict]:
         """The feed's step() (step/feedstep.py) as ``step`` runs it."""
-        return lambda *args, **kw: self.step(lambda: feed_step(*args, **kw))
+        return lambda *args, **kw: self.step(lambda: feed_step(*args, **kw), kw.get("skip", False))
 
-    def _release(self) -> list:
+    def _release(self, actual: bool = False) -> list:
         if not self.side.held:
             return []
-        return self.side.release(self.device.record(), self.feed.forward_order())
+        return self.side.release(self.device.record(), self.feed.forward_order(), actual)
 
     def synchronize(self) -> None:
         """Complete the pending update: its CPU step done, its weights on the device."""
         self.feed.synchronize()
         self.pending = False
-        ups = self._release()
+        ups = self._release(actual=True)
         if ups:
             self.feed.uploads.start(ups)
             self.feed.uploads.wait_all()
