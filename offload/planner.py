@@ -83,6 +83,8 @@ class MemoryPlan:
     capacity: dict = field(default_factory=dict)   # place -> bytes available (None: unknown)
     warnings: List[str] = field(default_factory=list)
     drives: List[dict] = field(default_factory=list)   # nvme: {dir, bytes, free} per directory of nvme_path
+    step_time: Optional["StepTime"] = None   # the predicted step (plan(..., bandwidths=...)), offload/steptime.py
+    suggestion: Optional[str] = None         # the first setup that fits, when this one does not
 
     def total(self, place: str) -> int:
         return sum(r.bytes for r in self.rows if r.place == place)
@@ -109,7 +111,8 @@ class MemoryPlan:
     def to_dict(self) -> dict:
         return {"config": self.config, "rows": [r.__dict__ for r in self.rows],
                 "totals": {p: self.total(p) for p in ("gpu", "host", "nvme")},
-                "capacity": self.capacity, "fits": self.fits(), "warnings": self.warnings, "drives": self.drives}
+                "capacity": self.capacity, "fits": self.fits(), "warnings": self.warnings, "drives": self.drives,
+                "step_time": self.step_time.to_dict() if self.step_time else None, "suggestion": self.suggestion}
 
     def __str__(self) -> str:
         c = self.config
@@ -128,6 +131,10 @@ class MemoryPlan:
             verdict = "unknown capacity" if ok is None else ("fits" if ok else "DOES NOT FIT")
             lines.append(f"total {place:<5} {_fmt(self.total(place)):>12}  of {_fmt(cap):>12} available: {verdict}")
         lines += [f"note: {w}" for w in self.warnings]
+        if self.suggestion:
+            lines.append(f"suggestion: {self.suggestion}")
+        if self.step_time is not None:
+            lines.append(str(self.step_time))
         return "\n".join(lines)
 
 
@@ -153,25 +160,47 @@ def _inventory(model_or_params, param_dtype):
 
 
 def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Optional[str] = None,
-         param_dtype=None, grad_dtype=None, state: str = "ram", amsgrad: bool = False,
+         param_dtype=None, grad_dtype=None, storage: Optional[str] = None, amsgrad: bool = False,
          world_size: int = 1, sharding: str = "none", bucket_bytes: int = 32 << 20, depth: int = 2,
          host_budget="2GiB", staging_slots: int = 3,
-         nvme_path: Optional[str] = None, activation_bytes: Optional[int] = None,
-         verbose: bool = False, moments: str = "fp32", moments_min_size: int = 4096) -> MemoryPlan:
+         nvme_dir=None, activation_bytes: Optional[int] = None,
+         verbose: bool = False, moments: str = "fp32", moments_min_size: int = 4096,
+         bandwidths=None, threads: Optional[int] = None, suggest: bool = True,
+         state: Optional[str] = None, nvme_path=None) -> MemoryPlan:
     """Bytes each place will hold for this configuration, and whether it fits this machine.
 
     ``device``: where forward/backward run ('cpu' or 'cuda'; default: cuda if available).
     ``param_dtype``/``grad_dtype``: override the model's dtypes ('bf16', torch.bfloat16, ...).
-    ``state``: 'ram' or 'nvme' (``host_budget``, ``depth``: as given to the optimizer's store).
+    ``storage``: 'ram', 'nvme' or 'mmap', as given to the optimizer (default: 'nvme' when ``nvme_dir``
+    is given, else 'ram'; ``host_budget``, ``depth``: as given to the optimizer's store).
     ``sharding``: 'none', 'zero1' (state split across ``world_size``
     ranks) or 'fsdp' (weights, gradients and state split). ``activation_bytes``: your estimate,
     added to the GPU (or host, in CPU mode) total if given. ``verbose``: print the report.
     ``moments``/``moments_min_size``: as given to the optimizer (compressed Adam moments).
-    ``nvme_path``: the optimizer's ``nvme_dir`` (one directory, a list, or comma-separated): with
+    ``nvme_dir``: as given to the optimizer (one directory, a list, or comma-separated): with
     several, ``drives`` holds each one's state file bytes (buckets round-robin, ``depth`` per drive).
+    ``state``, ``nvme_path``: the old names of ``storage`` and ``nvme_dir`` (DeprecationWarning).
+    ``model_or_params`` may also be the path of a local Hugging Face ``config.json`` (or its folder):
+    the model is built on the meta device (needs transformers; nothing is downloaded or allocated).
+    ``bandwidths``: predict the step time (``step_time``, offload/steptime.py) from ``"measure"``
+    (a few seconds here: kernel, the state directory, PCIe), saved ``bench kernel``/``bench io`` JSON
+    (a path, a list or comma-separated), or an ``offload.bandwidth.Bandwidths``/dict of bytes/s;
+    ``threads``: the optimizer's ``threads=``. ``suggest``: name the first setup that fits when this
+    one does not (``suggestion``).
     """
     from .mformat import check_moments
+    from .options import resolve_storage
     check_moments(moments)
+    if nvme_path is not None:
+        import warnings
+        warnings.warn("plan(nvme_path=...) is deprecated: the argument is now called nvme_dir, as the optimizer's",
+                      DeprecationWarning, stacklevel=2)
+        nvme_dir = nvme_dir if nvme_dir is not None else nvme_path
+    nvme_path = nvme_dir
+    state = resolve_storage(storage, state, nvme_dir, stacklevel=3)
+    if isinstance(model_or_params, (str, os.PathLike)):
+        from .plan_inputs import hf_config_model
+        model_or_params = hf_config_model(model_or_params)
     if moments != "fp32" and amsgrad:
         raise ValueError(f"amsgrad=True is not supported with moments={moments!r}")
     if state not in ("ram", "nvme", "mmap"):
@@ -298,6 +327,21 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     for place, ok in mp.fits().items():
         if ok is False:
             mp.warnings.insert(0, f"{place} needs {_fmt(mp.total(place))} but has {_fmt(cap[place])} available")
+    if bandwidths is not None:
+        from . import steptime
+        from .plan_inputs import bandwidths_of
+        bw = bandwidths_of(bandwidths, inv, moments, amsgrad, threads, dirs if state == "nvme" else None,
+                         lay.max_bucket_bytes, per_drive, on_gpu, lay.nbytes)
+        stages = steptime.stages_of(lay, state=state, on_gpu=on_gpu, amsgrad=amsgrad,
+                                    grad_itemsize=_size(grad_dtype) if grad_dtype else None)
+        mp.step_time = steptime.predict(stages, bw, state=state)
+    if suggest and False in mp.fits().values():
+        args = dict(device=device, param_dtype=param_dtype, grad_dtype=grad_dtype, world_size=world_size,
+                    sharding=sharding, bucket_bytes=bucket_bytes, depth=per_drive, host_budget=host_budget,
+                    staging_slots=staging_slots, nvme_dir=nvme_dir, activation_bytes=activation_bytes,
+                    moments_min_size=moments_min_size)
+        from .plan_inputs import suggest_setup
+        mp.suggestion = suggest_setup(plan, model_or_params, args, (state, moments), mp)
     if verbose:
         print(mp)
     return mp

@@ -151,8 +151,9 @@ def all_blocks():
 # Numbers and free space differ between machines, so the comparison is of the structure: every number
 # becomes N and runs of blanks one space; what follows "available:" (fits / DOES NOT FIT / unknown
 # capacity: this machine's free memory and disk) is dropped, and so are the notes saying a place does not
-# fit. The remaining lines must be equal, line for line.
-VARYING = [re.compile(r"^note: \w+ needs .* but has .* available$")]
+# fit and the planner's suggestion (which setup fits depends on the same). The remaining lines must be
+# equal, line for line.
+VARYING = [re.compile(r"^note: \w+ needs .* but has .* available$"), re.compile(r"^suggestion: ")]
 
 
 def normalize(text):
