@@ -6,11 +6,8 @@ import torch
 
 from . import mformat
 from .base.dist import local
+from .base.dtypes import NATIVE_DTYPES as _PARAM_DTYPES
 
-_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-# the per-parameter state tensors offload keeps (torch's keys plus master_param)
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 
 
 def _scalar(x) -> float:

@@ -30,13 +30,13 @@ from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import _get_scalar_dtype
 
 from .base.dist import is_dtensor, local
+from .base.dtypes import NATIVE_DTYPES as _NATIVE_DTYPES
 from .guards import SharedMemoryError, extent
 
 __all__ = ["FALLBACK_DTYPES", "RAM_WARN_BYTES", "elsewhere", "reason", "Router", "check", "step", "grad_sumsq", "cast_state",
            "engine_index"]
 
 FALLBACK_DTYPES = (torch.float64, torch.complex64, torch.complex128)
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 log = logging.getLogger("offload.fallback")
 RAM_WARN_BYTES = 64 << 20   # host-RAM state of these parameters above which a disk tier warns once
 

@@ -21,6 +21,8 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
+from .base.dtypes import LOW_PRECISION as _LOW
+
 
 class SharedMemoryError(ValueError, RuntimeError):
     """Parameters, gradients or optimizer state that share memory (a parameter listed twice,
@@ -31,7 +33,6 @@ class SharedMemoryError(ValueError, RuntimeError):
 
 __all__ = ["SharedMemoryError", "check_overlaps", "SpanIndex", "extent", "span_of", "spans_of", "WriteTracker", "refresh_master"]
 
-_LOW = (torch.bfloat16, torch.float16)
 
 
 def _owned(own) -> list:

@@ -37,16 +37,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .base.memory import ALIGN, round_up
+
 __all__ = ["Shape", "Piece", "Bucket", "Layout", "build_layout", "stagger_gap", "piece_columns", "section_keys", "entries", "unit", "round_up",
            "ELEM", "ALIGN"]
 
 ELEM = 16          # pieces start on 16-element (64-byte) boundaries inside a section
-ALIGN = 4096       # buckets start (and end) on 4 KiB
-_PAGE_ELEMS = ALIGN // 4
-
-
-def round_up(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
+_PAGE_ELEMS = ALIGN // 4   # ALIGN: buckets start (and end) on 4 KiB
 
 
 @dataclass(frozen=True)

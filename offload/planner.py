@@ -27,31 +27,21 @@ from typing import Iterable, List, Optional, Union
 
 import torch
 
+from .base.dtypes import LOW_PRECISION as _LOW
 from .layout import ALIGN, Shape, build_layout
 from .state.drives import parse_dirs
 from .state.tier import split_budget
-from .base.units import parse_size
+from .base.units import human, parse_size
 
 __all__ = ["plan", "MemoryPlan"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
-_LOW = (torch.bfloat16, torch.float16)
 STEP_BYTES = 4  # one fp32 step counter per parameter tensor
 
 
 def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _fmt(n: Optional[float]) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def host_memory() -> dict:
@@ -122,14 +112,14 @@ class MemoryPlan:
                  f"{', ' + c['sharding'] + ' x' + str(c['world_size']) if c['world_size'] > 1 else ''} (per rank)",
                  f"{'place':<6} {'what':<58} {'bytes':>12}"]
         for r in self.rows:
-            lines.append(f"{r.place:<6} {r.what:<58} {_fmt(r.bytes):>12}")
+            lines.append(f"{r.place:<6} {r.what:<58} {human(r.bytes, 2):>12}")
         for d in self.drives:
-            lines.append(f"{'drive':<6} {d['dir']:<58} {_fmt(d['bytes']):>12}  of {_fmt(d['free'])} available")
+            lines.append(f"{'drive':<6} {d['dir']:<58} {human(d['bytes'], 2):>12}  of {human(d['free'], 2)} available")
         fits = self.fits()
         for place, ok in fits.items():
             cap = self.capacity.get(place)
             verdict = "unknown capacity" if ok is None else ("fits" if ok else "DOES NOT FIT")
-            lines.append(f"total {place:<5} {_fmt(self.total(place)):>12}  of {_fmt(cap):>12} available: {verdict}")
+            lines.append(f"total {place:<5} {human(self.total(place), 2):>12}  of {human(cap, 2):>12} available: {verdict}")
         lines += [f"note: {w}" for w in self.warnings]
         if self.suggestion:
             lines.append(f"suggestion: {self.suggestion}")
@@ -280,8 +270,8 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
                             max(ALIGN, lay.nbytes)))
         if state == "nvme":
             slot = max(ALIGN, lay.max_bucket_bytes)
-            rows.append(Row("host", f"NVMe bucket buffers ({depth + 2} x {_fmt(slot)}, host_budget "
-                                    f"{_fmt(budget)})", (depth + 2) * slot))
+            rows.append(Row("host", f"NVMe bucket buffers ({depth + 2} x {human(slot, 2)}, host_budget "
+                                    f"{human(budget, 2)})", (depth + 2) * slot))
         if on_gpu:
             ring = 2 * staging_slots * max(64, lay.max_stage_bytes)
             rows.append(Row("host", f"pinned staging ring ({staging_slots} slots of grads + weights)", ring))
@@ -311,11 +301,11 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
                 mine = max(ALIGN, sum(b.nbytes for b in lay.buckets if b.index % len(dirs) == i))
                 drives.append(dict(dir=path, bytes=mine, free=free))
                 if free is not None and mine > free:
-                    warnings.append(f"drive {path} needs {_fmt(mine)} but has {_fmt(free)} available")
+                    warnings.append(f"drive {path} needs {human(mine, 2)} but has {human(free, 2)} available")
         cap["nvme"] = None if None in frees.values() else sum(frees.values())   # each filesystem once
     warnings.append("offloading optimizer state does not make weights, gradients and activations fit: "
                     f"those stay on the {'GPU' if device == 'cuda' else 'compute device'} "
-                    f"({_fmt(weights + grads)} here{'' if activation_bytes else ' + activations, not counted'})")
+                    f"({human(weights + grads, 2)} here{'' if activation_bytes else ' + activations, not counted'})")
     if device == "cuda" and sharding == "fsdp":
         warnings.append("FSDP also needs room for the largest all-gathered (unsharded) layer, not counted")
     mp = MemoryPlan(config=dict(params=numel, tensors=len(inv), param_dtype=_dtype_names(inv, None),
@@ -326,7 +316,7 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
                     rows=rows, capacity=cap, warnings=warnings, drives=drives)
     for place, ok in mp.fits().items():
         if ok is False:
-            mp.warnings.insert(0, f"{place} needs {_fmt(mp.total(place))} but has {_fmt(cap[place])} available")
+            mp.warnings.insert(0, f"{place} needs {human(mp.total(place), 2)} but has {human(cap[place], 2)} available")
     if bandwidths is not None:
         from . import steptime
         from .plan_inputs import bandwidths_of

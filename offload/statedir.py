@@ -26,6 +26,8 @@ import time
 import warnings
 from typing import List, NamedTuple, Optional
 
+from .base.units import human
+
 __all__ = ["STATE_FILE", "EXPORT_FILE", "MARKER", "make_private_dir", "write_marker", "mark_kept", "remove_own",
            "find_stale_state", "remove_stale_state", "warn_stale", "StaleState", "parse_dirs"]
 
@@ -251,25 +253,17 @@ def remove_own(directory: str) -> bool:
     return True
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def warn_stale(nvme_dir: str) -> List[StaleState]:
     """Warn (RuntimeWarning) about leftovers of dead processes in ``nvme_dir``: paths, sizes, the call to remove them."""
     nvme_dir = os.path.abspath(nvme_dir)  # the call in the message works from any directory
     stale = find_stale_state(nvme_dir)
     if stale:
-        lines = [f"  {s.path}: {_human(s.nbytes)}, process {s.pid}, created {s.created}"
+        lines = [f"  {s.path}: {human(s.nbytes)}, process {s.pid}, created {s.created}"
                  + ("" if s.removable else " (holds other files: left alone)") for s in stale]
         total = sum(s.nbytes for s in stale)
         warnings.warn(f"{len(stale)} optimizer state director{'y' if len(stale) == 1 else 'ies'} of offload "
                       f"processes that no longer run {'is' if len(stale) == 1 else 'are'} left in {nvme_dir}, "
-                      f"holding {_human(total)}:\n" + "\n".join(lines)
+                      f"holding {human(total)}:\n" + "\n".join(lines)
                       + f"\nRemove them with: offload.store.remove_stale_state({nvme_dir!r})",
                       RuntimeWarning, stacklevel=5)  # the line that constructs the optimizer
     return stale

@@ -1,7 +1,8 @@
-"""base/units.py: sizes: ``parse_size('2GiB')`` and ``human(n)``."""
+"""base/units.py: byte sizes: ``parse_size('2GiB')`` (text to bytes) and ``human(n)`` (bytes to text)."""
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 __all__ = ["parse_size", "human"]
 
@@ -28,9 +29,14 @@ def parse_size(x) -> int:
     return v
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+def human(n: Optional[float], digits: int = 1) -> str:
+    """Bytes as text in binary units: ``human(100) == '100 B'``, ``human(1536) == '1.5 KiB'``,
+    ``human(3 * 2**30, digits=2) == '3.00 GiB'`` (``digits`` after the point from KiB up; the
+    planner's tables use 2); ``None`` (unknown) gives ``'?'``. The one byte formatter of offload."""
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
-    return str(n)
+    return f"{n:.{digits}f} TiB"

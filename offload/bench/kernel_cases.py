@@ -20,7 +20,7 @@ HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decou
 BYTES_PER_PARAM = 28  # read g, p, m, v (16 B) + write p, m, v (12 B); bf16 case: 2+12 read, 12+2 written
 
 
-def _human(n: int) -> str:
+def _count(n: int) -> str:   # an element count: 32M, 1.5K
     for unit, div in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
         if n >= div and n % (div // 16 or 1) == 0:
             return f"{n / div:g}{unit}"
@@ -41,7 +41,7 @@ class Case:
     @property
     def name(self) -> str:
         n = self.sizes[0]
-        shape = f"flat {_human(n)}" if len(self.sizes) == 1 else f"{len(self.sizes)}x{n}"
+        shape = f"flat {_count(n)}" if len(self.sizes) == 1 else f"{len(self.sizes)}x{n}"
         if self.key == "isa":
             return f"avx2 vs avx512, fp32 {shape}"
         if self.key == "small-newgrads":

@@ -225,7 +225,7 @@ def train_verdict(rows: list):
     return verdict(ours[best], peer, ours_name=best, label="iteration time")
 
 
-def _fmt(x, spec):
+def _num(x, spec):
     if x is None:
         width = "".join(ch for ch in spec.split(".")[0] if ch.isdigit())
         return "-".rjust(int(width or 1))
@@ -260,13 +260,13 @@ def print_table(out: dict, file=None) -> None:
         it = r["iter_s"]
         exp = r.get("exposed_s")
         d2h, h2d = r.get("d2h_gbps"), r.get("h2d_gbps")
-        print(f"{r['variant']:<16} {it * 1e3:>8.1f} {_fmt(it / base if base else None, '>8.2f')} "
-              f"{_fmt(exp * 1e3 if exp is not None else None, '>10.1f')} "
-              f"{_fmt(100 * exp / it if exp is not None else None, '>6.1f')} "
-              f"{_fmt(r['kernel_s'] * 1e3 if r.get('kernel_s') is not None else None, '>9.1f')} "
-              f"{_fmt(d2h, '>9.1f')} {_fmt(pct(d2h, p['d2h']), '>6.0f')} "
-              f"{_fmt(h2d, '>9.1f')} {_fmt(pct(h2d, p['h2d']), '>6.0f')} "
-              f"{_fmt(r.get('peak_mem_gb'), '>7.2f')}", file=file)
+        print(f"{r['variant']:<16} {it * 1e3:>8.1f} {_num(it / base if base else None, '>8.2f')} "
+              f"{_num(exp * 1e3 if exp is not None else None, '>10.1f')} "
+              f"{_num(100 * exp / it if exp is not None else None, '>6.1f')} "
+              f"{_num(r['kernel_s'] * 1e3 if r.get('kernel_s') is not None else None, '>9.1f')} "
+              f"{_num(d2h, '>9.1f')} {_num(pct(d2h, p['d2h']), '>6.0f')} "
+              f"{_num(h2d, '>9.1f')} {_num(pct(h2d, p['h2d']), '>6.0f')} "
+              f"{_num(r.get('peak_mem_gb'), '>7.2f')}", file=file)
     for r in out["results"]:
         if "bound" in r:
             print(f"{r['variant']}: step() {r['step_s'] * 1e3:.1f} ms (optimizer span from the first bucket "

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from ..base.dtypes import LOW_PRECISION, NATIVE_DTYPES
 from ..base.tensors import check_no_overlap, check_tensor, ptr
 from . import _C
 
@@ -146,10 +147,10 @@ def bandwidth_probe_moments(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g
         raise TypeError("bandwidth_probe_moments: m must be a tensor of 1-, 2- or 4-byte elements")
     check_tensor(m, "m", dtypes=_MOMENT_PROBE_DTYPES[mb], numel=n)
     check_tensor(v, "v", dtypes=(m.dtype,), numel=n)
-    check_tensor(g, "g", dtypes=(torch.float32, torch.bfloat16, torch.float16), numel=n)
+    check_tensor(g, "g", dtypes=NATIVE_DTYPES, numel=n)
     written = [("p", p), ("m", m), ("v", v)]
     if out is not None:
-        check_tensor(out, "out", dtypes=(torch.bfloat16, torch.float16), numel=n)
+        check_tensor(out, "out", dtypes=LOW_PRECISION, numel=n)
         written.append(("out", out))
     check_no_overlap(written, [("g", g)])
     _C._bandwidth_probe_moments(ptr(p), ptr(m), ptr(v), ptr(g), ptr(out) if out is not None else 0, n, mb,

@@ -29,7 +29,7 @@ MOMENT_TASK_COLS = int(_C.MOMENT_TASK_COLS)  # p, m, v, m_scale, v_scale, g, out
 _DTYPES = {"bf16": (torch.bfloat16, torch.bfloat16), "8bit": (torch.int8, torch.uint8)}
 
 
-def _fmt(fmt: str) -> str:
+def _check_fmt(fmt: str) -> str:
     if fmt not in MOMENT_FORMATS:
         raise ValueError(f"unknown moment format {fmt!r}: expected one of {', '.join(MOMENT_FORMATS)}")
     return fmt
@@ -42,7 +42,7 @@ def _nblocks(n: int) -> int:
 def moment_state(numel: int, fmt: str) -> dict:
     """Zeroed compressed moments for ``numel`` elements: exp_avg, exp_avg_sq (+ the two scale
     vectors for "8bit"; all-zero bytes and scales are the zero state)."""
-    md, vd = _DTYPES[_fmt(fmt)]
+    md, vd = _DTYPES[_check_fmt(fmt)]
     st = {"exp_avg": torch.zeros(numel, dtype=md), "exp_avg_sq": torch.zeros(numel, dtype=vd)}
     if fmt == "8bit":
         st["exp_avg_scale"] = torch.zeros(_nblocks(numel))
@@ -56,7 +56,7 @@ def moment_table(params, grads, exp_avgs, exp_avg_sqs, steps, *, fmt: str, m_sca
 
     The table holds raw pointers: the tensors must stay alive (and unmoved) while it is used.
     """
-    md, vd = _DTYPES[_fmt(fmt)]
+    md, vd = _DTYPES[_check_fmt(fmt)]
     q8 = fmt == "8bit"
     n = len(params)
     seqs = [("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("steps", steps)]
@@ -125,7 +125,7 @@ def adam_step_moments(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
 def decode_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fmt: str,
                    m_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> tuple:
     """fp32 (exp_avg, exp_avg_sq) exactly as the kernel decodes them."""
-    if _fmt(fmt) == "bf16":
+    if _check_fmt(fmt) == "bf16":
         return exp_avg.float(), exp_avg_sq.float()
     n = exp_avg.numel()
     idx = torch.arange(n) // MOMENT_BLOCK

@@ -6,12 +6,11 @@ from typing import List, Sequence
 import torch
 
 from ..base.dist import local
+from ..base.dtypes import LOW_PRECISION
 from ..base.tensors import check_tensor
 from ..layout import Shape
 
 __all__ = ["LOW_PRECISION", "frozen", "shapes_of", "check_grad"]
-
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def frozen(p) -> bool:

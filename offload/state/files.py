@@ -11,18 +11,11 @@ import errno
 import os
 
 from .. import statedir
+from ..base.units import human
 
-__all__ = ["STATE_FILE", "make_private_dir", "new_state_dir", "open_exclusive", "reserve", "remove_dir", "human"]
+__all__ = ["STATE_FILE", "make_private_dir", "new_state_dir", "open_exclusive", "reserve", "remove_dir"]
 
 STATE_FILE = statedir.STATE_FILE
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 def check_dir(nvme_dir, mode: str) -> str:

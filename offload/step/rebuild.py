@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ..base.dist import local
+from ..base.dtypes import TENSOR_STATE_KEYS as _KEYS
 
 __all__ = ["fits", "rebuild"]
 
-_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 
 
 def fits(engine, groups: Sequence[dict], amsgrad: bool = True) -> bool:

@@ -14,6 +14,7 @@ import torch
 from ..native.rows import state_rows
 from .. import mformat
 from ..base.dist import like, local
+from ..base.dtypes import LOW_PRECISION, STATE_KEYS as _KEYS
 from . import compressed, export
 from .adopt import copy_in, follow_shapes, missing_entry
 from .handouts import HeldMoments
@@ -23,7 +24,6 @@ __all__ = ["TorchLayout"]
 
 # what the per-step check of opt.state compares (csrc/rows.cpp state_rows): these entries of each
 # parameter's state, by identity, and the data pointers of the tensors among them
-_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 _SKIP = object()   # an entry the check does not look at
 _STATE_FNS = ((getattr(torch._C, "TensorBase", None) or torch._C._TensorBase).__dict__["data_ptr"], _SKIP)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -252,7 +252,7 @@ class TorchLayout(HeldMoments):
         p = self.groups[gi][i]
         lp = local(p)
         if lp.numel() == 0:
-            keys = (["master_param"] if (self.device is not None or lp.dtype in (torch.bfloat16, torch.float16))
+            keys = (["master_param"] if (self.device is not None or lp.dtype in LOW_PRECISION)
                     else []) + ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad[gi] else [])
             return {k: like(p, torch.zeros(lp.shape, dtype=torch.float32)) for k in keys}
         if self.moment_format(gi, i) != "fp32":   # only the fp32 master is viewable as it is
