@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import mformat
+from .moments import format as mformat
 from .base.dist import local
 from .base.dtypes import NATIVE_DTYPES as _PARAM_DTYPES
 

@@ -5,7 +5,7 @@ GPU weights and gradients, host weights/gradients (CPU mode), host optimizer sta
 buffers, NVMe state files and the host buffers that stream them; then compares each total with
 what the machine has (host RAM from /proc/meminfo, GPU memory from CUDA, free disk space).
 
-Every state figure comes from the engine's own layout code (offload/layout.py) and budget split
+Every state figure comes from the engine's own layout code (offload/state/layout.py) and budget split
 (offload/state/tier.py), so it is what ``offload.Adam/AdamW`` allocate in every mode: the RAM arena
 (fp32 exp_avg, exp_avg_sq [, max_exp_avg_sq] and a master for bf16/fp16, each padded to 64 bytes,
 + one fp32 step counter per tensor), GPU mode's pinned bucket arenas and staging, the NVMe/mmap
@@ -28,7 +28,7 @@ from typing import Iterable, List, Optional, Union
 import torch
 
 from .base.dtypes import LOW_PRECISION as _LOW
-from .layout import ALIGN, Shape, build_layout
+from .state.layout import ALIGN, Shape, build_layout
 from .state.drives import parse_dirs
 from .state.tier import split_budget
 from .base.units import human, parse_size
@@ -178,7 +178,7 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     ``threads``: the optimizer's ``threads=``. ``suggest``: name the first setup that fits when this
     one does not (``suggestion``).
     """
-    from .mformat import check_moments
+    from .moments.format import check_moments
     from .options import resolve_storage
     check_moments(moments)
     if nvme_path is not None:
@@ -219,7 +219,7 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     steps = STEP_BYTES * (len(inv) if shard == 1 else -(-len(inv) // shard))
     state_what = f"optimizer state: fp32 exp_avg, exp_avg_sq{', max_exp_avg_sq' if amsgrad else ''}"
     on_gpu = device == "cuda"
-    # the engine's own layout (offload/layout.py) over this rank's shards: what it allocates, exactly
+    # the engine's own layout (offload/state/layout.py) over this rank's shards: what it allocates, exactly
     shapes = [Shape(0, i, per_rank(n, shard), _size(dt), master=on_gpu or dt in _LOW, active=active,
                     moments=moments if moments != "fp32" and per_rank(n, shard) and per_rank(n, shard) >= moments_min_size
                     else "fp32")

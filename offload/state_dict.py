@@ -11,7 +11,8 @@ from itertools import chain
 
 import torch
 
-from . import fallback, mformat
+from . import fallback
+from .moments import format as mformat
 from .base.dist import is_dtensor, local
 from .checks import _scalar
 from .step.compressed import CompressedState

@@ -126,7 +126,7 @@ def predict(stages: List[Stage], bw: Bandwidths, *, state: str) -> Optional[Step
 
 
 def stages_of(layout, *, state: str, on_gpu: bool, grad_itemsize: Optional[int], amsgrad: bool) -> List[Stage]:
-    """The pipeline stages of a layout (offload/layout.py) as the engine runs it: one kernel pass over
+    """The pipeline stages of a layout (offload/state/layout.py) as the engine runs it: one kernel pass over
     the whole RAM state with host parameters, else one stage per bucket with its state reads and
     writes (nvme) and its gradient and weight copies (device parameters)."""
     stages = []

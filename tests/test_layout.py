@@ -1,8 +1,8 @@
-"""offload/layout.py (pure) and the NVMe tier's slot ring, without an optimizer."""
+"""offload/state/layout.py (pure) and the NVMe tier's slot ring, without an optimizer."""
 import pytest
 import torch
 
-from offload.layout import ALIGN, ELEM, Shape, build_layout
+from offload.state.layout import ALIGN, ELEM, Shape, build_layout
 
 
 def _check(lay, shapes, max_state=None, max_param=None):

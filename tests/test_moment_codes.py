@@ -1,4 +1,4 @@
-"""test_moment_codes.py: compressed moments' byte code is versioned (offload/mformat.py CODE_VERSIONS).
+"""test_moment_codes.py: compressed moments' byte code is versioned (offload/moments/format.py CODE_VERSIONS).
 
 A checkpoint stores compressed moments as the kernel's bytes. If a later kernel encodes the same
 values to other bytes, loading an old checkpoint would silently decode to wrong moments. So:
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import offload
-from offload import mformat
+from offload.moments import format as mformat
 from offload.checkpoint import CheckpointError
 
 # sha256 of the compressed tensors (sorted keys, raw bytes) after _run(); one entry per code version
@@ -54,7 +54,7 @@ def test_code_bytes_are_pinned_per_version(fmt):
     want = DIGESTS.get((fmt, mformat.CODE_VERSIONS[fmt]))
     got = _digest(opt)
     assert want == got, (f"the {fmt} moment bytes changed (digest {got}): if the encoder changed on purpose, bump "
-                         f"offload/mformat.py CODE_VERSIONS[{fmt!r}] and add the new digest here; old checkpoints "
+                         f"offload/moments/format.py CODE_VERSIONS[{fmt!r}] and add the new digest here; old checkpoints "
                          f"are then refused instead of decoded wrongly")
 
 

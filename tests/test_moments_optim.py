@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import offload
-from offload import kernels, mformat
+from offload import kernels
 
 FMTS = ("bf16", "8bit")
 N = 4096 + 700          # >= moments_min_size, last block short
@@ -77,7 +77,7 @@ def test_step_is_the_kernel_bitwise(fmt, dtype, cls, wd, maximize):
     assert torch.equal(p, ref)
     raw = opt._store.raw_state_tensors()[(0, 0)]
     for k, t in st.items():
-        assert torch.equal(raw[mformat.saved_key(k, fmt)].reshape(-1), t), k
+        assert torch.equal(raw[offload.moments.format.saved_key(k, fmt)].reshape(-1), t), k
     # opt.state: torch's keys, fp32 decoded moments shaped like the parameter
     s = opt.state[p]
     m, v = kernels.decode_moments(st["exp_avg"], st["exp_avg_sq"], fmt, st.get("exp_avg_scale"),
@@ -180,16 +180,16 @@ def test_state_dict_through_torch_adamw(fmt):
 
 
 def test_encode_inverts_decode():
-    """mformat.encode is the kernel's encoder: it reproduces the kernel's bytes from their decoded values."""
+    """offload.moments.format.encode is the kernel's encoder: it reproduces the kernel's bytes from their decoded values."""
     torch.manual_seed(4)
     for fmt in FMTS:
         p = torch.randn(N)
         opt = offload.AdamW([p], lr=1e-3, moments=fmt)
         _run(opt, [p], 4)
-        raw = {mformat.parse_saved_key(k)[0]: v.reshape(-1)
-               for k, v in opt._store.raw_state_tensors()[(0, 0)].items() if mformat.parse_saved_key(k)}
-        m, v = mformat.decode(raw, fmt)
-        again = mformat.encode(m, v, fmt)
+        raw = {offload.moments.format.parse_saved_key(k)[0]: v.reshape(-1)
+               for k, v in opt._store.raw_state_tensors()[(0, 0)].items() if offload.moments.format.parse_saved_key(k)}
+        m, v = offload.moments.format.decode(raw, fmt)
+        again = offload.moments.format.encode(m, v, fmt)
         assert set(again) == set(raw)
         for k in raw:
             assert torch.equal(again[k], raw[k]), (fmt, k)

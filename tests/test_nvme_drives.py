@@ -255,7 +255,7 @@ def test_leftovers_on_every_drive_are_found_and_removed(tmp_path):
     import json
     import subprocess
     import sys
-    from offload import statedir
+    from offload.state import statedir
     ds = drives(tmp_path, 2)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     left = []

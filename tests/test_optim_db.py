@@ -160,9 +160,9 @@ ALL_INPUTS = CPU_INPUTS + [(n, oi) for n, oi in CUDA_ONLY]
 
 
 def _quantize_state(opt, fmt):
-    """torch's moments through the format's encoder and decoder (offload/mformat.py, the kernel's
+    """torch's moments through the format's encoder and decoder (offload/moments/format.py, the kernel's
     bytes): after torch's step this is what a compressed step is (decode -> fp32 update -> encode)."""
-    from offload import mformat
+    from offload.moments import format as mformat
     for st in opt.state.values():
         m, v = st["exp_avg"], st["exp_avg_sq"]
         dm, dv = mformat.decode(mformat.encode(m.reshape(-1), v.reshape(-1), fmt), fmt)

@@ -158,7 +158,7 @@ def scratch_dirs(spec, prefix: str) -> list:
     ``nvme_dir`` takes them; None: the system temp dir), for a benchmark's state files. The caller
     removes them (:func:`remove_dirs`); the directories ``spec`` names are never removed."""
     import tempfile
-    from ..statedir import parse_dirs
+    from ..state.statedir import parse_dirs
     return [tempfile.mkdtemp(prefix=prefix, dir=d if d is not None else tempfile.gettempdir())
             for d in parse_dirs(spec)]
 

@@ -22,7 +22,7 @@ from typing import List, Optional
 import torch
 
 from ..base.dist import is_dtensor, local, world
-from ..mformat import CODE_VERSIONS, parse_saved_key
+from ..moments.format import CODE_VERSIONS, parse_saved_key
 from . import adapter
 from .format import (DEFAULT_CHUNK, FORMAT, INDEX, INTENT_RE, RANK_RE, TMP_RE, VERSION, CheckpointError, GEN_RE,
                      atomic_write_bytes, create_new, dtype_tag, fsync_dir, generation_of, intent_name,
@@ -98,7 +98,7 @@ def describe(opt, sd_state: dict, refs: List[adapter.StateTensor]) -> dict:
                      "global_shape": list(p.shape) if is_dtensor(p) else None,
                      "placements": [str(pl) for pl in p.placements] if is_dtensor(p) else None,
                      "has_state": bool(st), "step": step, "extra": extra})
-    # compressed moments: the byte code they were written with (offload/mformat.py)
+    # compressed moments: the byte code they were written with (offload/moments/format.py)
     packed_formats = {k[1] for k in map(parse_saved_key, (r.key for r in refs)) if k}
     return {"optimizer": type(opt).__name__, "optimizer_kind": adapter.kind(opt), "param_groups": groups,
             "params": prec, "pending_grad_multiplier": adapter.pending_multiplier(opt),

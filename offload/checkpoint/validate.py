@@ -19,7 +19,7 @@ from typing import List, Optional
 import torch
 
 from ..base.dist import is_dtensor, local
-from ..mformat import CODE_VERSIONS, parse_saved_key, spec as moment_spec
+from ..moments.format import CODE_VERSIONS, parse_saved_key, spec as moment_spec
 from . import adapter
 from .format import (DTYPES, FORMAT, GEN_RE, INDEX, MAX_JSON, TAGS, VERSION, CheckpointError, check_compatible,
                      check_plain_name, decode_json, decode_value, element_size, file_layout, is_int, is_number,
@@ -219,7 +219,7 @@ def _check_tensors(opt, ridx: dict, rpath: str, pplans: List[ParamPlan]) -> List
         p = local(ps[pi])
         dtype = DTYPES[tag]
         packed = parse_saved_key(key) if strict else None
-        if packed is not None:  # compressed moments (offload/mformat.py)
+        if packed is not None:  # compressed moments (offload/moments/format.py)
             k0, sfmt = packed
             _need(adapter.keepalive(opt) is not None,
                   f"{name}: the checkpoint holds moments={sfmt!r} (compressed) state, this optimizer has "

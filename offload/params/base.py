@@ -8,7 +8,7 @@ import torch
 from ..base.dist import local
 from ..base.dtypes import LOW_PRECISION
 from ..base.tensors import check_tensor
-from ..layout import Shape
+from ..state.layout import Shape
 
 __all__ = ["LOW_PRECISION", "frozen", "shapes_of", "check_grad"]
 

@@ -1,7 +1,7 @@
 """state/: WHERE THE OPTIMIZER STATE LIVES. One tier per kind, all behind the interface of tier.py.
 
 ``ram`` (one aligned arena, never pinned), ``nvme`` (a private O_DIRECT file + a small ring of host
-slots), ``mmap`` (a shared mapping of the same file). Tiers know buckets (offload/layout.py) and
+slots), ``mmap`` (a shared mapping of the same file). Tiers know buckets (offload/state/layout.py) and
 bytes; they never see parameters, gradients or the optimizer. ``make_tier`` (here, not in tier.py, so
 that the tiers import tier.py and nothing imports back) builds one by name.
 """

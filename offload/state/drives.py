@@ -1,7 +1,7 @@
 """state/drives.py: several NVMe drives for one optimizer: which directories, and one drive's file.
 
 ``nvme_dir`` may name several directories (a list or tuple, or one comma-separated string); each
-is one *drive*: its own private state directory (state/files.py, offload/statedir.py: created,
+is one *drive*: its own private state directory (state/files.py, offload/state/statedir.py: created,
 marked, removed exactly like the single one), its own state file and its own ``AioEngine`` (I/O
 queue and threads), so a slow drive only delays the buckets it holds. Buckets are laid round-robin
 (bucket ``b`` on drive ``b % k``, docs/nvme.md: "Several drives"); ``Placement`` maps the layout's
@@ -13,7 +13,7 @@ import bisect
 import os
 
 from ..native.aio import AioEngine
-from ..statedir import parse_dirs
+from .statedir import parse_dirs
 from . import files
 
 __all__ = ["parse_dirs", "check_one", "Drive", "Placement", "named"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import os
 
-from .. import statedir
+from . import statedir
 from ..base.units import human
 
 __all__ = ["STATE_FILE", "make_private_dir", "new_state_dir", "open_exclusive", "reserve", "remove_dir"]

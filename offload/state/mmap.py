@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..layout import ALIGN
+from .layout import ALIGN
 from . import files
 from .drives import check_one
 from .tier import Block, StateTier

@@ -20,7 +20,7 @@ from collections import deque
 import torch
 
 from ..base.memory import HostArena
-from ..layout import ALIGN
+from .layout import ALIGN
 from . import files
 from .drives import Drive, Placement, named, parse_dirs
 from .tier import Block, StateTier

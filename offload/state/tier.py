@@ -1,6 +1,6 @@
 """state/tier.py: the interface every state tier implements, and the one budget split.
 
-A tier holds the bytes of every bucket of a layout (offload/layout.py). The step pipeline asks it
+A tier holds the bytes of every bucket of a layout (offload/state/layout.py). The step pipeline asks it
 to ``prefetch`` the next buckets, ``acquire`` one (its bytes in host memory, as a ``Block``),
 ``release`` it after the kernel ran (write-back) and ``drain`` at the end. ``resident`` tiers
 (ram, mmap) keep every bucket addressable, so views of them are the live state.
@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from ..failstop import OptimizerFailedError, detached, failed_message
-from ..layout import ALIGN
+from .layout import ALIGN
 
 __all__ = ["Block", "StateTier", "StoreFailedError", "split_budget"]
 

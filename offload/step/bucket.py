@@ -17,7 +17,7 @@ import time
 from typing import Callable, Optional
 
 from ..native.adam import step_table
-from ..layout import piece_columns
+from ..state.layout import piece_columns
 from .table import bucket_rows, kernel_for
 
 __all__ = ["step_bucket"]

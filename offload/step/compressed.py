@@ -1,10 +1,10 @@
 """step/compressed.py: the torch-layout face of compressed moments in the state engine.
 
-A parameter whose bucket stores its moments compressed ("bf16" / "8bit", offload/mformat.py) has
+A parameter whose bucket stores its moments compressed ("bf16" / "8bit", offload/moments/format.py) has
 no fp32 ``exp_avg``/``exp_avg_sq`` bytes anywhere. This module:
 
 * reads its compressed tensors out of the tier (``raw``: copies joined over the pieces of a split
-  parameter; blocks never straddle pieces, see offload/layout.py),
+  parameter; blocks never straddle pieces, see offload/state/layout.py),
 * decodes them to fp32 for ``opt.state`` / ``state_dict()`` (:class:`CompressedState`: decoded on
   every access into a fresh tensor, which the engine keeps in step with the state while the caller
   holds it: step/handouts.py),
@@ -18,7 +18,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from .. import mformat
+from ..moments import format as mformat
 from ..base.dist import local
 
 __all__ = ["CompressedState", "bitwise_equal", "raw", "to_format", "write_piece"]

@@ -21,7 +21,7 @@ import torch
 
 from ..base.dist import local
 from ..guards import WriteTracker, check_overlaps, refresh_master
-from ..layout import ALIGN, build_layout, piece_columns
+from ..state.layout import ALIGN, build_layout, piece_columns
 from ..params.base import check_grad, shapes_of
 from ..params.host import HostParams
 from ..state import make_tier
@@ -41,7 +41,7 @@ class StateEngine(TorchLayout):
                  moments: str = "fp32", moments_min_size: int = 4096, exclude=()):
         self.mode = mode
         self.excluded = set(exclude)   # (gi, i) stepped elsewhere (device-side small params): no state here
-        self.moments, self.moments_min_size = moments, int(moments_min_size)   # (offload/mformat.py)
+        self.moments, self.moments_min_size = moments, int(moments_min_size)   # (offload/moments/format.py)
         self.budget = parse_size(host_budget)
         self.depth = depth
         self.groups = [list(g) for g in groups]
@@ -239,7 +239,7 @@ class StateEngine(TorchLayout):
     def _lay_out_late(self, late: list) -> None:
         """Parameters frozen (requires_grad=False) at construction reserved nothing; the first time one
         has a gradient its state is laid out after the existing state (the file grows)."""
-        from ..layout import Shape
+        from ..state.layout import Shape
         from ..params.base import LOW_PRECISION
         shapes = []
         for gi, i in sorted(late):

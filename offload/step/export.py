@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from .. import mformat, statedir
+from ..moments import format as mformat
+from ..state import statedir
 from ..state import files
 
 __all__ = ["DecodedSink", "CHUNK"]

@@ -26,7 +26,7 @@ from typing import Callable, Dict
 
 import torch
 
-from .. import mformat
+from ..moments import format as mformat
 from ..base.dist import local
 from . import compressed
 from .compressed import bitwise_equal

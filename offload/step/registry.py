@@ -11,7 +11,7 @@ from typing import Callable, List, Sequence
 import numpy as np
 import torch
 
-from ..layout import piece_columns
+from ..state.layout import piece_columns
 
 __all__ = ["Registry"]
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..native.adam import COL_G, COL_GD, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX, TASK_COLS
-from ..layout import piece_columns
+from ..state.layout import piece_columns
 
 __all__ = ["bucket_rows", "kernel_for"]
 
@@ -112,7 +112,7 @@ def _sections(b) -> dict:
     got = b.__dict__.get("_msecs")
     if got is not None and got[0] == (b.cap, b.moments, b.master, b.gap):
         return got[1]
-    from .. import mformat
+    from ..moments import format as mformat
     pb = {k: blk for k, _, blk in mformat.sections(b.moments)}
     out = {k: (b.section(k), size, pb.get(k, False)) for k, size in b.keys}
     b.__dict__["_msecs"] = ((b.cap, b.moments, b.master, b.gap), out)
@@ -120,7 +120,7 @@ def _sections(b) -> dict:
 
 
 def _moment_rows(b, pieces, base, ptrs, steps) -> np.ndarray:
-    from .. import mformat
+    from ..moments import format as mformat
     from ..native.moments import MOMENT_FORMATS
     c = _moment_cols(b.moments)
     secs = _sections(b)

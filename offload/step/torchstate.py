@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..native.rows import state_rows
-from .. import mformat
+from ..moments import format as mformat
 from ..base.dist import like, local
 from ..base.dtypes import LOW_PRECISION, STATE_KEYS as _KEYS
 from . import compressed, export

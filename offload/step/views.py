@@ -2,7 +2,7 @@
 
 A parameter in one bucket: each state key is a plain view of the tier's bytes (for NVMe a shared
 mapping of the file, read lazily by the page cache). A parameter split over several buckets has
-page-aligned pieces (offload/layout.py); its sections are mapped side by side into one reserved
+page-aligned pieces (offload/state/layout.py); its sections are mapped side by side into one reserved
 address range (``MAP_FIXED``), so it is still one tensor whose bytes are read only when used:
 ``torch.save(opt.state_dict())`` streams from the file instead of materializing the state.
 Every view keeps its mapping alive, also after the optimizer is closed.

@@ -1,4 +1,4 @@
-"""statedir.py: the private directories that hold NVMe/mmap optimizer state, and their leftovers.
+"""state/statedir.py: the private directories that hold NVMe/mmap optimizer state, and their leftovers.
 
 Every state directory is a new ``offload-state-XXXXXXXX`` directory (mkdtemp, mode 0700) with an
 owner marker (``owner.json``: pid, process start time, boot id, pid namespace, host) written next
@@ -26,7 +26,7 @@ import time
 import warnings
 from typing import List, NamedTuple, Optional
 
-from .base.units import human
+from ..base.units import human
 
 __all__ = ["STATE_FILE", "EXPORT_FILE", "MARKER", "make_private_dir", "write_marker", "mark_kept", "remove_own",
            "find_stale_state", "remove_stale_state", "warn_stale", "StaleState", "parse_dirs"]

@@ -1,4 +1,4 @@
-"""layout.py: where each byte of optimizer state sits (pure: shapes in, offsets out, no allocation).
+"""state/layout.py: where each byte of optimizer state sits (pure: shapes in, offsets out, no allocation).
 
 One layout serves every mode: the NVMe/mmap state file, the host-RAM tier, the device-parameter
 staging ring and the planner (``offload.plan``) all call :func:`build_layout`, so what the planner
@@ -24,7 +24,7 @@ moments plus a scales section) only needs a new entry in :func:`section_keys`.
 
 Compressed moments (``Shape.moments`` "bf16" / "8bit"): a bucket holds parameters of one
 moment format; its sections are ``[master_param |]`` followed by the format's tensors as
-``offload/mformat.py`` describes them (e.g. ``exp_avg`` int8, ``exp_avg_sq`` uint8 and one fp32
+``offload/moments/format.py`` describes them (e.g. ``exp_avg`` int8, ``exp_avg_sq`` uint8 and one fp32
 scale per 256-element block each). Pieces of such a bucket start on a block boundary, and a
 split parameter is cut on block boundaries, so the kernel's blocks are the same whatever the
 bucketing (RAM == NVMe == mmap bitwise, any ``host_budget``).
@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .base.memory import ALIGN, round_up
+from ..base.memory import ALIGN, round_up
 
 __all__ = ["Shape", "Piece", "Bucket", "Layout", "build_layout", "stagger_gap", "piece_columns", "section_keys", "entries", "unit", "round_up",
            "ELEM", "ALIGN"]
@@ -72,7 +72,7 @@ def section_keys(master: bool, amsgrad: bool, moments: str = "fp32") -> Tuple[Tu
     """(state key, bytes per entry) of a bucket's sections, in storage order. For compressed
     moments some sections have one entry per block, not per element (:func:`entries`)."""
     if moments != "fp32":
-        from .mformat import sections
+        from ..moments.format import sections
         return ((("master_param", 4),) if master else ()) + tuple((k, size) for k, size, _ in sections(moments))
     keys = ((("master_param", 4),) if master else ()) + (("exp_avg", 4), ("exp_avg_sq", 4))
     return keys + ((("max_exp_avg_sq", 4),) if amsgrad else ())
@@ -82,7 +82,7 @@ def entries(moments: str, key: str, n: int) -> int:
     """Entries of section ``key`` for ``n`` elements (n, or its blocks for a per-block section)."""
     if moments == "fp32" or key == "master_param":
         return n
-    from .mformat import nentries
+    from ..moments.format import nentries
     return nentries(moments, key, n)
 
 
@@ -90,7 +90,7 @@ def unit(moments: str) -> int:
     """Element granularity of pieces: 16 (64 bytes of fp32), a whole block for compressed moments."""
     if moments == "fp32":
         return ELEM
-    from .mformat import BLOCK
+    from ..moments.format import BLOCK
     return round_up(BLOCK, ELEM)
 
 

@@ -1,4 +1,4 @@
-"""mformat.py: the storage description of compressed Adam moments, as the layout, the
+"""moments/format.py: the storage description of compressed Adam moments, as the layout, the
 engine, state_dict and the checkpoint need it.
 
 Everything here is derived from the kernel's public API (``offload.native.moments.moment_state`` /
@@ -18,7 +18,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .native.moments import MOMENT_BLOCK, MOMENT_FORMATS, decode_moments, moment_state
+from ..native.moments import MOMENT_BLOCK, MOMENT_FORMATS, decode_moments, moment_state
 
 __all__ = ["FORMATS", "BLOCK", "CODE_VERSIONS", "check_moments", "sections", "per_block", "saved_key", "parse_saved_key",
            "spec", "encode", "decode", "check_values", "keys_of", "MOMENT_KEYS"]
@@ -52,7 +52,7 @@ def sections(fmt: str) -> Tuple[Tuple[str, int, bool], ...]:
             out.append((k, t.element_size(), True))
         else:  # a format this module does not understand: refuse rather than guess
             raise RuntimeError(f"moment_state({n}, {fmt!r})[{k!r}] has {t.numel()} entries: not per element "
-                               "or per block; offload/mformat.py needs updating for this format")
+                               "or per block; offload/moments/format.py needs updating for this format")
     if not all(k in st for k in MOMENT_KEYS):
         raise RuntimeError(f"moment_state(..., {fmt!r}) lacks {MOMENT_KEYS}")
     return tuple(out)
@@ -154,7 +154,7 @@ def encode(m: torch.Tensor, v: torch.Tensor, fmt: str) -> Dict[str, torch.Tensor
         return {"exp_avg": m.to(torch.bfloat16), "exp_avg_sq": v.to(torch.bfloat16)}
     if fmt != "8bit" or [k for k, _, _ in sections(fmt)] != ["exp_avg", "exp_avg_sq", "exp_avg_scale",
                                                              "exp_avg_sq_scale"]:
-        raise NotImplementedError(f"no encoder for moment format {fmt!r} (offload/mformat.py)")
+        raise NotImplementedError(f"no encoder for moment format {fmt!r} (offload/moments/format.py)")
     if bool((v < 0).any()):
         raise ValueError("exp_avg_sq has negative entries: not a valid Adam second moment")
     n = m.numel()
