@@ -20,9 +20,9 @@ from ._version import __version__
 from . import native
 from . import kernels
 from .optim import Adam, AdamW
-from .failstop import OptimizerFailedError
+from .base.failstop import OptimizerFailedError
 from .store import StoreFailedError
-from .guards import SharedMemoryError
+from .params.guards import SharedMemoryError
 from .checkpoint import CheckpointError, load, save, save_async
 from .planner import MemoryPlan, plan
 from .doctor import format_report as _format_report, report as _report

@@ -31,7 +31,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from .base.dist import is_dtensor, local
 from .base.dtypes import NATIVE_DTYPES as _NATIVE_DTYPES
-from .guards import SharedMemoryError, extent
+from .params.guards import SharedMemoryError, extent
 
 __all__ = ["FALLBACK_DTYPES", "RAM_WARN_BYTES", "elsewhere", "reason", "Router", "check", "step", "grad_sumsq", "cast_state",
            "engine_index"]

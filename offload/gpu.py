@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .device import Device, resolve_device
-from .smallparams import small_params
+from .step.smallparams import small_params
 from .step.device_step import DeviceStep
 from .step.port import port_of
 

@@ -27,7 +27,7 @@ from torch.optim.optimizer import _to_scalar
 from . import fallback
 from .checks import _check_group_options, _check_hyper, _check_init, _check_moments, _check_param, _scalar
 from .clipping import ClippingMixin
-from .failstop import OptimizerFailedError, detached, failed_message
+from .base.failstop import OptimizerFailedError, detached, failed_message
 from .gpu import GpuOffloadMixin, make_state_engine, split_params, start_engine  # GPU offload, NVMe/mmap state
 from .options import GPU_OPTION_NAMES, OPTIONS_DOC, given_gpu_options, resolve_storage
 from .state_dict import StateDictMixin
@@ -96,7 +96,7 @@ class _AdamBase(ClippingMixin, StateDictMixin, GpuOffloadMixin, Optimizer):
         self._threads = threads
         self._plans: dict = {}
         self._pending_multiplier = 1.0
-        self._failure = None   # set when a step failed part-way (offload/failstop.py)
+        self._failure = None   # set when a step failed part-way (offload/base/failstop.py)
         self._state_mode = state
         # float64/complex/strided/duplicate params: torch's code, state in RAM (fallback.py)
         self._router = fallback.Router(elsewhere=fallback.elsewhere(state, moments, offload_device))
@@ -301,7 +301,7 @@ class _AdamBase(ClippingMixin, StateDictMixin, GpuOffloadMixin, Optimizer):
         return loss
 
     def _check_usable(self) -> None:
-        """Raise if an earlier step failed part-way (offload/failstop.py) and no state was loaded since."""
+        """Raise if an earlier step failed part-way (offload/base/failstop.py) and no state was loaded since."""
         failure = self.__dict__.get("_failure")
         if failure is not None:
             raise OptimizerFailedError(failed_message("the optimizer", failure)) from failure

@@ -12,7 +12,7 @@ import torch
 import offload
 from offload.native import aio
 from offload import testing
-from offload.failstop import OptimizerFailedError
+from offload.base.failstop import OptimizerFailedError
 from offload.step import bucket
 from atomic_util import assert_same, grads, snapshot, train
 

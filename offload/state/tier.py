@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..failstop import OptimizerFailedError, detached, failed_message
+from ..base.failstop import OptimizerFailedError, detached, failed_message
 from .layout import ALIGN
 
 __all__ = ["Block", "StateTier", "StoreFailedError", "split_budget"]

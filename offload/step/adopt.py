@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..base.dist import local
-from ..guards import SharedMemoryError, extent
+from ..params.guards import SharedMemoryError, extent
 from .compressed import CompressedState
 
 __all__ = ["copy_in", "follow_shapes", "missing_entry"]

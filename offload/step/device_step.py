@@ -12,7 +12,7 @@
 In both overlapped schedules the next forward waits per bucket for the new weights (step/uploads.py);
 with ``delay_updates=1`` (deferred) for those of the step before (step/delayed.py).
 Parameters of at most ``small_param_numel`` elements stay on the device, stepped by torch there
-(offload/smallparams.py; nothing in the tier). Host memory: the tier + the pinned staging ring.
+(offload/step/smallparams.py; nothing in the tier). Host memory: the tier + the pinned staging ring.
 This face is the only part that reads the optimizer (groups, clip coefficient, GradScaler attributes).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from ..base.dist import global_sumsq, in_process_group, is_dtensor, local, multi_rank
 from ..native.adam import affinity_cpus
 from ..params.fingerprint import fingerprints
-from ..smallparams import DeviceSideAdam
+from .smallparams import DeviceSideAdam
 from ..base.trace import Trace
 from .delayed import DelayedUpdates, prepare
 from .uploads import compiled_code_in_use
@@ -72,7 +72,7 @@ class DeviceStep:
         self.release_grads = bool(release_grads)
         self.trace = Trace() if trace else None
         engine.side.trace = self.trace
-        # parameters of at most small_param_numel elements stay on the device (offload/smallparams.py)
+        # parameters of at most small_param_numel elements stay on the device (offload/step/smallparams.py)
         small = sorted(engine.excluded)
         groups = port.groups()
         self.small = DeviceSideAdam(port, {gi: [groups[gi]["params"][i] for g2, i in small if g2 == gi]

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..base.dist import local
-from ..guards import WriteTracker, check_overlaps, refresh_master
+from ..params.guards import WriteTracker, check_overlaps, refresh_master
 from ..state.layout import ALIGN, build_layout, piece_columns
 from ..params.base import check_grad, shapes_of
 from ..params.host import HostParams
@@ -318,7 +318,7 @@ class StateEngine(TorchLayout):
 
     def _resync(self, which: set):
         """A bf16/fp16 parameter written by the user since its last step: its new values go into the master
-        where they differ from the rounded master (offload/guards.py), before the kernel reads it."""
+        where they differ from the rounded master (offload/params/guards.py), before the kernel reads it."""
         def apply(b, pieces, blk) -> None:
             if not b.master:
                 return

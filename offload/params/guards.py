@@ -1,4 +1,4 @@
-"""guards.py: checks that keep a step over raw pointers safe from what users do between steps.
+"""params/guards.py: checks that keep a step over raw pointers safe from what users do between steps.
 
 - ``check_overlaps``: parameters that share memory (one listed twice, overlapping views) and
   gradients that share memory with a parameter or with the optimizer's own buffers (``p.grad =
@@ -21,7 +21,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from .base.dtypes import LOW_PRECISION as _LOW
+from ..base.dtypes import LOW_PRECISION as _LOW
 
 
 class SharedMemoryError(ValueError, RuntimeError):

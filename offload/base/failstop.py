@@ -1,4 +1,4 @@
-"""failstop.py: what an optimizer does when a step fails after it started changing things.
+"""base/failstop.py: what an optimizer does when a step fails after it started changing things.
 
 Every ``step()`` either completes or raises with parameters and optimizer state exactly as before
 the call: everything a step validates is validated before anything is changed. Where a failure

@@ -1,4 +1,4 @@
-"""smallparams.py: small parameters (norms, biases) kept and stepped on the device, as torchao does.
+"""step/smallparams.py: small parameters (norms, biases) kept and stepped on the device, as torchao does.
 
 Below a size threshold, sending a parameter's gradient down and its weight back up costs more in
 per-copy latency than the CPU step saves. ``DeviceSideAdam`` steps those parameters where they are
@@ -13,7 +13,7 @@ from typing import Dict, List
 
 import torch
 
-from .base.dist import local
+from ..base.dist import local
 
 __all__ = ["DeviceSideAdam", "small_params"]
 
