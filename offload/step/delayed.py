@@ -13,13 +13,17 @@ exact schedule (step/uploads.py). So with w_t the master weights after update t:
 
     w_t = AdamW(w_{t-1}, g_t),   g_t computed on w_{t-1} for t <= delay_after + 1, on w_{t-2} after
 
+With ``delay_extrapolate=True`` the weights uploaded for a delayed update are predicted one step on,
+w_{t-2} + (w_{t-2} - w_{t-3}) (``HeldParams._extrapolate``: when update t-3 was delayed too; else
+w_{t-2}), so g_t is computed on that instead of w_{t-2}; the masters follow the same AdamW rule.
 Anything that needs the current weights completes the pending update first (``DelayedUpdates.
 synchronize``: ``opt.synchronize()``, ``state_dict()``, ``offload.save``, ``close()``, ``add_param_group``,
 and a module's ``state_dict()`` / ``load_state_dict()``); the forward after that sees it. A skipped
 step (overflow) completes the pending update and queues none. The device schedule (step/device_step.py)
 uses this module through ``prepare`` and ``DelayedUpdates``; the worker (step/backward.py) does not
 know about it: to it, ``publish`` is an upload that needs no wait.
-Costs: host memory for one copy of the parameters in their dtype (pinned on CUDA), and staleness.
+Costs: host memory for one copy of the parameters in their dtype (pinned on CUDA; two to extrapolate,
+plus a pass over them per step in the worker), and staleness.
 """
 from __future__ import annotations
 
