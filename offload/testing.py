@@ -1,6 +1,7 @@
 """testing.py: the supported way for tests and benchmarks to look inside an ``offload.Adam``/``AdamW``:
-its state engine, state tier, parameter side, device schedule and device, I/O fault injection and
-a slow drive (``slow_drive``).
+its state engine, state tier, parameter side, device schedule and device; the state's directory, file,
+bytes, buckets of a parameter and stored tensors; the cached row checks (dropped on demand), the device
+schedule's bookkeeping and trace; I/O fault injection and a slow drive (``slow_drive``).
 It is the one module that reads the optimizer's private attributes, so an internal rename touches
 this file only; nothing here is part of the training API.
 """
@@ -10,7 +11,9 @@ import threading
 import time
 from typing import Optional
 
-__all__ = ["state_engine", "row_records", "tier", "side", "device_schedule", "device", "inject_io_fault", "slow_drive"]
+__all__ = ["state_engine", "row_records", "tier", "side", "device_schedule", "device", "state_dir", "state_file",
+           "state_bytes", "pieces_of", "raw_state", "drop_row_caches", "bookkeeping_sizes", "trace_spans",
+           "inject_io_fault", "slow_drive"]
 
 
 def state_engine(opt) -> Optional[object]:
@@ -47,6 +50,64 @@ def device(opt):
     if sched is None:
         raise ValueError("this optimizer's parameters are not on a device")
     return sched.device
+
+
+def state_dir(opt) -> str:
+    """The directory of the optimizer's state file (state "nvme" or "mmap"; the first drive's with several)."""
+    return tier(opt).directory
+
+
+def state_file(opt) -> str:
+    """The path of the optimizer's state file (state "nvme" or "mmap"; the first drive's with several)."""
+    return tier(opt).path
+
+
+def state_bytes(opt) -> int:
+    """Bytes the layout gives the whole state (every bucket's master, moments, ...; offload/state/layout.py)."""
+    return _engine(opt).layout.nbytes
+
+
+def _index(opt, p) -> tuple:
+    for gi, group in enumerate(opt.param_groups):
+        for i, q in enumerate(group["params"]):
+            if q is p:
+                return gi, i
+    raise ValueError("the tensor is not a parameter of this optimizer")
+
+
+def pieces_of(opt, p) -> list:
+    """The (bucket, piece) pairs parameter ``p``'s state is split into (offload/state/layout.py), in order."""
+    return _engine(opt).pieces[_index(opt, p)]
+
+
+def raw_state(opt, p) -> dict:
+    """Parameter ``p``'s state in its stored form (key -> tensor): fp32 views of master and fp32 moments
+    and, for compressed moments, copies of the compressed tensors under ``<key>.<format>``
+    (offload/moments/format.py saved_key), as offload.save writes them."""
+    return _engine(opt).raw_state_tensors()[_index(opt, p)]
+
+
+def drop_row_caches(opt) -> None:
+    """Forget the cached per-row checks (params/hostrows.py, step/torchstate.py's state records): the next
+    step validates every row of parameters, gradients and ``opt.state`` from scratch."""
+    eng = state_engine(opt)
+    if eng is not None:
+        eng.side.rows = None
+        eng.__dict__.pop("_state_recs", None)
+
+
+def bookkeeping_sizes(opt) -> dict:
+    """What a device schedule keeps between steps: ``copy_events`` (copies whose times are not counted
+    yet) and ``step_records`` (steps whose statistics are not settled yet); both stay bounded."""
+    return dict(copy_events=side(opt).uncounted_copies, step_records=len(device_schedule(opt).records))
+
+
+def trace_spans(opt) -> list:
+    """The spans (name, lane, start, end) recorded so far by an optimizer made with ``trace=True``."""
+    sched = device_schedule(opt)
+    if sched is None or sched.trace is None:
+        raise ValueError("this optimizer records no trace (device parameters and trace=True)")
+    return sched.trace.spans()
 
 
 def inject_io_fault(opt, kind: int, nth: int, drive: int = 0) -> None:

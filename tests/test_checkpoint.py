@@ -375,7 +375,7 @@ def snapshot(opt):
     state = {k: {kk: (vv.clone() if isinstance(vv, torch.Tensor) else copy.deepcopy(vv)) for kk, vv in v.items()}
              for k, v in sd["state"].items()}
     params = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
-    return state, copy.deepcopy(sd["param_groups"]), params, getattr(opt, "_pending_multiplier", None)
+    return state, copy.deepcopy(sd["param_groups"]), params, getattr(opt, "pending_grad_multiplier", None)
 
 
 def assert_unchanged(before, opt):

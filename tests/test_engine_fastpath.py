@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import offload
+from offload import testing
 
 SHAPES = [(16, 16), (16, 32), (512,), (256,)]   # 0 and 3, 1 and 2 have the same number of elements
 CONFIGS = [(s, m) for s in ("ram", "nvme", "mmap") for m in ("fp32", "bf16", "8bit")]
@@ -33,10 +34,7 @@ def _make(params, state, moments, tmp_path):
 
 def _cold(opt) -> None:
     """Forget every cached record: the next step validates every row in Python."""
-    eng = opt._store
-    if eng is not None:
-        eng.side.rows = None
-        eng.__dict__.pop("_state_recs", None)
+    testing.drop_row_caches(opt)
 
 
 def _g(t, k):

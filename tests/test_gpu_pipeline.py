@@ -16,6 +16,7 @@ import torch.nn as nn
 import offload
 from offload.bench.gpt import GPT, PRESETS, param_groups, random_batch
 from offload.device import FakeDevice
+from offload.testing import bookkeeping_sizes, device, device_schedule, trace_spans
 from conftest import SCHEDULES, Config, configs
 from tiny_models import slow_backward
 
@@ -91,7 +92,7 @@ def train(factory, dtype=torch.float32, steps=6, accum=1, torch_clip=None, inf_s
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
-        elif inf_step == it and getattr(opt, "_gpu", None) is None:
+        elif inf_step == it and not getattr(opt, "gpu_offload", False):
             pass  # the reference skips the step whose gradients are not finite
         else:
             opt.step()
@@ -100,8 +101,8 @@ def train(factory, dtype=torch.float32, steps=6, accum=1, torch_clip=None, inf_s
             after_step(model, opt)
     if isinstance(opt, offload.AdamW):
         opt.synchronize()
-        if opt._gpu is not None:
-            opt._gpu.device.check()
+        if opt.gpu_offload:
+            device(opt).check()
     return model, opt
 
 
@@ -208,7 +209,7 @@ def test_release_grads(cfg):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_max_grad_norm_matches_torch_clipping(overlap):
     got = train(ours(overlap=overlap, max_grad_norm=0.05))
-    assert not got[1]._gpu.eager
+    assert not device_schedule(got[1]).eager
     ref = train(torch_ref, torch_clip=0.05)
     assert_same(got, ref, exact=False, atol=1e-5, rtol=1e-4)
     unclipped = train(torch_ref)
@@ -327,7 +328,7 @@ def test_grad_scaler(explicit_unscale):
             opt.zero_grad()
         if isinstance(opt, offload.AdamW):
             opt.synchronize()
-            opt._gpu.device.check()
+            device(opt).check()
         return (model, opt), scaler.get_scale()
 
     got, s1 = run(ours(check_overflow=True))
@@ -374,7 +375,7 @@ def test_race_uneven_buckets_random_delays_many_steps(seed):
             opt.step()
             opt.zero_grad()
         opt.synchronize()
-        opt._gpu.device.check()
+        device(opt).check()
         return model, opt
 
     sizes = run({})[1].storage_info()["bucket_param_bytes"]
@@ -664,8 +665,9 @@ def test_forward_waits_only_for_the_buckets_it_reads(opts, tmp_path):
 @pytest.mark.timeout(60)
 def test_bookkeeping_stays_bounded_without_reading_stats():
     model, opt = train(ours(), steps=12)
-    assert len(opt._gpu.engine.side._events) <= 4 * len(opt.storage_info()["bucket_param_bytes"])
-    assert len(opt._gpu._recs) <= 5
+    kept = bookkeeping_sizes(opt)
+    assert kept["copy_events"] <= 4 * len(opt.storage_info()["bucket_param_bytes"])
+    assert kept["step_records"] <= 5
 
 
 @pytest.mark.timeout(60)
@@ -909,7 +911,7 @@ def test_nvme_read_ahead_learns_the_backward_order(tmp_path):
         return model, offload.AdamW(model.parameters(), **kw)
     (m_ref, o_ref), (model, opt) = make("host"), make("nvme")
     info = opt.storage_info
-    assert len(opt._store.layout.buckets) >= 5
+    assert info()["buckets"] >= 5
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 32, generator=gen)
     demand = []
@@ -925,13 +927,13 @@ def test_nvme_read_ahead_learns_the_backward_order(tmp_path):
             o.step()
             o.zero_grad()
         demand.append(info()["demand_reads"])
-        spans = [a for _, lane, a, _ in opt._gpu.feed.trace._spans if lane == "cpu step" and it and a > t0]
+        spans = [a for _, lane, a, _ in trace_spans(opt) if lane == "cpu step" and it and a > t0]
         if it >= 2:
             assert sum(a < t for a in spans) >= 2, "no bucket was stepped during backward"
     assert demand[1] > demand[0] == 0      # backward in registration order: the reverse guess missed
     assert demand[3] == demand[2] == demand[1], demand   # learned: every bucket read ahead
     opt.synchronize()
-    opt._gpu.device.check()
+    device(opt).check()
     for a, b in zip(m_ref.parameters(), model.parameters()):
         assert torch.equal(a, b)
     opt.close()

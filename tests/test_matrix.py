@@ -18,6 +18,7 @@ import torch
 
 import offload
 from conftest import configs
+from offload import testing
 from offload.device import CpuDevice, FakeDevice
 
 SIZES = [(700,), (33, 5), (4100,), (3,), (2, 3, 4)]   # 4100: split over buckets under the small budget
@@ -65,9 +66,8 @@ def run(ps, opt, steps, dtype, start=0):
         opt.step()
     if hasattr(opt, "synchronize"):
         opt.synchronize()
-    dev = getattr(getattr(opt, "_gpu", None), "device", None)
-    if dev is not None:
-        dev.check()   # FakeDevice: no copy source was overwritten while in flight
+    if getattr(opt, "gpu_offload", False):
+        testing.device(opt).check()   # FakeDevice: no copy source was overwritten while in flight
 
 
 def train_bf16_mlp(model, opt, steps, seed):

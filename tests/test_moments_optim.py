@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import offload
-from offload import kernels
+from offload import kernels, testing
 
 FMTS = ("bf16", "8bit")
 N = 4096 + 700          # >= moments_min_size, last block short
@@ -75,7 +75,7 @@ def test_step_is_the_kernel_bitwise(fmt, dtype, cls, wd, maximize):
         opt.step()
     ref, st = _kernel_reference(p0, gs, fmt, lr=3e-3, wd=wd, decoupled=cls is offload.AdamW, maximize=maximize)
     assert torch.equal(p, ref)
-    raw = opt._store.raw_state_tensors()[(0, 0)]
+    raw = testing.raw_state(opt, p)
     for k, t in st.items():
         assert torch.equal(raw[offload.moments.format.saved_key(k, fmt)].reshape(-1), t), k
     # opt.state: torch's keys, fp32 decoded moments shaped like the parameter
@@ -161,7 +161,7 @@ def test_state_dict_through_torch_adamw(fmt):
     r = p.clone()
     back = offload.AdamW([r], lr=1e-3, moments=fmt)
     back.load_state_dict(t.state_dict())
-    a, b = opt._store.raw_state_tensors()[(0, 0)], back._store.raw_state_tensors()[(0, 0)]
+    a, b = testing.raw_state(opt, p), testing.raw_state(back, r)
     for k in a:
         if a[k].dtype == torch.float32 and "scale" in k:
             assert torch.allclose(a[k], b[k], rtol=2 ** -22, atol=0), k
@@ -187,7 +187,7 @@ def test_encode_inverts_decode():
         opt = offload.AdamW([p], lr=1e-3, moments=fmt)
         _run(opt, [p], 4)
         raw = {offload.moments.format.parse_saved_key(k)[0]: v.reshape(-1)
-               for k, v in opt._store.raw_state_tensors()[(0, 0)].items() if offload.moments.format.parse_saved_key(k)}
+               for k, v in testing.raw_state(opt, p).items() if offload.moments.format.parse_saved_key(k)}
         m, v = offload.moments.format.decode(raw, fmt)
         again = offload.moments.format.encode(m, v, fmt)
         assert set(again) == set(raw)
@@ -248,7 +248,7 @@ def test_compressed_checkpoint_into_fp32_ram_is_decoded(tmp_path):
     opt = offload.AdamW([p], moments="8bit")
     _run(opt, [p], 1)
     offload.save(opt, tmp_path)
-    sd = {"state": {0: dict(opt._store.raw_state_tensors()[(0, 0)], step=torch.tensor(1.0))},
+    sd = {"state": {0: dict(testing.raw_state(opt, p), step=torch.tensor(1.0))},
           "param_groups": opt.state_dict()["param_groups"]}
     (q, r), want = (p.clone(), p.clone()), {k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
     fp32, raw = offload.AdamW([q]), offload.AdamW([r])
@@ -272,7 +272,7 @@ def test_load_refuses_compressed_values_the_encoder_cannot_write(fmt, key, bad, 
     p = torch.randn(N)
     opt = offload.AdamW([p], lr=1e-3, moments=fmt)
     _run(opt, [p], 2)
-    raw = {k: v.clone() for k, v in opt._store.raw_state_tensors()[(0, 0)].items()}
+    raw = {k: v.clone() for k, v in testing.raw_state(opt, p).items()}
     sd = {"state": {0: dict(raw, step=torch.tensor(2.0))}, "param_groups": opt.state_dict()["param_groups"]}
     good = {k: v.clone() for k, v in raw.items()}
     raw[key].reshape(-1)[1] = bad
@@ -382,7 +382,7 @@ def test_held_moment_write_with_a_negative_second_moment_is_refused():
     p = torch.randn(N)
     opt = offload.AdamW([p], lr=1e-3, moments="8bit")
     _run(opt, [p], 1)
-    before = {k: t.clone() for k, t in opt._store.raw_state_tensors()[(0, 0)].items()}
+    before = {k: t.clone() for k, t in testing.raw_state(opt, p).items()}
     v = opt.state[p]["exp_avg_sq"]
     v[0] = -1.0
     with pytest.raises(ValueError, match=r"parameter 0 of group 0, written in place.*negative"):
@@ -391,7 +391,7 @@ def test_held_moment_write_with_a_negative_second_moment_is_refused():
         opt.state_dict()
     v[0] = 0.0
     del v
-    after = opt._store.raw_state_tensors()[(0, 0)]
+    after = testing.raw_state(opt, p)
     assert all(torch.equal(before[k], after[k]) for k in before)   # nothing changed
     assert int(opt.state[p]["step"]) == 1
 
@@ -408,7 +408,7 @@ def test_tiers_bitwise_equal_ram(fmt, state, budget, tmp_path):
     ram = offload.AdamW(a, lr=1e-2, moments=fmt)
     disk = offload.AdamW(b, lr=1e-2, moments=fmt, storage=state, nvme_dir=str(tmp_path), host_budget=budget)
     if budget != "2GiB":
-        assert len(disk._store.layout.of_param[(0, 0)]) > 1   # split parameter
+        assert len(testing.pieces_of(disk, b[0])) > 1   # split parameter
     _run(ram, a, 3)
     _run(disk, b, 3)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -492,7 +492,7 @@ def test_planner_bytes_match_the_engine(fmt, state, tmp_path):
     pl = offload.plan(m, device="cpu", state=state, moments=fmt)
     kw = dict(storage=state, nvme_dir=str(tmp_path)) if state != "ram" else {}
     opt = offload.AdamW(m.parameters(), moments=fmt, **kw)
-    real = opt._store.layout.nbytes
+    real = testing.state_bytes(opt)
     got = pl.host_state_bytes - pl.bytes_of("host", "optimizer state: step") if state == "ram" else pl.total("nvme")
     assert got == real
     if fmt != "fp32":   # smaller than fp32 moments, by about the format's ratio

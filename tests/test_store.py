@@ -14,6 +14,7 @@ import torch
 
 import offload
 from offload.native import aio
+from offload.testing import inject_io_fault, pieces_of, state_dir, state_file, tier
 from offload import store as store_mod
 from offload.store import StoreFailedError, parse_size
 from conftest import configs
@@ -75,7 +76,7 @@ def test_bitwise_identical_to_ram(tmp_path, reference, cfg, budget, depth):
     if budget != "2GiB":  # budget below the state size: many buckets, several in flight
         assert info["buckets"] > 4 and info["slot_bytes"] * info["slots"] <= parse_size(budget)
     elif cfg.tier == "nvme":  # a big budget is not allocated beyond the largest bucket
-        assert opt._store.arena.nbytes < 1 << 20
+        assert tier(opt).arena.nbytes < 1 << 20
     run_steps(ps, opt, 12)
     assert_same(*reference, ps, opt.state_dict())
     if cfg.tier == "nvme":
@@ -147,7 +148,7 @@ def test_large_param_split_over_buckets(tmp_path):
     ps_r = [p.clone() for p in ps]
     nv = offload.AdamW(ps, storage="nvme", nvme_dir=tmp_path, host_budget=4 * 4096)
     ram = offload.AdamW(ps_r)
-    assert len(nv._store.pieces[(0, 0)]) > 10  # one parameter, many buckets
+    assert len(pieces_of(nv, ps[0])) > 10  # one parameter, many buckets
     for s in range(4):
         for a, b in zip(ps, ps_r):
             a.grad = torch.randn(a.shape, generator=g).to(a.dtype)
@@ -163,7 +164,7 @@ def test_large_param_split_over_buckets(tmp_path):
 def test_file_private_preallocated_and_removed(tmp_path, cfg):
     ps = make_params()
     opt = make_opt(ps, storage=cfg.tier, nvme_dir=tmp_path, host_budget=32768)
-    st = opt._store
+    st = tier(opt)
     d = st.directory
     assert os.path.dirname(d) == str(tmp_path)
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
@@ -171,17 +172,17 @@ def test_file_private_preallocated_and_removed(tmp_path, cfg):
     assert os.stat(st.path).st_size == st.file_bytes
     assert os.stat(st.path).st_blocks * 512 >= st.file_bytes  # reserved, not sparse
     other = make_opt(make_params(), storage=cfg.tier, nvme_dir=tmp_path, host_budget=32768)
-    assert other._store.directory != d  # every optimizer gets a new directory
+    assert state_dir(other) != d  # every optimizer gets a new directory
     opt.close()
     assert not os.path.exists(d)
     with pytest.raises(RuntimeError, match="closed"):
         run_steps(ps, opt, 1)
-    d2 = other._store.directory
+    d2 = state_dir(other)
     del other
     gc.collect()
     assert not os.path.exists(d2)  # removed on garbage collection too
     kept = make_opt(make_params(), storage=cfg.tier, nvme_dir=tmp_path, keep_files=True)
-    path = kept._store.path
+    path = state_file(kept)
     kept.close()
     assert os.path.exists(path)
 
@@ -283,16 +284,16 @@ def test_injected_eio_poisons_optimizer(tmp_path, nth):
     ps = make_params()
     opt = make_opt(ps, storage="nvme", nvme_dir=tmp_path, host_budget=16384)
     run_steps(ps, opt, 2)
-    opt._store.engine._set_fault(aio.FAULT_EIO, nth)
+    inject_io_fault(opt, aio.FAULT_EIO, nth)
     with pytest.raises(OSError) as ei:
         run_steps(ps, opt, 1, start=2)
-    assert ei.value.errno == errno.EIO and ei.value.filename == opt._store.path
-    assert opt._store.engine.outstanding() == 0  # nothing left in flight
+    assert ei.value.errno == errno.EIO and ei.value.filename == state_file(opt)
+    assert tier(opt).engine.outstanding() == 0  # nothing left in flight
     with pytest.raises(StoreFailedError, match="earlier failure"):
         run_steps(ps, opt, 1, start=3)
     with pytest.raises(StoreFailedError):
         opt.state_dict()
-    d = opt._store.directory
+    d = state_dir(opt)
     opt.close()
     assert not os.path.exists(d)
 
@@ -302,7 +303,7 @@ def test_injected_short_transfers_keep_results_exact(tmp_path, reference):
     ps = make_params()
     opt = make_opt(ps, storage="nvme", nvme_dir=tmp_path, host_budget=128 * 1024)
     for s in range(12):
-        opt._store.engine._set_fault(aio.FAULT_SHORT if s % 2 else aio.FAULT_EINTR, 1 + s)
+        inject_io_fault(opt, aio.FAULT_SHORT if s % 2 else aio.FAULT_EINTR, 1 + s)
         run_steps(ps, opt, 1, start=s)
     tel = opt.storage_info()["engine"]
     # (a short transfer is only injected into pieces of 8 KiB or more: O_DIRECT keeps 4 KiB units)
@@ -315,7 +316,7 @@ def test_real_error_truncated_state_file(tmp_path):
     ps = make_params()
     opt = make_opt(ps, storage="nvme", nvme_dir=tmp_path, host_budget=16384)
     run_steps(ps, opt, 1)
-    os.truncate(opt._store.path, 4096)  # e.g. someone else's mistake: the reads now hit end of file
+    os.truncate(state_file(opt), 4096)  # e.g. someone else's mistake: the reads now hit end of file
     with pytest.raises(OSError, match="unexpected end of file"):
         run_steps(ps, opt, 1, start=1)
     with pytest.raises(StoreFailedError):
@@ -376,9 +377,8 @@ def test_params_that_fit_a_bucket_are_not_split(tmp_path):
     # 4 slots of 16 KiB: 1360 fp32 elements of master|m|v per bucket; each 1000-element param fits alone
     ps = [torch.randn(1000).bfloat16() for _ in range(5)] + [torch.randn(3000).bfloat16()]
     opt = offload.AdamW(ps, storage="nvme", nvme_dir=tmp_path, host_budget=4 * 16384)
-    pieces = opt._store.pieces
-    assert all(len(pieces[(0, i)]) == 1 for i in range(5))
-    assert len(pieces[(0, 5)]) == 3  # larger than a bucket: split
+    assert all(len(pieces_of(opt, p)) == 1 for p in ps[:5])
+    assert len(pieces_of(opt, ps[5])) == 3  # larger than a bucket: split
     for p in ps:
         p.grad = torch.randn(p.shape).bfloat16()
     opt.step()
@@ -445,7 +445,7 @@ def _run_script(script, *args, timeout=60):
 
 
 LIFETIME_SCRIPT = """
-    import gc, os, sys, threading, time, torch, offload
+    import gc, os, sys, threading, time, torch, offload, offload.testing
     d = sys.argv[1]
     def make(mode):
         torch.manual_seed(0)
@@ -460,9 +460,9 @@ LIFETIME_SCRIPT = """
         opt = make(mode)
         sd = opt.state_dict()
         want = {k: {kk: v.clone() for kk, v in st.items()} for k, st in sd["state"].items()}
-        state_dir = opt._store.directory
+        sdir = offload.testing.state_dir(opt)
         opt.close()
-        assert not os.path.exists(state_dir)
+        assert not os.path.exists(sdir)
         opt2 = make(mode)
         sd2 = opt2.state_dict()
         del opt2
@@ -475,7 +475,7 @@ LIFETIME_SCRIPT = """
         del sd, sd2
         # 2. close() from another thread while a step is inside the kernel: waits for the step
         opt = make(mode)
-        store = opt._store
+        sdir = offload.testing.state_dir(opt)
         inside, events, errors = threading.Event(), [], []
         from offload.step import bucket   # the one bucket body: its kernel call
         real = bucket.step_table
@@ -503,7 +503,7 @@ LIFETIME_SCRIPT = """
         # the stepper after opt.step() returned, which may race with the main thread's "closed")
         assert errors == [] and "step done" in events, (mode, errors, events)
         assert max(i for i, e in enumerate(events) if e == "kernel") < events.index("closed"), (mode, events)
-        assert not os.path.exists(store.directory)
+        assert not os.path.exists(sdir)
         try:
             opt.step()
         except RuntimeError as e:
@@ -523,7 +523,7 @@ def test_state_dict_tensors_outlive_close_and_close_waits_for_step(tmp_path):
 
 # ---------------------------------------------------------------------------------- fork (item 13)
 FORK_SCRIPT = """
-    import gc, json, os, sys, time, torch, offload
+    import gc, json, os, sys, time, torch, offload, offload.testing
     d = sys.argv[1]
 
     def wait(pid, limit):
@@ -544,7 +544,7 @@ FORK_SCRIPT = """
         for p in ps:
             p.grad = torch.ones(p.shape, dtype=p.dtype)
         opt.step()
-        state_dir = opt._store.directory
+        state_dir = offload.testing.state_dir(opt)
         before = {k: {kk: v.clone() for kk, v in st.items()} for k, st in opt.state_dict()["state"].items()}
         params = [p.clone() for p in ps]
         out = result[mode] = {}
@@ -627,7 +627,7 @@ def test_user_writes_to_lowp_params_are_not_reverted(tmp_path, cfg):
     A, B = _lowp(0), _lowp(0)
     kw = dict(lr=1e-3, storage=cfg.tier, nvme_dir=tmp_path, host_budget=4 * 8192)  # param 0 is split over buckets
     oa, ob = offload.AdamW(A, **kw), offload.AdamW(B, **kw)
-    assert len(ob._store.pieces[(0, 0)]) > 1
+    assert len(pieces_of(ob, B[0])) > 1
 
     def step(s):
         _grads(A, s)
@@ -739,7 +739,7 @@ def test_gradients_not_kept_after_step(tmp_path, cfg):
     if cfg.tier == "nvme":  # also not by the error a failed step leaves behind
         run_steps(ps, opt, 1, start=2)
         refs = [weakref.ref(p.grad) for p in ps if p.grad is not None]
-        opt._store.engine._set_fault(aio.FAULT_EIO, 1)
+        inject_io_fault(opt, aio.FAULT_EIO, 1)
         with pytest.raises(OSError):
             opt.step()
         opt.zero_grad(set_to_none=True)
@@ -750,9 +750,9 @@ def test_gradients_not_kept_after_step(tmp_path, cfg):
 
 
 KILLED_SCRIPT = """
-    import sys, time, torch, offload
+    import sys, time, torch, offload, offload.testing
     opts = [offload.AdamW([torch.zeros(300000)], storage=m, nvme_dir=sys.argv[1]) for m in ("nvme", "mmap")]
-    print(" ".join(o._store.directory for o in opts), flush=True)
+    print(" ".join(offload.testing.state_dir(o) for o in opts), flush=True)
     time.sleep(60)
 """
 
@@ -762,10 +762,10 @@ def test_leftovers_of_killed_runs_reported_and_removed(tmp_path):
     import json
     import signal
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    live = offload.AdamW([torch.zeros(10)], storage="nvme", nvme_dir=tmp_path)._store
-    live_dir = live.directory                                           # a live process's state (ours)
+    live = offload.AdamW([torch.zeros(10)], storage="nvme", nvme_dir=tmp_path)
+    live_dir = state_dir(live)                                          # a live process's state (ours)
     kept = offload.AdamW([torch.zeros(10)], storage="mmap", nvme_dir=tmp_path, keep_files=True)
-    kept_dir = kept._store.directory
+    kept_dir = state_dir(kept)
     kept.close()                                                        # kept on purpose: not a leftover
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED_SCRIPT), str(tmp_path)],
                             stdout=subprocess.PIPE, text=True, env=env)
@@ -795,7 +795,7 @@ def test_leftovers_of_killed_runs_reported_and_removed(tmp_path):
     msg = str(rec[0].message)
     assert dead[0] in msg and extra in msg and str(reused) in msg and "2.3 MiB" in msg  # 300000 * 8 B, 4 KiB pages
     assert f"offload.store.remove_stale_state({str(tmp_path)!r})" in msg
-    for d in ("offload-state-user0001", live_dir, kept_dir, opt._store.directory):
+    for d in ("offload-state-user0001", live_dir, kept_dir, state_dir(opt)):
         assert os.path.basename(d) not in msg
     assert sorted(s.path for s in store_mod.find_stale_state(tmp_path)) == sorted([dead[0], extra, str(reused)])
 
@@ -806,7 +806,7 @@ def test_leftovers_of_killed_runs_reported_and_removed(tmp_path):
     assert (tmp_path / "offload-state-user0001" / "notes.txt").read_text() == "mine"
     assert (tmp_path / "offload-state-file0001").read_text() == "a file"
     assert (tmp_path / "ranking.csv").exists()
-    assert os.path.isdir(live_dir) and os.path.isdir(kept_dir) and os.path.isdir(opt._store.directory)
+    assert os.path.isdir(live_dir) and os.path.isdir(kept_dir) and os.path.isdir(state_dir(opt))
     live.close()
     opt.close()
     assert not os.path.exists(live_dir)

@@ -30,11 +30,15 @@ class Trace:
             if len(self._spans) < self._limit:
                 self._spans.append((name, lane, span[0], span[1]))
 
+    def spans(self) -> List[Tuple[str, str, float, float]]:
+        """A copy of the spans recorded so far: (name, lane, start, end)."""
+        with self._lock:
+            return list(self._spans)
+
     def export(self, path: str) -> int:
         lanes = {}
         events = []
-        with self._lock:
-            spans = list(self._spans)
+        spans = self.spans()
         for name, lane, a, b in spans:
             tid = lanes.setdefault(lane, len(lanes) + 1)
             events.append({"name": name, "ph": "X", "pid": 1, "tid": tid,

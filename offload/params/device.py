@@ -129,6 +129,12 @@ class DeviceParams:
             self._last_up = None
         self.device.check()
 
+    @property
+    def uncounted_copies(self) -> int:
+        """Copies whose times are not yet counted in ``stats`` (collect_times counts the finished ones)."""
+        with self._events_lock:
+            return len(self._events)
+
     def collect_times(self) -> None:
         with self._events_lock:   # (the worker appends meanwhile: no copy may be lost)
             events, self._events = self._events, []

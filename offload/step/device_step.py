@@ -88,7 +88,7 @@ class DeviceStep:
         self.owns_device = False
         self._nsteps = 0
         self._last: Optional[dict] = None
-        self._recs: list = []
+        self.records: list = []   # the latest steps' statistics until _settle takes them (it runs past 4)
         self._versions = self._snapshot()
         self._prints = None   # (keys, fingerprints, side.publishes then): see _take_prints
         self._dtensors = None   # any DTensor parameter (FSDP2): known at the first step
@@ -300,8 +300,8 @@ class DeviceStep:
         rec.setdefault("skipped", False)
         if self.trace is not None:
             self.trace.span(f"step() {self._nsteps}", "training thread", (t0, time.perf_counter()))
-        self._recs.append(rec)
-        if len(self._recs) > 4:   # bounded however rarely the stats are read
+        self.records.append(rec)
+        if len(self.records) > 4:   # bounded however rarely the stats are read
             self._settle()
 
     def _exposed(self) -> float:
@@ -312,12 +312,12 @@ class DeviceStep:
         side = self.engine.side
         side.collect_times()
         pending = self.feed is not None and self.feed.uploads.pending
-        done = [k for k, r in enumerate(self._recs) if r["done"] and not (pending and k == len(self._recs) - 1)]
+        done = [k for k, r in enumerate(self.records) if r["done"] and not (pending and k == len(self.records) - 1)]
         if not done:
             return
         k = done[-1]
-        r = self._recs[k]
-        nxt = self._recs[k + 1] if k + 1 < len(self._recs) else None
+        r = self.records[k]
+        nxt = self.records[k + 1] if k + 1 < len(self.records) else None
         s1 = nxt["s0"] if nxt is not None else side.stats
         waits = (nxt["exposed0"] if nxt is not None else self._exposed()) - r["exposed0"]
         self._last = dict(step=r["step"], d2h_s=s1["d2h_s"] - r["s0"]["d2h_s"], kernel_s=r["kernel_s"],
@@ -328,7 +328,7 @@ class DeviceStep:
                           overlapped=r["overlapped"], waited_all=r.get("waited_all", False), complete=True)
         if "pipeline_s" in r:
             self._last["pipeline_s"] = r["pipeline_s"]
-        self._recs = self._recs[k:]
+        self.records = self.records[k:]
 
     # ------------------------------------------------------------------ the rest of the GPU face
     def synchronize(self) -> None:
