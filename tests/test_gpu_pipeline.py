@@ -462,7 +462,7 @@ def test_last_step_stats_in_every_mode(tmp_path):
         st = opt.last_step_stats(wait=True)
         assert set(st) >= {"step", "d2h_s", "kernel_s", "h2d_s", "nvme_s", "exposed_s", "skipped"}, (kw, st)
         assert st["step"] == 2 and st["kernel_s"] > 0 and not st["skipped"], kw
-        if kw.get("state") == "nvme":
+        if kw.get("storage") == "nvme":
             assert st["nvme_s"] > 0, kw
         opt.close()
 
@@ -640,7 +640,7 @@ def test_forward_waits_only_for_the_buckets_it_reads(opts, tmp_path):
     layer would read the fake device's poison (NaN) of an upload not done yet."""
     model = _Deep()
     dev = FakeDevice(max_delay=0.0, seed=0)
-    if opts.get("state") == "nvme":
+    if opts.get("storage") == "nvme":
         opts = dict(opts, nvme_dir=tmp_path)
     opt = offload.AdamW(model.parameters(), lr=1e-3, offload_device=dev, bucket_mb=0.02, **opts)
     x = torch.randn(8, 64)
