@@ -59,6 +59,7 @@ def tree(root, extra=None):
 
 
 def keys(root, **kw):
+    kw.setdefault("layers", ())  # synthetic trees: the layer rule only where a test asks for it
     findings, ctx = check_arch.check(str(root), **kw)
     return [f.key for f in findings], ctx
 
@@ -180,7 +181,8 @@ def test_headers_and_cited_paths(tmp_path):
 def test_layer_rule_from_the_table(tmp_path):
     root = tree(tmp_path, {"offload/base/__init__.py": '"""base/: leaves."""\n',
                            "offload/base/u.py": '"""base/u.py: up."""\nfrom ..step import run\n'})
-    assert not [k for k in keys(root)[0] if k.startswith("layer")]  # LAYERS empty: off
+    assert not [k for k in keys(root, layers=())[0] if k.startswith("layer")]  # LAYERS empty: off
+    assert "layer offload/base/u.py -> offload/step/run.py" in keys(root, layers=None)[0]  # the real table is on
     found, _ = keys(root, layers=("base", "", "step"))
     assert found == ["layer offload/base/u.py -> offload/step/run.py"]
     found, _ = keys(root, layers=("base", "", "step"), only={"step": ("base",)})
@@ -192,7 +194,8 @@ def run_main(root, capsys, *argv):
     return rc, capsys.readouterr().out
 
 
-def test_allowlist_only_shrinks(tmp_path, capsys):
+def test_allowlist_only_shrinks(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(check_arch, "LAYERS", ())  # the synthetic step/ imports the root: not what this tests
     root = tree(tmp_path, {"offload/b.py": '"""b.py: b."""\nfrom . import c\n',
                            "offload/c.py": '"""c.py: c."""\nfrom . import b\n',
                            "tests/test_big.py": "x = 1\n" * 410})

@@ -4,8 +4,8 @@ Parses every module under offload/ (bench/ included) with ``ast``. Kinds of find
   cycle    strongly connected components of the import graph of offload modules: relative and absolute
            imports, at module level (in if/try/class bodies too) AND function level. ``from .p import n``
            is an edge to module ``p.n`` if that exists, else to ``p``; parent packages are not implied.
-  native   modules outside offload/native/ (NATIVE_HOME) importing ``offload._C``, in any spelling (``from .. import
-           _C``, ``import offload._C``, ``from offload.native import _C``): that package is the one door to it.
+  native   modules outside offload/native/ (the one door) importing ``offload._C`` in any spelling (``from .. import
+           _C``, ``import offload._C``, ``from offload.native import _C``).
   size     files over MAX_LINES lines in offload/, csrc/, tests/.
   private  private attributes reached across modules, approximated without type inference: ``_x`` (no
            dunder) is owned by the modules defining it (``self._x =``, ``cls._x =``, ``def _x`` or
@@ -14,27 +14,24 @@ Parses every module under offload/ (bench/ included) with ``ast``. Kinds of find
            (``eng._collect`` in step/feedstep.py, owned by step/engine.py), or base is another offload
            module, or ``base._x = ...`` is written by a module that does not own ``_x`` (even if none
            does); in tests/, when any offload module owns ``_x``, or base is an offload module or _C.
-           Never: names no offload module owns (torch's, numpy's), NOT_OURS, attributes of other
-           libraries' modules, private submodules (``offload._version``), ``_C._x`` in offload/.
+           Never: names no offload module owns (torch's), NOT_OURS, other libraries' modules' attributes,
+           private submodules (``offload._version``), ``_C._x`` in offload/.
   header   offload modules whose opening docstring does not start with their own path and ":"
            (``step/uploads.py: ...`` or ``offload/step/uploads.py: ...``; a package ``__init__`` may
            say ``step/`` or ``offload.step``, the root one ``offload``). Without a docstring, the first
            comment line may carry the header.
   cite     paths cited anywhere in an offload module (offload/, csrc/, docs/, tests/, examples/,
            tools/) that do not exist.
-  layer    imports against the layer order; off while LAYERS is empty (the target folders do not exist
-           yet): fill LAYERS (and ONLY) below to switch it on.
-  parse    a file that does not parse (never allowlisted).
+  layer    imports against the layer order and the narrower rules (LAYERS and ONLY, below); ``parse``: a
+           file that does not parse (never allowlisted).
 
 Usage (paths relative to the repository root): ``python tools/check_arch.py`` exits 1, printing both
 lists, if a finding is not in tools/arch_allow.txt or an allowlisted one no longer occurs (the list
 may only shrink), else 0 (tests/test_architecture.py runs it in CI). ``--report``: every finding by
-kind, line totals per package. ``--graph``: the import graph, an edge a line. ``--write-allow``:
-rewrite tools/arch_allow.txt from the tree as it is now (sorted, atomic): after removing violations,
-or to take a new baseline (e.g. once concurrent changes have landed).
-Allowlist: ``kind path [detail]`` a line; ``#`` starts a comment. A size entry is a ceiling
-(``size tests/test_store.py 856``: the file may shrink, not grow past 856 lines; stale once it is at
-most MAX_LINES). Every other entry matches exactly.
+kind, line totals per package. ``--graph``: the import graph, an edge a line. ``--write-allow``: rewrite
+tools/arch_allow.txt from the tree as it is (sorted, atomic): after removing violations, or for a baseline.
+Allowlist: ``kind path [detail]`` a line; ``#`` starts a comment. A size entry is a ceiling (``size
+tests/test_store.py 856``: may shrink, not grow; stale once at most MAX_LINES). Others match exactly.
 """
 import argparse
 import ast
@@ -44,15 +41,13 @@ import re
 import sys
 from collections import defaultdict
 
-# ---- tables -----------------------------------------------------------------------------------
-# Layer order, lowest first; a package is the first folder under offload/, "" the root files. Empty:
+# ---- tables: layer order, lowest first; a package is the first folder under offload/, "" the root files. Empty:
 # rule off. When set, a module of package P may import only P or packages listed before P (packages
-# not listed are not checked). The target: ("base", "native", "device", "moments", "state", "params",
-# "engine", "schedule", "checkpoint", "optim", "", "bench")
-LAYERS: tuple = ()
-# Narrower rules, applied with LAYERS: importer (package, or module path like "offload/planner.py")
-# -> the only other packages it may import, e.g. {"checkpoint": ("base", "moments")}.
-ONLY: dict = {}
+# not listed are not checked). Target: engine/ + schedule/ for today's step/, optim/ below the root.
+LAYERS: tuple = ("base", "native", "device", "moments", "state", "params", "step", "checkpoint", "", "bench")
+# Narrower: importer (package or module path) -> the only other packages it may import (base/: leaves).
+ONLY: dict = {"base": (), "native": ("base",), "device": ("base",), "moments": ("base", "native"),
+              "checkpoint": ("base", "moments"), "offload/planner.py": ("base", "moments", "state")}
 MAX_LINES = 400
 SIZE_DIRS = ("offload", "csrc", "tests")
 SIZE_EXTS = (".py", ".h", ".hpp", ".c", ".cc", ".cpp", ".cu", ".cuh")
