@@ -489,14 +489,14 @@ def test_refusals():
 @pytest.mark.parametrize("state", ["ram", "nvme"])
 def test_planner_bytes_match_the_engine(fmt, state, tmp_path):
     m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 10))
-    pl = offload.plan(m, device="cpu", state=state, moments=fmt)
+    pl = offload.plan(m, device="cpu", storage=state, moments=fmt)
     kw = dict(storage=state, nvme_dir=str(tmp_path)) if state != "ram" else {}
     opt = offload.AdamW(m.parameters(), moments=fmt, **kw)
     real = testing.state_bytes(opt)
     got = pl.host_state_bytes - pl.bytes_of("host", "optimizer state: step") if state == "ram" else pl.total("nvme")
     assert got == real
     if fmt != "fp32":   # smaller than fp32 moments, by about the format's ratio
-        full = offload.plan(m, device="cpu", state="nvme").total("nvme")
+        full = offload.plan(m, device="cpu", storage="nvme").total("nvme")
         assert real < full * (0.55 if fmt == "bf16" else 0.3)
     opt.close()
 

@@ -222,7 +222,7 @@ def test_add_param_group_grows_every_drive(tmp_path):
 def test_planner_per_drive_bytes_match_the_files(tmp_path):
     ds = drives(tmp_path, 3)
     ps = [torch.randn(5000), torch.randn(300, 7).bfloat16(), torch.randn(2049)]
-    mp = offload.plan(ps, device="cpu", state="nvme", host_budget=65536, nvme_path=",".join(ds))
+    mp = offload.plan(ps, device="cpu", storage="nvme", host_budget=65536, nvme_dir=",".join(ds))
     assert [d["dir"] for d in mp.drives] == ds and mp.config["depth"] == 6
     assert "drive " in str(mp) and mp.to_dict()["drives"] == mp.drives
     opt = offload.AdamW(ps, nvme_dir=ds, host_budget=65536)

@@ -67,9 +67,9 @@ def test_nvme_buckets_and_bytes_match_the_optimizer(tmp_path):
     params = [torch.randn(40_000, dtype=torch.bfloat16) for _ in range(5)]
     budget = 1 << 20
     bw = Bandwidths(kernel=10 * GB, read=2 * GB, write=1 * GB, mixed=1.5 * GB)
-    p = offload.plan(params, device="cpu", state="nvme", host_budget=budget, nvme_path=str(tmp_path), bandwidths=bw)
+    p = offload.plan(params, device="cpu", storage="nvme", host_budget=budget, nvme_dir=str(tmp_path), bandwidths=bw)
     from offload import steptime
-    opt = offload.AdamW(params, state="nvme", nvme_dir=tmp_path, host_budget=budget)
+    opt = offload.AdamW(params, storage="nvme", nvme_dir=tmp_path, host_budget=budget)
     try:
         for q in params:
             q.grad = torch.randn_like(q)
@@ -110,7 +110,7 @@ def test_bandwidth_json(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a JSON of python -m offload.bench"):
         from_json(str(tmp_path / "bad.json"))
-    p = offload.plan(_meta(1 << 20, 2, torch.float32), device="cpu", state="nvme", nvme_path=str(tmp_path),
+    p = offload.plan(_meta(1 << 20, 2, torch.float32), device="cpu", storage="nvme", nvme_dir=str(tmp_path),
                      bandwidths=paths)
     assert p.step_time.sources["kernel"].startswith(str(tmp_path / "k.json"))
     assert any("one after the other" in n for n in p.step_time.notes)

@@ -44,8 +44,8 @@ def test_host_state_matches_allocation(amsgrad):
 
 @pytest.mark.timeout(30)
 def test_nvme_sharding_and_warning():
-    p = offload.plan(10_000_000, device="cuda", param_dtype="bf16", state="nvme", world_size=4, sharding="zero1")
-    one = offload.plan(2_500_000, device="cuda", param_dtype="bf16", state="nvme")  # one rank's quarter
+    p = offload.plan(10_000_000, device="cuda", param_dtype="bf16", storage="nvme", world_size=4, sharding="zero1")
+    one = offload.plan(2_500_000, device="cuda", param_dtype="bf16", storage="nvme")  # one rank's quarter
     assert p.bytes_of("nvme", "optimizer state file") == one.bytes_of("nvme", "optimizer state file")
     assert 2_500_000 * 12 <= one.bytes_of("nvme", "optimizer state file") < 2_500_000 * 12 * 1.01  # m, v, master
     assert p.bytes_of("gpu", "weights") == 20_000_000  # ZeRO-1 does not shard weights
@@ -67,7 +67,7 @@ def test_cli(tmp_path, capsys):
 @pytest.mark.parametrize("amsgrad,budget", [(False, 65536), (True, 1 << 20)])
 def test_nvme_figures_match_the_store(tmp_path, amsgrad, budget):
     model = _model()
-    p = offload.plan(model, device="cpu", state="nvme", amsgrad=amsgrad, host_budget=budget)
+    p = offload.plan(model, device="cpu", storage="nvme", amsgrad=amsgrad, host_budget=budget)
     opt = offload.AdamW(model.parameters(), amsgrad=amsgrad, storage="nvme", nvme_dir=tmp_path, host_budget=budget)
     try:
         info = opt.storage_info()
@@ -95,7 +95,7 @@ def test_gpu_mode_figures_match_the_engine(tmp_path):
         assert p.bytes_of("host", "pinned") == info["staging_bytes"]   # only the ring is pinned
         opt.close()
     budget = 1 << 20
-    p = offload.plan(model, device="cuda", state="nvme", host_budget=budget, staging_slots=2)
+    p = offload.plan(model, device="cuda", storage="nvme", host_budget=budget, staging_slots=2)
     opt = offload.AdamW(model.parameters(), offload_device=FakeDevice(), storage="nvme", nvme_dir=tmp_path,
                         host_budget=budget, nvme_options={"staging_slots": 2})
     info = opt.storage_info()
