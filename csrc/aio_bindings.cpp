@@ -1,5 +1,5 @@
 // aio_bindings.cpp: Python binding of the async I/O engine (offload._C.AioEngine, offload._C.AioFile),
-// registered into offload._C by register_aio(). The validated, tensor-level API is offload/aio.py.
+// registered into offload._C by register_aio(). The validated, tensor-level API is offload/native/aio.py.
 //
 // What these entries trust (see also the table at the top of bindings.cpp): nothing that is a raw
 // integer. A transfer names its memory as an object exporting the buffer protocol (a numpy array,

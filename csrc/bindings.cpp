@@ -1,5 +1,5 @@
 // bindings.cpp: the Python module offload._C. Thin: converts the int64 task tables built by
-// offload/_kernels.py into native structs, checks their shape, releases the GIL around every
+// offload/native/adam.py into native structs, checks their shape, releases the GIL around every
 // call that does real work, and maps std::invalid_argument to ValueError.
 //
 // What each Python-reachable entry trusts, and why (issue 10, item 14):
@@ -7,11 +7,11 @@
 //   dereference them. The native layer cannot know the extent of torch memory, so it checks only
 //   what a table can tell (shape, dtype codes, lengths, nulls, overlap within a row) and TRUSTS
 //   that every address range lies inside live memory. Hence they are private (underscore, not
-//   documented) and called only from offload/_kernels.py: adam_step / grad_sumsq /
+//   documented) and called only from offload/native/adam.py: adam_step / grad_sumsq /
 //   bandwidth_probe(_moments) / fingerprint there validate each tensor first (CPU, dtype, contiguous, storage bounds,
 //   no neg/conj bit, no overlap between written buffers); _step_table runs tables that the
 //   optimizer, the NVMe store and the GPU pipeline build from tensors they validated and keep
-//   alive (their job to revalidate on change, e.g. with _kernels.tensor_signature).
+//   alive (their job to revalidate on change, e.g. with base/tensors.tensor_signature).
 // - collect_rows (csrc/rows.cpp, the optimizer's fast path): reads the lists and arrays it is
 //   given and compares pointers as integers; it never dereferences a tensor address. It holds strong
 //   references across every call into Python (the getters it is given may run arbitrary code) and

@@ -29,7 +29,7 @@ static inline const char* dtype_name(int64_t d) {
 }
 
 // One tensor of a multi-tensor Adam call. Layout matches the int64 table built in
-// offload/_kernels.py (one row per tensor, kTaskCols columns).
+// offload/native/adam.py (one row per tensor, kTaskCols columns).
 struct AdamTask {
   float* p;          // fp32 master weights, updated in place
   float* m;          // first moment

@@ -43,7 +43,7 @@ namespace {
 
 // columns of the per-row record (offload/_plan.py REC_* must match)
 enum : int64_t { R_PPTR, R_GPTR, R_CODE, R_DIM, R_SIZE0, R_NUMEL, R_PVER, R_LOWP, R_COLS };
-constexpr int64_t kTaskCols = 10, kColG = 4, kColGD = 8;  // offload/_kernels.py COL_G, COL_GD
+constexpr int64_t kTaskCols = 10, kColG = 4, kColGD = 8;  // offload/native/adam.py COL_G, COL_GD
 
 using Table = py::array_t<int64_t, py::array::c_style>;
 

@@ -9,6 +9,8 @@ here, which check tensors before any pointer crosses into C++:
 - ``moments``: the same update over compressed (bf16 / 8-bit) moments.
 - ``rows``: what the native per-step check of parameter rows is given (getters, record columns).
 - ``aio``: the asynchronous O_DIRECT file engine the NVMe tier uses.
+
+``info()`` reports the compiled core's version, ISA and threads (``offload.build_info()`` uses it).
 """
 from .. import _C  # noqa: F401  (the modules of this package use it as ``from . import _C``)
 
