@@ -15,7 +15,7 @@ import torch
 
 from .native import adam as _kernels
 from . import fallback
-from .base.dist import global_sumsq
+from .base.dist import global_sumsq, nonfinite_norm
 from .native.rows import get_version
 
 __all__ = ["ClippingMixin"]
@@ -78,7 +78,7 @@ class ClippingMixin:
         total = math.sqrt(sumsq) * pending  # the norm of what the step would use
         params, grads = params + fbp, grads + fbgrads
         if error_if_nonfinite and not math.isfinite(total):
-            raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total}), so it cannot be clipped")
+            raise nonfinite_norm(total)
         coef = float(max_norm) / (total + 1e-6)
         self.set_clip_coefficient(pending * coef if coef < 1.0 else pending, params)
         return torch.tensor(total, dtype=torch.float32)

@@ -58,7 +58,8 @@ class _AdamBase(ClippingMixin, StateDictMixin, GpuOffloadMixin, Optimizer):
             delay_extrapolate=delay_extrapolate)
         state = resolve_storage(storage, state, nvme_dir)   # state=: the old name of storage= (deprecated)
         if isinstance(lr, torch.Tensor) and foreach and not capturable:
-            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True: pass lr as a "
+                             "float, or leave foreach unset")
         _check_hyper(lr, betas, eps, weight_decay)
         _check_init(params, betas, foreach, capturable)
         params = list(params)

@@ -17,7 +17,8 @@ try:  # torch >= 2.4
 except Exception:  # pragma: no cover - torch built without distributed
     _DTensor = None
 
-__all__ = ["is_dtensor", "local", "like", "world", "allreduce_sumsq", "layout_key", "global_sumsq", "in_process_group", "multi_rank"]
+__all__ = ["is_dtensor", "local", "like", "world", "allreduce_sumsq", "layout_key", "global_sumsq", "nonfinite_norm",
+           "in_process_group", "multi_rank"]
 
 
 def is_dtensor(t) -> bool:
@@ -87,6 +88,13 @@ def layout_key(t) -> Optional[tuple]:
     if not is_dtensor(t):
         return None
     return (id(t.device_mesh), tuple(str(pl) for pl in t.placements))
+
+
+def nonfinite_norm(total: float) -> RuntimeError:
+    """clip_grad_norm_(error_if_nonfinite=True) on a non-finite global norm: torch's message, and what to do."""
+    return RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total}), so it cannot be clipped: "
+                        "find the inf/NaN in the loss or gradients (torch.amp.GradScaler skips such steps; offload's "
+                        "check_overflow=True does too)")
 
 
 def global_sumsq(grads: list, local_sumsq) -> float:

@@ -104,7 +104,8 @@ def bench_fio(path: str, size: int, configs: list) -> dict:
                    "--output-format=json"]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
-                raise RuntimeError(f"fio failed: {r.stderr.strip()[:500]}")
+                raise RuntimeError(f"fio failed: {r.stderr.strip()[:500]} (is fio installed: apt-get install fio? "
+                                   "--no-fio measures without it)")
             js = json.loads(r.stdout[r.stdout.index("{"):])
             job = js["jobs"][0]
             res[(op, qd, jobs)] = float(job[op]["bw_bytes"])

@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..base.dist import global_sumsq, in_process_group, is_dtensor, local, multi_rank
+from ..base.dist import global_sumsq, in_process_group, is_dtensor, local, multi_rank, nonfinite_norm
 from ..native.adam import affinity_cpus
 from ..params.fingerprint import fingerprints
 from .smallparams import DeviceSideAdam
@@ -199,7 +199,7 @@ class DeviceStep:
         pending = port.pending()   # a coefficient left by an earlier call, if still valid
         total = math.sqrt(self._sumsq()) * pending
         if error_if_nonfinite and not math.isfinite(total):
-            raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total}), so it cannot be clipped")
+            raise nonfinite_norm(total)
         coef = float(max_norm) / (total + 1e-6)
         port.set_pending(pending * coef if coef < 1.0 else pending,
                          [p for ps in self.engine.groups for p in ps if p.grad is not None])
