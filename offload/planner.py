@@ -192,7 +192,7 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
         from .plan_inputs import hf_config_model
         model_or_params = hf_config_model(model_or_params)
     if moments != "fp32" and amsgrad:
-        raise ValueError(f"amsgrad=True is not supported with moments={moments!r}")
+        raise ValueError(f"amsgrad=True is not supported with moments={moments!r}: use moments='fp32' for amsgrad")
     if state not in ("ram", "nvme", "mmap"):
         raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {state!r}")
     if sharding not in ("none", "zero1", "fsdp"):
