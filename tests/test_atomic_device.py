@@ -11,9 +11,10 @@ import offload
 from offload import testing
 from offload.device import CpuDevice
 from atomic_util import assert_same, grads, snapshot, train
+from conftest import configs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-MODES = [(t, m) for t in ("ram", "nvme", "mmap") for m in ("fp32", "bf16", "8bit")]
+CPU_SYNC = dict(sides=("cpu",), schedules=("sync",), cover="all")   # configs(...) of this file (build)
 
 
 class Fault(Exception):
@@ -68,10 +69,10 @@ VALIDATION = {
 }
 
 
-@pytest.mark.parametrize("tier,moments", MODES)
+@pytest.mark.parametrize("cfg", configs(**CPU_SYNC))
 @pytest.mark.parametrize("what", list(VALIDATION))
-def test_validation_error_changes_nothing(tier, moments, what, tmp_path, opts):
-    ps, opt, ref = _start(tier, moments, tmp_path, opts)
+def test_validation_error_changes_nothing(cfg, what, tmp_path, opts):
+    ps, opt, ref = _start(cfg.tier, cfg.moments, tmp_path, opts)
     group = copy.deepcopy({k: v for k, v in opt.param_groups[1].items() if k != "params"})
     kw = VALIDATION[what](ps, opt)
     before = snapshot(ps, opt)
@@ -91,11 +92,11 @@ STAGES = {
 }
 
 
-@pytest.mark.parametrize("tier,moments", MODES)
+@pytest.mark.parametrize("cfg", configs(**CPU_SYNC))
 @pytest.mark.parametrize("stage", list(STAGES))
 @pytest.mark.parametrize("nth", [1, 3])
-def test_failure_inside_the_step(tier, moments, stage, nth, tmp_path, opts, monkeypatch):
-    ps, opt, ref = _start(tier, moments, tmp_path, opts)
+def test_failure_inside_the_step(cfg, stage, nth, tmp_path, opts, monkeypatch):
+    ps, opt, ref = _start(cfg.tier, cfg.moments, tmp_path, opts)
     weights, sd = [p.detach().clone() for p in ps], copy.deepcopy(opt.state_dict())
     obj, attr = STAGES[stage](opt)
     real, count = getattr(obj, attr), [0]

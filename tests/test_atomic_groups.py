@@ -13,17 +13,15 @@ import offload
 from offload import testing
 from offload.device import CpuDevice
 from atomic_util import assert_same, snapshot, train
+from conftest import configs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-MODES = [(t, m, dev) for t in ("ram", "nvme", "mmap") for m in ("fp32", "8bit") for dev in (False, True)]
+ROWS = dict(sides=("host", "cpu"), moments=("fp32", "8bit"), schedules=("sync",), cover="all")   # configs(...) here
 
 
-def _id(mode):
-    return "-".join((mode[0], mode[1], "device" if mode[2] else "host"))
-
-
-def build(mode, d):
-    tier, moments, device = mode
+def build(cfg, d):
+    """Host parameters, or on the CPU test device with the synchronous schedule (cfg.side "cpu")."""
+    tier, moments, device = cfg.tier, cfg.moments, cfg.device
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(s)) for s in (300, 50)]
     kw = dict(moments=moments, moments_min_size=100) if moments != "fp32" else {}
@@ -34,10 +32,10 @@ def build(mode, d):
     return ps, offload.AdamW([{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0.1}], lr=0.01, **kw)
 
 
-def _pair(mode, tmp_path, opts):
+def _pair(cfg, tmp_path, opts):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    (ps, opt), (ref, ropt) = build(mode, tmp_path / "a"), build(mode, tmp_path / "b")
+    (ps, opt), (ref, ropt) = build(cfg, tmp_path / "a"), build(cfg, tmp_path / "b")
     opts += [opt, ropt]
     train(ps, opt, 0, 2)
     train(ref, ropt, 0, 2)
@@ -48,10 +46,10 @@ def _no_space(*a, **k):
     raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
 
-@pytest.mark.parametrize("mode", MODES, ids=_id)
-def test_add_param_group_that_cannot_grow_the_state_changes_nothing(mode, tmp_path, opts, monkeypatch):
+@pytest.mark.parametrize("cfg", configs(**ROWS))
+def test_add_param_group_that_cannot_grow_the_state_changes_nothing(cfg, tmp_path, opts, monkeypatch):
     # the tier cannot grow for the new group (a full disk, no memory): the group is not added
-    ps, opt, ref, ropt = _pair(mode, tmp_path, opts)
+    ps, opt, ref, ropt = _pair(cfg, tmp_path, opts)
     if testing.state_engine(opt) is None:
         pytest.skip("host parameters with fp32 RAM state have no state engine (nothing to grow)")
     before = snapshot(ps, opt)
@@ -72,10 +70,10 @@ def test_add_param_group_that_cannot_grow_the_state_changes_nothing(mode, tmp_pa
     assert_same(snapshot(ps, opt), snapshot(ref, ropt))
 
 
-@pytest.mark.parametrize("mode", [m for m in MODES if m[2]], ids=_id)
-def test_add_param_group_failing_after_the_state_grew_fails_the_optimizer(mode, tmp_path, opts, monkeypatch):
+@pytest.mark.parametrize("cfg", configs(**dict(ROWS, sides=("cpu",))))
+def test_add_param_group_failing_after_the_state_grew_fails_the_optimizer(cfg, tmp_path, opts, monkeypatch):
     # the device staging cannot grow once the tier did: refused until a load, then bitwise as the other run
-    ps, opt, ref, ropt = _pair(mode, tmp_path, opts)
+    ps, opt, ref, ropt = _pair(cfg, tmp_path, opts)
     sd = copy.deepcopy(opt.state_dict())
     monkeypatch.setattr(testing.side(opt), "allocate", _no_space)
     with pytest.raises(OSError, match="injected"):
@@ -97,10 +95,10 @@ BAD_ENTRIES = {   # found after the entries of group 0 were read
 }
 
 
-@pytest.mark.parametrize("mode", MODES, ids=_id)
+@pytest.mark.parametrize("cfg", configs(**ROWS))
 @pytest.mark.parametrize("bad", list(BAD_ENTRIES))
-def test_load_state_dict_with_a_bad_entry_changes_nothing(mode, bad, tmp_path, opts):
-    ps, opt, ref, ropt = _pair(mode, tmp_path, opts)
+def test_load_state_dict_with_a_bad_entry_changes_nothing(cfg, bad, tmp_path, opts):
+    ps, opt, ref, ropt = _pair(cfg, tmp_path, opts)
     sd = ropt.state_dict()
     sd = dict(sd, state=copy.deepcopy(sd["state"]))
     BAD_ENTRIES[bad](sd["state"])
@@ -113,9 +111,10 @@ def test_load_state_dict_with_a_bad_entry_changes_nothing(mode, bad, tmp_path, o
     assert_same(snapshot(ps, opt), snapshot(ref, ropt))
 
 
-@pytest.mark.parametrize("mode", [m for m in MODES if m[0] != "ram" or m[1] != "fp32"], ids=_id)
-def test_load_state_dict_failing_while_writing_the_state_fails_the_optimizer(mode, tmp_path, opts, monkeypatch):
-    ps, opt, ref, ropt = _pair(mode, tmp_path, opts)
+@pytest.mark.parametrize("cfg", [c for c in configs(**ROWS) if (c.values[0].tier, c.values[0].moments)
+                                 != ("ram", "fp32")])
+def test_load_state_dict_failing_while_writing_the_state_fails_the_optimizer(cfg, tmp_path, opts, monkeypatch):
+    ps, opt, ref, ropt = _pair(cfg, tmp_path, opts)
     sd = copy.deepcopy(opt.state_dict())
     real, calls = testing.tier(opt).write, [0]
 

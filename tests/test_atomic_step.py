@@ -15,10 +15,9 @@ from offload import testing
 from offload.base.failstop import OptimizerFailedError
 from offload.step import bucket
 from atomic_util import assert_same, grads, snapshot, train
+from conftest import configs
 
-TIERS = ("ram", "nvme", "mmap")
-MOMENTS = ("fp32", "bf16", "8bit")
-MODES = [(t, m) for t in TIERS for m in MOMENTS]
+HOST = dict(sides=("host",), cover="all")   # configs(...) of this file: every tier x moment format
 STEPS = 5          # reference run length; the fault is injected into step 2 (0-based)
 
 
@@ -134,9 +133,9 @@ def _after_failure(ps, opt, before, ref, *, may_fail: bool, undo=None) -> None:
     _continue(ps, opt, 2, ref)
 
 
-def _start(tier, moments, tmp_path, opts):
-    ref = reference(tier, moments, tmp_path)
-    ps, opt = build(tier, moments, tmp_path)
+def _start(cfg, tmp_path, opts):
+    ref = reference(cfg.tier, cfg.moments, tmp_path)
+    ps, opt = build(cfg.tier, cfg.moments, tmp_path)
     opts.append(opt)
     train(ps, opt, 0, 2)
     assert_same(snapshot(ps, opt), ref[1])
@@ -144,11 +143,11 @@ def _start(tier, moments, tmp_path, opts):
     return ps, opt, ref
 
 
-@pytest.mark.parametrize("tier,moments", MODES)
+@pytest.mark.parametrize("cfg", configs(**HOST))
 @pytest.mark.parametrize("what", list(VALIDATION))
-def test_validation_error_changes_nothing(tier, moments, what, tmp_path, opts):
+def test_validation_error_changes_nothing(cfg, what, tmp_path, opts):
     inject, undo, exc = VALIDATION[what]
-    ps, opt, ref = _start(tier, moments, tmp_path, opts)
+    ps, opt, ref = _start(cfg, tmp_path, opts)
     kw = inject(ps, opt)
     before = snapshot(ps, opt)
     with pytest.raises(exc):
@@ -180,14 +179,14 @@ ENGINE_STAGES = {
 
 
 def _stage_cases():
-    for tier, moments in MODES:
+    for cfg in (row.values[0] for row in configs(**HOST)):
         for name in ENGINE_STAGES:
-            if name == "kernel (compressed buckets)" and moments == "fp32":
+            if name == "kernel (compressed buckets)" and cfg.moments == "fp32":
                 continue
-            if name.startswith("torch's code") and (tier, moments) != ("ram", "fp32"):
+            if name.startswith("torch's code") and (cfg.tier, cfg.moments) != ("ram", "fp32"):
                 continue   # (only build()'s ram fp32 optimizer has parameters torch's code steps)
             for nth in (1, 3):
-                yield tier, moments, name, nth
+                yield pytest.param(cfg, name, nth, id=f"{cfg.id}-{name}-{nth}")
 
 
 def _failing(fn, nth, count):
@@ -199,9 +198,9 @@ def _failing(fn, nth, count):
     return wrapper
 
 
-@pytest.mark.parametrize("tier,moments,stage,nth", list(_stage_cases()))
-def test_failure_inside_the_step(tier, moments, stage, nth, tmp_path, opts, monkeypatch):
-    ps, opt, ref = _start(tier, moments, tmp_path, opts)
+@pytest.mark.parametrize("cfg,stage,nth", list(_stage_cases()))
+def test_failure_inside_the_step(cfg, stage, nth, tmp_path, opts, monkeypatch):
+    ps, opt, ref = _start(cfg, tmp_path, opts)
     before = snapshot(ps, opt)
     obj, attr = ENGINE_STAGES[stage](opt)
     count = [0]
@@ -218,12 +217,12 @@ def test_failure_inside_the_step(tier, moments, stage, nth, tmp_path, opts, monk
     _continue(ps, opt, 3, ref)
 
 
-@pytest.mark.parametrize("moments", MOMENTS)
+@pytest.mark.parametrize("cfg", configs(**dict(HOST, tiers=("nvme",))))
 @pytest.mark.parametrize("nth", [1, 2, 3, 4, 6])
-def test_io_error(moments, nth, tmp_path, opts):
+def test_io_error(cfg, nth, tmp_path, opts):
     # the nth read or write system call of the step fails (EIO): reads of the first buckets, then
     # write-backs interleaved with the reads ahead
-    ps, opt, ref = _start("nvme", moments, tmp_path, opts)
+    ps, opt, ref = _start(cfg, tmp_path, opts)
     before = snapshot(ps, opt)
     testing.inject_io_fault(opt, aio.FAULT_EIO, nth)
     with pytest.raises(OSError) as ei:

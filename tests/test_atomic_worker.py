@@ -11,6 +11,7 @@ every time, while zero_grad() and synchronize() work; after the optimizer's stat
 training is bitwise equal to an uninterrupted run. (The synchronous schedule, overlap=False, is
 tests/test_atomic_device.py.)"""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -21,10 +22,10 @@ from offload import testing
 from offload.device import FakeDevice
 from offload.step import bucket
 from atomic_util import assert_same, snapshot
+from conftest import configs
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(60)]
-MODES = [(t, m) for t in ("ram", "nvme", "mmap") for m in ("fp32", "bf16", "8bit")]
-SCHEDULES = {"eager": {}, "deferred": dict(step_during_backward=False)}
+FAKE = [row.values[0] for row in configs(sides=("fake",), cover="all")]   # the nine tier x moments rows, in order
 CKPT, MORE = 2, 2   # steps before the checkpoint, steps after it
 
 
@@ -32,14 +33,14 @@ class Fault(Exception):
     """The injected error."""
 
 
-def build(tier, moments, schedule, d):
+def build(cfg, d):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 4))
-    kw = dict(SCHEDULES[schedule])
-    if moments != "fp32":
-        kw.update(moments=moments, moments_min_size=0)
-    if tier != "ram":
-        kw.update(storage=tier, nvme_dir=d, host_budget=65536)
+    kw = cfg.schedule_kw
+    if cfg.moments != "fp32":
+        kw.update(moments=cfg.moments, moments_min_size=0)
+    if cfg.tier != "ram":
+        kw.update(storage=cfg.tier, nvme_dir=d, host_budget=65536)
     opt = offload.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, offload_device=FakeDevice(max_delay=0.001),
                         bucket_mb=0.001, **kw)
     return model, opt
@@ -61,14 +62,13 @@ def train(model, opt, start, n):
 _REF: dict = {}
 
 
-def reference(tier, moments, schedule, d):
-    key = (tier, moments, schedule)
-    if key not in _REF:
-        model, opt = build(tier, moments, schedule, d)
+def reference(cfg, d):
+    if cfg not in _REF:
+        model, opt = build(cfg, d)
         train(model, opt, 0, CKPT + MORE)
-        _REF[key] = snapshot(list(model.parameters()), opt)
+        _REF[cfg] = snapshot(list(model.parameters()), opt)
         opt.close()
-    return _REF[key]
+    return _REF[cfg]
 
 
 def _counting(real, count, nth):
@@ -122,20 +122,20 @@ def _cases():
     under 15 s)."""
     out = []
     for s, st in enumerate(STAGES):
-        for c, sc in enumerate(SCHEDULES):
+        for c, sc in enumerate(("eager", "deferred")):
             for j, nth in enumerate((1, 1, 3, 3)):
-                t, m = MODES[(8 * s + 4 * c + j) % len(MODES)]
-                out.append(pytest.param(st, sc, t, m, nth, id=f"{st}-{sc}-{t}-{m}-nth{nth}"))
+                cfg = dataclasses.replace(FAKE[(8 * s + 4 * c + j) % len(FAKE)], schedule=sc)
+                out.append(pytest.param(st, cfg, nth, id=f"{st}-{cfg.id}-nth{nth}"))
     return out
 
 
 CASES = _cases()
 
 
-@pytest.mark.parametrize("stage,schedule,tier,moments,nth", CASES)
-def test_worker_failure(stage, schedule, tier, moments, nth, tmp_path, opts, monkeypatch):
-    ref = reference(tier, moments, schedule, tmp_path)
-    model, opt = build(tier, moments, schedule, tmp_path)
+@pytest.mark.parametrize("stage,cfg,nth", CASES)
+def test_worker_failure(stage, cfg, nth, tmp_path, opts, monkeypatch):
+    ref = reference(cfg, tmp_path)
+    model, opt = build(cfg, tmp_path)
     opts.append(opt)
     train(model, opt, 0, CKPT)
     weights, sd = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
@@ -156,7 +156,7 @@ def test_worker_failure(stage, schedule, tier, moments, nth, tmp_path, opts, mon
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
         model.load_state_dict(weights)
-    _every_call_refused(model, opt, schedule)
+    _every_call_refused(model, opt, cfg.schedule)
     opt.load_state_dict(sd)
     train(model, opt, CKPT, MORE)
     assert_same(snapshot(list(model.parameters()), opt), ref)
