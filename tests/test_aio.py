@@ -314,7 +314,7 @@ def test_native_submit_takes_buffers_not_addresses(tmp_path):
         assert eng._native.wait(rid, None)[0] == 4096
         data.extend(b"y")
         # a tensor whose storage shrank under its view is refused before anything is queued
-        t = aligned_empty(8192)
+        t = torch.empty(8192, dtype=torch.uint8)   # (torch-owned: its storage can shrink)
         t.untyped_storage().resize_(16)
         with pytest.raises(RuntimeError, match="storage"):
             eng.write(f, t)
