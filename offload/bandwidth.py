@@ -25,6 +25,8 @@ from typing import Iterable, Optional, Union
 
 import torch
 
+from .base.dtypes import LOW_PRECISION
+
 __all__ = ["Bandwidths", "pass_bytes", "measure", "measure_kernel", "measure_disk", "measure_pcie", "from_json"]
 
 GB = 1e9
@@ -98,7 +100,7 @@ def measure_kernel(*, param_dtype=torch.float32, moments: str = "fp32", amsgrad:
         sec = _median_time(opt.step, reps)
     finally:
         opt.close()
-    low = param_dtype in (torch.bfloat16, torch.float16)
+    low = param_dtype in LOW_PRECISION
     return numel * pass_bytes(moments, p.element_size(), 2 if low else 0, amsgrad, numel) / sec
 
 
@@ -241,7 +243,7 @@ def from_json(paths: Union[str, Iterable[str]], *, moments: str = "fp32", param_
     io: our engine's medians (several drives: all at once)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [p for p in str(paths).split(",") if p]
-    low = param_dtype in (torch.bfloat16, torch.float16)
+    low = param_dtype in LOW_PRECISION
     bw = Bandwidths()
     for path in paths:
         with open(path) as f:
