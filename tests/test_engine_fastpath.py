@@ -17,10 +17,12 @@ import torch
 
 import offload
 from offload import testing
+from conftest import configs
 
 SHAPES = [(16, 16), (16, 32), (512,), (256,)]   # 0 and 3, 1 and 2 have the same number of elements
-CONFIGS = [(s, m) for s in ("ram", "nvme", "mmap") for m in ("fp32", "bf16", "8bit")]
-FAST_CONFIGS = [("ram", "8bit"), ("nvme", "fp32"), ("mmap", "bf16")]
+HOST = dict(sides=("host",), cover="all")   # configs(...) of this file: every tier x moment format
+FAST = dict(HOST, cover="listed", include=[("host", "ram", "8bit"), ("host", "nvme", "fp32"),
+                                          ("host", "mmap", "bf16")])   # one of each tier and moment format
 
 
 def _make(params, state, moments, tmp_path):
@@ -167,17 +169,17 @@ def tdir(tmp_path):
 
 
 @pytest.mark.parametrize("kind", list(CHANGES))
-@pytest.mark.parametrize("state,moments", FAST_CONFIGS)
-def test_change_noticed_as_uncached(kind, state, moments, tdir):
-    _check(kind, state, moments, torch.float32, tdir)
+@pytest.mark.parametrize("cfg", configs(**FAST))
+def test_change_noticed_as_uncached(kind, cfg, tdir):
+    _check(kind, cfg.tier, cfg.moments, torch.float32, tdir)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(CHANGES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("state,moments", CONFIGS)
-def test_change_noticed_as_uncached_all(kind, state, moments, dtype, tdir):
-    _check(kind, state, moments, dtype, tdir)
+@pytest.mark.parametrize("cfg", configs(**HOST))
+def test_change_noticed_as_uncached_all(kind, cfg, dtype, tdir):
+    _check(kind, cfg.tier, cfg.moments, dtype, tdir)
 
 
 @pytest.mark.parametrize("kind", ["new grad objects", "grad None", "grad None then back", "grad values in place",
@@ -186,9 +188,9 @@ def test_change_noticed_as_uncached_all(kind, state, moments, dtype, tdir):
                                   "grad .data t()", "grad .data neg view", "grad other dtype", "param .data neg view",
                                   "grad aliases its param", "grad back after memory moved"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("state", ["nvme", "mmap"])
-def test_disk_tiers_match_the_ram_tier(kind, state, dtype, tdir):
-    engine = _check(kind, state, "fp32", dtype, tdir)
+@pytest.mark.parametrize("cfg", configs(**dict(HOST, tiers=("nvme", "mmap"), moments=("fp32",))))
+def test_disk_tiers_match_the_ram_tier(kind, cfg, dtype, tdir):
+    engine = _check(kind, cfg.tier, cfg.moments, dtype, tdir)
     host = _scenario(kind, "ram", "fp32", dtype, tdir / "host")
     # raised or not alike (the overlap refusals of the two paths are ValueError / RuntimeError)
     assert [o == "ok" for o in engine[0]] == [o == "ok" for o in host[0]]
@@ -208,12 +210,12 @@ def _warm(state, moments, tmp_path, dtype=torch.float32):
     return ps, opt
 
 
-@pytest.mark.parametrize("state,moments", CONFIGS)
-def test_gradient_given_back_is_checked_against_memory_moved_meanwhile(state, moments, tmp_path):
+@pytest.mark.parametrize("cfg", configs(**HOST))
+def test_gradient_given_back_is_checked_against_memory_moved_meanwhile(cfg, tmp_path):
     # At the rebuild of the write spans (param 3 moved) the record of param 0's gradient, which was
     # not checked against them, must be dropped: kept, the same tensor given back would be "unchanged"
     # and the kernel would read it while writing param 3 into the same bytes.
-    ps, opt = _warm(state, moments, tmp_path)
+    ps, opt = _warm(cfg.tier, cfg.moments, tmp_path)
     g0 = ps[0].grad
     ps[0].grad = None
     ps[3].data = g0.view(-1)
@@ -223,22 +225,22 @@ def test_gradient_given_back_is_checked_against_memory_moved_meanwhile(state, mo
         opt.step()
 
 
-@pytest.mark.parametrize("state,moments", CONFIGS)
-def test_gradless_parameter_moved_onto_a_cached_gradient_is_refused(state, moments, tmp_path):
-    ps, opt = _warm(state, moments, tmp_path)
+@pytest.mark.parametrize("cfg", configs(**HOST))
+def test_gradless_parameter_moved_onto_a_cached_gradient_is_refused(cfg, tmp_path):
+    ps, opt = _warm(cfg.tier, cfg.moments, tmp_path)
     ps[0].grad = None
     ps[0].data = ps[3].grad.view(16, 16)   # param 3's gradient is unchanged (cached as checked)
     with pytest.raises(ValueError, match="gradient of parameter 3 of group 0 shares memory with parameter 0"):
         opt.step()
 
 
-@pytest.mark.parametrize("state,moments", CONFIGS)
-def test_moved_state_tensor_is_refused_or_adopted(state, moments, tmp_path):
+@pytest.mark.parametrize("cfg", configs(**HOST))
+def test_moved_state_tensor_is_refused_or_adopted(cfg, tmp_path):
     # opt.state entries are compared by identity AND data pointer: .data = keeps the object. A state
     # file refuses the new memory by name; host RAM takes its values over, as torch's AdamW uses them.
-    ps, opt = _warm(state, moments, tmp_path)
+    ps, opt = _warm(cfg.tier, cfg.moments, tmp_path)
     opt.state[ps[0]]["exp_avg"].data = torch.zeros(16, 16)
-    if state != "ram":
+    if cfg.tier != "ram":
         with pytest.raises(ValueError, match=r"state\['exp_avg'\] of parameter 0 of group 0 was replaced"):
             opt.step()
         return
@@ -247,19 +249,19 @@ def test_moved_state_tensor_is_refused_or_adopted(state, moments, tmp_path):
     torch.testing.assert_close(opt.state[ps[0]]["exp_avg"], (1 - 0.9) * g)   # from the zeros put in
 
 
-@pytest.mark.parametrize("state,moments", CONFIGS)
-def test_refused_step_is_refused_again(state, moments, tmp_path):
+@pytest.mark.parametrize("cfg", configs(**HOST))
+def test_refused_step_is_refused_again(cfg, tmp_path):
     # a gradient validated natively (new object) whose overlap check then failed is not trusted later
-    ps, opt = _warm(state, moments, tmp_path)
+    ps, opt = _warm(cfg.tier, cfg.moments, tmp_path)
     ps[2].grad = ps[1].data.view(-1)
     for _ in range(2):
         with pytest.raises(ValueError, match="gradient of parameter 2 of group 0 shares memory with parameter 1"):
             opt.step()
 
 
-@pytest.mark.parametrize("state,moments", CONFIGS)
-def test_bf16_parameter_written_between_steps_is_resynced(state, moments, tmp_path):
-    ps, opt = _warm(state, moments, tmp_path, dtype=torch.bfloat16)
+@pytest.mark.parametrize("cfg", configs(**HOST))
+def test_bf16_parameter_written_between_steps_is_resynced(cfg, tmp_path):
+    ps, opt = _warm(cfg.tier, cfg.moments, tmp_path, dtype=torch.bfloat16)
     with torch.no_grad():
         ps[1].mul_(0.5)
     snapshot = ps[1].detach().clone()
