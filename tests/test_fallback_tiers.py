@@ -11,16 +11,21 @@ import torch
 
 import offload
 from offload import fallback
+from conftest import Config, configs
 
-TIERS = ["ram", "nvme", "mmap", "ram-8bit", "nvme-8bit"]
+
+def listed(*rows):
+    """configs(...) of host parameters: these "tier-moments" rows only."""
+    return configs(sides=("host",), moments=("fp32", "8bit"), cover="listed",
+                   include=[("host", *r.split("-")) for r in rows])
 
 
-def kw_of(tier, tmp_path):
-    state, _, moments = tier.partition("-")
-    if state != "ram":
+def kw_of(cfg, tmp_path):
+    """The keywords of ``cfg`` (host parameters), compressed moments from 16 elements on."""
+    if cfg.tier != "ram":
         tmp_path.mkdir(parents=True, exist_ok=True)
-    kw = {} if state == "ram" else dict(storage=state, nvme_dir=tmp_path)
-    return dict(kw, moments=moments, moments_min_size=16) if moments else kw
+    kw = {} if cfg.tier == "ram" else dict(storage=cfg.tier, nvme_dir=tmp_path)
+    return dict(kw, moments=cfg.moments, moments_min_size=16) if cfg.moments != "fp32" else kw
 
 
 def make_params(seed=0):
@@ -58,16 +63,15 @@ def same(a, b):
         assert torch.equal(x, y), i
 
 
-@pytest.mark.parametrize("tier", TIERS[1:])
-def test_bitwise_the_ram_tier_with_clipping_and_add_param_group(tier, tmp_path):
-    ref = "ram-8bit" if tier.endswith("8bit") else "ram"
+@pytest.mark.parametrize("cfg", listed("nvme-fp32", "mmap-fp32", "ram-8bit", "nvme-8bit"))
+def test_bitwise_the_ram_tier_with_clipping_and_add_param_group(cfg, tmp_path):
     runs = []
-    for t in (ref, tier):
+    for t in (Config(moments=cfg.moments), cfg):   # the RAM tier's run, then this one
         ps = make_params()
         g = torch.Generator().manual_seed(7)
         extra = [torch.nn.Parameter(torch.randn(6, dtype=torch.float64, generator=g)),
                  torch.nn.Parameter(torch.randn(20, generator=g))]
-        opt = quiet(offload.AdamW, ps, lr=0.01, weight_decay=0.1, **kw_of(t, tmp_path / t))
+        opt = quiet(offload.AdamW, ps, lr=0.01, weight_decay=0.1, **kw_of(t, tmp_path / t.id))
         train(ps, opt, 2, clip=0.5)
         opt.add_param_group({"params": extra, "lr": 0.02})
         train(ps + extra, opt, 2, start=2, clip=0.5)
@@ -86,13 +90,13 @@ def test_bitwise_the_ram_tier_with_clipping_and_add_param_group(tier, tmp_path):
     ob.close()
 
 
-@pytest.mark.parametrize("tier", TIERS)
-def test_checkpoint_and_torch_state_dict_resume_bitwise(tier, tmp_path):
+@pytest.mark.parametrize("cfg", listed("ram-fp32", "nvme-fp32", "mmap-fp32", "ram-8bit", "nvme-8bit"))
+def test_checkpoint_and_torch_state_dict_resume_bitwise(cfg, tmp_path):
     ps = make_params()
-    ref = quiet(offload.AdamW, ps, lr=0.01, **kw_of(tier, tmp_path / "a"))
+    ref = quiet(offload.AdamW, ps, lr=0.01, **kw_of(cfg, tmp_path / "a"))
     train(ps, ref, 6)
     ps2 = make_params()
-    opt = quiet(offload.AdamW, ps2, lr=0.01, **kw_of(tier, tmp_path / "b"))
+    opt = quiet(offload.AdamW, ps2, lr=0.01, **kw_of(cfg, tmp_path / "b"))
     train(ps2, opt, 3)
     offload.save(opt, tmp_path / "ckpt")
     weights = [p.detach().clone() for p in ps2]
@@ -101,17 +105,17 @@ def test_checkpoint_and_torch_state_dict_resume_bitwise(tier, tmp_path):
     with torch.no_grad():
         for p, w in zip(ps3, weights):
             p.copy_(w)
-    back = quiet(offload.AdamW, ps3, lr=0.01, **kw_of(tier, tmp_path / "c"))
+    back = quiet(offload.AdamW, ps3, lr=0.01, **kw_of(cfg, tmp_path / "c"))
     offload.load(back, tmp_path / "ckpt")
     train(ps3, back, 3, start=3)
     same(ps, ps3)
-    if tier.endswith("8bit"):
+    if cfg.moments == "8bit":
         return
     # torch.optim's state_dict (the fallback parameters' state under their indices) loads and continues
     ps4, ps5 = make_params(), make_params()
     theirs = quiet(torch.optim.AdamW, ps4, lr=0.01)
     train(ps4, theirs, 3)
-    mine = quiet(offload.AdamW, ps5, lr=0.01, **kw_of(tier, tmp_path / "d"))
+    mine = quiet(offload.AdamW, ps5, lr=0.01, **kw_of(cfg, tmp_path / "d"))
     mine.load_state_dict(theirs.state_dict())
     with torch.no_grad():
         for p, q in zip(ps5, ps4):
@@ -124,10 +128,10 @@ def test_checkpoint_and_torch_state_dict_resume_bitwise(tier, tmp_path):
             assert torch.equal(mine.state[ps5[i]][key], v), (i, key)
 
 
-@pytest.mark.parametrize("tier", ["nvme", "mmap", "nvme-8bit"])
-def test_a_step_that_raises_changes_nothing(tier, tmp_path):
+@pytest.mark.parametrize("cfg", listed("nvme-fp32", "mmap-fp32", "nvme-8bit"))
+def test_a_step_that_raises_changes_nothing(cfg, tmp_path):
     ps = make_params()
-    opt = quiet(offload.AdamW, ps, lr=0.01, **kw_of(tier, tmp_path))
+    opt = quiet(offload.AdamW, ps, lr=0.01, **kw_of(cfg, tmp_path))
     train(ps, opt, 2)
     before = ([p.detach().clone() for p in ps],
               {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in opt.state_dict()["state"].items()})
@@ -154,19 +158,19 @@ def test_a_step_that_raises_changes_nothing(tier, tmp_path):
 def test_where_the_state_lives_is_logged_and_a_large_ram_state_warns_once(tmp_path, caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="offload.fallback"):
         opt = quiet(offload.AdamW, make_params(), storage="nvme", nvme_dir=tmp_path)
-    assert "kept in host RAM in torch's layout, not in the state file (state='nvme')" in caplog.text
+    assert "kept in host RAM in torch's layout, not in the state file (storage='nvme')" in caplog.text
     opt.close()
     monkeypatch.setattr(fallback, "RAM_WARN_BYTES", 100)
-    for tier, n in (("mmap", 1), ("ram-8bit", 1), ("ram", 0)):
+    for cfg, n in ((Config(tier="mmap"), 1), (Config(moments="8bit"), 1), (Config(), 0)):
         ps = make_params()
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            opt = offload.AdamW(ps, **kw_of(tier, tmp_path / tier))
+            opt = offload.AdamW(ps, **kw_of(cfg, tmp_path / cfg.id))
             train(ps, opt, 2)
             opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(4, dtype=torch.float64))]})
             train(ps, opt, 1, start=2)
         got = [str(x.message) for x in w if "of optimizer state in host RAM instead of" in str(x.message)]
-        assert len(got) == n, (tier, got)
+        assert len(got) == n, (cfg.id, got)
         opt.close()
 
 

@@ -9,6 +9,7 @@ import torch
 
 import offload
 from offload import _C
+from conftest import configs
 
 
 def make_model(dtype=torch.float32, seed=0):
@@ -41,7 +42,7 @@ def train(model, opt, steps, seed=1, sched=None, closure=False):
     return losses
 
 
-CONFIGS = [
+VARIANTS = [   # the optimizer, torch's, and the hyperparameters they share
     (offload.AdamW, torch.optim.AdamW, dict(lr=1e-2)),
     (offload.AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
     (offload.Adam, torch.optim.Adam, dict(lr=1e-2)),
@@ -50,10 +51,11 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("ours,theirs,kw", CONFIGS)
-def test_matches_torch_fp32(ours, theirs, kw):
+@pytest.mark.parametrize("cfg", configs(sides=("host",), tiers=("ram",), moments=("fp32",)))
+@pytest.mark.parametrize("ours,theirs,kw", VARIANTS)
+def test_matches_torch_fp32(ours, theirs, kw, cfg, tmp_path):
     m1, m2 = make_model(), make_model()
-    o1 = ours(m1.parameters(), **kw)
+    o1 = ours(m1.parameters(), **cfg.kwargs(tmp_path, **kw))
     o2 = theirs(m2.parameters(), **kw, foreach=False)
     train(m1, o1, 25)
     train(m2, o2, 25)
