@@ -15,7 +15,7 @@ import torch
 import offload
 from conftest import Config, configs
 
-TIERS = dict(sides=("host",), moments=("fp32",))   # configs(...) of this file: the tiers vary
+HOST_FP32 = dict(sides=("host",), moments=("fp32",))   # configs(...) of this file: the tiers vary
 LR = 1e-2
 
 
@@ -45,7 +45,7 @@ def close(a, b, **kw):
 
 
 # ----------------------------------------------------------------------------- item 2: clip coefficient
-@pytest.mark.parametrize("cfg", configs(**TIERS))
+@pytest.mark.parametrize("cfg", configs(**HOST_FP32))
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_clip_coefficient_discarded_by_zero_grad(make, cfg, set_to_none):
     ours, ref = pair()  # eps=0.1: Adam is not invariant to the gradient scale, so a stale coefficient shows
@@ -85,7 +85,7 @@ def test_clip_coefficient_discarded_by_zero_grad_with_backward(make, cfg):
     close(model.parameters(), ref_model.parameters())
 
 
-@pytest.mark.parametrize("cfg", configs(**TIERS))
+@pytest.mark.parametrize("cfg", configs(**HOST_FP32))
 def test_clip_coefficient_of_a_skipped_step_is_not_applied_to_new_gradients(make, cfg):
     # GradScaler found inf: the norm is inf, the coefficient 0, and opt.step() is never called; the
     # next batch's gradients are new tensors (model.zero_grad() / p.grad = None, not opt.zero_grad()).
@@ -127,7 +127,7 @@ def test_clip_coefficient_of_a_step_grad_scaler_skipped(make):
     close(model.parameters(), ref_model.parameters())
 
 
-@pytest.mark.parametrize("cfg", configs(**TIERS))
+@pytest.mark.parametrize("cfg", configs(**HOST_FP32))
 def test_gradients_modified_after_clip_raise(make, cfg):
     ours, _ = pair()
     opt = make(ours, cfg)
@@ -173,7 +173,7 @@ def _write(p, how):
             p.data = torch.full(p.shape, 0.125, dtype=p.dtype)
 
 
-@pytest.mark.parametrize("cfg", configs(**TIERS))
+@pytest.mark.parametrize("cfg", configs(**HOST_FP32))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("how", ["mul_", "clamp_", "copy_", "load_state_dict", "data"])
 def test_write_to_low_precision_param_between_steps_is_kept(make, cfg, dtype, how):
@@ -251,7 +251,7 @@ def test_disjoint_views_of_one_storage_are_fine(make):
 
 
 # ----------------------------------------------------------------------------- item 5: all-or-nothing step
-@pytest.mark.parametrize("cfg", configs(**TIERS))
+@pytest.mark.parametrize("cfg", configs(**HOST_FP32))
 def test_failed_step_advances_no_step_count(make, cfg):
     ours, ref = pair(n=2)
     opt = make([{"params": [ours[0]]}, {"params": [ours[1]]}], cfg)
@@ -291,7 +291,7 @@ def test_replaced_state_tensors_are_used(make, key):
     assert float(opt.state[ours[0]]["step"]) == float(topt.state[ref[0]]["step"])
 
 
-@pytest.mark.parametrize("cfg", configs(tiers=("nvme", "mmap"), **TIERS))
+@pytest.mark.parametrize("cfg", configs(tiers=("nvme", "mmap"), **HOST_FP32))
 def test_disk_state_replaced_moment_is_refused_cleared_state_starts_fresh(make, cfg):
     # the moments live in the state file: a replacement tensor is refused by name (never ignored);
     # in-place writes to the views and opt.state.clear() behave as in torch
@@ -322,7 +322,7 @@ def test_disk_state_replaced_moment_is_refused_cleared_state_starts_fresh(make, 
     assert float(opt.state[ours[0]]["step"]) == float(topt.state[ref[0]]["step"]) == 1.0
 
 
-@pytest.mark.parametrize("cfg", configs(**TIERS))
+@pytest.mark.parametrize("cfg", configs(**HOST_FP32))
 def test_replaced_step_is_used(make, cfg):
     ours, ref = pair()
     opt, topt = make(ours, cfg), torch.optim.AdamW(ref, lr=LR)
