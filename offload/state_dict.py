@@ -152,7 +152,7 @@ class StateDictMixin:
         if self._gpu is not None:
             self._gpu.synchronize()
         native = self._router.split(saved_groups)[0]   # the groups the engine holds, as loaded
-        if self._rebuildable and [bool(g["amsgrad"]) for g in native] != self._store.amsgrad:
+        if self._rebuildable and [bool(g.get("amsgrad", False)) for g in native] != self._store.amsgrad:
             # amsgrad differs from what the engine was laid out for: a new engine for the loaded state
             engine, views = rebuild(lambda: self._make_engine(native), native, new_state, self._param_name)
             old, self._store = self._store, engine

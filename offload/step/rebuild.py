@@ -22,7 +22,8 @@ __all__ = ["fits", "rebuild"]
 def fits(engine, groups: Sequence[dict], amsgrad: bool = True) -> bool:
     """The engine was laid out for exactly these param groups (parameters by identity; and their
     amsgrad settings, unless ``amsgrad`` is False: reading the state does not depend on them)."""
-    return engine.holds([g["params"] for g in groups], [bool(g["amsgrad"]) for g in groups] if amsgrad else None)
+    flags = [bool(g.get("amsgrad", False)) for g in groups] if amsgrad else None
+    return engine.holds([g["params"] for g in groups], flags)
 
 
 def _entries(groups: Sequence[dict], state, names: Callable[[int, int], str]) -> dict:
@@ -34,7 +35,7 @@ def _entries(groups: Sequence[dict], state, names: Callable[[int, int], str]) ->
                 continue
             e = {"step": st.get("step", 0.0)}
             e.update((k, st[k]) for k in _KEYS if st.get(k) is not None)
-            if not g["amsgrad"]:
+            if not g.get("amsgrad", False):
                 e.pop("max_exp_avg_sq", None)
             elif "max_exp_avg_sq" not in e and local(p).numel():
                 raise ValueError(
