@@ -2,7 +2,7 @@
 
 Public API:
 - ``Adam``, ``AdamW``: drop-in ``torch.optim`` optimizers. State in host RAM (default), in a file on
-  NVMe (``state="nvme"``) or mapped (``state="mmap"``); CUDA parameters switch to GPU offload.
+  NVMe (``storage="nvme"``) or mapped (``storage="mmap"``); CUDA parameters switch to GPU offload.
 - ``save``, ``load``, ``save_async``: streaming, atomic, checksummed checkpoints (safetensors).
 - ``plan``: the memory planner (bytes per place before training).
 - ``build_info()``; the validated kernel entry points in ``offload.kernels``.

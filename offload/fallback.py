@@ -9,7 +9,7 @@ to a copy of their gradients first. Their ``opt.state[p]`` has torch's layout (`
 0-dim fp32 tensor, moments in the parameter's dtype and strides), so ``state_dict`` round-trips
 with ``torch.optim.AdamW`` and their results are torch's bit for bit.
 
-With ``state="nvme"|"mmap"`` or compressed moments (the state engine lays out dense fp32/bf16/fp16
+With ``storage="nvme"|"mmap"`` or compressed moments (the state engine lays out dense fp32/bf16/fp16
 tensors) these parameters are stepped the same way and their state stays in host RAM in torch's
 layout, beside the state file: the engine gets the other parameters only (``Router.split``, whose
 native part has every parameter at most once) and :func:`engine_index` maps its positions back to
@@ -48,7 +48,7 @@ def elsewhere(state: str, moments: str, offload_device) -> Optional[str]:
     if offload_device is not None:
         return None
     if state != "ram":
-        return f"the state file (state={state!r})"
+        return f"the state file (storage={state!r})"
     return f"compressed moments (moments={moments!r})" if moments != "fp32" else None
 
 

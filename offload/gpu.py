@@ -65,7 +65,8 @@ def make_state_engine(param_groups: list, state: str, *, nvme_dir, host_budget, 
             raise ValueError(f"bucket_mb must be a positive number, got {mb!r}")
         opts.setdefault("bucket_bytes", int(float(mb) * 2 ** 20))
         opts["exclude"] = small_params(param_groups, gpu_options.get("small_param_numel", 0))
-    return StateEngine([g["params"] for g in param_groups], [g["amsgrad"] for g in param_groups], mode=state,
+    amsgrad = [bool(g.get("amsgrad", False)) for g in param_groups]
+    return StateEngine([g["params"] for g in param_groups], amsgrad, mode=state,
                        nvme_dir=nvme_dir, host_budget=host_budget, keep=keep, device=device, **opts)
 
 
@@ -162,11 +163,11 @@ class GpuOffloadMixin:
         return bool(getattr(self._gpu, "eager", False))
 
     def io_only_pass(self) -> float:
-        """Benchmark helper (state='nvme'): read and write back every bucket without computing;
+        """Benchmark helper (storage='nvme'): read and write back every bucket without computing;
         returns the seconds it took (the I/O-only time of a full step)."""
         store = getattr(self, "_store", None)
         if store is None:
-            raise RuntimeError("io_only_pass() needs state='nvme'")
+            raise RuntimeError("io_only_pass() needs storage='nvme'")
         return store.io_pass()
 
     def export_chrome_trace(self, path: str) -> int:

@@ -71,7 +71,7 @@ class _AdamBase(ClippingMixin, StateDictMixin, GpuOffloadMixin, Optimizer):
         if state not in ("ram", "nvme", "mmap"):
             raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {state!r}")
         if state == "ram" and (nvme_dir is not None or set(nvme_options or ()) - {"staging_slots"}):
-            raise ValueError("nvme_dir/nvme_options only apply to state='nvme' or state='mmap' (with state='ram', "
+            raise ValueError("nvme_dir/nvme_options only apply to storage='nvme' or storage='mmap' (with storage='ram', "
                              "nvme_options={'staging_slots': n} sizes the staging ring of device parameters)")
         self._store = None
         # what a param group may repeat (ZeroRedundancyOptimizer puts every constructor option in its groups)
@@ -104,7 +104,7 @@ class _AdamBase(ClippingMixin, StateDictMixin, GpuOffloadMixin, Optimizer):
         # --- GPU offload: the mode follows from where the parameters are (offload/gpu.py) ---
         params, self._gpu_device = split_params(params, offload_device, gpu_options)
         if state == "ram" and nvme_options and self._gpu_device is None:
-            raise ValueError("nvme_options={'staging_slots': ...} with state='ram' only applies to device parameters")
+            raise ValueError("nvme_options={'staging_slots': ...} with storage='ram' only applies to device parameters")
         self._gpu = None
         super().__init__(params, defaults)
         # --- the state engine (offload/step/engine.py): one for all groups, every tier and parameter side

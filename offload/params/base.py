@@ -35,10 +35,10 @@ def check_grad(p, g, gi: int, i: int, dtype, numel: int, mode: str, device_side:
     lp, lg = local(p), local(g)
     if lp.numel() != numel:
         raise RuntimeError(f"parameter {i} of group {gi} changed size ({numel} -> {lp.numel()} elements) "
-                           f"since the optimizer was created with state={mode!r}")
+                           f"since the optimizer was created with storage={mode!r}")
     if lp.dtype != dtype:  # the bucket layout depends on it (master section or not)
         raise RuntimeError(f"parameter {i} of group {gi} changed dtype ({dtype} -> {lp.dtype}) since the "
-                           f"optimizer was created with state={mode!r}")
+                           f"optimizer was created with storage={mode!r}")
     if device_side:
         if lg.shape != lp.shape or lg.dtype != lp.dtype:
             raise RuntimeError(f"gradient of parameter {i} of group {gi} has shape {tuple(lg.shape)} and dtype "

@@ -67,7 +67,7 @@ class SpanIndex:
         for s, e, name in spans:
             if s < reach:
                 raise SharedMemoryError(f"{name} shares memory with {owner} (a parameter listed twice, or overlapping "
-                                 f"views of one tensor): with state={mode!r} every parameter needs its own memory")
+                                 f"views of one tensor): with storage={mode!r} every parameter needs its own memory")
             if e > reach:
                 reach, owner = e, name
             prefix.append((reach, owner))

@@ -99,10 +99,10 @@ class Placement:
 
 
 def check_one(nvme_dir, mode: str):
-    """``state='mmap'`` takes one directory: a clear error for several."""
+    """``storage='mmap'`` takes one directory: a clear error for several."""
     dirs = parse_dirs(nvme_dir)
     if len(dirs) > 1:
-        raise ValueError(f"state={mode!r} keeps its state in one mapped file: give one nvme_dir, not {len(dirs)} "
-                         "(several drives are for state='nvme')")
+        raise ValueError(f"storage={mode!r} keeps its state in one mapped file: give one nvme_dir, not {len(dirs)} "
+                         "(several drives are for storage='nvme')")
     return dirs[0]
 

@@ -20,7 +20,7 @@ STATE_FILE = statedir.STATE_FILE
 
 def check_dir(nvme_dir, mode: str) -> str:
     if nvme_dir is None:
-        raise ValueError(f"state={mode!r} needs nvme_dir: a directory on the disk that will hold the state file")
+        raise ValueError(f"storage={mode!r} needs nvme_dir: a directory on the disk that will hold the state file")
     nvme_dir = os.fspath(nvme_dir)
     if not os.path.exists(nvme_dir):
         raise FileNotFoundError(errno.ENOENT, "nvme_dir does not exist", nvme_dir)

@@ -1,6 +1,6 @@
 """step/backward.py: BackwardFeed, the CPU worker that steps the buckets of device parameters.
 
-``offload.AdamW(cuda_params, state=...)`` with ``overlap=True`` (any tier). With
+``offload.AdamW(cuda_params, storage=...)`` with ``overlap=True`` (any tier). With
 ``step_during_backward`` (the default without clipping / overflow check) a post-accumulate-grad
 hook marks each parameter ready and a bucket whose parameters are all ready is queued at once;
 otherwise (``eager=False``) ``step()`` queues every bucket after deciding the multiplier. The

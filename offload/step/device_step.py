@@ -1,6 +1,6 @@
 """step/device_step.py: the optimizer face of device parameters (GPU offload), state in any tier.
 
-``offload.AdamW(cuda_params, state="ram"|"nvme"|"mmap")``, three schedules:
+``offload.AdamW(cuda_params, storage="ram"|"nvme"|"mmap")``, three schedules:
   * step during backward (the default without clipping / overflow check): buckets are stepped as
     their gradients arrive by the CPU worker, with the state read ahead in the expected backward
     order (step/backward.py);

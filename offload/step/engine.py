@@ -1,6 +1,6 @@
 """step/engine.py: StateEngine, the composition root: one layout, one state tier, one parameter side.
 
-It is what ``offload.Adam/AdamW`` hold for ``state="nvme"|"mmap"`` (host or device parameters,
+It is what ``offload.Adam/AdamW`` hold for ``storage="nvme"|"mmap"`` (host or device parameters,
 FSDP2 local shards): it validates a step's gradients before any I/O, runs the pipeline
 (step/pipeline.py) over the buckets that have gradients, installs torch-layout views of the state
 in ``opt.state`` and serves ``state_dict`` / ``load_state_dict`` bucket by bucket. It never reads
@@ -185,7 +185,7 @@ class StateEngine(TorchLayout):
         if len(groups) != len(self.groups) or not all(
                 len(g["params"]) == len(ps) and all(map(operator.is_, g["params"], ps))
                 for g, ps in zip(groups, self.groups)):
-            raise RuntimeError(f"the optimizer's parameters changed since it was created with state={self.mode!r} "
+            raise RuntimeError(f"the optimizer's parameters changed since it was created with storage={self.mode!r} "
                                "(a param group's 'params' list was edited or replaced: the state is laid out for the "
                                "original parameter list; add parameters with add_param_group(), or build a new "
                                "optimizer and load_state_dict() into it)")
@@ -196,7 +196,7 @@ class StateEngine(TorchLayout):
         active, grads = [], []
         for gi, group in enumerate(param_groups):
             if bool(group["amsgrad"]) != self.amsgrad[gi]:
-                raise ValueError(f"group {gi}: amsgrad cannot change after construction with state={self.mode!r}")
+                raise ValueError(f"group {gi}: amsgrad cannot change after construction with storage={self.mode!r}")
             if self.device is None:
                 continue   # host parameters: below
             params = self.groups[gi]

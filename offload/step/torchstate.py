@@ -187,7 +187,7 @@ class TorchLayout(HeldMoments):
                             continue
                         raise ValueError(
                             f"state[{key!r}] of parameter {i} of group {gi} was replaced by another tensor: with "
-                            f"state={self.mode!r} the moments live in the state file, so a new tensor cannot be "
+                            f"storage={self.mode!r} the moments live in the state file, so a new tensor cannot be "
                             "adopted; write into the existing one in place (e.g. opt.state[p]['exp_avg'].zero_()) "
                             "or load a whole state with load_state_dict()")
                 self._record_state(rec, i, ps[i], st, ptrs.get((gi, i), {}))
@@ -365,7 +365,7 @@ class TorchLayout(HeldMoments):
                                      f"parameter's {n} elements")
             if n and not has_layout:
                 raise ValueError(f"state of parameter {i} of group {gi}: the parameter had requires_grad=False when "
-                                 f"the optimizer was created with state={self.mode!r}, so it has no room for state")
+                                 f"the optimizer was created with storage={self.mode!r}, so it has no room for state")
         try:
             for b in self.layout.buckets:
                 hit = [pc for pc in b.pieces if (b.group, pc.param) in entries]
