@@ -75,7 +75,7 @@ class _AdamBase(ClippingMixin, StateDictMixin, GpuOffloadMixin, Optimizer):
                              "nvme_options={'staging_slots': n} sizes the staging ring of device parameters)")
         self._store = None
         # what a param group may repeat (ZeroRedundancyOptimizer puts every constructor option in its groups)
-        self._wide = dict(moments=moments, moments_min_size=moments_min_size, state=state, threads=threads,
+        self._wide = dict(moments=moments, moments_min_size=moments_min_size, storage=state, state=state, threads=threads,
                           nvme_dir=nvme_dir, host_budget=host_budget, keep_files=keep_files, nvme_options=nvme_options,
                           offload_device=offload_device, **gpu_options)
         # --- compressed Adam moments (docs/moments.md): run by the state engine, also for RAM
