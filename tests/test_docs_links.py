@@ -58,6 +58,6 @@ def test_readme_test_command_matches_ci():
     """README's "Install and run the tests" command is the one .ci/run executes on a clean clone."""
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install -e ".[test]" && python -m pytest tests -q -n 2' in readme
-    assert 'pip install -q -e ".[test]"' in ci and "python -m pytest tests -q -n 2" in ci
+    assert 'pip install -e ".[test]" && python -m pytest tests -q -n 2 --dist worksteal' in readme
+    assert 'pip install -q -e ".[test]"' in ci and "python -m pytest tests -q -n 2 --dist worksteal" in ci
     assert 'python -c "import torch" 2>/dev/null || pip install torch' in readme   # keeps an installed torch
