@@ -86,6 +86,17 @@ class Placement:
             self.starts.append(b.offset)
             self.buckets.append(b)
 
+    def truncate(self, n: int, drives: int) -> list:
+        """Forget the placements of buckets ``n`` and later; returns the bytes used per drive by the rest."""
+        for b in self.buckets[n:]:
+            self.where.pop(b.index, None)
+        del self.buckets[n:], self.starts[n:]
+        used = [0] * drives
+        for b in self.buckets:
+            d, off = self.where[b.index]
+            used[d] = max(used[d], off + b.nbytes)
+        return used
+
     def locate(self, offset: int, nbytes: int) -> tuple:
         """(drive, offset in its file) of layout bytes [offset, offset + nbytes), all in one bucket."""
         i = bisect.bisect_right(self.starts, offset) - 1

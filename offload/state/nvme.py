@@ -115,6 +115,12 @@ class NvmeTier(StateTier):
         self.layout = layout
         self.telemetry.update(slot_bytes=self.arena.slot_bytes, file_bytes=self.file_bytes)
 
+    def shrink(self, layout) -> None:
+        self.drain()
+        for dr, u in zip(self.drives, self.place.truncate(len(layout.buckets), len(self.drives))):
+            dr.used = u
+        self.layout = layout
+
     # ------------------------------------------------------------------ slots
     def _io(self, op: str, b, s: int):
         """Start reading or writing bucket ``b`` from/into slot ``s`` on its drive: (request, drive)."""

@@ -29,10 +29,18 @@ class RamTier(StateTier):
             self.nbytes = layout.nbytes
         self.layout = layout
 
+    def shrink(self, layout) -> None:
+        self.arenas = [(start, arena) for start, arena in self.arenas if start < max(layout.nbytes, 1)]
+        self.nbytes = self.arenas[-1][0] + self.arenas[-1][1].numel() if self.arenas else 0
+        self.layout = layout
+
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         for start, arena in reversed(self.arenas):
             if offset >= start:
-                return arena[offset - start:offset - start + nbytes]
+                out = arena[offset - start:offset - start + nbytes]
+                if out.numel() != nbytes:   # (the kernel writes through its address: never past an arena)
+                    raise RuntimeError(f"state bytes [{offset}, {offset + nbytes}) lie outside the RAM tier's arenas")
+                return out
         raise IndexError(offset)
 
     def own_memory(self):

@@ -49,6 +49,12 @@ class StateTier:
         """Reserve room for ``layout`` (called again with a longer layout after ``add_param_group``)."""
         raise NotImplementedError
 
+    def shrink(self, layout) -> None:
+        """``layout`` lost the buckets it gained since an ``allocate`` (an add_param_group that failed after
+        the tier grew): forget what was placed for them, so that buckets laid out later get room of
+        their own. The memory or file space itself may stay."""
+        self.layout = layout
+
     def prefetch(self, b, read: bool) -> None:
         """Start bringing bucket ``b`` into host memory (``read=False``: it is all fresh state)."""
 

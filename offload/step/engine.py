@@ -132,6 +132,7 @@ class StateEngine(TorchLayout):
             self.side.extend(self.groups)
         except BaseException as e:   # the tier grew for the group: refused until a load
             self._drop_groups(gi, nb, nbytes)
+            self.tier.shrink(self.layout)   # a group added later is laid out in room of its own
             self.tier.fail(e)
             raise
 
