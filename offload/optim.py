@@ -194,12 +194,15 @@ class _AdamBase(ClippingMixin, StateDictMixin, GpuOffloadMixin, Optimizer):
         allows; else the engine refuses by name at its next use."""
         native = self._engine_groups() if native is None else native
         if self._store is None or (self._rebuildable and not fits(self._store, native, stepping)):
-            engine, views = rebuild(self._make_engine, native, self.state, self._param_name)
-            old, self._store = self._store, engine
-            for p, st in views.items():
-                self.state[p] = st
-            if old is not None:
-                old.close()
+            self.state.update(self._rebuild_engine(native, self.state))
+
+    def _rebuild_engine(self, native: list, state) -> dict:
+        """A new engine for ``native`` holding ``state`` (step/rebuild.py; raises before any change): views."""
+        engine, views = rebuild(lambda: self._make_engine(native), native, state, self._param_name)
+        old, self._store = self._store, engine
+        if old is not None:
+            old.close()
+        return views
 
     def _param_name(self, gi: int, i: int) -> str:
         names = self.param_groups[gi].get("param_names") if gi < len(self.param_groups) else None

@@ -16,7 +16,6 @@ from .moments import format as mformat
 from .base.dist import is_dtensor, local
 from .checks import _scalar
 from .step.compressed import CompressedState
-from .step.rebuild import rebuild
 
 
 class StateDictMixin:
@@ -28,13 +27,11 @@ class StateDictMixin:
         if self._gpu is not None:
             self._gpu.synchronize()
         self._sync_engine()
-        if self._store is not None:
-            tensors = self._store.state_tensors()  # views of the mapped state file, not copies
+        tensors = self._store.state_tensors()  # views of the tier (a mapped state file, an arena), not copies
         sd = self._state_dict_without_tier()
-        if self._store is not None:
-            for pos, index in self._engine_index().items():
-                if index in sd["state"] and pos in tensors:
-                    sd["state"][index].update(tensors[pos])
+        for pos, index in self._engine_index().items():
+            if index in sd["state"] and pos in tensors:
+                sd["state"][index].update(tensors[pos])
         return sd
 
     def _engine_index(self) -> dict:
@@ -66,7 +63,7 @@ class StateDictMixin:
         """``offload.save``'s extension point (offload/checkpoint/adapter.py): with compressed moments
         the checkpoint stores them compressed (``exp_avg.8bit``, scales, ...), so it resumes bitwise.
         None otherwise: the checkpoint then goes through ``state_dict()`` as for any optimizer."""
-        if getattr(self, "moments", "fp32") == "fp32" or self._store is None:
+        if getattr(self, "moments", "fp32") == "fp32":
             return None
         return self._checkpoint_tensors
 
@@ -103,8 +100,7 @@ class StateDictMixin:
             if hook_result is not None:
                 state_dict = hook_result
         groups = self.param_groups
-        if self._rebuildable:
-            self._sync_engine()   # (a group's params list edited: the engine is laid out for the groups as they are)
+        self._sync_engine()   # (a group's params list edited: the engine is laid out for the groups as they are)
         saved_groups = deepcopy(state_dict["param_groups"])
         if len(groups) != len(saved_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -154,11 +150,8 @@ class StateDictMixin:
         native = self._router.split(saved_groups)[0]   # the groups the engine holds, as loaded
         if self._rebuildable and [bool(g.get("amsgrad", False)) for g in native] != self._store.amsgrad:
             # amsgrad differs from what the engine was laid out for: a new engine for the loaded state
-            engine, views = rebuild(lambda: self._make_engine(native), native, new_state, self._param_name)
-            old, self._store = self._store, engine
-            new_state.update(views)
-            old.close()
-        elif self._store is not None:  # write the tensors into the tier (a file: bucket by bucket)
+            new_state.update(self._rebuild_engine(native, new_state))
+        else:  # write the tensors into the tier (a file: bucket by bucket)
             flat = [p for g in groups for p in g["params"]]
             small = self._store.excluded   # GPU offload: small parameters stepped on the device keep torch's state
             # (gi, i) of the engine's parameters (not those torch's code steps: their state stays in opt.state)
