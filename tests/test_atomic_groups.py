@@ -42,6 +42,17 @@ def _pair(cfg, tmp_path, opts):
     return ps, opt, ref, ropt
 
 
+def _refused_until_loaded(calls, sd, ps, opt, ref, ropt):
+    """Each call refuses with OptimizerFailedError; after loading ``sd`` training continues as ``ropt``'s."""
+    for call in calls:
+        with pytest.raises(offload.OptimizerFailedError, match="injected.*load the last checkpoint"):
+            call()
+    opt.load_state_dict(sd)
+    train(ps, opt, 2, 2)
+    train(ref, ropt, 2, 2)
+    assert_same(snapshot(ps, opt), snapshot(ref, ropt))
+
+
 def _no_space(*a, **k):
     raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
@@ -78,13 +89,9 @@ def test_add_param_group_failing_after_the_state_grew_fails_the_optimizer(cfg, t
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(200))]})
     monkeypatch.undo()
     assert len(opt.param_groups) == 2
-    for call in (opt.step, opt.state_dict, lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})):
-        with pytest.raises(offload.OptimizerFailedError, match="injected.*load the last checkpoint"):
-            call()
-    opt.load_state_dict(sd)
-    train(ps, opt, 2, 2)
-    train(ref, ropt, 2, 2)
-    assert_same(snapshot(ps, opt), snapshot(ref, ropt))
+    _refused_until_loaded((opt.step, opt.state_dict,
+                           lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})),
+                          sd, ps, opt, ref, ropt)
     for o in (opt, ropt):   # a group laid out where the dropped one was (other sizes): its own bytes
         torch.manual_seed(1)
         o.add_param_group({"params": [torch.nn.Parameter(torch.randn(n)) for n in (900, 40, 700)]})
@@ -131,10 +138,4 @@ def test_load_state_dict_failing_while_writing_the_state_fails_the_optimizer(cfg
     with pytest.raises(OSError, match="injected"):
         opt.load_state_dict(sd)
     monkeypatch.undo()
-    for call in (opt.step, opt.state_dict):
-        with pytest.raises(offload.OptimizerFailedError, match="injected.*load the last checkpoint"):
-            call()
-    opt.load_state_dict(sd)
-    train(ps, opt, 2, 2)
-    train(ref, ropt, 2, 2)
-    assert_same(snapshot(ps, opt), snapshot(ref, ropt))
+    _refused_until_loaded((opt.step, opt.state_dict), sd, ps, opt, ref, ropt)
