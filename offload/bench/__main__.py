@@ -1,4 +1,4 @@
-"""Entry point of ``python -m offload.bench``: dispatches to the subcommand modules.
+"""bench/__main__.py: entry point of ``python -m offload.bench``: dispatches to the subcommand modules.
 
 With no subcommand it runs ``kernel`` on its default sizes (about 30 s on 2 cores).
 """

@@ -1,4 +1,4 @@
-"""common.py: helpers shared by the benchmark subcommands: timing, medians, progress, tables, JSON."""
+"""bench/common.py: helpers shared by the benchmark subcommands: timing, medians, progress, tables, JSON."""
 from __future__ import annotations
 
 import json

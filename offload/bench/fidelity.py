@@ -1,4 +1,4 @@
-"""fidelity.py: ``python -m offload.bench fidelity``: does training with compressed Adam moments match fp32?
+"""bench/fidelity.py: ``python -m offload.bench fidelity``: does training with compressed Adam moments match fp32?
 
 A small causal transformer LM (``offload/bench/gpt.py``) learns a synthetic token stream with a
 known entropy floor: an order-2 Markov process (the last token picks 8 possible successors, the

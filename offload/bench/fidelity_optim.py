@@ -1,4 +1,4 @@
-"""fidelity_optim.py: the optimizers ``python -m offload.bench fidelity`` compares, and how to read their moments.
+"""bench/fidelity_optim.py: the optimizers ``python -m offload.bench fidelity`` compares, and how to read their moments.
 
 Contenders (``CONTENDERS``): torch.optim.AdamW (reference), offload fp32/bf16/8bit moments,
 torchao's and bitsandbytes' AdamW8bit (when importable and runnable on this CPU). Each factory

@@ -1,4 +1,4 @@
-"""gpt.py: a small GPT-style language model (no downloads) for the train benchmark and gpu_check.
+"""bench/gpt.py: a small GPT-style language model (no downloads) for the train benchmark and gpu_check.
 
 Token + position embeddings, pre-norm transformer blocks (causal self-attention, GELU MLP), final
 LayerNorm, output head tied to the token embedding (``F.linear(x, wte.weight)``), cross-entropy

@@ -1,4 +1,4 @@
-"""kernel.py: ``python -m offload.bench kernel``: the CPU Adam step, ours vs peers vs memory bandwidth.
+"""bench/kernel.py: ``python -m offload.bench kernel``: the CPU Adam step, ours vs peers vs memory bandwidth.
 
 In one process and round-robin (so drifting memory bandwidth hits every contender alike) it times
 ``offload.AdamW.step()``, our raw multi-tensor kernel call, ``torch.optim.AdamW(fused=True)``,

@@ -1,4 +1,4 @@
-"""kernel_cases.py: the cases and contenders of ``python -m offload.bench kernel`` (bench/kernel.py).
+"""bench/kernel_cases.py: the cases and contenders of ``python -m offload.bench kernel`` (bench/kernel.py).
 
 A ``Case`` is a list of tensor sizes (flat, many tensors, bf16 gradient + output); a ``Contender``
 is one implementation stepping that case: ``offload.AdamW.step()``, our raw kernel call (also

@@ -1,4 +1,4 @@
-"""moments.py: the compressed-moment cases of ``python -m offload.bench kernel``.
+"""bench/moments.py: the compressed-moment cases of ``python -m offload.bench kernel``.
 
 One flat tensor, round-robin in one run: the kernel call with fp32 moments, bf16 moments and
 8-bit moments, each with fp32 gradients and with bf16 gradient + bf16 weight out, and the

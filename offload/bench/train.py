@@ -1,4 +1,4 @@
-"""train.py: ``python -m offload.bench train`` - a few training steps of a small GPT, offload vs peers.
+"""bench/train.py: ``python -m offload.bench train`` - a few training steps of a small GPT, offload vs peers.
 
 Variants, all from the same initial weights and batches, in one run:
   torch-fused      torch.optim.AdamW(fused=True) with parameters and state on the device (the peer
@@ -13,7 +13,7 @@ Variants, all from the same initial weights and batches, in one run:
 For each: median over repetitions of the mean iteration time, exposed offload time per iteration
 (training thread / compute stream blocked on offload work), D2H and H2D GB/s achieved (bytes moved /
 copy time) next to a pinned-copy probe measured in the same run (the physical ceiling), and peak
-device memory. On a machine without CUDA the device is the fake device of offload/device.py (copies
+device memory. On a machine without CUDA the device is the fake device of offload/device/fake.py (copies
 are host memcpy on background threads, no PCIe) and the table says so. The verdict: the fastest
 offload variant's iteration time against torch-fused's (the peer) of the same run.
 """
