@@ -17,13 +17,15 @@
 // Loop structure as adam_loop (kernels_impl.h): pointers, coefficients and flags in locals of the
 // loop's own function (a store through p/m/v may alias the task's fields otherwise), DECAY and
 // RARE as template parameters; the vector loops software-pipelined (q_pipelined, below), whole
-// 64-element groups unrolled with their prefetches in fixed places (q_pipelined_groups).
+// 64-element groups unrolled with their prefetches in fixed places (q_pipelined_groups). The 8-bit
+// two-pass loop is in kernels_moments_q8.h, the ISA integer ops of its codes in simd_q.h.
 #pragma once
 #include <cfloat>
 #include <cstring>
 #include <type_traits>
 
 #include "moments.h"
+#include "simd_q.h"
 
 namespace offload {
 
@@ -31,123 +33,6 @@ namespace offload {
 // of line, which costs the loop its registers and trips its avx512fintrin.h -Wuninitialized
 // false positive).
 #define OFFLOAD_QINLINE inline __attribute__((always_inline))
-
-// Per-ISA pieces of the 8-bit codes that simd.h does not have (integer ops on float bits).
-template <class I>
-struct QOps;
-
-template <>
-struct QOps<ScalarISA> {
-  using V = float;
-  using Vi = uint32_t;
-  static Vi bits(V x) { return f32_bits(x); }
-  static V flt(Vi u) { return bits_f32(u); }
-  static Vi zero() { return 0u; }
-  static Vi shr1(Vi u) { return u >> 1; }
-  static Vi shl1(Vi u) { return u << 1; }
-  static Vi abs(Vi u) { return u & 0x7FFFFFFFu; }
-  static Vi shl1_keep_sign(Vi u) { return (u << 1) | (u & 0x80000000u); }
-  static Vi shr1_keep_sign(Vi u) { return ((u & 0x7FFFFFFFu) >> 1) | (u & 0x80000000u); }
-  static Vi maxu(Vi a, Vi b) { return a > b ? a : b; }
-  static void lanes(uint32_t* out, Vi a) { *out = a; }
-};
-
-#if defined(__AVX2__)
-template <>
-struct QOps<Avx2ISA> {
-  using V = __m256;
-  using Vi = __m256i;
-  static Vi bits(V x) { return _mm256_castps_si256(x); }
-  static V flt(Vi u) { return _mm256_castsi256_ps(u); }
-  static Vi zero() { return _mm256_setzero_si256(); }
-  static Vi shr1(Vi u) { return _mm256_srli_epi32(u, 1); }
-  static Vi shl1(Vi u) { return _mm256_slli_epi32(u, 1); }
-  static Vi sign(Vi u) { return _mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0x80000000u))); }
-  static Vi abs(Vi u) { return _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)); }
-  static Vi or_(Vi a, Vi b) { return _mm256_or_si256(a, b); }
-  static Vi shl1_keep_sign(Vi u) { return or_(shl1(u), sign(u)); }
-  // shr1(|u|) with u's sign: the arithmetic shift copies the sign into bits 31 and 30, the and
-  // clears bit 30 (which shr1 of |u| leaves 0). Two ops instead of and + shift + and + or; with
-  // the maximum taken over |m| (q8_encode) the 8-bit loop in L2 took 12.2 -> 11.6-11.8 TSC cycles
-  // per 8 elements on Zen 5 (AVX2 path, fp32 grads, five runs; bf16 grad + out 16.6 -> 16.3-16.5;
-  // the AVX-512 path, where one ternary-logic op did the or, within noise).
-  static Vi shr1_keep_sign(Vi u) {
-    return _mm256_and_si256(_mm256_srai_epi32(u, 1), _mm256_set1_epi32(static_cast<int>(0xBFFFFFFFu)));
-  }
-  static Vi maxu(Vi a, Vi b) { return _mm256_max_epu32(a, b); }
-  static void lanes(uint32_t* out, Vi a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), a); }
-  // bf16 m and v of 8 elements: round to nearest even (NaN -> 0x7FC0, as f32_to_bf16), both
-  // packed with one shuffle chain; the lsb test by compare instead of shift (Zen 3 has two
-  // shift/shuffle pipes, and this loop is short of them).
-  static __m256i rne_bf16_hi(V x) {  // the bf16 in the high half of each 32-bit lane
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i odd = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x10000)), _mm256_set1_epi32(0x10000));
-    const __m256i r = _mm256_sub_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd);
-    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
-  }
-  static void store2_bf16(uint16_t* pm, uint16_t* pv, V m, V v) {
-    const __m256i x = _mm256_blend_epi16(_mm256_srli_epi32(rne_bf16_hi(m), 16), rne_bf16_hi(v), 0xAA);
-    const __m256i ctrl = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-    const __m256i y = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(x, ctrl), 0xD8);  // m0-7 | v0-7
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(pm), _mm256_castsi256_si128(y));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(pv), _mm256_extracti128_si256(y, 1));
-  }
-  // 4 vectors of codes (already in range, see q8_block) -> 32 int8 / uint8, in element order
-  static void store4_i8(int8_t* p, V a, V b, V c, V d) {
-    const __m256i ab = _mm256_packs_epi32(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b));
-    const __m256i cd = _mm256_packs_epi32(_mm256_cvtps_epi32(c), _mm256_cvtps_epi32(d));
-    const __m256i x = _mm256_packs_epi16(ab, cd);  // per 128-bit lane: a0 b0 c0 d0 | a1 b1 c1 d1
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  }
-  static void store4_u8(uint8_t* p, V a, V b, V c, V d) {
-    const __m256i ab = _mm256_packs_epi32(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b));
-    const __m256i cd = _mm256_packs_epi32(_mm256_cvtps_epi32(c), _mm256_cvtps_epi32(d));
-    const __m256i x = _mm256_packus_epi16(ab, cd);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  }
-};
-#endif
-
-#if defined(__AVX512F__)
-template <>
-struct QOps<Avx512ISA> {
-  using V = __m512;
-  using Vi = __m512i;
-  static Vi bits(V x) { return _mm512_castps_si512(x); }
-  static V flt(Vi u) { return _mm512_castsi512_ps(u); }
-  static Vi zero() { return _mm512_setzero_si512(); }
-  static Vi shr1(Vi u) { return _mm512_srli_epi32(u, 1); }
-  static Vi shl1(Vi u) { return _mm512_slli_epi32(u, 1); }
-  static Vi abs(Vi u) { return _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)); }
-  // (u << 1) | (u & sign bit) in one ternary-logic op (A | (B & C): 0xF8)
-  static Vi shl1_keep_sign(Vi u) {
-    return _mm512_ternarylogic_epi32(shl1(u), u, _mm512_set1_epi32(static_cast<int>(0x80000000u)), 0xF8);
-  }
-  static Vi shr1_keep_sign(Vi u) {  // as QOps<Avx2ISA>
-    return _mm512_and_si512(_mm512_srai_epi32(u, 1), _mm512_set1_epi32(static_cast<int>(0xBFFFFFFFu)));
-  }
-  static Vi maxu(Vi a, Vi b) { return _mm512_max_epu32(a, b); }
-  static void lanes(uint32_t* out, Vi a) { _mm512_storeu_si512(out, a); }
-  // 4 vectors of codes (in range, see q8_pass2) -> 64 int8 / uint8 in element order: two packs
-  // leave dword 4l + k of lane l holding vector k's elements 4l..4l+3; one permute sorts them.
-  static __m512i order4(__m512i x) {
-    return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), x);
-  }
-  static void store4_i8(int8_t* p, V a, V b, V c, V d) {
-    const __m512i ab = _mm512_packs_epi32(_mm512_cvtps_epi32(a), _mm512_cvtps_epi32(b));
-    const __m512i cd = _mm512_packs_epi32(_mm512_cvtps_epi32(c), _mm512_cvtps_epi32(d));
-    _mm512_storeu_si512(p, order4(_mm512_packs_epi16(ab, cd)));
-  }
-  static void store4_u8(uint8_t* p, V a, V b, V c, V d) {
-    const __m512i ab = _mm512_packs_epi32(_mm512_cvtps_epi32(a), _mm512_cvtps_epi32(b));
-    const __m512i cd = _mm512_packs_epi32(_mm512_cvtps_epi32(c), _mm512_cvtps_epi32(d));
-    _mm512_storeu_si512(p, order4(_mm512_packus_epi16(ab, cd)));
-  }
-};
-#endif
 
 // One vector (or element) between its decode and its encode: the decoded moments go in, the
 // new master (before the division's term), new m, new v and sqrt(v) come out of stage A.
@@ -366,163 +251,11 @@ static void bf16m_loop(const AdamQTask& t, const AdamScalars& s, int64_t begin, 
   }
 }
 
-// 8-bit decode of W elements (j: index in the block) and encode into the block's scratch:
-// r = shr1(|m|) with m's sign, u = shr1(sqrt(v)), and the running maxima of |r| and u (bits).
-template <class I>
-static OFFLOAD_QINLINE void q8_decode(const int8_t* __restrict mq, const uint8_t* __restrict vq, int64_t j, typename I::V vmd,
-                             typename I::V vvd, QVec<I>& x) {
-  using Q = QOps<I>;
-  x.m = Q::flt(Q::shl1_keep_sign(Q::bits(I::mul(I::load_i8(mq + j), vmd))));
-  const typename I::V s = Q::flt(Q::shl1(Q::bits(I::mul(I::load_u8(vq + j), vvd))));
-  x.v = I::mul(s, s);
-}
+}  // namespace offload
 
-template <class I>
-static OFFLOAD_QINLINE void q8_encode(float* __restrict rbuf, float* __restrict ubuf, int64_t j, const QVec<I>& x,
-                             typename QOps<I>::Vi& am, typename QOps<I>::Vi& au) {
-  using Q = QOps<I>;
-  const auto mb = Q::bits(x.m);
-  const auto ub = Q::shr1(Q::bits(x.sv));
-  I::store(rbuf + j, Q::flt(Q::shr1_keep_sign(mb)));
-  I::store(ubuf + j, Q::flt(ub));
-  am = Q::maxu(am, Q::abs(mb));  // max |m| bits: shr1 is monotonic, so shr1(max) = max |r| (q8_pass1)
-  au = Q::maxu(au, ub);
-}
+#include "kernels_moments_q8.h"  // the 8-bit loop: uses the stages above
 
-// A block between its two passes: codes of the new moments in the scratch, their maxima.
-struct Q8Pending {
-  int64_t blk;
-  int len;
-  uint32_t am, au;  // bits of max |r| and max u
-};
-
-// Pass 1 of one 256-element block (or the shorter last one) of an 8-bit tensor.
-template <class I, int GD, int OD, bool DECAY, bool RARE>
-static inline Q8Pending q8_pass1(float* __restrict p, const int8_t* __restrict mq0, const uint8_t* __restrict vq0,
-                                 const float* __restrict msc, const float* __restrict vsc, const void* __restrict g,
-                                 void* __restrict out, int64_t n, int64_t lim, const Coeffs<I>& c, const Coeffs<ScalarISA>& cs,
-                                 RareFlags f, int64_t blk, float* __restrict rbuf, float* __restrict ubuf) {
-  using V = typename I::V;
-  using Q = QOps<I>;
-  constexpr int W = I::W;
-  const int64_t i0 = blk * kQBlock;
-  const int len = static_cast<int>(n - i0 < kQBlock ? n - i0 : kQBlock);
-  const int8_t* const mq = mq0 + i0;
-  const uint8_t* const vq = vq0 + i0;
-  const float md = msc[blk] / 127.0f, vd = vsc[blk] / 255.0f;
-  const V vmd = I::set1(md), vvd = I::set1(vd);
-  typename Q::Vi am = Q::zero(), au = Q::zero();
-  int64_t j = 0;  // index in the block; the element is i0 + j
-  if constexpr (W > 1) {
-    if (len == kQBlock && i0 + kQBlock + kQPrefetchAhead <= lim) {
-      q_pipelined_groups<I>(
-          0, kQBlock / kQGroup, [&](int64_t k, QVec<I>& x) { q8_decode<I>(mq, vq, k, vmd, vvd, x); },
-          [&](int64_t k, QVec<I>& x) { q_stage_a<I, GD, OD, DECAY, RARE>(p, g, out, c, f, i0 + k, x); },
-          [&](int64_t k, const QVec<I>& x) { q_stage_b<I, OD>(p, out, c, i0 + k, x); q8_encode<I>(rbuf, ubuf, k, x, am, au); },
-          [&](int64_t k, int u) { q_prefetch_group_streams<W, GD, OD, 1>(p, g, out, mq0, vq0, i0 + k, u); });
-      j = kQBlock;
-    }
-    j = q_pipelined<I>(
-        j, len,
-        [&](int64_t k, QVec<I>& x) {
-          q_prefetch_streams<W, GD, OD, 1>(p, g, out, mq0, vq0, i0 + k, lim);
-          q8_decode<I>(mq, vq, k, vmd, vvd, x);
-        },
-        [&](int64_t k, QVec<I>& x) { q_stage_a<I, GD, OD, DECAY, RARE>(p, g, out, c, f, i0 + k, x); },
-        [&](int64_t k, const QVec<I>& x) { q_stage_b<I, OD>(p, out, c, i0 + k, x); q8_encode<I>(rbuf, ubuf, k, x, am, au); });
-  }
-  using S = ScalarISA;
-  uint32_t am_s = 0, au_s = 0;
-  for (; j < len; ++j) {
-    QVec<S> x{};
-    q8_decode<S>(mq, vq, j, md, vd, x);
-    q_stage_a<S, GD, OD, DECAY, RARE>(p, g, out, cs, f, i0 + j, x);
-    q_stage_b<S, OD>(p, out, cs, i0 + j, x);
-    q8_encode<S>(rbuf, ubuf, j, x, am_s, au_s);
-  }
-  alignas(64) uint32_t la[W], lu[W];
-  Q::lanes(la, am);
-  Q::lanes(lu, au);
-  for (int k = 0; k < W; ++k) {
-    am_s = la[k] > am_s ? la[k] : am_s;
-    au_s = lu[k] > au_s ? lu[k] : au_s;
-  }
-  return Q8Pending{blk, len, am_s >> 1, au_s};
-}
-
-// Pass 2: the scales and the bytes of a block from its scratch.
-template <class I>
-static inline void q8_pass2(int8_t* __restrict mq0, uint8_t* __restrict vq0, float* __restrict msc,
-                            float* __restrict vsc, const Q8Pending& b, const float* __restrict rbuf,
-                            const float* __restrict ubuf) {
-  using V = typename I::V;
-  using Q = QOps<I>;
-  constexpr int W = I::W;
-  int8_t* const mq = mq0 + b.blk * kQBlock;
-  uint8_t* const vq = vq0 + b.blk * kQBlock;
-  const int len = b.len;
-  if (b.am >= kQPoisonBits || b.au >= kQPoisonBits) {  // a non-finite new m or v in the block
-    std::memset(mq, 0, len);
-    std::memset(vq, 0, len);
-    msc[b.blk] = vsc[b.blk] = bits_f32(kQPoisonScale);
-    return;
-  }
-  // |r| * im <= 127 (1 + 2^-23) and u * iu <= 255 (1 + 2^-23): every code is in range, so the
-  // reference's clamp never acts and saturating packs give the same bytes.
-  const float mmax = bits_f32(b.am), umax = bits_f32(b.au);
-  const float im = mmax > 0.0f ? std::fmin(127.0f / mmax, FLT_MAX) : 0.0f;
-  const float iu = umax > 0.0f ? std::fmin(255.0f / umax, FLT_MAX) : 0.0f;
-  const V vim = I::set1(im), viu = I::set1(iu);
-  int j = 0;
-  if constexpr (!std::is_same_v<I, ScalarISA>) {
-    for (; j + 4 * W <= len; j += 4 * W) {
-      Q::store4_i8(mq + j, I::mul(I::load(rbuf + j), vim), I::mul(I::load(rbuf + j + W), vim),
-                   I::mul(I::load(rbuf + j + 2 * W), vim), I::mul(I::load(rbuf + j + 3 * W), vim));
-      Q::store4_u8(vq + j, I::mul(I::load(ubuf + j), viu), I::mul(I::load(ubuf + j + W), viu),
-                   I::mul(I::load(ubuf + j + 2 * W), viu), I::mul(I::load(ubuf + j + 3 * W), viu));
-    }
-  }
-  for (; j + W <= len; j += W) {
-    I::store_i8(mq + j, I::mul(I::load(rbuf + j), vim));
-    I::store_u8(vq + j, I::mul(I::load(ubuf + j), viu));
-  }
-  for (; j < len; ++j) {
-    ScalarISA::store_i8(mq + j, rbuf[j] * im);
-    ScalarISA::store_u8(vq + j, ubuf[j] * iu);
-  }
-  msc[b.blk] = mmax;
-  vsc[b.blk] = umax;
-}
-
-// Blocks [bb, be) of an 8-bit tensor, software-pipelined: pass 2 of block b runs after pass 1
-// of block b + 1 (two scratch pairs), so the block's reduction and two divisions are off the
-// critical path. Blocks are independent, so the result is the same as block by block.
-template <class I, int GD, int OD, bool DECAY, bool RARE>
-static void q8_loop(const AdamQTask& t, const AdamScalars& s, int64_t bb, int64_t be) {
-  float* const __restrict p = t.p;
-  int8_t* const __restrict mq = static_cast<int8_t*>(t.m);
-  uint8_t* const __restrict vq = static_cast<uint8_t*>(t.v);
-  float* const __restrict msc = t.m_scale;
-  float* const __restrict vsc = t.v_scale;
-  const void* const __restrict g = t.g;
-  void* const __restrict out = t.out;
-  const int64_t n = t.n;
-  const int64_t lim = be * kQBlock < n ? be * kQBlock : n;  // end of this range (for the prefetches)
-  const RareFlags f{s.use_mult, s.maximize, s.use_wd, s.lerp_low};
-  const Coeffs<I> c(s);
-  const Coeffs<ScalarISA> cs(s);
-  alignas(64) float rbuf[2][kQBlock], ubuf[2][kQBlock];
-  if (bb >= be) return;
-  Q8Pending prev = q8_pass1<I, GD, OD, DECAY, RARE>(p, mq, vq, msc, vsc, g, out, n, lim, c, cs, f, bb, rbuf[0], ubuf[0]);
-  for (int64_t b = bb + 1; b < be; ++b) {
-    const int k = static_cast<int>((b - bb) & 1);
-    const Q8Pending cur = q8_pass1<I, GD, OD, DECAY, RARE>(p, mq, vq, msc, vsc, g, out, n, lim, c, cs, f, b, rbuf[k], ubuf[k]);
-    q8_pass2<I>(mq, vq, msc, vsc, prev, rbuf[k ^ 1], ubuf[k ^ 1]);
-    prev = cur;
-  }
-  const int k = static_cast<int>((be - 1 - bb) & 1);
-  q8_pass2<I>(mq, vq, msc, vsc, prev, rbuf[k], ubuf[k]);
-}
+namespace offload {
 
 // Blocks [bb, be) of one tensor (bf16 moments: the same element range).
 template <class I, int GD, int OD, bool DECAY, bool RARE>
