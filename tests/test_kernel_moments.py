@@ -200,7 +200,7 @@ def test_8bit_codes_follow_the_format_description(isa, n):
 def test_nonfinite_inputs_match_reference_bitwise(isa, fmt, gd, od):
     """NaN payloads and signs, infinities and subnormals in the master and the gradient: every ISA
     gives the scalar reference's bits (8-bit: poisoned blocks; bf16: NaN moments -> 0x7FC0)."""
-    from test_kernel import nonfinite_inputs
+    from kernel_util import nonfinite_inputs
 
     n = 4133
     for vi, variant in enumerate(VARIANTS):
