@@ -13,7 +13,7 @@ from offload.device import FakeDevice
 from offload.state.drives import parse_dirs
 from offload.store import StoreFailedError
 
-from test_store import assert_same, make_opt, make_params, run_steps
+from store_util import assert_same, make_opt, make_params, run_steps
 
 
 def drives(tmp_path, k):
@@ -26,7 +26,7 @@ def drives(tmp_path, k):
 
 
 def make(ps, moments="fp32", **kw):
-    """test_store's three groups (amsgrad, maximize, ...); 8-bit moments keep no max_exp_avg_sq: no amsgrad."""
+    """store_util's three groups (amsgrad, maximize, ...); 8-bit moments keep no max_exp_avg_sq: no amsgrad."""
     if moments == "fp32":
         return make_opt(ps, **kw)
     return offload.AdamW([{"params": ps[:2]}, {"params": ps[2:5], "lr": 1e-2, "weight_decay": 0.1},
