@@ -93,7 +93,7 @@ def drop_row_caches(opt) -> None:
     eng = state_engine(opt)
     if eng is not None:
         eng.side.rows = None
-        eng.__dict__.pop("_state_recs", None)
+        eng.views.drop_records()
 
 
 def bookkeeping_sizes(opt) -> dict:

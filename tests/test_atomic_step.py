@@ -173,7 +173,7 @@ ENGINE_STAGES = {
     "registry.commit": _store_stage("registry", "commit"),
     "kernel (fp32 buckets)": lambda opt: (bucket, "step_table"),
     "kernel (compressed buckets)": lambda opt: (bucket, "kernel_for"),
-    "opt.state views": _store_stage(None, "_install"),
+    "opt.state views": _store_stage("views", "install"),
     "torch's code (fallback parameters)": lambda opt: (offload.fallback, "_torch_adam"),
 }
 

@@ -141,8 +141,7 @@ class BackwardFeed(FeedStep):
         self.uploads.wait_all()   # (a parameter no module's forward used)
         self._reset()
         eng = self.engine
-        with eng._using():
-            eng._adopt_user_state(self.face.port.state())
+        eng.begin(self.face.port.state())
         self.face.reload_changed()
         self.side.grads = self.grads
         tel = self.tier.telemetry
@@ -255,7 +254,7 @@ class BackwardFeed(FeedStep):
             try:
                 _, b, act, _, _, _, after, reads, _ = job
                 _unchanged(reads)
-                with self.engine._lock:
+                with self.engine.lock:
                     staged.append((job, self.side.arrive(b, act, after)))
                 self._sent_down(b.group, act)
             except BaseException as e:
@@ -319,7 +318,7 @@ class BackwardFeed(FeedStep):
         tier, eng = self.tier, self.engine
         if tier.kind != "nvme" or tier.closed:
             return
-        lock = eng._lock
+        lock = eng.lock
         if not lock.acquire(blocking=blocking):
             return
         try:
@@ -346,7 +345,7 @@ class BackwardFeed(FeedStep):
     def _step_bucket(self, job, st) -> None:
         _, b, act, read, hyper, mult, after, reads, up = job
         eng, side, tier = self.engine, self.side, self.tier
-        with eng._lock:
+        with eng.lock:
             self.stepped.add(b.index)
             blk = tier.acquire(b, read)   # read on demand if it was not read ahead
             self._read_ahead(blocking=True)   # the next reads run during this kernel

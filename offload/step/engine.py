@@ -1,14 +1,18 @@
-"""step/engine.py: StateEngine, the composition root: one layout, one state tier, one parameter side.
+"""step/engine.py: StateEngine, the composition root: one layout, one state tier, one parameter side,
+and the torch-layout face of the state (``views``, step/torchstate.py TorchViews).
 
-It is what ``offload.Adam/AdamW`` hold for ``storage="nvme"|"mmap"`` (host or device parameters,
-FSDP2 local shards): it validates a step's gradients before any I/O, runs the pipeline
+It is what ``offload.Adam/AdamW`` hold in every mode (host or device parameters, FSDP2 local shards,
+any tier and moment format): it validates a step's gradients before any I/O, runs the pipeline
 (step/pipeline.py) over the buckets that have gradients, installs torch-layout views of the state
 in ``opt.state`` and serves ``state_dict`` / ``load_state_dict`` bucket by bucket. It never reads
-the optimizer's private attributes: hyperparameters come through ``hyper(group)``.
+the optimizer's private attributes: hyperparameters come through ``hyper(group)``. The device
+schedule (step/device_step.py, step/backward.py) steps buckets itself, through the public seam
+``lock`` / ``exclusive()`` / ``begin()`` / ``collect()`` / ``commit()``.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import operator
 import os
@@ -27,14 +31,38 @@ from ..params.host import HostParams
 from ..state import make_tier
 from ..state.tier import split_budget
 from ..base.units import parse_size
-from . import pipeline
+from . import grow, pipeline
+from .handouts import Handouts
 from .registry import Registry
-from .torchstate import TorchLayout
+from .torchstate import TorchViews
 
 __all__ = ["StateEngine"]
 
 
-class StateEngine(TorchLayout):
+@contextlib.contextmanager
+def _exclusive(lock, pid: int, tier, mode: str, failed_ok: bool = False):
+    """StateEngine.exclusive, as a function of what it reads (TorchViews holds it without the engine)."""
+    _check_process(pid, mode)
+    with lock:
+        if not (failed_ok and tier.failed is not None and not tier.closed):
+            tier.check_usable()
+        yield
+
+
+def _check_process(pid: int, mode: str) -> None:
+    if os.getpid() != pid:
+        raise RuntimeError(
+            f"the {mode} optimizer state of process {pid} cannot be used after fork() (this is "
+            f"process {os.getpid()}): its state file, mapping and I/O threads belong to the parent. Create "
+            "the optimizer in the child (or start it with the 'spawn' method)")
+
+
+def _moment_format(numels: list, moments: str, min_size: int, gi: int, i: int) -> str:
+    n = numels[gi][i]
+    return moments if n and n >= min_size else "fp32"
+
+
+class StateEngine:
     def __init__(self, groups: list, amsgrad: list, *, mode: str, nvme_dir=None, host_budget="2GiB",
                  keep: bool = False, device=None, staging_slots: int = 3, bucket_bytes: Optional[int] = None,
                  depth: int = 2, queue_depth: int = 8, block_size: int = 1 << 20, direct: bool = True,
@@ -52,7 +80,8 @@ class StateEngine(TorchLayout):
         self.local_groups = [[local(p) for p in ps] for ps in self.groups]
         check_overlaps(self.local_groups, (), None, mode)   # a parameter listed twice...: before any file exists
         self._pid = os.getpid()            # the state (file, I/O threads, mapping) belongs to this process
-        self._lock = threading.RLock()     # step / state access / close never overlap (close waits)
+        # step / state access / close never overlap (close waits); the device worker holds it per bucket
+        self.lock = threading.RLock()
         self.tracker = WriteTracker(self.local_groups)   # bf16/fp16 params written by the user between steps
         if device is not None:
             from ..params.device import DeviceParams
@@ -72,7 +101,7 @@ class StateEngine(TorchLayout):
                              f"{ALIGN} bytes ({n * ALIGN} bytes)")
         if device is not None and bucket_bytes:
             self.stage_cap = min(self.stage_cap or bucket_bytes, bucket_bytes)
-        self.layout = self._lay(self.groups, 0)
+        self.layout = self.lay_out(self.groups, 0)
         self.registry = Registry([len(g) for g in self.groups])
         self.tier = make_tier(mode, nvme_dir=nvme_dir, keep=keep, depth=depth, queue_depth=queue_depth,
                               block_size=block_size, direct=direct, budget=self.budget)
@@ -81,87 +110,47 @@ class StateEngine(TorchLayout):
             self.side.allocate(self.layout)
         self.telemetry = dict(steps=0, kernel_s=0.0, step_s=0.0)
         self.last_stats: Optional[dict] = None
+        self._grads = None   # the gradients collect() checked, for the step that follows it
+        # (bound to what they read, not to the engine: the views hold no reference back to it)
+        self._format = functools.partial(_moment_format, self.numels, self.moments, self.moments_min_size)
+        self._exclusive = functools.partial(_exclusive, self.lock, self._pid, self.tier, mode)
+        self.views = TorchViews(self.layout, self.tier, self.registry, self.groups, Handouts(),
+                                local_groups=self.local_groups, numels=self.numels, amsgrad=self.amsgrad,
+                                moment_format=self._format, device_params=device is not None, mode=mode,
+                                tracker=self.tracker, exclusive=self._exclusive)
 
-    def _lay(self, groups, first_group: int):
+    def lay_out(self, groups: list, first_group: int):
+        """The layout of parameter lists ``groups`` (numbered from ``first_group``); excluded ones get none."""
         shapes = shapes_of(groups, self.device is not None, first_group)
         if self.excluded:
             from dataclasses import replace
             shapes = [replace(s, active=False) if (s.group, s.index) in self.excluded else s for s in shapes]
-        shapes = self._moment_shapes(shapes)
+        return self.layout_of(shapes)
+
+    def layout_of(self, shapes: list):
+        """The layout of ``shapes`` (offload/state/layout.py Shape) with this engine's budgets; compressed
+        moments for parameters of at least ``moments_min_size`` elements, fp32 below."""
+        if self.moments != "fp32":
+            from dataclasses import replace
+            shapes = [replace(s, moments=self.moments) if s.numel and s.numel >= self.moments_min_size else s
+                      for s in shapes]
         return build_layout(shapes, amsgrad=self.amsgrad, max_state_bytes=self.state_cap,
                             max_param_bytes=self.stage_cap, stagger=self.mode == "ram")
 
-    def _moment_shapes(self, shapes: list) -> list:
-        """Compressed moments for parameters of at least ``moments_min_size`` elements; fp32 below."""
-        if self.moments == "fp32":
-            return shapes
-        from dataclasses import replace
-        return [replace(s, moments=self.moments) if s.numel and s.numel >= self.moments_min_size else s
-                for s in shapes]
-
     def moment_format(self, gi: int, i: int) -> str:
         """How parameter ``i`` of group ``gi`` stores its moments ("fp32", "bf16" or "8bit")."""
-        n = self.numels[gi][i]
-        return self.moments if n and n >= self.moments_min_size else "fp32"
+        return self._format(gi, i)
 
     # ------------------------------------------------------------------ shape of the engine
     def add_group(self, params: list, amsgrad: bool) -> None:
         """``add_param_group``: lay the new group out after the existing state and grow the file."""
-        with self._using():
-            self._add_group(params, amsgrad)
+        with self.exclusive():
+            grow.add_group(self, params, amsgrad)
 
-    def _add_group(self, params: list, amsgrad: bool) -> None:
-        gi, nb, nbytes = len(self.groups), len(self.layout.buckets), self.layout.nbytes
-        check_overlaps(self.local_groups + [[local(p) for p in params]], (), None, self.mode)
-        try:
-            self.groups.append(list(params))
-            self.local_groups.append([local(p) for p in params])
-            self.tracker.seen.append(np.full((len(params), 2), -1, dtype=np.int64))
-            self.amsgrad.append(bool(amsgrad))
-            self.dtypes.append([local(p).dtype for p in params])
-            self.numels.append([local(p).numel() for p in params])
-            self.layout.extend(self._lay([self.groups[gi]], gi))
-            self.registry.grow([len(g) for g in self.groups])
-            self.tier.allocate(self.layout)   # a tier that cannot grow (no space, no memory) stays as it was
-        except BaseException:
-            self._drop_groups(gi, nb, nbytes)   # nothing changed: the group is not added
-            raise
-        try:
-            if self.device is not None:
-                self.side.allocate(self.layout)
-            self.side.extend(self.groups)
-        except BaseException as e:   # the tier grew for the group: refused until a load
-            self._drop_groups(gi, nb, nbytes)
-            self.tier.shrink(self.layout)   # a group added later is laid out in room of its own
-            self.tier.fail(e)
-            raise
-
-    def _drop_groups(self, gi: int, nb: int, nbytes: int) -> None:
-        """Undo an add_group that failed part-way: groups from ``gi`` on and buckets from ``nb`` on go."""
-        for per_group in (self.groups, self.local_groups, self.tracker.seen, self.amsgrad, self.dtypes, self.numels,
-                          self.registry.steps, self.registry.ready):
-            del per_group[gi:]
-        del self.layout.buckets[nb:]
-        self.layout.nbytes = nbytes
-        for key in [k for k in self.layout.of_param if k[0] >= gi]:
-            del self.layout.of_param[key]
-
-    def _check_process(self) -> None:
-        if os.getpid() != self._pid:
-            raise RuntimeError(
-                f"the {self.mode} optimizer state of process {self._pid} cannot be used after fork() (this is "
-                f"process {os.getpid()}): its state file, mapping and I/O threads belong to the parent. Create "
-                "the optimizer in the child (or start it with the 'spawn' method)")
-
-    @contextlib.contextmanager
-    def _using(self, failed_ok: bool = False):
-        """Exclusive use: the right process, not closed, not failed (``failed_ok``: a load that replaces
-        the whole state may run on a failed tier); close() waits for it."""
-        self._check_process()
-        with self._lock:
-            if not (failed_ok and self.tier.failed is not None and not self.tier.closed):
-                self.tier.check_usable()
-            yield
+    def exclusive(self, failed_ok: bool = False):
+        """Context manager for exclusive use: the right process, ``lock`` held, not closed, not failed
+        (``failed_ok``: a load that replaces the whole state may run on a failed tier); close() waits for it."""
+        return self._exclusive(failed_ok)
 
     @property
     def pieces(self) -> dict:
@@ -191,8 +180,34 @@ class StateEngine(TorchLayout):
                                "original parameter list; add parameters with add_param_group(), or build a new "
                                "optimizer and load_state_dict() into it)")
 
+    def collect(self, param_groups: list, keep_grads: bool = True) -> list:
+        """Validate grads/params of every group (before any I/O), under ``lock``; lay out the state of
+        parameters that have a gradient for the first time. Returns per group the bool mask of the
+        parameters with a gradient. ``keep_grads``: the checked gradients are what the next
+        ``step(..., active=...)`` uses; False (the device worker captures its own): none is kept."""
+        with self.lock:
+            active = self._collect(param_groups)
+            if not keep_grads:
+                self._grads = None
+            return active
+
+    def begin(self, state: dict) -> None:
+        """Before a step the device schedule runs itself: exclusive use, and the user's edits of
+        ``opt.state`` (``state``) since the last step honoured as torch would (TorchViews.adopt_user_state)."""
+        with self.exclusive():
+            self.views.adopt_user_state(state)
+
+    def commit(self, active: list, fresh: list, state: dict) -> None:
+        """After every bucket of a step: the parameters ``active`` (per group, bool masks) have state and
+        their writes are tracked from here; ``fresh`` ([(gi, i)]: state created by this step) get their
+        views in ``state`` (opt.state), and held decoded moments their new values. Call under ``lock``."""
+        self.registry.commit(active)
+        for gi, a in enumerate(active):
+            self.tracker.record(gi, np.flatnonzero(a))
+        self.views.install(fresh, state)   # (the step is done: opt.state must show it, or the tier fails)
+
     def _collect(self, param_groups: list) -> list:
-        """Validate grads/params of every group (before any I/O); per group: bool mask of active params."""
+        """collect() without the lock: per group, the bool mask of active params."""
         self._check_groups(param_groups)
         active, grads = [], []
         for gi, group in enumerate(param_groups):
@@ -224,7 +239,7 @@ class StateEngine(TorchLayout):
         late = [(gi, int(i)) for gi, a in enumerate(active) for i in np.flatnonzero(a & self._unplaced(gi))
                 if self.numels[gi][i] and not self.layout.of_param.get((gi, int(i))) and (gi, int(i)) not in self.excluded]
         if late:
-            self._lay_out_late(late)
+            grow.lay_out_late(self, late)
         return active
 
     def _unplaced(self, gi: int) -> np.ndarray:
@@ -236,23 +251,6 @@ class StateEngine(TorchLayout):
                             dtype=bool)
             got = self._unplaced_masks[gi] = (key, mask)
         return got[1]
-
-    def _lay_out_late(self, late: list) -> None:
-        """Parameters frozen (requires_grad=False) at construction reserved nothing; the first time one
-        has a gradient its state is laid out after the existing state (the file grows)."""
-        from ..state.layout import Shape
-        from ..params.base import LOW_PRECISION
-        shapes = []
-        for gi, i in sorted(late):
-            lp = local(self.groups[gi][i])
-            shapes.append(Shape(gi, i, lp.numel(), lp.element_size(),
-                                master=self.device is not None or lp.dtype in LOW_PRECISION))
-        new = build_layout(self._moment_shapes(shapes), amsgrad=self.amsgrad, max_state_bytes=self.state_cap,
-                           max_param_bytes=self.stage_cap, stagger=self.mode == "ram")
-        self.layout.extend(new)
-        self.tier.allocate(self.layout)
-        if self.device is not None:
-            self.side.allocate(self.layout)
 
     def _jobs(self, active: list, order=None) -> list:
         jobs = []
@@ -270,8 +268,8 @@ class StateEngine(TorchLayout):
 
     def step(self, param_groups: list, hyper: Callable[[int], dict], state: dict, mult: float, threads: int,
              active: Optional[list] = None) -> None:
-        self._check_process()
-        with self._lock:
+        _check_process(self._pid, self.mode)
+        with self.lock:
             try:
                 self._step(param_groups, hyper, state, mult, threads, active)
             finally:
@@ -279,10 +277,10 @@ class StateEngine(TorchLayout):
 
     def _step(self, param_groups, hyper, state, mult, threads, active) -> None:
         self.tier.check_usable()
-        self._adopt_user_state(state)
+        self.views.adopt_user_state(state)
         if active is None:
             active = self._collect(param_groups)
-            self._follow_shapes(state, getattr(self.side, "rows", None))
+            self.views.follow_shapes(state, getattr(self.side, "rows", None))
         hypers = {gi: hyper(gi) for gi, a in enumerate(active) if a.any()}   # validated before any change
         for gi, h in hypers.items():   # the native kernel refuses these too, but only after I/O has started
             for k in ("lr", "eps", "weight_decay", "beta1", "beta2"):
@@ -303,10 +301,7 @@ class StateEngine(TorchLayout):
                          mult=mult, threads=threads, depth=self.depth, ahead=getattr(self.side, "nslots", 1),
                          timing=self.telemetry, resync=resync and self._resync(resync))
             fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~self.registry.ready[gi])]
-            self.registry.commit(active)
-            for gi, a in enumerate(active):
-                self.tracker.record(gi, np.flatnonzero(a))
-            self._install(fresh, state)   # (the step is done: opt.state must show it, or the tier fails)
+            self.commit(active, fresh, state)
         except BaseException as e:
             self.tier.fail(e)
             raise
@@ -334,7 +329,7 @@ class StateEngine(TorchLayout):
     def io_pass(self) -> float:
         """Benchmark helper: read and write back every bucket through the step's pipeline without
         computing (data unchanged). Returns the seconds it took: the I/O-only time of a full step."""
-        with self._using():
+        with self.exclusive():
             return self._io_pass()
 
     def _io_pass(self) -> float:
@@ -354,6 +349,35 @@ class StateEngine(TorchLayout):
         self.tier.telemetry.update(saved)
         return dt
 
+    # ------------------------------------------------------------------ the torch-layout state (TorchViews)
+    def torch_state(self, gi: int, i: int) -> dict:
+        """``state[p]`` for parameter ``i`` of group ``gi``: step counter and views of the moments."""
+        return self.views.torch_state(gi, i)
+
+    def state_tensors(self) -> dict:
+        """(gi, i) -> {key: fp32 tensor} for every parameter that has state (views, never copies)."""
+        return self.views.state_tensors()
+
+    def raw_state_tensors(self) -> dict:
+        """(gi, i) -> {key: tensor} in the stored form (compressed moments under ``<key>.<format>``)."""
+        return self.views.raw_state_tensors()
+
+    def load(self, entries: dict) -> None:
+        """Replace the whole state by ``entries`` ((gi, i) -> state dict); also the way back after a failure."""
+        self.views.load(entries, self.side.read_master)
+
+    def reload_masters(self, which: set) -> None:
+        """Re-read the fp32 master of the parameters ``which`` ({(gi, i)}) that have state, from the parameters."""
+        self.views.reload_masters(which, self.side.read_master)
+
+    def holds_moment_copies(self) -> bool:
+        """A caller holds decoded compressed moments from opt.state (step/handouts.py)."""
+        return self.views.holds_moment_copies()
+
+    @property
+    def steps(self) -> list:
+        return self.registry.steps
+
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Wait for outstanding I/O, release buffers and delete the state (unless ``keep``). A step in
@@ -361,7 +385,7 @@ class StateEngine(TorchLayout):
         if os.getpid() != self._pid:
             self.tier.close()
             return
-        with self._lock:
+        with self.lock:
             self.side.close()
             self.tier.close()
 

@@ -73,9 +73,7 @@ class FeedStep:
             if any(eng.groups[gi][i].grad is not None for gi, i in self.unlaid):
                 self.wait_idle()   # the layout grows (tier, staging ring): nothing may be in flight
                 self._raise_if_failed()
-            with eng._lock:
-                eng._collect(port.groups())   # validates the other gradients; lays out late parameters
-                eng._grads = None
+            eng.collect(port.groups(), keep_grads=False)   # validates the other gradients; lays out late ones
             self._maps()
             self.grads += [[None] * len(g) for g in eng.groups[len(self.grads):]]
             self.advanced += [np.zeros(len(g), dtype=bool) for g in eng.groups[len(self.advanced):]]
@@ -122,13 +120,10 @@ class FeedStep:
     def _finish(self, active: list, fresh: list, rec: dict, order: list) -> None:
         """The worker, after the step's last bucket: write-backs done, the state committed."""
         eng, port = self.engine, self.face.port
-        with eng._lock:
+        with eng.lock:
             self.tier.drain()
             self.ahead = order   # read ahead the next step's first buckets (during forward)
-            eng.registry.commit(active)
-            for gi, a in enumerate(active):
-                eng.tracker.record(gi, np.flatnonzero(a))
-            eng._install(fresh, port.state())
+            eng.commit(active, fresh, port.state())
             self.side.grads = None
         self.grads = [[None] * len(g) for g in self.grads]   # no reference to this step's gradients survives it
         self.sent, self.unsent = {}, {}

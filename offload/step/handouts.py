@@ -15,8 +15,8 @@ the CPU worker cannot race with the caller's next write. Per held tensor, each s
 the update and one decode and copy after it. Writes are found by comparing bytes with the state,
 not by version counters, which ``.data`` and numpy writes do not bump.
 
-:class:`Handouts` is the registry; :class:`HeldMoments` the state engine's side (mixed into
-step/torchstate.py): re-encoding a written moment into the parameter's buckets.
+:class:`Handouts` is the registry (one per engine, held by step/torchstate.py TorchViews);
+:func:`write_moments` re-encodes a written moment into the parameter's buckets.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from ..base.dist import local
 from . import compressed
 from .compressed import bitwise_equal
 
-__all__ = ["Handouts", "HeldMoments"]
+__all__ = ["Handouts", "write_moments"]
 
 
 class Handouts:
@@ -110,38 +110,23 @@ class Handouts:
                     local(t).copy_(local(cur[key]))
 
 
-class HeldMoments:
-    """The state engine's side of it (mixed into step/torchstate.py TorchLayout): the registry, and
-    re-encoding a written moment into the parameter's buckets."""
+def write_moments(layout, fmt: str, gi: int, i: int, new: dict, cur: dict, rewrite: Callable) -> None:
+    """Re-encode the moments ``new`` ({key: tensor shaped like the parameter}) of compressed-moment
+    parameter (gi, i) (format ``fmt``) into its buckets, leaving its other moment as it is (``cur``: both,
+    decoded); ``rewrite(hits, apply)`` reads, changes and writes back the buckets (step/load.py)."""
+    flat = lambda t: local(t).detach().to(device="cpu", dtype=torch.float32).reshape(-1)   # noqa: E731
+    try:   # validates (e.g. a negative exp_avg_sq) before the tier is touched
+        conv = mformat.encode(flat(new.get("exp_avg", cur["exp_avg"])),
+                              flat(new.get("exp_avg_sq", cur["exp_avg_sq"])), fmt)
+    except ValueError as e:
+        raise ValueError(f"state {sorted(new)} of parameter {i} of group {gi}, written in place through "
+                         f"opt.state: {e}") from None
+    keys = {k for mk in new for k in mformat.keys_of(fmt, mk)}
+    hits: dict = {}
+    for bi, pc in layout.of_param.get((gi, i), []):
+        hits.setdefault(bi, []).append(pc)
 
-    def holds_moment_copies(self) -> bool:
-        """A caller holds decoded compressed moments from opt.state (step/handouts.py)."""
-        return self._handouts().any_alive()
-
-    def _handouts(self) -> Handouts:
-        """The decoded moments handed out through opt.state (step/handouts.py)."""
-        h = self.__dict__.get("_handouts_")
-        if h is None:
-            h = self.__dict__["_handouts_"] = Handouts()
-        return h
-
-    def _write_moments(self, gi: int, i: int, new: dict, cur: dict) -> None:
-        """Re-encode the moments ``new`` ({key: tensor shaped like the parameter}) of compressed-moment
-        parameter (gi, i) into its buckets, leaving its other moment as it is (``cur``: both, decoded)."""
-        fmt = self.moment_format(gi, i)
-        flat = lambda t: local(t).detach().to(device="cpu", dtype=torch.float32).reshape(-1)   # noqa: E731
-        try:   # validates (e.g. a negative exp_avg_sq) before the tier is touched
-            conv = mformat.encode(flat(new.get("exp_avg", cur["exp_avg"])),
-                                  flat(new.get("exp_avg_sq", cur["exp_avg_sq"])), fmt)
-        except ValueError as e:
-            raise ValueError(f"state {sorted(new)} of parameter {i} of group {gi}, written in place through "
-                             f"opt.state: {e}") from None
-        keys = {k for mk in new for k in mformat.keys_of(fmt, mk)}
-        hits: dict = {}
-        for bi, pc in self.layout.of_param.get((gi, i), []):
-            hits.setdefault(bi, []).append(pc)
-
-        def apply(b, pieces, blk):
-            for pc in pieces:
-                compressed.write_piece(b, pc, blk.data, conv, keys)
-        self._rewrite_buckets(hits, apply)
+    def apply(b, pieces, blk):
+        for pc in pieces:
+            compressed.write_piece(b, pc, blk.data, conv, keys)
+    rewrite(hits, apply)

@@ -1,12 +1,16 @@
-"""step/torchstate.py: the torch-layout face of the state engine: ``opt.state`` views, ``state_dict``
-tensors, ``load_state_dict`` bucket by bucket, and re-reading masters from the parameters.
+"""step/torchstate.py: TorchViews, the torch-layout face of the state engine: ``opt.state`` views
+(installed when a parameter's state is created), the user's edits of ``opt.state`` honoured as torch
+would, ``state_dict`` tensors, and (through step/load.py) ``load_state_dict`` and re-read masters.
 
-Mixed into StateEngine (step/engine.py); it uses the engine's layout, tier, registry, side and lock.
-Tensors are views of the tier (step/views.py), never copies, and keep their memory alive.
+The engine (step/engine.py) builds one and passes it what it reads: the layout, tier, registry,
+parameter lists, the handed-out decoded moments (step/handouts.py), the moment format of each
+parameter and ``exclusive`` (the engine's lock). Tensors are views of the tier (step/views.py), never
+copies, and keep their memory alive.
 """
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable
 
 import numpy as np
 import torch
@@ -16,11 +20,12 @@ from ..moments import format as mformat
 from ..base.dist import like, local
 from ..base.dtypes import LOW_PRECISION, STATE_KEYS as _KEYS
 from . import compressed, export
+from . import load as loader
 from .adopt import copy_in, follow_shapes, missing_entry
-from .handouts import HeldMoments
+from .handouts import Handouts, write_moments
 from .views import param_views
 
-__all__ = ["TorchLayout"]
+__all__ = ["TorchViews"]
 
 # what the per-step check of opt.state compares (csrc/rows.cpp state_rows): these entries of each
 # parameter's state, by identity, and the data pointers of the tensors among them
@@ -43,17 +48,30 @@ class _StateRecords:
         self.hashes = np.full(n, -1, dtype=np.int64)         # hash(parameter): looked up without __hash__
 
 
-class TorchLayout(HeldMoments):
+class TorchViews:
+    def __init__(self, layout, tier, registry, groups: list, handouts: Handouts, *, local_groups: list,
+                 numels: list, amsgrad: list, moment_format: Callable[[int, int], str], device_params: bool,
+                 mode: str, tracker, exclusive: Callable):
+        """``groups``, ``local_groups``, ``numels``, ``amsgrad``: the engine's per-group lists (they grow
+        in place with add_param_group); ``device_params``: parameters on a device (every one has an fp32
+        master); ``exclusive(failed_ok=False)``: the engine's lock, as a context manager."""
+        self.layout, self.tier, self.registry, self.groups, self.handouts = layout, tier, registry, groups, handouts
+        self.local_groups, self.numels, self.amsgrad = local_groups, numels, amsgrad
+        self.moment_format, self.device_params, self.mode = moment_format, device_params, mode
+        self.tracker, self.exclusive = tracker, exclusive
+        self.ptrs: dict = {}    # (gi, i) -> {key: data_ptr} of the views installed in opt.state
+        self.recs: list = []    # per group: _StateRecords (what state_rows compares with)
+
     # ------------------------------------------------------------------ torch-layout views
-    def _install(self, fresh: list, state: dict) -> None:
+    def install(self, fresh: list, state: dict) -> None:
         """Give ``state[p]`` its step counter and moments (views of the tier) when its state was created.
         Runs at the end of every step (both schedules): the decoded moments a caller holds take the
         step's new values here."""
-        self._handouts().refresh(self._decode_current)
+        self.handouts.refresh(self._decode_current)
         if not fresh:
             return
         view, fd = self.tier.mapping()
-        ptrs = self.__dict__.setdefault("_view_ptrs", {})
+        ptrs = self.ptrs
         for gi, i in fresh:
             self._forget_state(gi, int(i))
             p = self.groups[gi][int(i)]
@@ -71,22 +89,18 @@ class TorchLayout(HeldMoments):
             return self._decoded(gi, i)
 
         def watch(key, t):
-            self._handouts().watch(gi, i, key, t)
+            self.handouts.watch(gi, i, key, t)
         return compressed.CompressedState(base, decode, self.moment_format(gi, i), watch)
 
-    def _rewrite_buckets(self, hits: dict, apply) -> None:
-        """Read, change (``apply(bucket, pieces, block)``) and write back the buckets ``hits`` ({bucket
-        index: [pieces]}), then wait for the writes; a failure fails the tier, as in a step."""
-        try:
-            for bi, pieces in hits.items():
-                b = self.layout.buckets[bi]
-                blk = self.tier.acquire(b, True)
-                apply(b, pieces, blk)
-                self.tier.release(b, blk)
-            self.tier.drain()
-        except BaseException as e:
-            self.tier.fail(e)
-            raise
+    def _rewrite(self, hits: dict, apply) -> None:
+        loader.rewrite_buckets(self.layout, self.tier, hits, apply)
+
+    def _write_moments(self, gi: int, i: int, new: dict, cur: dict) -> None:
+        write_moments(self.layout, self.moment_format(gi, i), gi, i, new, cur, self._rewrite)
+
+    def holds_moment_copies(self) -> bool:
+        """A caller holds decoded compressed moments from opt.state (step/handouts.py)."""
+        return self.handouts.any_alive()
 
     def _decoded(self, gi: int, i: int, sink=None, view=None) -> dict:
         """fp32 exp_avg / exp_avg_sq (shaped like the parameter) of a compressed-moment parameter,
@@ -94,13 +108,13 @@ class TorchLayout(HeldMoments):
         mapping when the caller (a loop over every parameter, under the lock) already holds one.
         In-place writes into this parameter's held decoded moments are adopted first (as torch's
         state would show them)."""
-        with self._using():
-            self._handouts().adopt(self._decode_current, self._write_moments, only=(gi, i))
+        with self.exclusive():
+            self.handouts.adopt(self._decode_current, self._write_moments, only=(gi, i))
             return self._decode_current(gi, i, sink, view)
 
     def _decode_current(self, gi: int, i: int, sink=None, view=None) -> dict:
         """_decoded without adopting held writes: the state as its buckets hold it."""
-        with self._using():
+        with self.exclusive():
             if view is None:
                 view, _fd = self.tier.mapping()   # NVMe: drains the write-backs and maps the file
             fmt = self.moment_format(gi, i)
@@ -116,8 +130,8 @@ class TorchLayout(HeldMoments):
     def raw_state_tensors(self) -> dict:
         """(gi, i) -> {key: tensor} in the stored form: fp32 views (master, fp32 moments) and, for
         compressed moments, copies of the compressed tensors under ``<key>.<format>`` (offload.save)."""
-        with self._using():
-            self._handouts().adopt(self._decode_current, self._write_moments)   # held writes first
+        with self.exclusive():
+            self.handouts.adopt(self._decode_current, self._write_moments)   # held writes first
             view, fd = self.tier.mapping()
             out = {}
             for gi, params in enumerate(self.groups):
@@ -133,7 +147,7 @@ class TorchLayout(HeldMoments):
                     out[(gi, i)] = st
             return out
 
-    def _adopt_user_state(self, state: dict) -> None:
+    def adopt_user_state(self, state: dict) -> None:
         """What a user did to ``opt.state`` since the last step, as torch honours it: a replaced
         ``state[p]['step']`` is adopted; a removed or emptied ``state[p]`` (``opt.state.clear()``,
         ``del opt.state[p]``) starts that parameter afresh at step 0. A replaced moment tensor cannot be
@@ -144,8 +158,7 @@ class TorchLayout(HeldMoments):
         Each parameter's entry is recorded once validated; each step only the entries that are not
         the recorded objects, or whose tensors moved (``.data = ...``), are looked at again
         (``state_rows`` of offload/native/rows.py, natively). The records go with any change the engine makes itself."""
-        ptrs = self.__dict__.get("_view_ptrs", {})
-        recs = self.__dict__.setdefault("_state_recs", [])
+        ptrs, recs = self.ptrs, self.recs
         fast = type(state) is dict or type(state) is defaultdict   # their .get is the C lookup state_rows does
         for gi, ps in enumerate(self.groups):
             ready, steps = self.registry.ready[gi], self.registry.steps[gi]
@@ -165,7 +178,7 @@ class TorchLayout(HeldMoments):
                     ready[i] = False
                     steps[i] = 0.0
                     ptrs.pop((gi, i), None)
-                    self._handouts().forget(gi, i)
+                    self.handouts.forget(gi, i)
                     continue
                 v = st.get("step")
                 if not (isinstance(v, torch.Tensor) and v._base is steps and v.storage_offset() == i
@@ -192,14 +205,14 @@ class TorchLayout(HeldMoments):
                             "or load a whole state with load_state_dict()")
                 self._record_state(rec, i, ps[i], st, ptrs.get((gi, i), {}))
         # decoded compressed moments written in place by a caller who holds them (step/handouts.py)
-        self._handouts().adopt(self._decode_current, self._write_moments)
+        self.handouts.adopt(self._decode_current, self._write_moments)
 
-    def _follow_shapes(self, state: dict, rows) -> None:
+    def follow_shapes(self, state: dict, rows) -> None:
         """Parameters the side revalidated this step (``rows.revalidated``) that were given another
         shape: their state views follow (step/adopt.py)."""
         for gi, idx in getattr(rows, "revalidated", ()):
             follow_shapes(self.groups[gi], idx, self.registry.ready[gi], state,
-                          lambda i, gi=gi: self.__dict__.get("_view_ptrs", {}).get((gi, i), ()),
+                          lambda i, gi=gi: self.ptrs.get((gi, i), ()),
                           lambda i, gi=gi: self._forget_state(gi, i))
 
     def _view_of(self, gi: int, i: int, key: str):
@@ -220,7 +233,7 @@ class TorchLayout(HeldMoments):
         return cur if compressed.bitwise_equal(t, cur) else None
 
     def _record_state(self, rec: "_StateRecords", i: int, p, st, ptrs: dict) -> None:
-        """Record state[p] (just validated by _adopt_user_state) for state_rows to compare with."""
+        """Record state[p] (just validated by adopt_user_state) for state_rows to compare with."""
         if type(p) not in _PLAIN:
             return   # a DTensor's entries are DTensors (local() needed): checked in Python every step
         inner = st.live if isinstance(st, compressed.CompressedState) else st if type(st) is dict else None
@@ -244,7 +257,7 @@ class TorchLayout(HeldMoments):
 
     def _forget_state(self, gi: int, i: int) -> None:
         """The engine replaced the entries of parameter i of group gi: look at them again next step."""
-        recs = self.__dict__.get("_state_recs", [])
+        recs = self.recs
         if gi < len(recs) and i < len(recs[gi].objs):
             recs[gi].objs[i] = None
 
@@ -252,27 +265,27 @@ class TorchLayout(HeldMoments):
         p = self.groups[gi][i]
         lp = local(p)
         if lp.numel() == 0:
-            keys = (["master_param"] if (self.device is not None or lp.dtype in LOW_PRECISION)
+            keys = (["master_param"] if (self.device_params or lp.dtype in LOW_PRECISION)
                     else []) + ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad[gi] else [])
             return {k: like(p, torch.zeros(lp.shape, dtype=torch.float32)) for k in keys}
         if self.moment_format(gi, i) != "fp32":   # only the fp32 master is viewable as it is
             out = param_views(self.tier, self.layout, gi, i, lp.shape, view, fd, only=("master_param",))
         else:
             out = param_views(self.tier, self.layout, gi, i, lp.shape, view, fd)
-        if self.device is not None and lp.dtype == torch.float32:
+        if self.device_params and lp.dtype == torch.float32:
             out.pop("master_param", None)   # torch's layout: an fp32 parameter is its own master
         return {k: like(p, v) for k, v in out.items()}
 
     def torch_state(self, gi: int, i: int) -> dict:
         """``state[p]`` for parameter ``i`` of group ``gi``: step counter and views of the moments."""
-        with self._using():
+        with self.exclusive():
             view, fd = self.tier.mapping()
             st = {"step": self.registry.steps[gi][i]}
             if self.registry.ready[gi][i]:
                 views = self._views(gi, i, view, fd)
                 st.update(views)
                 # what load_state_dict installs in opt.state: a later replacement is detected against it
-                self.__dict__.setdefault("_view_ptrs", {})[(gi, i)] = {k: local(v).data_ptr() for k, v in views.items()}
+                self.ptrs[(gi, i)] = {k: local(v).data_ptr() for k, v in views.items()}
                 self._forget_state(gi, i)
                 if self.moment_format(gi, i) != "fp32" and self.numels[gi][i]:
                     return self._compressed_state(gi, i, st)
@@ -281,11 +294,11 @@ class TorchLayout(HeldMoments):
     def state_tensors(self) -> dict:
         """(gi, i) -> {key: fp32 tensor} for every parameter that has state (views, never copies).
         Every tensor keeps the memory it views alive, also after ``close()``."""
-        with self._using():
+        with self.exclusive():
             return self._state_tensors()
 
     def _state_tensors(self) -> dict:
-        self._handouts().adopt(self._decode_current, self._write_moments)   # held writes first
+        self.handouts.adopt(self._decode_current, self._write_moments)   # held writes first
         view, fd = self.tier.mapping()
         out = {}
         have = [(gi, i) for gi, params in enumerate(self.groups) for i in range(len(params))
@@ -300,100 +313,23 @@ class TorchLayout(HeldMoments):
                 out[(gi, i)].update(self._decode_current(gi, i, sink, view))
         return out
 
-    def reload_masters(self, which: set) -> None:
+    def drop_records(self) -> None:
+        """Forget what each opt.state entry was validated as: the next step looks at every entry again."""
+        self.recs = []
+
+    def reload_masters(self, which: set, read_master: Callable) -> None:
         """Re-read the fp32 master of the parameters ``which`` ({(gi, i)}) that have state, from the parameters."""
-        with self._using():
-            self._reload_masters(which)
+        with self.exclusive():
+            loader.reload_masters(self.layout, self.tier, self.registry, which, read_master)
 
-    def _reload_masters(self, which: set) -> None:
-        hits = {}
-        for b in self.layout.buckets:
-            hit = [pc for pc in b.pieces if (b.group, pc.param) in which and self.registry.ready[b.group][pc.param]]
-            if hit and b.master:
-                hits[b.index] = hit
-
-        def apply(b, pieces, blk):
-            f32 = blk.data[:b.nbytes].view(torch.float32)
-            for pc in pieces:
-                sec = b.section("master_param") // 4 + pc.pos
-                self.side.read_master(b.group, pc.param, pc.start, pc.n, f32[sec:sec + pc.n], changed_only=True)
-        self._rewrite_buckets(hits, apply)
-
-    @property
-    def steps(self) -> list:
-        return self.registry.steps
-
-    def load(self, entries: dict) -> None:
-        """Replace the whole state by ``entries`` ((gi, i) -> state dict), bucket by bucket.
-        Parameters without an entry start afresh at their next step (as with torch's loader).
-        A missing 'master_param' is taken from the parameter (a state saved by torch.optim).
+    def load(self, entries: dict, read_master: Callable) -> None:
+        """Replace the whole state by ``entries`` ((gi, i) -> state dict), bucket by bucket (step/load.py).
         After a step failed part-way this is the way back: a load that completes makes the state
         usable again (every parameter's state is either loaded or starts afresh)."""
-        with self._using(failed_ok=True):
-            self._load(entries)
+        with self.exclusive(failed_ok=True):
+            self.ptrs = {}      # the views in opt.state are re-made after a load (torch_state)
+            self.recs = []
+            self.handouts.clear()   # as torch's: tensors read from the old state are not the new state
+            loader.load(entries, layout=self.layout, tier=self.tier, registry=self.registry, tracker=self.tracker,
+                        numels=self.numels, moment_format=self.moment_format, mode=self.mode, read_master=read_master)
             self.tier.recover()
-
-    def _load(self, entries: dict) -> None:
-        self.__dict__["_view_ptrs"] = {}   # the views in opt.state are re-made after a load (torch_state)
-        self.__dict__["_state_recs"] = []
-        self._handouts().clear()           # as torch's: tensors read from the old state are not the new state
-        packed = {}   # (gi, i) -> flat compressed tensors of the parameter's format
-        for (gi, i), st in list(entries.items()):
-            fmt = self.moment_format(gi, i)
-            has_packed = any(mformat.parse_saved_key(k) for k in st)
-            if fmt == "fp32" and not has_packed:
-                continue
-            where = f"state of parameter {i} of group {gi}"
-            conv = compressed.to_format(st, fmt, self.numels[gi][i], where)
-            rest = {k: t for k, t in st.items() if not mformat.parse_saved_key(k) and k not in mformat.MOMENT_KEYS}
-            if fmt == "fp32":   # a compressed state loaded into fp32 moments: decoded
-                entries[(gi, i)] = dict(rest, **conv)
-            else:
-                packed[(gi, i)] = conv
-                entries[(gi, i)] = dict(rest, exp_avg=None, exp_avg_sq=None)
-        for (gi, i), st in entries.items():
-            n = self.numels[gi][i]
-            has_layout = bool(self.layout.of_param.get((gi, i)))
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key not in st:
-                    raise KeyError(f"state of parameter {i} of group {gi} has no '{key}'")
-            for key, t in st.items():
-                if key == "step" or not isinstance(t, torch.Tensor):
-                    continue
-                if local(t).numel() != n:
-                    raise ValueError(f"state '{key}' of parameter {i} of group {gi} does not match the "
-                                     f"parameter's {n} elements")
-            if n and not has_layout:
-                raise ValueError(f"state of parameter {i} of group {gi}: the parameter had requires_grad=False when "
-                                 f"the optimizer was created with storage={self.mode!r}, so it has no room for state")
-        try:
-            for b in self.layout.buckets:
-                hit = [pc for pc in b.pieces if (b.group, pc.param) in entries]
-                if not hit:
-                    continue
-                data = torch.zeros(b.nbytes, dtype=torch.uint8)
-                f32 = data.view(torch.float32)
-                for pc in hit:
-                    st = entries[(b.group, pc.param)]
-                    if b.moments != "fp32":
-                        compressed.write_piece(b, pc, data, packed[(b.group, pc.param)])
-                    for key, _size in b.keys:
-                        if b.moments != "fp32" and key != "master_param":
-                            continue
-                        sec = b.section(key) // 4 + pc.pos
-                        dst = f32[sec:sec + pc.n]
-                        src = st.get(key)
-                        if src is None and key == "master_param":
-                            self.side.read_master(b.group, pc.param, pc.start, pc.n, dst)
-                        elif src is not None:
-                            dst.copy_(local(src).detach().reshape(-1)[pc.start:pc.start + pc.n])
-                self.tier.write(b, data)
-            self.registry.reset()
-            for (gi, i), st in entries.items():
-                v = st.get("step", 0.0)
-                self.registry.steps[gi][i] = float(v.item() if isinstance(v, torch.Tensor) else v)
-                self.registry.ready[gi][i] = True
-                self.tracker.record(gi, [i])   # the loaded master is the truth for the parameter as it is now
-        except BaseException as e:
-            self.tier.fail(e)
-            raise
