@@ -107,3 +107,24 @@ def test_verdict_lines():
     t = train_verdict(rows)
     assert t["peer"] == "torch-fused" and t["speedup"] == pytest.approx(0.8) and "offload-overlap" in t["line"]
     assert train_verdict(rows[1:]) is None and train_verdict(rows[:1]) is None
+
+
+@pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
+@pytest.mark.timeout(120)
+def test_train_bench_runs_on_cpu(tmp_path, capsys):
+    import json
+    from offload.bench import train
+    out = tmp_path / "t.json"
+    assert train.main(["--device", "cpu", "--preset", "tiny", "--steps", "2", "--reps", "1", "--warmup", "1",
+                       "--bucket-mb", "0.01", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fake device" in text and "offload-overlap" in text
+    res = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert res["offload-overlap"]["iter_s"] > 0 and res["offload-sync"]["exposed_s"] is not None
+    assert "offload-nvme" not in res   # only with --state nvme|mmap
+    assert train.main(["--device", "cpu", "--preset", "tiny", "--steps", "2", "--reps", "1", "--warmup", "1",
+                       "--bucket-mb", "0.01", "--state", "nvme", "--nvme-dir", str(tmp_path), "--host-budget", "1MiB",
+                       "--variants", "offload-nvme", "--json", str(out)]) == 0
+    nv = json.loads(out.read_text())["results"][0]
+    assert nv["variant"] == "offload-nvme" and nv["bound"] > 0 and nv["io_s"] > 0 and nv["host_bytes"] <= 2**20
+    assert "target <= 1.15" in capsys.readouterr().out

@@ -8,7 +8,7 @@ a state_dict() -> load_state_dict() round trip, an offload.save + load into a fr
 one add_param_group. The same sequence then runs on {host, CpuDevice, FakeDevice} x {ram, nvme,
 mmap}; parameters and the exported state must equal host + ram bit for bit. (This is how the
 add_param_group staging race and the reverted writes after a second synchronize()/state_dict()
-were found: tests/test_matrix.py and tests/test_gpu_pipeline.py hold their targeted tests.)
+were found: tests/test_matrix.py and tests/test_gpu_device_writes.py hold their targeted tests.)
 """
 from __future__ import annotations
 

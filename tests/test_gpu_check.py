@@ -1,12 +1,14 @@
 """bench/gpu_check.py end to end on the fake device: one JSON line per check with its verdict, every
 check of the GPU checklist present, a check that raises recorded as FAIL without stopping the others,
-and a global budget too small for the checks giving SKIP lines instead of a crash."""
+and a global budget too small for the checks giving SKIP lines instead of a crash; the checks' logic
+(run_checks) on the fake device and on CUDA where there is one, and the script without CUDA."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from offload.bench.gpucheck import CHECK_NAMES
 
@@ -56,3 +58,34 @@ def test_too_small_budget_gives_skip_lines_not_a_crash(tmp_path):
     assert all(x["verdict"] == "SKIP" and "left of --budget-s" in x["detail"] for x in lines), lines
     assert "Traceback" not in r.stderr
 
+
+@pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
+@pytest.mark.cuda
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_torch():
+    from offload.bench.gpucheck import run_checks
+    results = run_checks("cuda", steps=4, quick=True)
+    assert results and all(r["ok"] for r in results), results
+
+
+@pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
+@pytest.mark.timeout(120)
+def test_gpu_check_logic_on_fake_device():
+    from offload.bench.gpucheck import run_checks
+    res = run_checks("fake", steps=3, quick=True)
+    assert len(res) == 9 and all(r["ok"] for r in res), res
+    assert max(r["rel_diff"] for r in res if r["dtype"] == "float32") < 1e-5
+
+
+@pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
+@pytest.mark.timeout(120)
+def test_gpu_check_script_without_cuda_exits_cleanly():
+    import subprocess
+    import sys
+    from pathlib import Path
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the script would run the real check")
+    script = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0 and "no CUDA device" in r.stdout
