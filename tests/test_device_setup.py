@@ -91,7 +91,7 @@ def test_kernel_leaves_the_launch_threads_their_cpus(monkeypatch):
 def test_worker_failure_between_buckets_is_raised_not_a_hang(monkeypatch):
     """The read-ahead the worker runs between jobs raising must fail the step (raised at the next
     call), not end the thread silently and leave synchronize() waiting."""
-    from offload.step.backward import BackwardFeed
+    from offload.step.worker import Worker
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
     dev = FakeDevice(max_delay=0.0)
     opt = offload.AdamW(model.parameters(), offload_device=dev, bucket_mb=0.001)
@@ -101,7 +101,7 @@ def test_worker_failure_between_buckets_is_raised_not_a_hang(monkeypatch):
         calls["n"] += 1
         if not blocking:
             raise OSError("injected read-ahead failure")
-    monkeypatch.setattr(BackwardFeed, "_read_ahead", boom)
+    monkeypatch.setattr(Worker, "read_ahead", boom)
     with pytest.raises((RuntimeError, OSError, StoreFailedError), match="injected read-ahead failure"):
         model(torch.randn(2, 32)).sum().backward()
         opt.step()

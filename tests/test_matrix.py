@@ -302,8 +302,8 @@ def test_add_param_group_while_the_last_step_is_in_flight(tmp_path, monkeypatch,
     the tier and the staging ring grow (the new 5000-element parameter needs bigger slots). The
     result must be the host's, bitwise; it was not: staged gradients were read from the new,
     uninitialized slots (wrong updates, NaN)."""
-    from offload.step import backward
-    stage_then_step = backward.BackwardFeed._step_bucket
+    from offload.step import worker
+    stage_then_step = worker.Worker.step_bucket
     staged = threading.Event()
 
     def slow_step_bucket(self, job, st):
@@ -331,7 +331,7 @@ def test_add_param_group_while_the_last_step_is_in_flight(tmp_path, monkeypatch,
     ps_r = params()
     ref = offload.AdamW(ps_r[:5], lr=1e-2, **kw)
     go(ps_r, ref)
-    monkeypatch.setattr(backward.BackwardFeed, "_step_bucket", slow_step_bucket)
+    monkeypatch.setattr(worker.Worker, "step_bucket", slow_step_bucket)
     ps = params()
     opts = dict(storage=cfg.tier, nvme_dir=tmp_path, host_budget=96 * 1024) if cfg.tier != "ram" else {}
     opt = offload.AdamW(ps[:5], lr=1e-2, offload_device=CpuDevice(), bucket_mb=0.01, **opts, **kw)

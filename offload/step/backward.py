@@ -1,4 +1,6 @@
-"""step/backward.py: BackwardFeed, the CPU worker that steps the buckets of device parameters.
+"""step/backward.py: BackwardFeed, the overlapped schedule that feeds the buckets of device parameters
+to a CPU worker: it composes the worker (step/worker.py Worker: thread, per-bucket step, read-ahead) and
+its ``step()`` on the training thread (step/feedstep.py FeedStep), and holds the step's bookkeeping.
 
 ``offload.AdamW(cuda_params, storage=...)`` with ``overlap=True`` (any tier). With
 ``step_during_backward`` (the default without clipping / overflow check) a post-accumulate-grad
@@ -23,32 +25,25 @@ RAM-state GPU scheduler does). Anything that fails after a bucket was stepped ma
 """
 from __future__ import annotations
 
-import functools
 import math
-import queue
-import threading
 import time
 import weakref
-from collections import deque
 from typing import Optional
 
 import numpy as np
-import torch
 
 from ..base.dist import local
 from ..params.base import check_grad
-from .bucket import step_bucket
 from .feedstep import FeedStep
 from .frameworks import accelerate_accumulating
 from .hooks import weak_hook
-from .owners import ForwardObserver
 from .uploads import Upload, UploadWaits
-from .worker import _WAIT_S, _loop, _stop_worker, _unchanged
+from .worker import Worker
 
 __all__ = ["BackwardFeed"]
 
 
-class BackwardFeed(FeedStep):
+class BackwardFeed:
     def __init__(self, face, engine, device, *, eager: bool = True, release_grads: bool = False, trace=None):
         self.face = face            # DeviceStep: the optimizer's hyperparameters and state dict
         self.engine = engine
@@ -59,28 +54,21 @@ class BackwardFeed(FeedStep):
         self.release_grads = bool(release_grads)
         self.trace = trace
         self.boundary = True
+        self.stepper = FeedStep(self)   # step() on the training thread; observes the first forward
         self.uploads = UploadWaits(device, lambda pid: self.buckets_of.get(self.key_of.get(pid)),
-                                   self._raise_if_failed, trace, self._unwritten)
-        self._race_reported: set = set()   # parameters whose racing write was reported (this step)
+                                   self.raise_if_failed, trace, self.stepper.unwritten)
         self.error: Optional[BaseException] = None
-        self._reported = False
+        self.reported = False
         self._hooks: list = []
         self._hooked = 0
         self._nb = -1
         self.order: list = []
         self._hook_params()
-        self._maps()
+        self.maps()
         self._reset()
-        self.seen: list = []         # buckets in the order the first forward used them (upload order)
-        self.forward = ForwardObserver()
-        # until the first step(): the order the first forward uses the buckets in (deferred schedule),
-        # and the modules whose state_dict() must wait for uploads (uploads.note)
-        self._observer = torch.nn.modules.module.register_module_forward_pre_hook(weak_hook(self, "observe"))
-        self._q: "queue.Queue" = queue.Queue()
-        self._worker = threading.Thread(target=_loop, args=(weakref.ref(self), self._q),
-                                        name="offload-backward-step", daemon=True)
-        self._worker.start()
-        self._finalizer = weakref.finalize(self, _stop_worker, self._q, self._worker)
+        self.worker = Worker(engine, threads=face.kernel_threads, failure=lambda: self.error, failed=self.fail,
+                             sent_down=self._sent_down, stepping=lambda bi: self.stepped.add(bi),
+                             wanted=self._wanted, trace=trace)
 
     # ------------------------------------------------------------------ shape
     def _hook_params(self) -> None:
@@ -97,7 +85,7 @@ class BackwardFeed(FeedStep):
                     self._hooks.append(p.register_post_accumulate_grad_hook(weak_hook(self, "_on_grad", gi, i)))
         self._hooked = len(groups)
 
-    def _maps(self) -> None:
+    def maps(self) -> None:
         """Per bucket: its parameters; per parameter: its buckets; the expected order grows with the layout."""
         buckets = self.engine.layout.buckets
         if len(buckets) == self._nb:
@@ -118,7 +106,7 @@ class BackwardFeed(FeedStep):
 
     def extend(self) -> None:
         self._hook_params()
-        self._maps()
+        self.maps()
 
     def _reset(self) -> None:
         self.in_cycle = False
@@ -135,8 +123,10 @@ class BackwardFeed(FeedStep):
         self.ahead = None            # set by the worker when a step finished: the next step's expected order
 
     # ------------------------------------------------------------------ backward (training / autograd thread)
-    def _begin(self) -> None:
-        self._raise_if_failed()
+    def begin_cycle(self) -> None:
+        """The first gradient (or step()) of a step: the last one done, opt.state edits and parameter
+        writes adopted; ``marks``: the counters at its start (step/feedstep.py reports the differences)."""
+        self.raise_if_failed()
         self.wait_idle()
         self.uploads.wait_all()   # (a parameter no module's forward used)
         self._reset()
@@ -145,8 +135,8 @@ class BackwardFeed(FeedStep):
         self.face.reload_changed()
         self.side.grads = self.grads
         tel = self.tier.telemetry
-        self._t = dict(io=tel["read_wait_s"] + tel["write_wait_s"], kernel=eng.telemetry["kernel_s"],
-                       side=dict(self.side.stats), first=None)
+        self.marks = dict(io=tel["read_wait_s"] + tel["write_wait_s"], kernel=eng.telemetry["kernel_s"],
+                          side=dict(self.side.stats), first=None)
         self.in_cycle = True
 
     def _before_accumulate(self, grad) -> None:
@@ -161,8 +151,8 @@ class BackwardFeed(FeedStep):
         if not self.boundary or accelerate_accumulating():
             return
         if not self.in_cycle:
-            self._begin()
-        self._raise_if_failed()   # (failed in this cycle: StoreFailedError, not the 'second backward' below)
+            self.begin_cycle()
+        self.raise_if_failed()   # (failed in this cycle: StoreFailedError, not the 'second backward' below)
         key = (gi, i)
         if key not in self.buckets_of:
             return   # no state laid out (frozen at construction, or empty): step() handles it
@@ -177,14 +167,14 @@ class BackwardFeed(FeedStep):
             first = False
         else:
             first = True
-        self._capture(gi, i, p)
+        self.capture(gi, i, p)
         if first:
             for bi in self.buckets_of[key]:
                 self.missing[bi] -= 1
                 if self.missing[bi] == 0:
-                    self._dispatch(bi, 1.0)
+                    self.dispatch(bi, 1.0)
 
-    def _capture(self, gi: int, i: int, p) -> None:
+    def capture(self, gi: int, i: int, p) -> None:
         eng = self.engine
         g = p.grad
         check_grad(p, g, gi, i, eng.dtypes[gi][i], eng.numels[gi][i], eng.mode, True)
@@ -202,7 +192,7 @@ class BackwardFeed(FeedStep):
                 raise ValueError(f"group {gi}: {k} = {h[k]} is not finite")
         return h
 
-    def _dispatch(self, bi: int, mult: float, hypers: Optional[dict] = None) -> None:
+    def dispatch(self, bi: int, mult: float, hypers: Optional[dict] = None) -> None:
         eng = self.engine
         b = eng.layout.buckets[bi]
         sent = self.sent
@@ -220,68 +210,14 @@ class BackwardFeed(FeedStep):
                 adv[pc.param] = True
                 steps[pc.param] += 1
         if not self.dispatched:
-            self._t["first"] = time.perf_counter()   # the optimizer's part of the step starts here
+            self.marks["first"] = time.perf_counter()   # the optimizer's part of the step starts here
         self.dispatched.append(bi)
         self.done.add(bi)
         up = Upload(bi)
         self.ups.append(up)
         gr = self.grads[b.group]
         reads = [(b.group, pc.param, gr[pc.param], gr[pc.param]._version) for pc in act]   # see _unchanged
-        self._q.put(("step", b, act, eng.registry.has_state(b), h, mult, self.device.record(), reads, up))
-
-    # ------------------------------------------------------------------ the worker
-    def work(self, q, pending: deque, staged: deque) -> bool:
-        """One turn of the worker thread (step/worker.py): True when it is to stop. An exception outside
-        a bucket's own handling (the read-ahead between jobs) fails the step instead of ending the thread."""
-        try:
-            return self._work(q, pending, staged)
-        except BaseException as e:
-            self._failed(e)
-            return False
-
-    def _work(self, q, pending: deque, staged: deque) -> bool:
-        while True:
-            try:
-                pending.append(q.get_nowait())
-            except queue.Empty:
-                break
-        nslots = self.side.nslots
-        while pending and pending[0] is not None and pending[0][0] == "step" and len(staged) < nslots:
-            job = pending.popleft()
-            if self.error is not None:
-                job[-1].issued.set()
-                continue
-            try:
-                _, b, act, _, _, _, after, reads, _ = job
-                _unchanged(reads)
-                with self.engine.lock:
-                    staged.append((job, self.side.arrive(b, act, after)))
-                self._sent_down(b.group, act)
-            except BaseException as e:
-                self._failed(e)
-        if staged:
-            job, st = staged.popleft()
-            if self.error is None:
-                try:
-                    self._step_bucket(job, st)
-                except BaseException as e:
-                    self._failed(e)
-            job[-1].issued.set()
-            return False
-        if pending:
-            item = pending.popleft()
-            if item is None:
-                return True
-            if item[0] == "barrier":
-                item[1].set()
-            elif item[0] == "finish" and self.error is None:
-                try:
-                    item[1]()
-                except BaseException as e:
-                    self._failed(e)
-        if not pending and not staged and self.error is None:
-            self._read_ahead(blocking=False)
-        return False
+        self.worker.put(("step", b, act, eng.registry.has_state(b), h, mult, self.device.record(), reads, up))
 
     def _sent_down(self, gi: int, pieces) -> None:
         """The D2H of these pieces was issued: a gradient whose last bucket this was is no longer held
@@ -295,96 +231,84 @@ class BackwardFeed(FeedStep):
             elif self.unsent.pop(key, None) is not None:
                 self.grads[gi][pc.param] = None
 
+    def raise_if_failed(self) -> None:
+        """Report the worker's failure: StoreFailedError naming it, every time until a load. The first
+        report gives up the uploads (give_up_uploads), so that no forward or model.load_state_dict
+        waits for them again (and raises again) and none lands after the user restored the weights."""
+        if self.error is not None:
+            if not self.reported or self.uploads.pending:
+                self.give_up_uploads()
+            self.reported = True
+            self.tier.fail(self.error)   # (kept if the tier has its own first failure)
+            self.tier.check_usable()     # StoreFailedError naming the first failure
+
+    def check_usable(self) -> None:
+        """StoreFailedError if the worker or the tier failed (a step failed part-way) and no state was
+        loaded since."""
+        self.raise_if_failed()
+        self.tier.check_usable()
+
+    def give_up_uploads(self) -> None:
+        """The worker failed: it finishes what is queued (it steps and uploads nothing more), the compute
+        stream waits for the uploads it issued before the failure, and none is waited for again."""
+        self.wait_idle()
+        self.uploads.abandon()
+
     def recover(self) -> None:
         """After a complete load_state_dict (which recovered the tier): a failed step's error goes, and the
         next backward or step() starts a fresh cycle."""
         if self.error is not None:
             self.wait_idle()
-            self.error, self._reported = None, False
+            self.error, self.reported = None, False
             self.uploads.abandon()
             self._reset()
 
-    def _failed(self, e: BaseException, reported: bool = False) -> None:
+    def fail(self, e: BaseException, reported: bool = False) -> None:
         if self.error is None:
             self.error = e
-            self._reported = reported
+            self.reported = reported
             try:
                 self.tier.fail(e)
             except BaseException:
                 pass
 
-    def _read_ahead(self, blocking: bool) -> None:
-        """Keep ``depth`` reads in flight for the next buckets of the expected order."""
-        tier, eng = self.tier, self.engine
-        if tier.kind != "nvme" or tier.closed:
-            return
-        lock = eng.lock
-        if not lock.acquire(blocking=blocking):
-            return
-        try:
-            if tier.failed is not None:
-                return
-            buckets = eng.layout.buckets
-            # queued buckets first (the worker may lag behind backward), then the expected order
-            ahead = self.ahead
-            if ahead is not None:   # between a finished step and the next backward
-                wanted = [bi for bi in ahead if bi < len(buckets)][:eng.depth]
-            else:
-                wanted = [bi for bi in list(self.dispatched) + [bi for bi in self.order if bi not in self.done]
-                          if bi not in self.stepped and bi < len(buckets)][:eng.depth]
-            tier.keep_reads(set(wanted))   # a mispredicted read-ahead only holds a slot: give it up
-            for bi in wanted:
-                b = buckets[bi]
-                if not tier.prefetched(b):
-                    tier.prefetch(b, eng.registry.has_state(b))
-                    if not tier.prefetched(b):
-                        break   # no free slot now
-        finally:
-            lock.release()
-
-    def _step_bucket(self, job, st) -> None:
-        _, b, act, read, hyper, mult, after, reads, up = job
-        eng, side, tier = self.engine, self.side, self.tier
-        with eng.lock:
-            self.stepped.add(b.index)
-            blk = tier.acquire(b, read)   # read on demand if it was not read ahead
-            self._read_ahead(blocking=True)   # the next reads run during this kernel
-            t0, t1 = step_bucket(b, act, blk, functools.partial(side.ptrs, b, act, st),   # ptrs: waits for the D2H
-                                 registry=eng.registry, read_master=functools.partial(side.read_master, after=after),
-                                 hyper=hyper, mult=mult, threads=self.face.kernel_threads(), timing=eng.telemetry,
-                                 between=functools.partial(_unchanged, reads))
-            tier.release(b, blk)
-            up.ev = side.publish(b, act, st, after)
-        if self.trace is not None:
-            self.trace.span(f"adam b{b.index}", "cpu step", (t0, t1))
+    def _wanted(self, depth: int) -> list:
+        """The next ``depth`` buckets the worker reads ahead: queued ones first (the worker may lag behind
+        backward), then the expected order; between a finished step and the next backward, ``ahead``."""
+        n = len(self.engine.layout.buckets)
+        ahead = self.ahead
+        if ahead is not None:
+            return [bi for bi in ahead if bi < n][:depth]
+        return [bi for bi in list(self.dispatched) + [bi for bi in self.order if bi not in self.done]
+                if bi not in self.stepped and bi < n][:depth]
 
     def wait_idle(self) -> None:
         """Every queued bucket stepped and its upload issued."""
-        done = threading.Event()
-        self._q.put(("barrier", done))
-        if not done.wait(_WAIT_S):
-            raise TimeoutError(f"offload: the CPU worker did not finish within {_WAIT_S} s")
+        self.worker.wait_idle()
+
+    def step(self, mult: float, grad_scale, found_inf, skip: bool = False, before=None) -> dict:
+        """Queue what is left of this step and return at once (step/feedstep.py FeedStep.step)."""
+        return self.stepper.step(mult, grad_scale, found_inf, skip=skip, before=before)
+
+    def forward_order(self) -> list:
+        """Buckets in first-use order (observed in the first forward), the rest in layout order."""
+        return self.stepper.forward_order()
 
     # ------------------------------------------------------------------ lifecycle
     def synchronize(self) -> None:
         """Wait for the worker; a failure not reported yet is raised (later uses of the state then raise
         StoreFailedError through the tier; close() still works)."""
         self.wait_idle()
-        if self.error is not None and self._reported:
+        if self.error is not None and self.reported:
             self.uploads.abandon()   # reported already: later uses raise StoreFailedError
             return
-        self._raise_if_failed()
+        self.raise_if_failed()
         self.uploads.wait_all()
 
     def close(self) -> None:
         self.uploads.close()
-        if self._observer is not None:
-            self._observer.remove()
-            self._observer = None
+        self.stepper.close()
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self._worker is not None:
-            self._q.put(None)
-            self._worker.join(timeout=10)
-            self._worker = None
+        self.worker.stop()

@@ -1,11 +1,23 @@
-"""step/worker.py: the CPU worker thread's loop, its shutdown, and the check that a gradient it copies
-was not written meanwhile; the worker's per-bucket work is BackwardFeed.work (step/backward.py)."""
+"""step/worker.py: Worker, the CPU worker thread of the overlapped device schedule (step/backward.py
+BackwardFeed composes one): its queue and loop, per bucket the D2H into a staging slot, the state
+slot, the kernel (step/bucket.py) and the H2D of the new weights, the NVMe read-ahead between them,
+and its shutdown; also the check that a gradient it copies was not written meanwhile.
+
+What it needs of the feed's step (failure state, gradients to let go, the expected order) comes in
+as callables; the engine only through its public seam (``lock``, layout, registry, telemetry).
+"""
 from __future__ import annotations
 
+import functools
+import queue
 import threading
+import weakref
 from collections import deque
+from typing import Callable, Optional
 
-__all__ = ["_WAIT_S", "_loop", "_stop_worker", "_unchanged"]
+from .bucket import step_bucket
+
+__all__ = ["Worker", "_WAIT_S", "_stop_worker", "_unchanged"]
 
 _WAIT_S = 300.0   # a hang is a bug: fail loudly instead
 
@@ -19,17 +31,17 @@ def _loop(ref, q) -> None:
                 return
             pending.append(item)
             del item   # waiting for the next job must not keep this one (its gradients) alive
-        feed = ref()
-        if feed is None:
+        worker = ref()
+        if worker is None:
             return
-        stop = feed.work(q, pending, staged)
-        del feed
+        stop = worker.work(pending, staged)
+        del worker
         if stop:
             return
 
 
 def _stop_worker(q, worker: threading.Thread) -> None:
-    """The feed is gone, or the interpreter exits (weakref.finalize runs at exit): the worker finishes
+    """The worker is gone, or the interpreter exits (weakref.finalize runs at exit): the worker finishes
     what is queued (the last step's buckets) and stops, and exit waits for it. Without the join a
     worker still inside a kernel (GIL released) when the interpreter finalized was killed on its way
     back into Python, through C++ code: std::terminate, the process aborted (exit code 134) whenever
@@ -61,3 +73,137 @@ def _unchanged(reads) -> None:
                 "(p.grad.zero_(), model.zero_grad(set_to_none=False), a refilled gradient buffer: call "
                 "optimizer.synchronize() first, or use optimizer.zero_grad(), which waits). The optimizer state "
                 "is now partially updated.")
+
+
+class Worker:
+    """The thread and its jobs: ``("step", bucket, pieces, read, hyper, mult, after, reads, upload)``,
+    ``("finish", fn)`` (run in order, after the buckets queued before it), ``("barrier", event)``,
+    ``("nudge",)`` (read ahead now); None stops it.
+
+    ``threads()``: the kernel's threads; ``failure()``: the step's failure (None: none), after which
+    queued buckets are skipped; ``failed(e)``: report one; ``sent_down(gi, pieces)``: their D2H was
+    issued; ``stepping(bi)``: bucket bi is about to be stepped; ``wanted(depth)``: the next buckets to
+    read ahead, at most ``depth``."""
+
+    def __init__(self, engine, *, threads: Callable[[], int], failure: Callable[[], Optional[BaseException]],
+                 failed: Callable[[BaseException], None], sent_down: Callable, stepping: Callable[[int], None],
+                 wanted: Callable[[int], list], trace=None):
+        self.engine, self.side, self.tier = engine, engine.side, engine.tier
+        self.threads, self.failure, self.failed = threads, failure, failed
+        self.sent_down, self.stepping, self.wanted, self.trace = sent_down, stepping, wanted, trace
+        self.q: "queue.Queue" = queue.Queue()
+        self.thread: Optional[threading.Thread] = threading.Thread(
+            target=_loop, args=(weakref.ref(self), self.q), name="offload-backward-step", daemon=True)
+        self.thread.start()
+        self.finalizer = weakref.finalize(self, _stop_worker, self.q, self.thread)
+
+    def put(self, job) -> None:
+        self.q.put(job)
+
+    def work(self, pending: deque, staged: deque) -> bool:
+        """One turn of the thread: True when it is to stop. An exception outside a bucket's own handling
+        (the read-ahead between jobs) fails the step instead of ending the thread."""
+        try:
+            return self._work(pending, staged)
+        except BaseException as e:
+            self.failed(e)
+            return False
+
+    def _work(self, pending: deque, staged: deque) -> bool:
+        q = self.q
+        while True:
+            try:
+                pending.append(q.get_nowait())
+            except queue.Empty:
+                break
+        nslots = self.side.nslots
+        while pending and pending[0] is not None and pending[0][0] == "step" and len(staged) < nslots:
+            job = pending.popleft()
+            if self.failure() is not None:
+                job[-1].issued.set()
+                continue
+            try:
+                _, b, act, _, _, _, after, reads, _ = job
+                _unchanged(reads)
+                with self.engine.lock:
+                    staged.append((job, self.side.arrive(b, act, after)))
+                self.sent_down(b.group, act)
+            except BaseException as e:
+                self.failed(e)
+        if staged:
+            job, st = staged.popleft()
+            if self.failure() is None:
+                try:
+                    self.step_bucket(job, st)
+                except BaseException as e:
+                    self.failed(e)
+            job[-1].issued.set()
+            return False
+        if pending:
+            item = pending.popleft()
+            if item is None:
+                return True
+            if item[0] == "barrier":
+                item[1].set()
+            elif item[0] == "finish" and self.failure() is None:
+                try:
+                    item[1]()
+                except BaseException as e:
+                    self.failed(e)
+        if not pending and not staged and self.failure() is None:
+            self.read_ahead(blocking=False)
+        return False
+
+    def read_ahead(self, blocking: bool) -> None:
+        """Keep ``depth`` reads in flight for the next buckets of the expected order."""
+        tier, eng = self.tier, self.engine
+        if tier.kind != "nvme" or tier.closed:
+            return
+        lock = eng.lock
+        if not lock.acquire(blocking=blocking):
+            return
+        try:
+            if tier.failed is not None:
+                return
+            buckets = eng.layout.buckets
+            wanted = self.wanted(eng.depth)
+            tier.keep_reads(set(wanted))   # a mispredicted read-ahead only holds a slot: give it up
+            for bi in wanted:
+                b = buckets[bi]
+                if not tier.prefetched(b):
+                    tier.prefetch(b, eng.registry.has_state(b))
+                    if not tier.prefetched(b):
+                        break   # no free slot now
+        finally:
+            lock.release()
+
+    def step_bucket(self, job, st) -> None:
+        """Step one queued bucket whose gradients are staged (``st``): state slot, kernel, new weights up."""
+        _, b, act, read, hyper, mult, after, reads, up = job
+        eng, side, tier = self.engine, self.side, self.tier
+        with eng.lock:
+            self.stepping(b.index)
+            blk = tier.acquire(b, read)   # read on demand if it was not read ahead
+            self.read_ahead(blocking=True)   # the next reads run during this kernel
+            t0, t1 = step_bucket(b, act, blk, functools.partial(side.ptrs, b, act, st),   # ptrs: waits for the D2H
+                                 registry=eng.registry, read_master=functools.partial(side.read_master, after=after),
+                                 hyper=hyper, mult=mult, threads=self.threads(), timing=eng.telemetry,
+                                 between=functools.partial(_unchanged, reads))
+            tier.release(b, blk)
+            up.ev = side.publish(b, act, st, after)
+        if self.trace is not None:
+            self.trace.span(f"adam b{b.index}", "cpu step", (t0, t1))
+
+    def wait_idle(self) -> None:
+        """Every queued bucket stepped and its upload issued."""
+        done = threading.Event()
+        self.q.put(("barrier", done))
+        if not done.wait(_WAIT_S):
+            raise TimeoutError(f"offload: the CPU worker did not finish within {_WAIT_S} s")
+
+    def stop(self) -> None:
+        """Finish what is queued and end the thread (waits up to 10 s)."""
+        if self.thread is not None:
+            self.q.put(None)
+            self.thread.join(timeout=10)
+            self.thread = None
