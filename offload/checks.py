@@ -1,5 +1,6 @@
 """checks.py: argument checks of offload.Adam/AdamW (torch's messages where torch has one):
-parameters, hyperparameters, the constructor's flags, the `moments=` choice."""
+parameters, hyperparameters, the constructor's flags and options, a param group's options and
+parameters, the `moments=` choice, and the hyperparameters of a group as the kernels take them."""
 from __future__ import annotations
 
 import torch
@@ -112,3 +113,80 @@ def _check_init(params, betas, foreach, capturable) -> None:
     if isinstance(params, torch.Tensor):
         raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
                         "but got " + torch.typename(params))
+
+
+def check_options(params, lr, betas, eps, weight_decay, amsgrad, foreach, capturable, differentiable, fused,
+                  threads, state, nvme_dir, nvme_options, moments, moments_min_size) -> tuple:
+    """The constructor's checks (torch's first, in torch's order), before anything is allocated: returns
+    (``params`` as a list, the checked ``moments``)."""
+    if isinstance(lr, torch.Tensor) and foreach and not capturable:
+        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True: pass lr as a "
+                         "float, or leave foreach unset")
+    _check_hyper(lr, betas, eps, weight_decay)
+    _check_init(params, betas, foreach, capturable)
+    params = list(params)
+    for g in params:  # torch's add_param_group check, before split_params turns a set into a list
+        if isinstance(g, dict) and isinstance(g.get("params"), set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering "
+                            "of tensors in sets will change between runs. Please use a list instead.")
+    # NVMe/mmap state (offload/state/)
+    if state not in ("ram", "nvme", "mmap"):
+        raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {state!r}")
+    if state == "ram" and (nvme_dir is not None or set(nvme_options or ()) - {"staging_slots"}):
+        raise ValueError("nvme_dir/nvme_options only apply to storage='nvme' or storage='mmap' (with storage='ram', "
+                         "nvme_options={'staging_slots': n} sizes the staging ring of device parameters)")
+    moments = _check_moments(moments, moments_min_size, amsgrad, params)   # compressed moments (docs/moments.md)
+    if capturable:
+        raise ValueError("capturable=True is not supported by offload (the step runs on the CPU)")
+    if differentiable:
+        raise ValueError("differentiable=True is not supported by offload")
+    if fused:
+        raise ValueError("fused=True selects torch's own kernel; offload always uses its native kernel")
+    if threads is not None and not (isinstance(threads, int) and 1 <= threads <= 1024):
+        raise ValueError(f"threads must be an int in [1, 1024] or None, got {threads!r}")
+    return params, moments
+
+
+def check_group(group: dict, gi: int, names, settings: dict, moments: str, gpu: bool) -> None:
+    """offload's checks of param group ``gi`` (``names``/``settings``: see _check_group_options): its
+    options, then every parameter (those torch's code steps excepted: offload/fallback.py)."""
+    from . import fallback
+    _check_group_options(group, f"param group {gi}", names, settings)
+    if moments != "fp32" and group.get("amsgrad"):
+        raise ValueError(f"param group {gi}: amsgrad=True with moments={moments!r}: compressed moments "
+                         "have no max_exp_avg_sq; use moments='fp32' for amsgrad")
+    params = group["params"]
+    pnames = group.get("param_names")
+    for i, p in enumerate(params):
+        if gpu or fallback.reason(p) is None:
+            _check_param(p, f"parameter {i} of group {gi}" + (f" ({pnames[i]!r})" if pnames else ""), gpu)
+    if gpu and len(set(map(id, params))) != len(params):
+        i = next(i for i, p in enumerate(params) if any(q is p for q in params[:i]))
+        raise ValueError(f"parameter {i} of group {gi} is listed twice: with parameters on a device (GPU "
+                         "offload) every parameter must appear once (torch.optim.AdamW steps a repeated "
+                         "parameter once per listing, host parameters do the same); remove the duplicate")
+
+
+def group_hyper(group: dict, checked_keys: int, names, settings: dict, decoupled) -> dict:
+    """The validated hyperparameters of ``group`` as the kernels take them; a group with more than
+    ``checked_keys`` keys has its optimizer-wide options checked again (one set after it was added?)."""
+    if len(group) > checked_keys:
+        _check_group_options(group, "a param group", names, settings)
+    lr, (beta1, beta2) = _scalar(group["lr"]), group["betas"]
+    eps, wd = group["eps"], group["weight_decay"]
+    _check_hyper(lr, (beta1, beta2), eps, wd)
+    decoupled = decoupled if decoupled is not None else bool(group["decoupled_weight_decay"])
+    return dict(lr=lr, beta1=_scalar(beta1), beta2=_scalar(beta2), eps=float(eps), weight_decay=float(wd),
+                decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]))
+
+
+def param_name(groups: list, gi: int, i: int) -> str:
+    """How messages name parameter ``i`` of group ``gi`` (with its name where the group has ``param_names``)."""
+    names = groups[gi].get("param_names") if gi < len(groups) else None
+    return f"parameter {i}" + (f" ({names[i]!r})" if names and i < len(names) else "") + f" of group {gi}"
+
+
+def check_threads(threads) -> None:
+    """The ``kernel_threads`` setter's argument."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= 1024):
+        raise ValueError(f"threads must be None or an int in [0, 1024] (0 = the pool's size), got {threads!r}")

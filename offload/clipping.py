@@ -1,15 +1,19 @@
-"""clipping.py: gradient clipping folded into the next step, a mixin of offload.Adam/AdamW.
+"""clipping.py: gradient clipping folded into the next step: ``Clip``, the part of offload.Adam/AdamW
+that holds the pending clip coefficient (the optimizer's ``_clip``).
 
-``clip_grad_norm_`` computes the global L2 norm (all-reduced across ranks for FSDP2 shards) and
+``Clip.clip_grad_norm_`` computes the global L2 norm (all-reduced across ranks for FSDP2 shards) and
 records ``min(1, max_norm / (norm + 1e-6))`` as a coefficient the next step applies inside the
 kernel, tied (weakly) to the gradients it was computed from: new gradients discard it, gradients
-modified in place make the step raise. ``set_clip_coefficient`` / ``pending_clip_coefficient`` are
-the public face the GPU-offload path and the checkpoint use.
+modified in place make the step raise. The optimizer's ``clip_grad_norm_`` (its docstring is
+``CLIP_GRAD_NORM_DOC``), ``set_clip_coefficient`` and ``pending_clip_coefficient`` delegate here (the
+last two are what the GPU-offload path and the checkpoint use); ``Clip.multiplier`` is what the next
+host step scales the gradients by.
 """
 from __future__ import annotations
 
 import math
 import weakref
+from typing import Optional
 
 import torch
 
@@ -18,17 +22,37 @@ from . import fallback
 from .base.dist import global_sumsq, nonfinite_norm
 from .native.rows import get_version
 
-__all__ = ["ClippingMixin"]
+__all__ = ["CLIP_GRAD_NORM_DOC", "Clip", "grad_sumsq"]
+
+CLIP_GRAD_NORM_DOC = """Global L2 gradient norm of all parameters, with clipping folded into the next step.
+
+        Like ``torch.nn.utils.clip_grad_norm_`` it returns the total norm, but instead of
+        rescaling the gradients in a separate pass it records the coefficient
+        ``min(1, max_norm / (norm + 1e-6))`` and the next :meth:`step` applies it inside the Adam
+        kernel (one pass over memory instead of three). The gradients themselves are not modified.
+
+        The coefficient belongs to these gradients: ``zero_grad()`` or new gradients (a step that
+        GradScaler skipped, a skipped batch) discard it; modifying these gradients in place before
+        the step (another backward accumulating into them) makes the step raise, since torch would
+        have accumulated onto clipped values. A second call clips what the first call left.
+        """   # the docstring of offload.Adam/AdamW.clip_grad_norm_ (optim.py), indented as a method's
 
 
-class ClippingMixin:
-    """Needs from the optimizer: ``param_groups``, ``_pending_multiplier``, ``_plans``, ``_router``,
-    ``_threads`` and ``_gpu`` (the GPU-offload face, or None)."""
+class Clip:
+    """The coefficient the next step applies (``mult``) and the gradients it was computed from."""
 
-    def _pending_coefficient(self) -> float:
+    def __init__(self, mult: float = 1.0) -> None:
+        self.mult = mult
+        self._record: Optional[tuple] = None   # (params, weak refs to their gradients, gradient versions)
+
+    def forget(self) -> None:
+        """Drop the tie to the gradients, keep the coefficient (a param group added, a state loaded)."""
+        self._record = None
+
+    def coefficient(self) -> float:
         """The clip coefficient left by clip_grad_norm_, if the gradients it was computed from are
         still the ones about to be used; 1.0 if they were replaced (zero_grad/backward: stale)."""
-        mult, rec = self._pending_multiplier, self._plans.get("clip")
+        mult, rec = self.mult, self._record
         if rec is None:
             return mult
         params, refs, vers = rec
@@ -46,58 +70,48 @@ class ClippingMixin:
                 "last backward of the step, or opt.zero_grad() to discard the pending coefficient")
         return mult
 
-    def _clear_pending(self) -> None:
-        self.set_clip_coefficient(1.0, [])
+    def multiplier(self, grad_multiplier: Optional[float]) -> float:
+        """What the next step scales every gradient by: the coefficient times the step's ``grad_multiplier``."""
+        mult = self.coefficient() * (1.0 if grad_multiplier is None else float(grad_multiplier))
+        if not math.isfinite(mult):
+            raise ValueError(f"grad_multiplier must be finite, got {mult}")
+        return mult
 
-    # ------------------------------------------------------------------ clipping
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Global L2 gradient norm of all parameters, with clipping folded into the next step.
+    def set(self, mult: float, params: list) -> None:
+        """Record ``mult`` as the coefficient the next step applies, tied to the current gradients of
+        ``params`` (weakly: zero_grad frees them)."""
+        self.mult = mult
+        if mult != 1.0:
+            grads = [p.grad for p in params]
+            self._record = (params, list(map(weakref.ref, grads)), list(map(get_version, grads)))
+        else:
+            self._record = None
 
-        Like ``torch.nn.utils.clip_grad_norm_`` it returns the total norm, but instead of
-        rescaling the gradients in a separate pass it records the coefficient
-        ``min(1, max_norm / (norm + 1e-6))`` and the next :meth:`step` applies it inside the Adam
-        kernel (one pass over memory instead of three). The gradients themselves are not modified.
+    def clear(self) -> None:
+        self.set(1.0, [])
 
-        The coefficient belongs to these gradients: ``zero_grad()`` or new gradients (a step that
-        GradScaler skipped, a skipped batch) discard it; modifying these gradients in place before
-        the step (another backward accumulating into them) makes the step raise, since torch would
-        have accumulated onto clipped values. A second call clips what the first call left.
-        """
-        if self._gpu is not None:
-            return self._gpu.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+    def clip_grad_norm_(self, groups: list, router, threads: int, max_norm: float, norm_type: float,
+                        error_if_nonfinite: bool) -> torch.Tensor:
+        """The host path of the optimizer's clip_grad_norm_ over ``groups`` (its param_groups), split
+        by ``router`` (offload/fallback.py) into the kernel's parameters and those torch's code steps."""
         if float(norm_type) != 2.0:
             raise ValueError("offload's fused clipping supports norm_type=2.0 only")
-        pending = self._pending_coefficient()
-        groups, fbg = self._router.split(self.param_groups)
-        params = [p for g in groups for p in g["params"] if p.grad is not None]
+        pending = self.coefficient()
+        native, fbg = router.split(groups)
+        params = [p for g in native for p in g["params"] if p.grad is not None]
         fbp = list({id(p): p for _, ps in fbg for p in ps
                     if p.grad is not None}.values())  # (offload/fallback.py; a repeated parameter counted once)
         grads, fbgrads = [p.grad for p in params], [p.grad for p in fbp]
-        sumsq = self._grad_sumsq(grads) + (fallback.grad_sumsq(fbgrads) if fbgrads else 0.0)
+        sumsq = grad_sumsq(grads, threads) + (fallback.grad_sumsq(fbgrads) if fbgrads else 0.0)
         total = math.sqrt(sumsq) * pending  # the norm of what the step would use
         params, grads = params + fbp, grads + fbgrads
         if error_if_nonfinite and not math.isfinite(total):
             raise nonfinite_norm(total)
         coef = float(max_norm) / (total + 1e-6)
-        self.set_clip_coefficient(pending * coef if coef < 1.0 else pending, params)
+        self.set(pending * coef if coef < 1.0 else pending, params)
         return torch.tensor(total, dtype=torch.float32)
 
-    def pending_clip_coefficient(self) -> float:
-        """The coefficient a clip_grad_norm_ left for the next step, if its gradients are still the
-        ones about to be used (1.0 if they were replaced; RuntimeError if modified in place)."""
-        return self._pending_coefficient()
 
-    def set_clip_coefficient(self, mult: float, params: list) -> None:
-        """Record ``mult`` as the coefficient the next step applies, tied to the current gradients of
-        ``params`` (weakly: zero_grad frees them), as clip_grad_norm_ does (also the GPU path's)."""
-        self._pending_multiplier = mult
-        if mult != 1.0:
-            grads = [p.grad for p in params]
-            self._plans["clip"] = (params, list(map(weakref.ref, grads)), list(map(get_version, grads)))
-        else:
-            self._plans.pop("clip", None)
-
-    def _grad_sumsq(self, grads: list) -> float:
-        """Sum of squares of all gradients; for DTensor (FSDP2) shards, all-reduced across ranks."""
-        return global_sumsq(grads, lambda gs: _kernels.grad_sumsq(gs, self._threads or 0))
+def grad_sumsq(grads: list, threads: int) -> float:
+    """Sum of squares of all gradients; for DTensor (FSDP2) shards, all-reduced across ranks."""
+    return global_sumsq(grads, lambda gs: _kernels.grad_sumsq(gs, threads))

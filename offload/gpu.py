@@ -1,16 +1,18 @@
-"""gpu.py: the GPU-offload face of ``offload.Adam``/``offload.AdamW``.
+"""gpu.py: the GPU-offload setup of ``offload.Adam``/``offload.AdamW`` and what its GPU-offload methods run.
 
-``GpuOffloadMixin`` adds the methods that only mean something when parameters live on a GPU
-(accumulation boundary, synchronize, telemetry); ``start_engine`` decides the mode from where the
-parameters are (or an explicit ``offload_device=``) and builds the device face
-(offload/step/device_step.py) over the one state engine (offload/step/engine.py), any tier.
-Kept apart from optim.py so that the optimizer class only delegates. ``start_engine`` logs the
+``split_params`` decides the mode from where the parameters are (or an explicit ``offload_device=``),
+``make_state_engine`` builds the one state engine (offload/step/engine.py), any tier, and
+``start_engine`` the device face (offload/step/device_step.py) over it. ``need``, ``no_sync``,
+``last_step_stats``, ``io_only_pass`` and ``close`` are the bodies of optimizer methods around the device
+face (accumulation boundary, telemetry, cleanup); they take the device face and the engine as arguments,
+so the optimizer class (optim.py) only delegates. ``start_engine`` logs the
 setup chosen (parameter side, state tier, moment format) as one INFO line on the ``offload`` logger.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from typing import Optional
 
 import torch
@@ -19,8 +21,10 @@ from .device import Device, resolve_device
 from .step.smallparams import small_params
 from .step.device_step import DeviceStep
 from .step.port import port_of
+from .step.feedstep import WriteRaceError
 
-__all__ = ["GpuOffloadMixin", "describe", "make_state_engine", "split_params", "start_engine"]
+__all__ = ["close", "describe", "io_only_pass", "last_step_stats", "make_state_engine", "need", "no_sync",
+           "split_params", "start_engine"]
 
 log = logging.getLogger("offload")
 
@@ -39,18 +43,17 @@ def _flat(params: list) -> list:
 
 
 def split_params(params, offload_device, gpu_options: dict):
-    """Materialize ``params`` and return (params, Device or None for the CPU mode)."""
+    """Materialize ``params`` and return (params, Device or None for the CPU mode, whether the device was
+    made here rather than passed in: then the device face closes it)."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     # a group's "params" may be a generator (model.parameters()): materialize it once, here,
     # or _flat() below would consume it and the optimizer would get an empty group
     params = [dict(g, params=[g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"]))
               if isinstance(g, dict) else g for g in params]
     device = resolve_device(offload_device, _flat(params))
-    if device is not None and device is not offload_device:
-        device._created_by_offload = True   # made here, not passed in: the engine closes it
     if device is None and gpu_options:
         raise TypeError(f"{sorted(gpu_options)} only apply to GPU offload (parameters on a GPU or offload_device=...)")
-    return params, device
+    return params, device, device is not None and device is not offload_device
 
 
 def make_state_engine(param_groups: list, state: str, *, nvme_dir, host_budget, keep: bool, nvme_options,
@@ -97,104 +100,64 @@ def describe(opt, device: Optional[Device], store, engine=None) -> str:
     return f"offload.{type(opt).__name__} with {n} parameter{'s' if n != 1 else ''}: {side}; {where}; {fmt}"
 
 
-def start_engine(opt, device: Optional[Device], gpu_options: dict, store=None):
+def start_engine(opt, device: Optional[Device], gpu_options: dict, store=None, owns_device: bool = False):
+    """The device face (None without a device) over ``store``; ``owns_device``: it closes the device."""
     if device is None:
         log.info(describe(opt, None, store))
         return None
-    opt._step_supports_amp_scaling = True   # GradScaler hands us grad_scale / found_inf instead of unscaling
     engine = DeviceStep(port_of(opt), store, device, **gpu_options)   # buckets stream through a staging ring
-    engine.owns_device = getattr(device, "_created_by_offload", False)
+    engine.owns_device = owns_device
     log.info(describe(opt, device, store, engine))
     return engine
 
 
-class GpuOffloadMixin:
-    """Methods of the GPU-offload mode; in CPU mode they are harmless no-ops where that makes sense."""
+def need(gpu: Optional[DeviceStep], what: str) -> DeviceStep:
+    """The device face ``gpu``; RuntimeError naming ``what`` without one (CPU mode)."""
+    if gpu is None:
+        raise RuntimeError(f"{what} is only available in GPU-offload mode (parameters on a GPU)")
+    return gpu
 
-    _gpu: Optional[DeviceStep] = None
 
-    def _gpu_engine(self, what: str) -> DeviceStep:
-        if self._gpu is None:
-            raise RuntimeError(f"{what} is only available in GPU-offload mode (parameters on a GPU)")
-        return self._gpu
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside this block only accumulate gradients on the device (no transfer);
-        the first backward outside it is the accumulation boundary. No-op in CPU mode."""
-        if self._gpu is None:
+@contextlib.contextmanager
+def no_sync(gpu: Optional[DeviceStep]):
+    """The optimizer's no_sync: the device face's, or nothing in CPU mode."""
+    if gpu is None:
+        yield
+    else:
+        with gpu.no_sync():
             yield
-        else:
-            with self._gpu.no_sync():
-                yield
 
-    def set_accumulation_boundary(self, flag: bool) -> None:
-        """False: the following backward passes only accumulate; True: the next one sends gradients."""
-        if self._gpu is not None:
-            self._gpu.set_accumulation_boundary(flag)
 
-    def synchronize(self) -> None:
-        """Wait until the last step is fully applied and the new weights are on the device."""
-        if self._gpu is not None:
-            self._gpu.synchronize()
+def last_step_stats(gpu: Optional[DeviceStep], store, wait: bool) -> Optional[dict]:
+    """The optimizer's last_step_stats: the device face's, else the engine's figures in the same keys."""
+    if gpu is not None:
+        return gpu.last_step_stats(wait)
+    st = store.last_stats if store is not None else None
+    if st is None:
+        return None
+    out = dict(_HOST_STATS)
+    out.update(st)
+    out["exposed_s"] = out.pop("step_s", out["exposed_s"])
+    return out
 
-    def reload_params(self) -> None:
-        """Re-read the fp32 master weights from the device parameters after changing them in place."""
-        self._gpu_engine("reload_params").reload_params()
 
-    def last_step_stats(self, wait: bool = False) -> Optional[dict]:
-        """Seconds in D2H, CPU kernel, H2D, NVMe I/O (time the step waited on it) and exposed (training
-        thread blocked) of the latest finished step, with bytes moved and whether it was skipped.
-        Every mode reports it; without a device the copy figures are 0."""
-        if self._gpu is not None:
-            return self._gpu.last_step_stats(wait)
-        store = getattr(self, "_store", None)
-        st = store.last_stats if store is not None else None
-        if st is None:
-            return None
-        out = dict(_HOST_STATS)
-        out.update(st)
-        out["exposed_s"] = out.pop("step_s", out["exposed_s"])
-        return out
+def io_only_pass(store) -> float:
+    """The optimizer's io_only_pass: the engine's I/O-only pass over every bucket."""
+    if store is None:
+        raise RuntimeError("io_only_pass() needs storage='nvme'")
+    return store.io_pass()
 
-    @property
-    def steps_during_backward(self) -> bool:
-        """True when buckets are stepped during backward (GPU offload, eager mode with RAM state)."""
-        return bool(getattr(self._gpu, "eager", False))
 
-    def io_only_pass(self) -> float:
-        """Benchmark helper (storage='nvme'): read and write back every bucket without computing;
-        returns the seconds it took (the I/O-only time of a full step)."""
-        store = getattr(self, "_store", None)
-        if store is None:
-            raise RuntimeError("io_only_pass() needs storage='nvme'")
-        return store.io_pass()
-
-    def export_chrome_trace(self, path: str) -> int:
-        """Write the recorded timeline (needs trace=True) as Chrome trace JSON; returns the span count."""
-        return self._gpu_engine("export_chrome_trace").export_chrome_trace(path)
-
-    # ------------------------------------------------------------------ what offload.save/load ask (public)
-    @property
-    def gpu_offload(self) -> bool:
-        """True when the parameters live on a device (GPU offload)."""
-        return self._gpu is not None
-
-    @property
-    def loads_state_itself(self) -> bool:
-        """True when the state must be loaded through load_state_dict (NVMe/mmap state, GPU offload),
-        not by writing into the tensors of ``opt.state``."""
-        return getattr(self, "_store", None) is not None or self._gpu is not None
-
-    def checkpoint_keepalive(self):
-        """What a background save must hold so that the state views it reads stay mapped (or None)."""
-        return getattr(self, "_store", None)
-
-    @property
-    def pending_grad_multiplier(self) -> float:
-        """The coefficient clip_grad_norm_ left for the next step (1.0 if none)."""
-        return float(getattr(self, "_pending_multiplier", 1.0))
-
-    def set_pending_grad_multiplier(self, value: float) -> None:
-        """Restore a pending coefficient (offload.load of a checkpoint saved between clip and step)."""
-        self._pending_multiplier = float(value)
+def close(gpu: Optional[DeviceStep], store) -> None:
+    """The optimizer's close: the last step lands, the device face closes, then the state engine."""
+    try:
+        if gpu is not None and not gpu.closed:
+            try:
+                gpu.synchronize()   # the last step lands first
+            except WriteRaceError as e:   # reported, not raised: close() is cleanup
+                warnings.warn(str(e), RuntimeWarning, stacklevel=3)
+            finally:
+                gpu.close()
+    finally:
+        if store is not None:
+            store.close()

@@ -1,18 +1,23 @@
 """options.py: offload's own constructor options of ``offload.Adam`` / ``offload.AdamW`` (beyond torch's):
 their documentation (appended to both classes' docstrings, so ``help()`` shows each one), where the
-state lives (``storage``; its old name ``state`` still works, with a DeprecationWarning), and which
-GPU-offload options the caller actually gave.
+state lives (``storage``; its old name ``state`` still works, with a DeprecationWarning), which
+GPU-offload options the caller actually gave, and which options are the whole optimizer's, never a param
+group's (``OPTIMIZER_WIDE``).
 """
 from __future__ import annotations
 
 import warnings
 from typing import Optional
 
-__all__ = ["OPTIONS_DOC", "GPU_OPTION_NAMES", "given_gpu_options", "resolve_state", "resolve_storage"]
+__all__ = ["OPTIONS_DOC", "GPU_OPTION_NAMES", "OPTIMIZER_WIDE", "given_gpu_options", "resolve_state", "resolve_storage"]
 
 GPU_OPTION_NAMES = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm", "check_overflow",
                     "release_grads", "trace", "small_param_numel", "delay_updates", "delay_after",
                     "delay_extrapolate")
+
+# the constructor's own options (not torch's hyperparameters): per optimizer, never per param group
+OPTIMIZER_WIDE = ("moments", "moments_min_size", "storage", "state", "threads", "nvme_dir", "host_budget",
+                  "keep_files", "nvme_options", "offload_device") + GPU_OPTION_NAMES
 
 OPTIONS_DOC = """
     offload's own keyword arguments (after torch's):

@@ -97,7 +97,7 @@ def step_table(table: np.ndarray, hyper: dict, grad_multiplier: float, threads: 
     """Run the native Adam step over a prebuilt task table (rows as in ``TASK_COLS``). Internal.
 
     ``hyper`` holds lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad and maximize, as
-    ``offload.optim._AdamBase._group_hyper`` returns them. The native layer re-checks the table's
+    ``offload.Adam.group_hyper`` returns them. The native layer re-checks the table's
     shape, dtype codes, lengths and per-row overlap, but TRUSTS every address to be live memory
     of the stated length: callers build rows only from tensors they validated with
     ``check_tensor``, keep those tensors alive, and revalidate a row whenever

@@ -1,0 +1,78 @@
+"""engine_slot.py: ``EngineSlot``, the part of offload.Adam/AdamW (optim.py's ``_slot``) that knows how its
+state engine (offload/step/engine.py, ``opt._store``) is built: the constructor's storage arguments, the
+device of GPU offload (or None), which param groups the engine holds (host parameters without those torch's
+code steps, offload/fallback.py; device parameters all), and when and how it is built again from
+``opt.state`` (offload/step/rebuild.py): where a group's params list changed, for the one configuration
+that can (host parameters, fp32 moments in RAM), which is also the one that pickles.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from . import fallback
+from .gpu import make_state_engine
+from .step.rebuild import fits, rebuild
+
+__all__ = ["EngineSlot"]
+
+# the arguments of an optimizer unpickled from a version that did not record them
+_UNPICKLED = dict(state="ram", nvme_dir=None, host_budget="2GiB", keep=False, nvme_options={}, gpu_options={})
+
+
+class EngineSlot:
+    def __init__(self, args: Optional[dict] = None, device=None, mode: str = "ram", moments: str = "fp32") -> None:
+        self.args = dict(_UNPICKLED) if args is None else args   # make_state_engine's keywords, and state=
+        self.device = device   # offload.device.Device of GPU offload, or None
+        self.mode = mode       # where the state lives: "ram", "nvme", "mmap"
+        self.moments = moments
+
+    @classmethod
+    def configure(cls, state: str, nvme_dir, host_budget, keep_files: bool, nvme_options: Optional[dict],
+                  gpu_options: dict, device, moments: str, moments_min_size: int) -> "EngineSlot":
+        """From the constructor's arguments (checked), once the device is known."""
+        if state == "ram" and nvme_options and device is None:
+            raise ValueError("nvme_options={'staging_slots': ...} with storage='ram' only applies to device parameters")
+        opts = dict(nvme_options or {})
+        if moments != "fp32":
+            opts.update(moments=moments, moments_min_size=moments_min_size)
+        return cls(dict(state=state, nvme_dir=nvme_dir, host_budget=host_budget, keep=keep_files, nvme_options=opts,
+                        gpu_options=gpu_options), device, state, moments)
+
+    @property
+    def rebuildable(self) -> bool:
+        """Host parameters with fp32 moments in RAM: the engine can be built again from opt.state."""
+        return self.mode == "ram" and self.moments == "fp32" and self.device is None
+
+    def check_picklable(self) -> None:
+        """TypeError naming what keeps an optimizer with this (built) engine from being pickled or deep-copied."""
+        if not self.rebuildable:
+            what = ("NVMe/mmap state" if self.mode != "ram" else
+                    "parameters on a device (GPU offload)" if self.device is not None else "compressed moments")
+            raise TypeError(f"an optimizer with {what} cannot be pickled or deep-copied; use state_dict() / "
+                            "load_state_dict()")
+
+    def groups(self, param_groups: list, router) -> list:
+        """The param groups as the state engine holds them: host parameters without those torch's code
+        steps (``router``: offload/fallback.py; their state stays in host RAM), device parameters all."""
+        return param_groups if self.device is not None else router.split(param_groups)[0]
+
+    def index(self, param_groups: list, router) -> dict:
+        """{(group, position in the engine's list of :meth:`groups`): index in torch's state_dict numbering}."""
+        return fallback.engine_index(param_groups, self.groups(param_groups, router))
+
+    def make(self, groups: list):
+        """An empty state engine for ``groups`` (as :meth:`groups` returns them)."""
+        a = self.args
+        return make_state_engine(groups, a["state"], nvme_dir=a["nvme_dir"], host_budget=a["host_budget"],
+                                 keep=a["keep"], nvme_options=a["nvme_options"], device=self.device,
+                                 gpu_options=a["gpu_options"])
+
+    def stale(self, engine, native: list, stepping: bool) -> bool:
+        """``engine`` must be built again for ``native`` (None, or a group's params list, or, ``stepping``,
+        amsgrad changed, where the configuration allows; else the engine refuses by name at its next use)."""
+        return engine is None or (self.rebuildable and not fits(engine, native, stepping))
+
+    def rebuild(self, native: list, state, names: Callable[[int, int], str]) -> tuple:
+        """(a new engine for ``native`` holding ``state``, {parameter: its new opt.state entry}); raises
+        before any change (offload/step/rebuild.py)."""
+        return rebuild(lambda: self.make(native), native, state, names)
