@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from .bucket import step_bucket
 
-__all__ = ["Worker", "_WAIT_S", "_stop_worker", "_unchanged"]
+__all__ = ["Worker"]
 
 _WAIT_S = 300.0   # a hang is a bug: fail loudly instead
 
