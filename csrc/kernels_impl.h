@@ -18,7 +18,7 @@
 // divider was the compute limit (sqrt + 2 divisions per vector: ~2000 Mparam/s per core in
 // cache, ~2750 with one), and a single thread at full memory bandwidth needs more than 2000.
 // Accuracy: over 200 steps of 200k elements the float64 error is 0.999-1.000x torch's (folding
-// sqrt(1 - beta2^t) into step size and eps instead measured 1.001x); tests/test_kernel.py
+// sqrt(1 - beta2^t) into step size and eps instead measured 1.001x); tests/test_kernel_bitwise.py
 // checks it stays within torch's own.
 #pragma once
 #include "kernels.h"
@@ -26,35 +26,26 @@
 
 namespace offload {
 
-template <class I, int GD>
-static inline typename I::V load_grad(const void* g, int64_t i) {
-  if constexpr (GD == kF32) return I::load(static_cast<const float*>(g) + i);
-  else if constexpr (GD == kBF16) return I::load_bf16(static_cast<const uint16_t*>(g) + i);
-  else return I::load_f16(static_cast<const uint16_t*>(g) + i);
+// Software prefetch distance of every streaming loop here and in kernels_moments.h (elements).
+// The fp32 loop prefetches each line of its streams once per unrolled iteration. Measured with
+// bench/moments_ub (Intel Xeon with AVX-512, 32M elements, 1 thread, TSC cycles per 8 elements,
+// one run): fp32 grads 21.5 -> 20.5 (AVX-512 path) and 22.1 -> 20.4 (AVX2 path); bf16 grad + bf16
+// out 21.9 -> 20.9 and 23.5 -> 20.6: this CPU's hardware prefetchers alone do not keep five
+// streams in flight. On Zen 3 the same prefetch had measured no gain (kernels_moments.h).
+constexpr int64_t kQPrefetchAhead = 1024;
+
+// Every line of CHUNK elements of one stream of SIZE-byte elements, kQPrefetchAhead ahead.
+template <int64_t CHUNK, int SIZE, bool WRITE>
+static inline void prefetch_chunk(const void* base, int64_t i) {
+  const char* const a = static_cast<const char*>(base) + (i + kQPrefetchAhead) * SIZE;
+  for (int64_t b = 0; b < CHUNK * SIZE; b += 64) __builtin_prefetch(a + b, WRITE ? 1 : 0, 3);
 }
 
-template <class I, int OD>
-static inline void store_out(void* out, int64_t i, typename I::V x) {
-  if constexpr (OD == kBF16 || OD == kBF16Sync) I::store_bf16(static_cast<uint16_t*>(out) + i, x);
-  else if constexpr (OD == kF16 || OD == kF16Sync) I::store_f16(static_cast<uint16_t*>(out) + i, x);
-  else if constexpr (OD == kF32) I::store(static_cast<float*>(out) + i, x);
-}
+}  // namespace offload
 
-// kBF16Sync / kF16Sync (common.h): out is the user's parameter. Lanes whose 16-bit pattern is not
-// round(master) were written by the user since the last step: the master takes that value.
-// Both sides are widened exactly and compared as bit patterns (so -0 and NaN payloads count).
-template <class I, int OD>
-static inline typename I::V adopt_user_writes(const void* out, int64_t i, typename I::V p) {
-  if constexpr (OD == kBF16Sync || OD == kF16Sync) {
-    constexpr int LD = OD == kBF16Sync ? kBF16 : kF16;
-    alignas(64) uint16_t mine[I::W];
-    store_out<I, LD>(mine, 0, p);
-    const typename I::V user = load_grad<I, LD>(out, i);
-    return I::same_bits_select(load_grad<I, LD>(mine, 0), user, p, user);
-  } else {
-    return p;
-  }
-}
+#include "kernels_dtype.h"  // dtype helpers and passes (use prefetch_chunk)
+
+namespace offload {
 
 // Everything one tensor's loop needs, copied out of the task and the scalar struct into locals
 // of the loop's own function. The stores through p/m/v/out would otherwise force the compiler
@@ -78,9 +69,10 @@ struct RareFlags {
   bool use_mult, maximize, use_wd, lerp_low;
 };
 
-// Update I::W elements starting at i. AMS (amsgrad), DECAY (AdamW's p *= 1 - lr*wd) and RARE
-// (any RareFlags member may be set; false means all are off and lerp_low is on) are template
-// parameters, so the common AdamW loop has no branch at all.
+// Update I::W elements starting at i. GD/OD: the gradient's and the weight copy's dtypes (fused
+// pairs, below; the dtype passes of kernels_dtype.h use kF32/kNone). AMS (amsgrad), DECAY
+// (AdamW's p *= 1 - lr*wd) and RARE (any RareFlags member may be set; false means all are off and
+// lerp_low is on) are template parameters, so the common AdamW loop has no branch at all.
 template <class I, int GD, int OD, bool AMS, bool DECAY, bool RARE>
 static inline void adam_block(float* __restrict p_, float* __restrict m_, float* __restrict v_,
                               float* __restrict vmax_, const void* __restrict g_, void* __restrict out_,
@@ -113,95 +105,98 @@ static inline void adam_block(float* __restrict p_, float* __restrict m_, float*
   store_out<I, OD>(out_, i, p);
 }
 
-// Software prefetch distance of every streaming loop here and in kernels_moments.h (elements).
-// The fp32 loop prefetches each line of its streams once per unrolled iteration. Measured with
-// bench/moments_ub (Intel Xeon with AVX-512, 32M elements, 1 thread, TSC cycles per 8 elements,
-// one run): fp32 grads 21.5 -> 20.5 (AVX-512 path) and 22.1 -> 20.4 (AVX2 path); bf16 grad + bf16
-// out 21.9 -> 20.9 and 23.5 -> 20.6: this CPU's hardware prefetchers alone do not keep five
-// streams in flight. On Zen 3 the same prefetch had measured no gain (kernels_moments.h).
-constexpr int64_t kQPrefetchAhead = 1024;
-
-// Every line of CHUNK elements of one stream of SIZE-byte elements, kQPrefetchAhead ahead.
-template <int64_t CHUNK, int SIZE, bool WRITE>
-static inline void prefetch_chunk(const void* base, int64_t i) {
-  const char* const a = static_cast<const char*>(base) + (i + kQPrefetchAhead) * SIZE;
-  for (int64_t b = 0; b < CHUNK * SIZE; b += 64) __builtin_prefetch(a + b, WRITE ? 1 : 0, 3);
-}
-
-// Elements [begin, end) of one tensor. The vector loop is unrolled 4x (kUnroll): with one
-// vector per iteration the sqrt/div chain of each vector left too little independent work in
-// flight to keep the loads streaming; the rest runs one vector, then one element, at a time.
+// Elements [0, n) of one tensor's streams (every pointer at the first element). The vector loop
+// is unrolled 4x (kUnroll): with one vector per iteration the sqrt/div chain of each vector left
+// too little independent work in flight to keep the loads streaming; the rest runs one vector,
+// then one element, at a time. Prefetches stay below `room` (the end of the range this call's
+// thread owns, counted from the same first element); the gradient is prefetched only if `pf_g`
+// (not when it is a chunk widened into L1 by kernels_dtype.h).
 template <class I, int GD, int OD, bool AMS, bool DECAY, bool RARE>
-static void adam_loop(const AdamTask& t, const AdamScalars& s, int64_t begin, int64_t end) {
+static void adam_loop(float* const __restrict p, float* const __restrict m, float* const __restrict v,
+                      float* const __restrict vmax, const void* const __restrict g, void* const __restrict out,
+                      int64_t n, int64_t room, bool pf_g, const AdamScalars& s) {
   constexpr int W = I::W;
 #ifdef OFFLOAD_TEST_UNROLL
   constexpr int kUnroll = OFFLOAD_TEST_UNROLL;  // experiments only (bench-results/, not the build)
 #else
   constexpr int kUnroll = 4;
 #endif
-  float* const __restrict p = t.p;
-  float* const __restrict m = t.m;
-  float* const __restrict v = t.v;
-  float* const __restrict vmax = t.vmax;
-  const void* const __restrict g = t.g;
-  void* const __restrict out = t.out;
   const RareFlags f{s.use_mult, s.maximize, s.use_wd, s.lerp_low};
   const Coeffs<I> c(s);
-  int64_t i = begin;
-  constexpr int64_t kChunk = kUnroll * W;
-  for (; i + kChunk <= end; i += kChunk) {
-    if (W > 1 && i + kChunk + kQPrefetchAhead <= end) {  // none past the range this call owns
-      prefetch_chunk<kChunk, 4, true>(p, i);
-      prefetch_chunk<kChunk, 4, true>(m, i);
-      prefetch_chunk<kChunk, 4, true>(v, i);
-      if constexpr (AMS) prefetch_chunk<kChunk, 4, true>(vmax, i);
-      prefetch_chunk<kChunk, GD == kF32 ? 4 : 2, false>(g, i);
-      if constexpr (OD != kNone) prefetch_chunk<kChunk, OD == kF32 ? 4 : 2, true>(out, i);
+  int64_t i = 0;
+  constexpr int64_t kStep = kUnroll * W;
+  for (; i + kStep <= n; i += kStep) {
+    if (W > 1 && i + kStep + kQPrefetchAhead <= room) {  // none past the range this call owns
+      prefetch_chunk<kStep, 4, true>(p, i);
+      prefetch_chunk<kStep, 4, true>(m, i);
+      prefetch_chunk<kStep, 4, true>(v, i);
+      if constexpr (AMS) prefetch_chunk<kStep, 4, true>(vmax, i);
+      if (pf_g) prefetch_chunk<kStep, GD == kF32 ? 4 : 2, false>(g, i);
+      if constexpr (OD != kNone) prefetch_chunk<kStep, OD == kF32 ? 4 : 2, true>(out, i);
     }
     for (int u = 0; u < kUnroll; ++u)
       adam_block<I, GD, OD, AMS, DECAY, RARE>(p, m, v, vmax, g, out, c, f, i + u * W);
   }
-  for (; i + W <= end; i += W) adam_block<I, GD, OD, AMS, DECAY, RARE>(p, m, v, vmax, g, out, c, f, i);
-  if (i < end) {
+  for (; i + W <= n; i += W) adam_block<I, GD, OD, AMS, DECAY, RARE>(p, m, v, vmax, g, out, c, f, i);
+  if (i < n) {
     const Coeffs<ScalarISA> cs(s);
-    for (; i < end; ++i) adam_block<ScalarISA, GD, OD, AMS, DECAY, RARE>(p, m, v, vmax, g, out, cs, f, i);
+    for (; i < n; ++i) adam_block<ScalarISA, GD, OD, AMS, DECAY, RARE>(p, m, v, vmax, g, out, cs, f, i);
   }
 }
+
+using AdamLoop = void (*)(float*, float*, float*, float*, const void*, void*, int64_t, int64_t, bool,
+                          const AdamScalars&);
 
 template <class I, int GD, int OD>
-static void adam_range_t(const AdamTask& t, const AdamScalars& s, int64_t begin, int64_t end) {
+static AdamLoop adam_loop_for(const AdamScalars& s) {
   const bool rare = s.use_mult || s.maximize || s.use_wd || !s.lerp_low;
-  const int key = (s.amsgrad ? 4 : 0) | (s.use_decay ? 2 : 0) | (rare ? 1 : 0);
-  switch (key) {
-    case 0: return adam_loop<I, GD, OD, false, false, false>(t, s, begin, end);
-    case 1: return adam_loop<I, GD, OD, false, false, true>(t, s, begin, end);
-    case 2: return adam_loop<I, GD, OD, false, true, false>(t, s, begin, end);
-    case 3: return adam_loop<I, GD, OD, false, true, true>(t, s, begin, end);
-    case 4: return adam_loop<I, GD, OD, true, false, false>(t, s, begin, end);
-    case 5: return adam_loop<I, GD, OD, true, false, true>(t, s, begin, end);
-    case 6: return adam_loop<I, GD, OD, true, true, false>(t, s, begin, end);
-    default: return adam_loop<I, GD, OD, true, true, true>(t, s, begin, end);
+  switch ((s.amsgrad ? 4 : 0) | (s.use_decay ? 2 : 0) | (rare ? 1 : 0)) {
+    case 0: return &adam_loop<I, GD, OD, false, false, false>;
+    case 1: return &adam_loop<I, GD, OD, false, false, true>;
+    case 2: return &adam_loop<I, GD, OD, false, true, false>;
+    case 3: return &adam_loop<I, GD, OD, false, true, true>;
+    case 4: return &adam_loop<I, GD, OD, true, false, false>;
+    case 5: return &adam_loop<I, GD, OD, true, false, true>;
+    case 6: return &adam_loop<I, GD, OD, true, true, false>;
+    default: return &adam_loop<I, GD, OD, true, true, true>;
   }
 }
 
-template <class I, int GD>
-static void adam_range_gd(const AdamTask& t, const AdamScalars& s, int64_t b, int64_t e) {
-  switch (t.odtype) {
-    case kNone: return adam_range_t<I, GD, kNone>(t, s, b, e);
-    case kBF16: return adam_range_t<I, GD, kBF16>(t, s, b, e);
-    case kF16: return adam_range_t<I, GD, kF16>(t, s, b, e);
-    case kBF16Sync: return adam_range_t<I, GD, kBF16Sync>(t, s, b, e);
-    case kF16Sync: return adam_range_t<I, GD, kF16Sync>(t, s, b, e);
-    default: return adam_range_t<I, GD, kF32>(t, s, b, e);
+// The fused loop of a (gradient, output) dtype pair (fused_pair, kernels_dtype.h), null if the
+// pair runs through the dtype passes.
+template <class I>
+static AdamLoop adam_fused_for(int64_t gdtype, int64_t odtype, const AdamScalars& s) {
+  const FusedPair pair = fused_pair<I>(gdtype, odtype);
+  if (pair == kPairF32) return adam_loop_for<I, kF32, kNone>(s);
+  if constexpr (I::W > 1) {  // (no other pair is fused on the scalar ISA)
+    if (pair == kPairF32Out) return adam_loop_for<I, kF32, kF32>(s);
+    if (pair == kPairBF16) return adam_loop_for<I, kBF16, kBF16>(s);
+    if (pair == kPairBF16Param) return adam_loop_for<I, kBF16, kBF16Sync>(s);
   }
+  return nullptr;
 }
 
+// Elements [b, e) of one tensor: in one fused pass for the dtype pairs a training step uses
+// (fused_pair), else kDChunk elements at a time through the dtype passes of kernels_dtype.h
+// around the fp32 loop. Either way each element sees the same operations in the same order.
 template <class I>
 static void adam_range(const AdamTask& t, const AdamScalars& s, int64_t b, int64_t e) {
-  switch (t.gdtype) {
-    case kBF16: return adam_range_gd<I, kBF16>(t, s, b, e);
-    case kF16: return adam_range_gd<I, kF16>(t, s, b, e);
-    default: return adam_range_gd<I, kF32>(t, s, b, e);
+  float* const vmax = t.vmax;
+  if (const AdamLoop fused = adam_fused_for<I>(t.gdtype, t.odtype, s)) {
+    fused(t.p + b, t.m + b, t.v + b, vmax ? vmax + b : nullptr, elem_at(t.g, t.gdtype, b), elem_at(t.out, t.odtype, b),
+          e - b, e - b, true, s);
+    return;
+  }
+  const AdamLoop loop = adam_loop_for<I, kF32, kNone>(s);
+  alignas(64) float space[kDChunk + kDSlack];
+  const float* const stores[] = {t.p + b, t.m + b, t.v + b, vmax ? vmax + b : nullptr};
+  float* const gbuf = place_chunk_buffer(space, stores, 4);  // chunks of a multiple of 4 KiB keep its place
+  for (int64_t c = b; c < e; c += kDChunk) {
+    const int64_t n = e - c < kDChunk ? e - c : kDChunk;
+    adopt_chunk<I>(t.p, t.out, t.odtype, c, n, e);
+    const float* const g = widen_chunk<I>(t.g, t.gdtype, c, n, e, gbuf);
+    loop(t.p + c, t.m + c, t.v + c, vmax ? vmax + c : nullptr, g, nullptr, n, e - c, t.gdtype == kF32, s);
+    emit_chunk<I>(t.p, t.out, t.odtype, c, n, e);
   }
 }
 

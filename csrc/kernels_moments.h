@@ -42,10 +42,11 @@ struct QVec {
 };
 
 // The fp32 kernel's update (same operations as adam_block in kernels_impl.h) in two stages:
-// A, everything up to sqrt(v); B, the division, the master's store and out's.
+// A, everything up to sqrt(v); B, the division, the master's store and out's (GD/OD as in
+// adam_block, kernels_impl.h).
 template <class I, int GD, int OD, bool DECAY, bool RARE>
 static OFFLOAD_QINLINE void q_stage_a(const float* __restrict p_, const void* __restrict g_, const void* __restrict out_,
-                             const Coeffs<I>& c, RareFlags f, int64_t i, QVec<I>& x) {
+                                      const Coeffs<I>& c, RareFlags f, int64_t i, QVec<I>& x) {
   using V = typename I::V;
   V g = load_grad<I, GD>(g_, i);
   if (RARE && f.use_mult) g = I::mul(g, c.mult);
@@ -65,7 +66,7 @@ static OFFLOAD_QINLINE void q_stage_a(const float* __restrict p_, const void* __
 
 template <class I, int OD>
 static OFFLOAD_QINLINE void q_stage_b(float* __restrict p_, void* __restrict out_, const Coeffs<I>& c, int64_t i,
-                             const QVec<I>& x) {
+                                      const QVec<I>& x) {
   using V = typename I::V;
   const V denom = I::add(I::mul(x.sv, c.inv_bc2_sqrt), c.eps);
   const V p = I::add(x.p, I::div(I::mul(c.neg_step_size, x.m), denom));
@@ -151,7 +152,7 @@ static OFFLOAD_QINLINE void q_prefetch_group_streams(const float* p, const void*
                                                      const void* v, int64_t i, int u) {
   constexpr int GV = kQGroup / W;
   q_prefetch_group<W, 4, true, 0>(p, i, u);
-  q_prefetch_group<W, GD == kF32 ? 4 : 2, false, 1>(g, i, u);
+  if (g) q_prefetch_group<W, GD == kF32 ? 4 : 2, false, 1>(g, i, u);
   if constexpr (OD != kNone) q_prefetch_group<W, OD == kF32 ? 4 : 2, true, 0>(out, i, u);
   q_prefetch_group<W, MSIZE, true, 1>(m, i, u);
   q_prefetch_group<W, MSIZE, true, GV / 2 + 1>(v, i, u);
@@ -178,14 +179,15 @@ static OFFLOAD_QINLINE void q_prefetch(const void* base, int64_t k, int64_t limi
     __builtin_prefetch(static_cast<const char*>(base) + (k + kQPrefetchAhead) * SIZE, WRITE ? 1 : 0, 3);
 }
 
-// Every stream of a compressed-moment loop at vector k: master, gradient, the low-precision copy
-// of the weights when there is one (written; also read for kBF16Sync / kF16Sync), and both
-// moments (MSIZE bytes per element: 2 for bf16, 1 for 8-bit; the 8-bit scales are per block).
+// Every stream of a compressed-moment loop at vector k: master, gradient (if g is not null: not
+// for a chunk that kernels_dtype.h widened into L1), the low-precision copy of the weights when
+// there is one (written; also read for kBF16Sync / kF16Sync), and both moments (MSIZE bytes per
+// element: 2 for bf16, 1 for 8-bit; the 8-bit scales are per block).
 template <int W, int GD, int OD, int MSIZE>
 static OFFLOAD_QINLINE void q_prefetch_streams(const float* p, const void* g, const void* out, const void* m,
                                                const void* v, int64_t k, int64_t limit) {
   q_prefetch<W, 4, true>(p, k, limit);
-  q_prefetch<W, GD == kF32 ? 4 : 2, false>(g, k, limit);
+  if (g) q_prefetch<W, GD == kF32 ? 4 : 2, false>(g, k, limit);
   if constexpr (OD != kNone) q_prefetch<W, OD == kF32 ? 4 : 2, true>(out, k, limit);
   q_prefetch<W, MSIZE, true>(m, k, limit);
   q_prefetch<W, MSIZE, true>(v, k, limit);
@@ -204,19 +206,41 @@ static OFFLOAD_QINLINE void bf16m_store(uint16_t* __restrict m16, uint16_t* __re
   I::store_bf16(v16 + i, x.v);
 }
 
+// One thread's share of one compressed-moment tensor, as the loops see it: every pointer at the
+// share's first element (or at the first element of a chunk of it, kernels_dtype.h), n the
+// elements from there to the tensor's end (the last block's length), lim the end of the share
+// (no prefetch past it), g and out the gradient and weight copy from there on (dtypes: the loop's
+// GD/OD), gpf g if its lines are to be prefetched (the caller's array), else null (a chunk that
+// kernels_dtype.h widened into L1).
+struct QChunk {
+  float* p;
+  void* m;
+  void* v;
+  float* msc;  // 8-bit: the scales of the first block on, else null
+  float* vsc;
+  const void* g;
+  void* out;
+  const void* gpf;
+  int64_t n, lim;
+};
+
 // Elements [begin, end) of one tensor with bf16 moments (blocks only matter to the partition).
 template <class I, int GD, int OD, bool DECAY, bool RARE>
-static void bf16m_loop(const AdamQTask& t, const AdamScalars& s, int64_t begin, int64_t end) {
-  float* const __restrict p = t.p;
-  uint16_t* const __restrict m16 = static_cast<uint16_t*>(t.m);
-  uint16_t* const __restrict v16 = static_cast<uint16_t*>(t.v);
-  const void* const __restrict g = t.g;
-  void* const __restrict out = t.out;
+static void bf16m_loop(const QChunk& q, const AdamScalars& s, int64_t begin, int64_t end) {
+  float* const __restrict p = q.p;
+  uint16_t* const __restrict m16 = static_cast<uint16_t*>(q.m);
+  uint16_t* const __restrict v16 = static_cast<uint16_t*>(q.v);
+  const void* const __restrict g = q.g;
+  void* const __restrict out = q.out;
+  const void* const gpf = q.gpf;
+  const int64_t lim = q.lim;
   const RareFlags f{s.use_mult, s.maximize, s.use_wd, s.lerp_low};
   const Coeffs<I> c(s);
   int64_t i = begin;
   if constexpr (I::W > 1) {
-    const int64_t groups = end - i - kQPrefetchAhead >= kQGroup ? (end - i - kQPrefetchAhead) / kQGroup : 0;
+    // whole groups while their prefetches stay below lim, then vector by vector
+    const int64_t room = (lim - i - kQPrefetchAhead) / kQGroup, whole = (end - i) / kQGroup;
+    const int64_t groups = room <= 0 ? 0 : (room < whole ? room : whole);
     q_pipelined_groups<I>(
         i, groups,
         [&](int64_t k, QVec<I>& x) {
@@ -225,12 +249,12 @@ static void bf16m_loop(const AdamQTask& t, const AdamScalars& s, int64_t begin, 
         },
         [&](int64_t k, QVec<I>& x) { q_stage_a<I, GD, OD, DECAY, RARE>(p, g, out, c, f, k, x); },
         [&](int64_t k, const QVec<I>& x) { q_stage_b<I, OD>(p, out, c, k, x); bf16m_store<I>(m16, v16, k, x); },
-        [&](int64_t k, int u) { q_prefetch_group_streams<I::W, GD, OD, 2>(p, g, out, m16, v16, k, u); });
+        [&](int64_t k, int u) { q_prefetch_group_streams<I::W, GD, OD, 2>(p, gpf, out, m16, v16, k, u); });
     i += groups * kQGroup;
     i = q_pipelined<I>(
         i, end,
         [&](int64_t k, QVec<I>& x) {
-          q_prefetch_streams<I::W, GD, OD, 2>(p, g, out, m16, v16, k, end);
+          q_prefetch_streams<I::W, GD, OD, 2>(p, gpf, out, m16, v16, k, lim);
           x.m = I::load_bf16(m16 + k);
           x.v = I::load_bf16(v16 + k);
         },
@@ -257,44 +281,77 @@ static void bf16m_loop(const AdamQTask& t, const AdamScalars& s, int64_t begin, 
 
 namespace offload {
 
-// Blocks [bb, be) of one tensor (bf16 moments: the same element range).
-template <class I, int GD, int OD, bool DECAY, bool RARE>
-static void q_loop(const AdamQTask& t, const AdamScalars& s, int64_t bb, int64_t be) {
-  if (t.mfmt == kMom8) return q8_loop<I, GD, OD, DECAY, RARE>(t, s, bb, be);
-  const int64_t end = be * kQBlock < t.n ? be * kQBlock : t.n;
-  bf16m_loop<I, GD, OD, DECAY, RARE>(t, s, bb * kQBlock, end);
+// Blocks [bb, be) of one tensor from q's first element (bf16 moments: the same element range).
+template <class I, int GD, int OD, bool DECAY, bool RARE, bool Q8>
+static void q_loop(const QChunk& q, const AdamScalars& s, int64_t bb, int64_t be) {
+  if constexpr (Q8) {
+    q8_loop<I, GD, OD, DECAY, RARE>(q, s, bb, be);
+  } else {
+    const int64_t end = be * kQBlock < q.n ? be * kQBlock : q.n;
+    bf16m_loop<I, GD, OD, DECAY, RARE>(q, s, bb * kQBlock, end);
+  }
 }
 
-template <class I, int GD, int OD>
-static void q_range_t(const AdamQTask& t, const AdamScalars& s, int64_t bb, int64_t be) {
+using QLoop = void (*)(const QChunk&, const AdamScalars&, int64_t, int64_t);
+
+template <class I, int GD, int OD, bool Q8>
+static QLoop q_loop_for(const AdamScalars& s) {
   const bool rare = s.use_mult || s.maximize || s.use_wd || !s.lerp_low;
   switch ((s.use_decay ? 2 : 0) | (rare ? 1 : 0)) {
-    case 0: return q_loop<I, GD, OD, false, false>(t, s, bb, be);
-    case 1: return q_loop<I, GD, OD, false, true>(t, s, bb, be);
-    case 2: return q_loop<I, GD, OD, true, false>(t, s, bb, be);
-    default: return q_loop<I, GD, OD, true, true>(t, s, bb, be);
+    case 0: return &q_loop<I, GD, OD, false, false, Q8>;
+    case 1: return &q_loop<I, GD, OD, false, true, Q8>;
+    case 2: return &q_loop<I, GD, OD, true, false, Q8>;
+    default: return &q_loop<I, GD, OD, true, true, Q8>;
   }
 }
 
-template <class I, int GD>
-static void q_range_gd(const AdamQTask& t, const AdamScalars& s, int64_t bb, int64_t be) {
-  switch (t.odtype) {
-    case kNone: return q_range_t<I, GD, kNone>(t, s, bb, be);
-    case kBF16: return q_range_t<I, GD, kBF16>(t, s, bb, be);
-    case kF16: return q_range_t<I, GD, kF16>(t, s, bb, be);
-    case kBF16Sync: return q_range_t<I, GD, kBF16Sync>(t, s, bb, be);
-    case kF16Sync: return q_range_t<I, GD, kF16Sync>(t, s, bb, be);
-    default: return q_range_t<I, GD, kF32>(t, s, bb, be);
+// The fused loop of the task's dtype pair and format (fused_pair, kernels_dtype.h), or null.
+template <class I, bool Q8>
+static QLoop q_fused_for(int64_t gdtype, int64_t odtype, const AdamScalars& s) {
+  const FusedPair pair = fused_pair<I>(gdtype, odtype);
+  if (pair == kPairF32) return q_loop_for<I, kF32, kNone, Q8>(s);
+  if constexpr (I::W > 1) {  // (no other pair is fused on the scalar ISA)
+    if (pair == kPairF32Out) return q_loop_for<I, kF32, kF32, Q8>(s);
+    if (pair == kPairBF16) return q_loop_for<I, kBF16, kBF16, Q8>(s);
+    if (pair == kPairBF16Param) return q_loop_for<I, kBF16, kBF16Sync, Q8>(s);
   }
+  return nullptr;
 }
 
-// Entry of the kernel table: blocks [bb, be) of one tensor with compressed moments.
+// Entry of the kernel table: blocks [bb, be) of one tensor with compressed moments, in one fused
+// pass for the dtype pairs of fused_pair, else through the dtype passes kDChunk elements (whole
+// blocks) at a time, as adam_range (kernels_impl.h).
 template <class I>
 static void adam_q_range(const AdamQTask& t, const AdamScalars& s, int64_t bb, int64_t be) {
-  switch (t.gdtype) {
-    case kBF16: return q_range_gd<I, kBF16>(t, s, bb, be);
-    case kF16: return q_range_gd<I, kF16>(t, s, bb, be);
-    default: return q_range_gd<I, kF32>(t, s, bb, be);
+  if (bb >= be) return;
+  const bool q8 = t.mfmt == kMom8;
+  const int64_t msize = q8 ? 1 : 2;
+  const int64_t e = be * kQBlock < t.n ? be * kQBlock : t.n;
+  auto chunk = [&](int64_t c, const void* g, void* out, bool gpf) {
+    const int64_t blk = c / kQBlock;
+    return QChunk{t.p + c, static_cast<char*>(t.m) + c * msize, static_cast<char*>(t.v) + c * msize,
+                  t.m_scale ? t.m_scale + blk : nullptr, t.v_scale ? t.v_scale + blk : nullptr, g, out,
+                  gpf ? g : nullptr, t.n - c, e - c};
+  };
+  const QLoop fused = q8 ? q_fused_for<I, true>(t.gdtype, t.odtype, s) : q_fused_for<I, false>(t.gdtype, t.odtype, s);
+  if (fused) {
+    const int64_t c = bb * kQBlock;
+    fused(chunk(c, elem_at(t.g, t.gdtype, c), elem_at(t.out, t.odtype, c), true), s, 0, be - bb);
+    return;
+  }
+  const QLoop loop = q8 ? q_loop_for<I, kF32, kNone, true>(s) : q_loop_for<I, kF32, kNone, false>(s);
+  alignas(64) float space[kDChunk + kDSlack];
+  const float* const stores[] = {t.p + bb * kQBlock};
+  float* const gbuf = place_chunk_buffer(space, stores, 1);
+  constexpr int64_t kChunkBlocks = kDChunk / kQBlock;
+  for (int64_t cb = bb; cb < be; cb += kChunkBlocks) {
+    const int64_t ce = cb + kChunkBlocks < be ? cb + kChunkBlocks : be;
+    const int64_t c = cb * kQBlock;
+    const int64_t n = (ce * kQBlock < t.n ? ce * kQBlock : t.n) - c;
+    adopt_chunk<I>(t.p, t.out, t.odtype, c, n, e);
+    const float* const g = widen_chunk<I>(t.g, t.gdtype, c, n, e, gbuf);
+    loop(chunk(c, g, nullptr, t.gdtype == kF32), s, 0, ce - cb);
+    emit_chunk<I>(t.p, t.out, t.odtype, c, n, e);
   }
 }
 

@@ -40,7 +40,7 @@ struct Q8Pending {
 template <class I, int GD, int OD, bool DECAY, bool RARE>
 static inline Q8Pending q8_pass1(float* __restrict p, const int8_t* __restrict mq0, const uint8_t* __restrict vq0,
                                  const float* __restrict msc, const float* __restrict vsc, const void* __restrict g,
-                                 void* __restrict out, int64_t n, int64_t lim, const Coeffs<I>& c, const Coeffs<ScalarISA>& cs,
+                                 void* __restrict out, const void* gpf, int64_t n, int64_t lim, const Coeffs<I>& c, const Coeffs<ScalarISA>& cs,
                                  RareFlags f, int64_t blk, float* __restrict rbuf, float* __restrict ubuf) {
   using V = typename I::V;
   using Q = QOps<I>;
@@ -59,13 +59,13 @@ static inline Q8Pending q8_pass1(float* __restrict p, const int8_t* __restrict m
           0, kQBlock / kQGroup, [&](int64_t k, QVec<I>& x) { q8_decode<I>(mq, vq, k, vmd, vvd, x); },
           [&](int64_t k, QVec<I>& x) { q_stage_a<I, GD, OD, DECAY, RARE>(p, g, out, c, f, i0 + k, x); },
           [&](int64_t k, const QVec<I>& x) { q_stage_b<I, OD>(p, out, c, i0 + k, x); q8_encode<I>(rbuf, ubuf, k, x, am, au); },
-          [&](int64_t k, int u) { q_prefetch_group_streams<W, GD, OD, 1>(p, g, out, mq0, vq0, i0 + k, u); });
+          [&](int64_t k, int u) { q_prefetch_group_streams<W, GD, OD, 1>(p, gpf, out, mq0, vq0, i0 + k, u); });
       j = kQBlock;
     }
     j = q_pipelined<I>(
         j, len,
         [&](int64_t k, QVec<I>& x) {
-          q_prefetch_streams<W, GD, OD, 1>(p, g, out, mq0, vq0, i0 + k, lim);
+          q_prefetch_streams<W, GD, OD, 1>(p, gpf, out, mq0, vq0, i0 + k, lim);
           q8_decode<I>(mq, vq, k, vmd, vvd, x);
         },
         [&](int64_t k, QVec<I>& x) { q_stage_a<I, GD, OD, DECAY, RARE>(p, g, out, c, f, i0 + k, x); },
@@ -134,29 +134,30 @@ static inline void q8_pass2(int8_t* __restrict mq0, uint8_t* __restrict vq0, flo
   vsc[b.blk] = umax;
 }
 
-// Blocks [bb, be) of an 8-bit tensor, software-pipelined: pass 2 of block b runs after pass 1
-// of block b + 1 (two scratch pairs), so the block's reduction and two divisions are off the
-// critical path. Blocks are independent, so the result is the same as block by block.
+// Blocks [bb, be) of an 8-bit tensor from q's first element, software-pipelined: pass 2 of block
+// b runs after pass 1 of block b + 1 (two scratch pairs), so the block's reduction and two
+// divisions are off the critical path. Blocks are independent, so the result is the same as block
+// by block.
 template <class I, int GD, int OD, bool DECAY, bool RARE>
-static void q8_loop(const AdamQTask& t, const AdamScalars& s, int64_t bb, int64_t be) {
-  float* const __restrict p = t.p;
-  int8_t* const __restrict mq = static_cast<int8_t*>(t.m);
-  uint8_t* const __restrict vq = static_cast<uint8_t*>(t.v);
-  float* const __restrict msc = t.m_scale;
-  float* const __restrict vsc = t.v_scale;
-  const void* const __restrict g = t.g;
-  void* const __restrict out = t.out;
-  const int64_t n = t.n;
-  const int64_t lim = be * kQBlock < n ? be * kQBlock : n;  // end of this range (for the prefetches)
+static void q8_loop(const QChunk& q, const AdamScalars& s, int64_t bb, int64_t be) {
+  float* const __restrict p = q.p;
+  int8_t* const __restrict mq = static_cast<int8_t*>(q.m);
+  uint8_t* const __restrict vq = static_cast<uint8_t*>(q.v);
+  float* const __restrict msc = q.msc;
+  float* const __restrict vsc = q.vsc;
+  const void* const __restrict g = q.g;
+  void* const __restrict out = q.out;
+  const void* const gpf = q.gpf;
+  const int64_t n = q.n, lim = q.lim;
   const RareFlags f{s.use_mult, s.maximize, s.use_wd, s.lerp_low};
   const Coeffs<I> c(s);
   const Coeffs<ScalarISA> cs(s);
   alignas(64) float rbuf[2][kQBlock], ubuf[2][kQBlock];
   if (bb >= be) return;
-  Q8Pending prev = q8_pass1<I, GD, OD, DECAY, RARE>(p, mq, vq, msc, vsc, g, out, n, lim, c, cs, f, bb, rbuf[0], ubuf[0]);
+  Q8Pending prev = q8_pass1<I, GD, OD, DECAY, RARE>(p, mq, vq, msc, vsc, g, out, gpf, n, lim, c, cs, f, bb, rbuf[0], ubuf[0]);
   for (int64_t b = bb + 1; b < be; ++b) {
     const int k = static_cast<int>((b - bb) & 1);
-    const Q8Pending cur = q8_pass1<I, GD, OD, DECAY, RARE>(p, mq, vq, msc, vsc, g, out, n, lim, c, cs, f, b, rbuf[k], ubuf[k]);
+    const Q8Pending cur = q8_pass1<I, GD, OD, DECAY, RARE>(p, mq, vq, msc, vsc, g, out, gpf, n, lim, c, cs, f, b, rbuf[k], ubuf[k]);
     q8_pass2<I>(mq, vq, msc, vsc, prev, rbuf[k ^ 1], ubuf[k ^ 1]);
     prev = cur;
   }

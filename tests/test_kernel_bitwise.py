@@ -37,11 +37,14 @@ def test_large_odd_size_matches_reference(isa, gd, od, vi):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
-def test_bitwise_identical_across_thread_counts(threads):
-    n = 300_007  # several chunks per thread, odd tail
-    base = make_state(n, torch.bfloat16, torch.bfloat16, seed=1)
+@pytest.mark.parametrize("gd,od", [("bf16", "bf16"), ("f32", None), ("f32", "f32"), ("f16", "bf16"), ("bf16", None)])
+def test_bitwise_identical_across_thread_counts(threads, gd, od):
+    # several 1024-element chunks of the dtype passes per thread, thread ranges that start inside a
+    # chunk (they are cut on 16-element multiples), an odd tail; against the scalar reference too
+    n = 300_007
+    base = make_state(n, DTYPES[gd], DTYPES.get(od), seed=1)
     one = clone(base)
-    run(one, VARIANTS[3], threads=1)
+    run(one, VARIANTS[3], threads=1, reference=True)
     many = clone(base)
     kernels.set_num_threads(max(threads, kernels.get_num_threads()))
     run(many, VARIANTS[3], threads=threads)
