@@ -140,12 +140,20 @@ double grad_sumsq(const GradTask* tasks, int64_t ntasks, int nthreads) {
   return sum;
 }
 
-void bandwidth_probe(float* p, float* m, float* v, const float* g, int64_t n, int nthreads) {
+void bandwidth_probe(float* p, float* m, float* v, const float* g, int64_t n, int nthreads, int mode) {
   if (n < 0) throw std::invalid_argument("negative length");
+  if (mode < 0 || mode >= kProbeModes) throw std::invalid_argument("unknown probe mode");
   if (n > 0 && (!p || !m || !v || !g)) throw std::invalid_argument("null pointer");
   if (n == 0) return;
   const IsaKernels& k = active_kernels();
-  split_run(n, nthreads, [&](int64_t b, int64_t e) { k.probe(p, m, v, g, b, e); });
+  if (mode != kProbeTiles) {
+    split_run(n, nthreads, [&](int64_t b, int64_t e) { k.probe(p, m, v, g, b, e, mode); });
+    return;
+  }
+  constexpr int64_t kTile = 1 << 18;  // 1 MiB of each stream; thread t takes tiles t, t + T, ...
+  parallel_run(threads_for(n, nthreads), [&](int tid, int T) {
+    for (int64_t b = tid * kTile; b < n; b += T * kTile) k.probe(p, m, v, g, b, std::min(n, b + kTile), kProbeFused);
+  });
 }
 
 void bandwidth_probe_fmt(float* p, void* m, void* v, const void* g, void* out, int64_t n, int64_t mbytes,

@@ -26,8 +26,9 @@ constexpr int kGradCols = 3;
 // blocks summed in a fixed order). Non-finite input yields inf or nan.
 double grad_sumsq(const GradTask* tasks, int64_t ntasks, int nthreads);
 
-// Bandwidth probe: reads g, p, m, v and writes p, m, v (n floats each).
-void bandwidth_probe(float* p, float* m, float* v, const float* g, int64_t n, int nthreads);
+// Bandwidth probe: reads g, p, m, v and writes p, m, v (n floats each), walking memory in one of
+// the ProbeMode ways (common.h).
+void bandwidth_probe(float* p, float* m, float* v, const float* g, int64_t n, int nthreads, int mode);
 // Position-weighted sum of the 32-bit words of [p, p + nbytes) (each word as int32 times an odd
 // pseudo-random int32 weight, exact 64-bit products, summed mod 2^64); a trailing 1-3 bytes count
 // as one more word. Any single changed word changes it. (offload/params/fingerprint.py: CPU tensors.)

@@ -128,14 +128,18 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "_bandwidth_probe",
-      [](int64_t p, int64_t mm, int64_t v, int64_t g, int64_t n, int threads) {
+      [](int64_t p, int64_t mm, int64_t v, int64_t g, int64_t n, int threads, int mode) {
         const int nt = check_threads(threads);
         py::gil_scoped_release nogil;
         bandwidth_probe(reinterpret_cast<float*>(p), reinterpret_cast<float*>(mm),
-                        reinterpret_cast<float*>(v), reinterpret_cast<const float*>(g), n, nt);
+                        reinterpret_cast<float*>(v), reinterpret_cast<const float*>(g), n, nt, mode);
       },
       py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("n"), py::arg("threads") = 0,
-      "Memory-bandwidth probe with Adam's access pattern (reads 4, writes 3 fp32 streams).");
+      py::arg("mode") = 0,
+      "Memory-bandwidth probe with Adam's access pattern (reads 4, writes 3 fp32 streams); mode: "
+      "0 fused + software prefetch, 1 fused, hardware prefetch only, 2 threads on alternate tiles, "
+      "3 one stream at a time in 16 KiB tiles.");
+  m.attr("PROBE_MODES") = py::int_(kProbeModes);
 
   m.def(
       "_bandwidth_probe_moments",

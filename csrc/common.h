@@ -28,6 +28,11 @@ static inline const char* dtype_name(int64_t d) {
   }
 }
 
+// How the bandwidth probe walks memory (kernels_impl.h probe_range; kProbeTiles is kProbeFused with
+// threads on alternate 1 MiB tiles instead of one contiguous share each, adam.cpp).
+enum ProbeMode : int { kProbeFused = 0, kProbeHwOnly = 1, kProbeTiles = 2, kProbeStreams = 3 };
+constexpr int kProbeModes = 4;
+
 // One tensor of a multi-tensor Adam call. Layout matches the int64 table built in
 // offload/native/adam.py (one row per tensor, kTaskCols columns).
 struct AdamTask {

@@ -14,8 +14,8 @@ struct IsaKernels {
   void (*adam_range)(const AdamTask&, const AdamScalars&, int64_t begin, int64_t end);
   // Sum of squares (double) of elements [begin, end) of a gradient of the given dtype.
   double (*sumsq)(const void* g, int64_t dtype, int64_t begin, int64_t end);
-  // Bandwidth probe over [begin, end).
-  void (*probe)(float* p, float* m, float* v, const float* g, int64_t begin, int64_t end);
+  // Bandwidth probe over [begin, end) in one of the access modes of kProbeModes (adam.h).
+  void (*probe)(float* p, float* m, float* v, const float* g, int64_t begin, int64_t end, int mode);
   // Adam update over compressed moments (moments.h), blocks [block_begin, block_end) of one tensor.
   void (*adam_q_range)(const AdamQTask&, const AdamScalars&, int64_t block_begin, int64_t block_end);
   // Bandwidth probe over [begin, end) with a compressed-moment step's streams: m/v elements of

@@ -232,14 +232,19 @@ static double sumsq(const void* g, int64_t dtype, int64_t b, int64_t e) {
 }
 
 // Memory-bandwidth probe with Adam's access pattern: reads 4 fp32 streams (g, p, m, v) and
-// writes 3 (p, m, v), with trivial arithmetic, so its time is the memory system's. It prefetches
-// as the kernel does, or the kernel would beat its ceiling.
-template <class I>
-static void probe_range(float* p, float* m, float* v, const float* g, int64_t b, int64_t e) {
+// writes 3 (p, m, v), with trivial arithmetic, so its time is the memory system's. Modes (the
+// bench takes the fastest, so that no kernel's way of walking memory beats its "ceiling"):
+//   kProbeFused    every stream per vector, software prefetch as the fp32 kernel
+//   kProbeHwOnly   every stream per vector, hardware prefetchers only
+//   kProbeStreams  16 KiB tiles, one stream at a time inside a tile (g then read from L1):
+//                  two streams in flight instead of seven
+// (kProbeTiles, threads on alternate tiles, is the driver's split: adam.cpp.)
+template <class I, bool PF>
+static void probe_fused(float* p, float* m, float* v, const float* g, int64_t b, int64_t e) {
   int64_t i = b;
   const auto c = I::set1(0.5f);
   for (; i + I::W <= e; i += I::W) {
-    if (I::W > 1 && (i & 15) < I::W && i + I::W + kQPrefetchAhead <= e) {  // as the fp32 kernel
+    if (PF && I::W > 1 && (i & 15) < I::W && i + I::W + kQPrefetchAhead <= e) {  // as the fp32 kernel
       prefetch_chunk<16, 4, true>(p, i & ~int64_t{15});
       prefetch_chunk<16, 4, true>(m, i & ~int64_t{15});
       prefetch_chunk<16, 4, true>(v, i & ~int64_t{15});
@@ -251,6 +256,29 @@ static void probe_range(float* p, float* m, float* v, const float* g, int64_t b,
     I::store(v + i, I::sub(I::load(v + i), gg));
   }
   for (; i < e; ++i) { p[i] += g[i] * 0.5f; m[i] += g[i]; v[i] -= g[i]; }
+}
+
+template <class I>
+static void probe_streams(float* p, float* m, float* v, const float* g, int64_t b, int64_t e) {
+  constexpr int64_t kTile = 4096;  // 16 KiB of each stream
+  const auto c = I::set1(0.5f);
+  for (int64_t t = b; t < e; t += kTile) {
+    const int64_t te = t + kTile < e ? t + kTile : e;
+    int64_t i = t;
+    for (; i + I::W <= te; i += I::W) I::store(p + i, I::add(I::load(p + i), I::mul(I::load(g + i), c)));
+    for (; i < te; ++i) p[i] += g[i] * 0.5f;
+    for (i = t; i + I::W <= te; i += I::W) I::store(m + i, I::add(I::load(m + i), I::load(g + i)));
+    for (; i < te; ++i) m[i] += g[i];
+    for (i = t; i + I::W <= te; i += I::W) I::store(v + i, I::sub(I::load(v + i), I::load(g + i)));
+    for (; i < te; ++i) v[i] -= g[i];
+  }
+}
+
+template <class I>
+static void probe_range(float* p, float* m, float* v, const float* g, int64_t b, int64_t e, int mode) {
+  if (mode == kProbeHwOnly) return probe_fused<I, false>(p, m, v, g, b, e);
+  if (mode == kProbeStreams) return probe_streams<I>(p, m, v, g, b, e);
+  probe_fused<I, true>(p, m, v, g, b, e);
 }
 
 }  // namespace offload

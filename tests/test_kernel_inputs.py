@@ -182,6 +182,25 @@ def test_raw_entry_points_cover_all_work_above_pool_size(pool_of_two, extra):
     assert torch.equal(bufs[2], -torch.ones(n))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_every_probe_mode_does_the_same_pass(threads):
+    # the bench times each way of walking memory and keeps the fastest: each must touch every element
+    # exactly once (a mode that skipped some would make a "ceiling" no kernel can reach honestly)
+    from offload.native import adam as native_adam
+    n = 3 * (1 << 18) + 12_345  # several 1 MiB tiles per thread and a partial one
+    for mode in range(len(native_adam.PROBE_MODES)):
+        bufs = [torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.ones(n)]
+        native_adam.bandwidth_probe(*bufs, threads=threads, mode=mode)
+        assert torch.equal(bufs[0], torch.full((n,), 0.5)) and torch.equal(bufs[1], torch.ones(n)), mode
+        assert torch.equal(bufs[2], -torch.ones(n)), mode
+    bufs = [torch.zeros(8) for _ in range(4)]
+    for bad in (-1, len(native_adam.PROBE_MODES), 1.0):
+        with pytest.raises(ValueError, match="mode must be"):
+            native_adam.bandwidth_probe(*bufs, mode=bad)
+    with pytest.raises(ValueError, match="unknown probe mode"):
+        _C._bandwidth_probe(*(b.data_ptr() for b in bufs), 8, 1, 7)
+
+
 def test_state_arena_streams_not_a_power_of_two_apart():
     """exp_avg, exp_avg_sq and the fp32 master of one arena must not be congruent modulo 4 KiB:
     streams a large power of two apart contend for the same cache sets and DRAM banks (a 128M

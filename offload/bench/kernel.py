@@ -41,7 +41,7 @@ def run_case(case: Case, thread_counts: list, reps: int, use_ds: bool, progress:
     else:
         contenders = [ours, OursKernel(ours, thread_counts[0]), TorchAdamW(case, grads, thread_counts[0], "fused"),
                       TorchAdamW(case, grads, thread_counts[0], "foreach")]
-    if use_ds and not case.lowp and case.key != "isa":
+    if use_ds and case.key != "isa":
         try:
             contenders.append(DeepSpeed(case, grads, thread_counts[0]))
         except Exception as e:  # noqa: BLE001 - report and go on without it
@@ -63,6 +63,8 @@ def run_case(case: Case, thread_counts: list, reps: int, use_ds: bool, progress:
                     times[c.name].append(dt)
                 progress.update(f"{case.name} t={t} {c.name}")
         case.results[t] = {k: median(v) for k, v in times.items()} | {"_raw": times}
+        probe = next(c for c in contenders if isinstance(c, Probe))
+        case.results[t]["_probe_modes"] = probe.mode_times.get(t)
     del contenders, ours, grads
     gc.collect()
 
@@ -102,15 +104,19 @@ def verdicts(cases: list, thread_counts: list) -> list:
 
 
 TARGETS = (
-    "fp32 flat, at every thread count: offload.AdamW.step >= 95% of the probe and >= 1.0x torch AdamW(fused=True)",
-    "bf16 grad + bf16 out over fp32 master/moments: >= 85% of the probe and >= 1.8x the torch composite",
+    "every fp32 and bf16 grad+out case (flat and many-tensor), at every thread count: offload.AdamW.step at least "
+    "95% of the bandwidth probe (the fastest way this machine's memory was walked in this run)",
+    "the same cases: offload.AdamW.step at least as fast (1.0x) as the fastest peer measured in the same run "
+    "(torch AdamW fused/foreach, DeepSpeedCPUAdam where importable; bf16: torch's upcast-step-cast composite "
+    "and DeepSpeed's bf16 parameters)",
     "10000 x 1024 fp32: offload.AdamW.step per-element time <= 1.5x the flat figure",
 )
 
 
 def check_targets(cases: list, thread_counts: list) -> list:
-    """The speed targets of the fp32 step, evaluated on this run at every thread count: each ratio is the median of
-    the per-round ratios (common.paired_ratio; the table shows medians of the times)."""
+    """The speed targets, evaluated on this run: one line per case, thread count and target, in words a user
+    reads ("reaches 97% of what the memory can do", "1.08x faster than DeepSpeedCPUAdam"). Each ratio is the
+    median of the per-round ratios (common.paired_ratio; the tables show medians of the times)."""
     probe = "bandwidth probe (ceiling)"
     step = "offload.AdamW.step"
     out = []
@@ -123,19 +129,19 @@ def check_targets(cases: list, thread_counts: list) -> list:
         return paired_ratio(raw[num], raw[den])
 
     by_key = {c.key: c for c in cases}
+    for case in cases:
+        if case.key not in ("flat", "multi", "bf16"):
+            continue
+        for t in thread_counts:
+            raw = case.results[t]["_raw"]
+            pct = ratio(case, t, probe, step) * 100
+            add(f"{case.name}, {t} thr: step time vs the memory's best (>= 95%)", f"{pct:.1f}%", pct >= 95)
+            peers = {k: ratio(case, t, k, step) for k in raw if k.startswith(("torch", "DeepSpeed"))}
+            if peers:
+                best = min(peers, key=peers.get)  # the peer closest to (or ahead of) us
+                add(f"{case.name}, {t} thr: against the fastest peer, {best} (>= 1.0x)", f"{peers[best]:.2f}x",
+                    peers[best] >= 1.0)
     for t in thread_counts:
-        if "flat" in by_key:
-            flat = by_key["flat"]
-            pct = ratio(flat, t, probe, step) * 100
-            add(f"fp32 flat, {t} thr: step >= 95% of probe", f"{pct:.1f}%", pct >= 95)
-            r = ratio(flat, t, "torch AdamW(fused=True)", step)
-            add(f"fp32 flat, {t} thr: step >= 1.0x torch fused", f"{r:.2f}x", r >= 1.0)
-        if "bf16" in by_key:
-            lowp = by_key["bf16"]
-            pct = ratio(lowp, t, probe, step) * 100
-            add(f"bf16 grad+out, {t} thr: step >= 85% of probe", f"{pct:.1f}%", pct >= 85)
-            r = ratio(lowp, t, "torch AdamW(fused=True) +casts", step)
-            add(f"bf16 grad+out, {t} thr: step >= 1.8x torch composite", f"{r:.2f}x", r >= 1.8)
         if "flat" in by_key and "small" in by_key:
             small, flat = by_key["small"], by_key["flat"]
             # two cases, timed in different rounds: nothing to pair, the ratio of the medians
@@ -146,6 +152,19 @@ def check_targets(cases: list, thread_counts: list) -> list:
             note = (f" (the target leaves {budget * 1e3:.1f} ms beside the kernel call; the 3 torch reads per "
                     f"tensor alone take {floor * 1e3:.1f} ms)" if floor is not None else "")
             add(f"{small.name}, {t} thr: step per-element time <= 1.5x flat", f"{value:.2f}x{note}", value <= 1.5)
+    return out
+
+
+def probe_modes(cases: list, thread_counts: list) -> list:
+    """Which way of walking memory gave the probe its ceiling, per case and thread count (Mparam/s of each)."""
+    out = []
+    for case in cases:
+        for t in thread_counts:
+            modes = case.results[t].get("_probe_modes")
+            if modes:
+                best = min(modes, key=modes.get)
+                others = ", ".join(f"{k} {case.numel / v / 1e6:.0f}" for k, v in modes.items())
+                out.append(f"{case.name}, {t} thr: {best} (Mparam/s: {others})")
     return out
 
 
@@ -238,6 +257,10 @@ def run(args) -> int:
         print("\ncompressed moments, kernel call only; B/param = bytes a single pass moves")
         print(mom[0])
         records += mom[1]
+    modes = probe_modes(cases, thread_counts)
+    if modes:
+        print("\nbandwidth probe: the fastest way of walking memory (the ceiling above), per case")
+        print("\n".join("  " + line for line in modes))
     isa = isa_summary(cases, thread_counts)
     if isa:
         print("\nis AVX-512 worth it? (same run, kernel call only)")
@@ -250,6 +273,7 @@ def run(args) -> int:
     write_json(args.json, dict(bench="kernel", question=QUESTION, machine=machine_info(), build=info, reps=args.reps,
                                scale=args.scale, full=args.full,
                                results=records, verdicts=verdict, targets=targets, target_definitions=list(TARGETS), isa_case=isa or isa_note,
+                               probe_modes=modes,
                                raw={f"{c.name}|{t}": c.results[t]["_raw"] for c in cases for t in thread_counts}))
     if args.plot:
         plot(args.plot, records)

@@ -21,7 +21,7 @@ from ..base.tensors import check_no_overlap, check_tensor, ptr
 from . import _C
 
 __all__ = [
-    "DTYPE_CODES", "TASK_COLS", "adam_step", "adam_table", "step_table", "grad_sumsq", "bandwidth_probe",
+    "DTYPE_CODES", "TASK_COLS", "PROBE_MODES", "adam_step", "adam_table", "step_table", "grad_sumsq", "bandwidth_probe",
     "bandwidth_probe_moments", "fingerprint", "set_isa", "get_isa", "available_isas",
     "get_num_threads", "set_num_threads", "affinity_cpus",
 ]
@@ -120,16 +120,25 @@ def grad_sumsq(grads: Sequence[torch.Tensor], threads: int = 0) -> float:
     return _C._grad_sumsq(table, int(threads))
 
 
-def bandwidth_probe(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, threads: int = 0) -> None:
+# the probe's ways of walking memory (csrc/common.h ProbeMode), in mode order
+PROBE_MODES = ("fused + software prefetch", "fused, hardware prefetch only", "threads on alternate 1 MiB tiles",
+               "one stream at a time, 16 KiB tiles")
+
+
+def bandwidth_probe(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, threads: int = 0,
+                    mode: int = 0) -> None:
     """Memory-bandwidth probe with Adam's access pattern (reads p, m, v, g; writes p, m, v).
 
     All four fp32, contiguous, the same number of elements; p, m, v must not overlap anything.
+    ``mode``: how memory is walked, an index into ``PROBE_MODES``.
     """
     n = check_tensor(p, "p").numel()
     for name, t in (("m", m), ("v", v), ("g", g)):
         check_tensor(t, name, numel=n)
     check_no_overlap([("p", p), ("m", m), ("v", v)], [("g", g)])
-    _C._bandwidth_probe(ptr(p), ptr(m), ptr(v), ptr(g), n, int(threads))
+    if not isinstance(mode, int) or not 0 <= mode < len(PROBE_MODES):
+        raise ValueError(f"mode must be an int in [0, {len(PROBE_MODES)}) (PROBE_MODES), got {mode!r}")
+    _C._bandwidth_probe(ptr(p), ptr(m), ptr(v), ptr(g), n, int(threads), mode)
 
 
 _MOMENT_PROBE_DTYPES = {1: (torch.int8, torch.uint8), 2: (torch.bfloat16, torch.float16, torch.int16), 4: (torch.float32,)}
