@@ -25,8 +25,9 @@ from offload.native import adam as _native
 
 from .common import (Progress, add_common_options, cpu_model, format_table, machine_info, median, paired_ratio,
                      verdict, write_json)
-from .kernel_cases import (BYTES_PER_PARAM, CASE_KEYS, OPT_IN, Case, DeepSpeed, MetadataFloor, Ours, OursKernel,
-                           OursKernelIsa, Probe, TorchAdamW, deepspeed_available, has_avx512, make_cases, randn_like_sizes)
+from .kernel_cases import (BYTES_PER_PARAM, CASE_KEYS, MODE_PREFIX, OPT_IN, Case, DeepSpeed, MetadataFloor, Ours,
+                           OursKernel, OursKernelIsa, Probe, TorchAdamW, ceiling_series, deepspeed_available, has_avx512,
+                           make_cases, probe_modes, randn_like_sizes)
 
 def run_case(case: Case, thread_counts: list, reps: int, use_ds: bool, progress: Progress) -> None:
     """Time every contender, round-robin, at each thread count; results go to case.results."""
@@ -46,7 +47,7 @@ def run_case(case: Case, thread_counts: list, reps: int, use_ds: bool, progress:
             contenders.append(DeepSpeed(case, grads, thread_counts[0]))
         except Exception as e:  # noqa: BLE001 - report and go on without it
             print(f"  (DeepSpeedCPUAdam unavailable: {type(e).__name__}: {e})")
-    contenders.append(Probe(case.numel, thread_counts[0]))
+    contenders += probe_modes(case.numel, thread_counts[0])
     if case.key in ("small", "small-newgrads"):
         contenders.append(MetadataFloor(ours))
     for t in thread_counts:
@@ -62,9 +63,10 @@ def run_case(case: Case, thread_counts: list, reps: int, use_ds: bool, progress:
                 if rep:
                     times[c.name].append(dt)
                 progress.update(f"{case.name} t={t} {c.name}")
-        case.results[t] = {k: median(v) for k, v in times.items()} | {"_raw": times}
-        probe = next(c for c in contenders if isinstance(c, Probe))
-        case.results[t]["_probe_modes"] = probe.mode_times.get(t)
+        times[Probe.CEILING] = ceiling_series(times)
+        modes = {k[len(MODE_PREFIX):]: median(v) for k, v in times.items() if k.startswith(MODE_PREFIX)}
+        case.results[t] = {k: median(v) for k, v in times.items() if not k.startswith(MODE_PREFIX)}
+        case.results[t] |= {"_raw": times, "_probe_modes": modes}
     del contenders, ours, grads
     gc.collect()
 
@@ -155,8 +157,9 @@ def check_targets(cases: list, thread_counts: list) -> list:
     return out
 
 
-def probe_modes(cases: list, thread_counts: list) -> list:
-    """Which way of walking memory gave the probe its ceiling, per case and thread count (Mparam/s of each)."""
+def probe_summary(cases: list, thread_counts: list) -> list:
+    """The probe's ways of walking memory, per case and thread count: Mparam/s of each (medians; the
+    ceiling is the fastest of them round by round)."""
     out = []
     for case in cases:
         for t in thread_counts:
@@ -235,7 +238,7 @@ def run(args) -> int:
     print(f"offload {info['version']}  torch {torch.__version__}  DeepSpeed: "
           f"{'yes' if use_ds else 'not importable (skipped)'}  sizes: {'--full' if args.full else 'default (--full: 128M)'}")
     print(f"median of {args.reps} round-robin repetitions after one warm-up; GB/s = params x {BYTES_PER_PARAM} B / time")
-    n_contenders = 7 + int(use_ds)  # (the floor runs in the many-tensor cases only: an estimate)
+    n_contenders = 9 + int(use_ds)  # (3 probe modes; the floor runs in the many-tensor cases only: an estimate)
     progress = Progress(len(cases) * len(thread_counts) * (args.reps + 1) * n_contenders, "kernel bench",
                         enabled=not args.no_progress)
     moments = next((c for c in cases if c.key == "moments"), None)
@@ -257,9 +260,9 @@ def run(args) -> int:
         print("\ncompressed moments, kernel call only; B/param = bytes a single pass moves")
         print(mom[0])
         records += mom[1]
-    modes = probe_modes(cases, thread_counts)
+    modes = probe_summary(cases, thread_counts)
     if modes:
-        print("\nbandwidth probe: the fastest way of walking memory (the ceiling above), per case")
+        print("\nbandwidth probe: how fast each way of walking memory went (the ceiling is the fastest, round by round)")
         print("\n".join("  " + line for line in modes))
     isa = isa_summary(cases, thread_counts)
     if isa:

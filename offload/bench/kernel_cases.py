@@ -7,7 +7,6 @@ bandwidth probe with Adam's access pattern.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -248,39 +247,46 @@ class MetadataFloor(Contender):
 
 
 class Probe(Contender):
-    """Bandwidth ceiling: native pass over 7 fp32 streams (Adam's pattern), same size, in the fastest of
-    the probe's ways of walking memory (PROBE_MODES), chosen again at each thread count: the ceiling is
-    what this machine's memory does at best, not what one loop shape gets out of it."""
-    name = "bandwidth probe (ceiling)"
-    TRIES = 3  # timed passes per mode when choosing
+    """Bandwidth probe: native pass over 7 fp32 streams (Adam's pattern), same size, walking memory in one
+    of the probe's ways (PROBE_MODES). Without a mode it is the plain ceiling (fused + prefetch); with one
+    it is one of the ceiling's candidates (probe_modes): run_case times them all in the round-robin and
+    takes, round by round, the fastest as the ceiling, so that what this machine's memory does at best,
+    not what one loop shape gets out of it, is the 100 % line."""
+    name = CEILING = "bandwidth probe (ceiling)"
 
-    def __init__(self, numel: int, threads: int):
+    def __init__(self, numel: int, threads: int, mode=None, arena=None):
         # One allocation, streams staggered like offload's state arena: four separate allocations
         # of a power-of-two size sit a power of two (+ one page) apart, and on some machines that
         # costs a third of the bandwidth (measured on an AVX2 EPYC at 32M: 750 vs 1050 Mparam/s),
         # which would make the "ceiling" lower than what a kernel can reach.
         stride = numel + STREAM_STAGGER
-        self.arena = torch.full((4 * stride,), 0.5)
+        self.arena = torch.full((4 * stride,), 0.5) if arena is None else arena
         self.bufs = [self.arena[k * stride:k * stride + numel] for k in range(4)]
         self.threads, self.numel = threads, numel
-        self.mode, self.mode_times = 0, {}
-
-    def set_threads(self, threads: int) -> None:
-        self.threads = threads
-        times = {}
-        for mode, name in enumerate(_kernels.PROBE_MODES):
-            _kernels.bandwidth_probe(*self.bufs, threads=threads, mode=mode)  # warm
-            runs = []
-            for _ in range(self.TRIES):
-                t0 = time.perf_counter()
-                _kernels.bandwidth_probe(*self.bufs, threads=threads, mode=mode)
-                runs.append(time.perf_counter() - t0)
-            times[name] = min(runs)
-        self.mode_times[threads] = times
-        self.mode = list(times).index(min(times, key=times.get))
+        self.mode = 0 if mode is None else mode
+        if mode is not None:
+            self.name = f"{MODE_PREFIX}{_kernels.PROBE_MODES[mode]}"
 
     def step(self) -> None:
         _kernels.bandwidth_probe(*self.bufs, threads=self.threads, mode=self.mode)
+
+
+MODE_PREFIX = "_probe: "  # contender names of the ceiling's candidates (hidden from the tables)
+# the candidates timed in every round: one stream at a time (mode 3) was the slowest by 15-40 % in
+# every case and thread count on the machines measured (docs/benchmarks.md), so it is left out
+CEILING_MODES = (0, 1, 2)
+
+
+def probe_modes(numel: int, threads: int) -> list:
+    """The ceiling's candidates, one per mode of CEILING_MODES, sharing one arena (they run in turn)."""
+    first = Probe(numel, threads, CEILING_MODES[0])
+    return [first] + [Probe(numel, threads, m, arena=first.arena) for m in CEILING_MODES[1:]]
+
+
+def ceiling_series(times: dict) -> list:
+    """Round by round, the fastest candidate's time: the ceiling each contender of that round is held to."""
+    cands = [v for k, v in times.items() if k.startswith(MODE_PREFIX)]
+    return [min(r) for r in zip(*cands)]
 
 
 def deepspeed_available() -> bool:
