@@ -1,8 +1,8 @@
 """engine_slot.py: ``EngineSlot``, the part of offload.Adam/AdamW (optim.py's ``_slot``) that knows how its
-state engine (offload/step/engine.py, ``opt._store``) is built: the constructor's storage arguments, the
+state engine (offload/engine/engine.py, ``opt._store``) is built: the constructor's storage arguments, the
 device of GPU offload (or None), which param groups the engine holds (host parameters without those torch's
 code steps, offload/fallback.py; device parameters all), and when and how it is built again from
-``opt.state`` (offload/step/rebuild.py): where a group's params list changed, for the one configuration
+``opt.state`` (offload/engine/rebuild.py): where a group's params list changed, for the one configuration
 that can (host parameters, fp32 moments in RAM), which is also the one that pickles.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 from . import fallback
 from .gpu import make_state_engine
-from .step.rebuild import fits, rebuild
+from .engine.rebuild import fits, rebuild
 
 __all__ = ["EngineSlot"]
 
@@ -74,5 +74,5 @@ class EngineSlot:
 
     def rebuild(self, native: list, state, names: Callable[[int, int], str]) -> tuple:
         """(a new engine for ``native`` holding ``state``, {parameter: its new opt.state entry}); raises
-        before any change (offload/step/rebuild.py)."""
+        before any change (offload/engine/rebuild.py)."""
         return rebuild(lambda: self.make(native), native, state, names)

@@ -9,8 +9,8 @@ straight into the parameter in the same pass. Parameters the kernel cannot take 
 complex, non-contiguous, listed twice) go through torch's Adam code, state in RAM (offload/fallback.py).
 
 The class derives from ``torch.optim.Optimizer`` only and holds parts, which its methods call in a few
-lines each: ``_store``, the state engine of every mode (step/engine.py), built by ``_slot`` (engine_slot.py);
-``_gpu``, the device face of GPU offload (step/device_step.py, else None; gpu.py); ``_clip``, the pending
+lines each: ``_store``, the state engine of every mode (engine/engine.py), built by ``_slot`` (engine_slot.py);
+``_gpu``, the device face of GPU offload (schedule/device_step.py, else None; gpu.py); ``_clip``, the pending
 clip coefficient (clipping.py); ``_router``, which parameters torch's code steps (fallback.py); and
 state_dict.py's functions. This file holds the constructor, param groups, pickling and step dispatch.
 """
@@ -66,7 +66,7 @@ class _AdamBase(Optimizer):
         self._router = fallback.Router(elsewhere=fallback.elsewhere(state, moments, offload_device))
         # --- GPU offload: the mode follows from where the parameters are (offload/gpu.py) ---
         params, device, owns_device = gpu.split_params(params, offload_device, gpu_options)
-        # --- the state engine (offload/step/engine.py): one for all groups, every tier and parameter side
+        # --- the state engine (offload/engine/engine.py): one for all groups, every tier and parameter side
         self._slot = EngineSlot.configure(state, nvme_dir, host_budget, keep_files, nvme_options, gpu_options, device,
                                           self.moments, self.moments_min_size)
         super().__init__(params, defaults)

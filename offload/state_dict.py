@@ -17,7 +17,7 @@ from . import fallback
 from .moments import format as mformat
 from .base.dist import is_dtensor, local
 from .checks import _scalar
-from .step.compressed import CompressedState
+from .moments.compressed import CompressedState
 
 __all__ = ["plain", "with_tensors", "checkpoint_tensors", "pre_hooks", "post_hooks", "map_saved", "install"]
 

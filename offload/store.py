@@ -1,5 +1,5 @@
 """store.py: compatibility face. The NVMe/mmap state lives in offload/state/ (tiers) and is driven by
-offload/step/engine.py; ``offload.store.StoreFailedError``, ``parse_size`` and the leftover-directory
+offload/engine/engine.py; ``offload.store.StoreFailedError``, ``parse_size`` and the leftover-directory
 helpers (offload/state/statedir.py) stay importable here."""
 from .state.files import make_private_dir as _make_private_dir  # noqa: F401 (tests patch it)
 from .state import statedir  # noqa: F401

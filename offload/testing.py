@@ -17,7 +17,7 @@ __all__ = ["state_engine", "row_records", "tier", "side", "device_schedule", "de
 
 
 def state_engine(opt) -> Optional[object]:
-    """The state engine (offload/step/engine.py) that runs the optimizer's steps, in every mode."""
+    """The state engine (offload/engine/engine.py) that runs the optimizer's steps, in every mode."""
     return opt._store
 
 
@@ -40,7 +40,7 @@ def side(opt):
 
 
 def device_schedule(opt) -> Optional[object]:
-    """The device schedule (offload/step/device_step.py) of device parameters, else None."""
+    """The device schedule (offload/schedule/device_step.py) of device parameters, else None."""
     return opt._gpu
 
 
@@ -88,7 +88,7 @@ def raw_state(opt, p) -> dict:
 
 
 def drop_row_caches(opt) -> None:
-    """Forget the cached per-row checks (params/hostrows.py, step/torchstate.py's state records): the next
+    """Forget the cached per-row checks (params/hostrows.py, engine/torchstate.py's state records): the next
     step validates every row of parameters, gradients and ``opt.state`` from scratch."""
     eng = state_engine(opt)
     if eng is not None:

@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def no_compiled_frames_after_the_test():
     """A test that ran torch.compile leaves dynamo's frame counter set, and device parameters then
-    wait for every upload in step() (offload/step/uploads.py compiled_code_in_use) in all later
+    wait for every upload in step() (offload/schedule/uploads.py compiled_code_in_use) in all later
     tests of the process: clear it, so that the overlapped paths stay tested after such a test."""
     yield
     import sys

@@ -108,7 +108,7 @@ def test_device_eager_steps_once_per_accumulation_bitwise_the_host_path(tmp_path
 
 
 def test_accelerate_flag_is_read_from_its_gradient_state():
-    from offload.step.frameworks import accelerate_accumulating
+    from offload.schedule.frameworks import accelerate_accumulating
     from accelerate.state import GradientState
     gs = GradientState()
     was = gs.sync_gradients

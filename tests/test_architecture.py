@@ -180,13 +180,15 @@ def test_headers_and_cited_paths(tmp_path):
 
 def test_layer_rule_from_the_table(tmp_path):
     root = tree(tmp_path, {"offload/base/__init__.py": '"""base/: leaves."""\n',
-                           "offload/base/u.py": '"""base/u.py: up."""\nfrom ..step import run\n'})
+                           "offload/base/u.py": '"""base/u.py: up."""\nfrom ..engine import run\n',
+                           "offload/engine/__init__.py": '"""engine/: a package."""\n',
+                           "offload/engine/run.py": '"""engine/run.py: uses a."""\nfrom ..a import X\n'})
     assert not [k for k in keys(root, layers=())[0] if k.startswith("layer")]  # LAYERS empty: off
-    assert "layer offload/base/u.py -> offload/step/run.py" in keys(root, layers=None)[0]  # the real table is on
-    found, _ = keys(root, layers=("base", "", "step"))
-    assert found == ["layer offload/base/u.py -> offload/step/run.py"]
-    found, _ = keys(root, layers=("base", "", "step"), only={"step": ("base",)})
-    assert "layer offload/step/run.py -> offload/a.py" in found  # root not in step's ONLY list
+    assert "layer offload/base/u.py -> offload/engine/run.py" in keys(root, layers=None)[0]  # the real table is on
+    found, _ = keys(root, layers=("base", "", "engine"))
+    assert found == ["layer offload/base/u.py -> offload/engine/run.py"]
+    found, _ = keys(root, layers=("base", "", "engine"), only={"engine": ("base",)})
+    assert "layer offload/engine/run.py -> offload/a.py" in found  # root not in engine's ONLY list
 
 
 def run_main(root, capsys, *argv):

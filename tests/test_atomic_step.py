@@ -13,7 +13,7 @@ import offload
 from offload.native import aio
 from offload import testing
 from offload.base.failstop import OptimizerFailedError
-from offload.step import bucket
+from offload.engine import bucket
 from atomic_util import assert_same, grads, snapshot, train
 from conftest import configs
 

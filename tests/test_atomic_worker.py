@@ -1,5 +1,5 @@
 """test_atomic_worker.py: the every-step-is-atomic rule (docs/failures.md) for device parameters in the
-overlapped schedules, where the CPU worker thread (offload/step/backward.py, feedstep.py, worker.py,
+overlapped schedules, where the CPU worker thread (offload/schedule/backward.py, feedstep.py, worker.py,
 bucket.py) steps the buckets: the eager schedule (buckets stepped during backward, the default) and
 the deferred one (step_during_backward=False), on FakeDevice, with RAM, NVMe and mmap state, fp32,
 bf16 and 8-bit moments. A failure injected into one of the worker's stages (gradients to the host,
@@ -20,7 +20,7 @@ import torch.nn as nn
 import offload
 from offload import testing
 from offload.device import FakeDevice
-from offload.step import bucket
+from offload.engine import bucket
 from atomic_util import assert_same, snapshot
 from conftest import configs
 
@@ -81,7 +81,7 @@ def _counting(real, count, nth):
 
 
 def _kernel(opt, monkeypatch, nth):
-    """The native kernel call of offload/step/bucket.py:step_bucket (fp32: step_table; 8-bit: kernel_for(b))."""
+    """The native kernel call of offload/engine/bucket.py:step_bucket (fp32: step_table; 8-bit: kernel_for(b))."""
     count = [0]
     monkeypatch.setattr(bucket, "step_table", _counting(bucket.step_table, count, nth))
     real_for = bucket.kernel_for

@@ -1,4 +1,4 @@
-"""tests/test_delayed_updates.py: ``delay_updates=1`` (offload/step/delayed.py) against a plain reference of its rule.
+"""tests/test_delayed_updates.py: ``delay_updates=1`` (offload/schedule/delayed.py) against a plain reference of its rule.
 
 The rule (docs/gpu.md): the forward and backward of iteration t see every update but the one still
 pending, so with w_t the master weights after update t, w_t = AdamW(w_{t-1}, g_t) and g_t is computed

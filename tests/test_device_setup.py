@@ -60,7 +60,7 @@ def test_explicit_cuda_device_must_match_the_parameters():
 
 
 def _threads_used(monkeypatch, dev, **opts):
-    import offload.step.bucket as bucket
+    import offload.engine.bucket as bucket
     seen = []
     real = bucket.step_table
 
@@ -91,7 +91,7 @@ def test_kernel_leaves_the_launch_threads_their_cpus(monkeypatch):
 def test_worker_failure_between_buckets_is_raised_not_a_hang(monkeypatch):
     """The read-ahead the worker runs between jobs raising must fail the step (raised at the next
     call), not end the thread silently and leave synchronize() waiting."""
-    from offload.step.worker import Worker
+    from offload.schedule.worker import Worker
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
     dev = FakeDevice(max_delay=0.0)
     opt = offload.AdamW(model.parameters(), offload_device=dev, bucket_mb=0.001)

@@ -243,7 +243,7 @@ def _fsdp2_moments(rank, outdir):
         st = opt.state_dict()["state"][0]
         assert isinstance(st["exp_avg"], DTensor) and st["exp_avg"].dtype == torch.float32
         _fsdp2_resume(rank, model, saved, ckpt, clip, f"{fmt} FSDP2", moments=fmt, moments_min_size=0)
-        # a held DTensor moment behaves like torch's live state (step/handouts.py): an in-place write is
+        # a held DTensor moment behaves like torch's live state (moments/handouts.py): an in-place write is
         # what the state holds from then on, and the next step refreshes it
         first = next(model.parameters())
         held = opt.state[first]["exp_avg"]

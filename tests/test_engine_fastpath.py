@@ -1,5 +1,5 @@
 """test_engine_fastpath.py: the state engine's cached per-step checks (params/hostrows.py,
-_C.state_rows in step/torchstate.py) notice every change a user can make between steps.
+_C.state_rows in engine/torchstate.py) notice every change a user can make between steps.
 
 Host parameters in every tier and moment format that runs on the engine (state ram with bf16/8bit
 moments, nvme and mmap with any moments). Each change is made after warm steps (every row cached)

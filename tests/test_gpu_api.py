@@ -63,7 +63,7 @@ def test_last_step_stats_in_every_mode(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_worker_failure_surfaces_instead_of_hanging(monkeypatch):
-    from offload.step import bucket
+    from offload.engine import bucket
     model = make_net(torch.float32)
     opt = ours()(model)
     def boom(*a, **k):

@@ -126,7 +126,7 @@ def test_state_moved_to_a_device_stays_in_its_tier(tmp_path, name, monkeypatch):
     accepted, and the run is bitwise the one without it; a replacement with other values is still
     refused by name."""
     from lightning.fabric.utilities import optimizer as fopt
-    from offload.step import torchstate
+    from offload.engine import torchstate
     monkeypatch.setattr(torchstate, "_on_another_device", lambda t, cur: True)
 
     def run(move):

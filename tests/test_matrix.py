@@ -302,7 +302,7 @@ def test_add_param_group_while_the_last_step_is_in_flight(tmp_path, monkeypatch,
     the tier and the staging ring grow (the new 5000-element parameter needs bigger slots). The
     result must be the host's, bitwise; it was not: staged gradients were read from the new,
     uninitialized slots (wrong updates, NaN)."""
-    from offload.step import worker
+    from offload.schedule import worker
     stage_then_step = worker.Worker.step_bucket
     staged = threading.Event()
 

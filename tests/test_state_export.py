@@ -1,5 +1,5 @@
 """test_state_export.py: state_dict() of compressed moments in a disk tier decodes into file-backed
-memory (offload/step/export.py), so torch.save(opt.state_dict()) of a state too large for RAM does
+memory (offload/engine/export.py), so torch.save(opt.state_dict()) of a state too large for RAM does
 not need 8 B per parameter of anonymous memory."""
 from __future__ import annotations
 

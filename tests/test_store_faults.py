@@ -109,7 +109,7 @@ LIFETIME_SCRIPT = """
         opt = make(mode)
         sdir = offload.testing.state_dir(opt)
         inside, events, errors = threading.Event(), [], []
-        from offload.step import bucket   # the one bucket body: its kernel call
+        from offload.engine import bucket   # the one bucket body: its kernel call
         real = bucket.step_table
         def slow_kernel(*a, **k):
             if not inside.is_set():

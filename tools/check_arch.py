@@ -11,14 +11,14 @@ Parses every module under offload/ (bench/ included) with ``ast``. Kinds of find
            dunder) is owned by the modules defining it (``self._x =``, ``cls._x =``, ``def _x`` or
            ``_x =`` in a class body, ``"_x"`` in ``__slots__``). ``base._x`` with base not self/cls/super()
            is reported in offload/ when ``_x`` is owned by other offload modules, not this one
-           (``eng._collect`` in step/feedstep.py, owned by step/engine.py), or base is another offload
+           (``eng._collect`` in schedule/feedstep.py, owned by engine/engine.py), or base is another offload
            module, or ``base._x = ...`` is written by a module that does not own ``_x`` (even if none
            does); in tests/, when any offload module owns ``_x``, or base is an offload module or _C.
            Never: names no offload module owns (torch's), NOT_OURS, other libraries' modules' attributes,
            private submodules (``offload._version``), ``_C._x`` in offload/.
   header   offload modules whose opening docstring does not start with their own path and ":"
-           (``step/uploads.py: ...`` or ``offload/step/uploads.py: ...``; a package ``__init__`` may
-           say ``step/`` or ``offload.step``, the root one ``offload``). Without a docstring, the first
+           (``schedule/uploads.py: ...`` or ``offload/schedule/uploads.py: ...``; a package ``__init__`` may
+           say ``engine/`` or ``offload.engine``, the root one ``offload``). Without a docstring, the first
            comment line may carry the header.
   cite     paths cited anywhere in an offload module (offload/, csrc/, docs/, tests/, examples/,
            tools/) that do not exist.
@@ -43,8 +43,9 @@ from collections import defaultdict
 
 # ---- tables: layer order, lowest first; a package is the first folder under offload/, "" the root files. Empty:
 # rule off. When set, a module of package P may import only P or packages listed before P (packages
-# not listed are not checked). Target: engine/ + schedule/ for today's step/, optim/ below the root.
-LAYERS: tuple = ("base", "native", "device", "moments", "state", "params", "step", "checkpoint", "", "bench")
+# not listed are not checked).
+LAYERS: tuple = ("base", "native", "device", "moments", "state", "params", "engine", "schedule", "checkpoint", "",
+                 "bench")
 # Narrower: importer (package or module path) -> the only other packages it may import (base/: leaves).
 ONLY: dict = {"base": (), "native": ("base",), "device": ("base",), "moments": ("base", "native"),
               "checkpoint": ("base", "moments"), "offload/planner.py": ("base", "moments", "state")}
@@ -93,7 +94,7 @@ def _read(root, rel):
         return b""
 
 
-def package(rel):  # 'offload/step/engine.py' -> 'step'; a root file -> ''
+def package(rel):  # 'offload/engine/engine.py' -> 'engine'; a root file -> ''
     return rel.split("/")[1] if rel.count("/") > 1 else ""
 
 

@@ -5,7 +5,7 @@
 dtypes the native kernel steps; other dtypes go to torch's code (offload/fallback.py).
 ``TENSOR_STATE_KEYS``: the per-parameter state tensors offload keeps (torch's keys plus
 ``master_param``); ``STATE_KEYS``: the same with ``step`` first, the columns of the native check of
-``opt.state`` entries (offload/step/torchstate.py).
+``opt.state`` entries (offload/engine/torchstate.py).
 """
 import torch
 

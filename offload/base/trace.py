@@ -2,7 +2,7 @@
 
 ``Trace`` collects spans (CPU steps of buckets, step() calls, forward waits for weights) and
 ``export_chrome_trace`` writes them as Chrome trace JSON. The per-step figures of
-``optimizer.last_step_stats()`` are assembled by offload/step/device_step.py.
+``optimizer.last_step_stats()`` are assembled by offload/schedule/device_step.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """native/moments.py: validated tensor API of the compressed-moment Adam kernel (formats in
 csrc/moments.h). Re-exported by ``offload.kernels``; the state engine steps compressed buckets through
-``moment_table`` / ``step_moment_table`` (offload/step/table.py).
+``moment_table`` / ``step_moment_table`` (offload/engine/table.py).
 
 Formats: ``"bf16"`` (exp_avg/exp_avg_sq are bfloat16 tensors, round-to-nearest-even) and
 ``"8bit"`` (exp_avg int8, exp_avg_sq uint8, blocks of 256 elements with one float32 scale per

@@ -2,7 +2,7 @@
 
 ``collect_rows`` compares every host parameter and gradient with its record (used by
 offload/params/hostrows.py); ``state_rows`` says which ``opt.state`` entries are no longer the
-recorded objects (used by offload/step/torchstate.py). Here too: the getters and constants of torch
+recorded objects (used by offload/engine/torchstate.py). Here too: the getters and constants of torch
 ``collect_rows`` calls (``ROW_FNS``), the columns of the per-row record it compares against, and how
 a validated parameter is recorded. Tests of the native check use it too.
 """

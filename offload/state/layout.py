@@ -243,7 +243,7 @@ def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_
             n = min(step, s.numel - start)
             pb = Bucket(0, s.group, s.master, ams, moments=mf)
             pb.pieces.append(Piece(s.index, start, n, 0, 0, s.itemsize))
-            pb.cap = round_up(n, punit)  # every fp32 section page-aligned (see step/views.py)
+            pb.cap = round_up(n, punit)  # every fp32 section page-aligned (see engine/views.py)
             pb.stage_bytes = round_up(n * s.itemsize, 64)
             close(pb)
             start += n

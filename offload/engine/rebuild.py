@@ -1,4 +1,4 @@
-"""step/rebuild.py: a new state engine holding what ``opt.state`` holds, for host parameters with fp32
+"""engine/rebuild.py: a new state engine holding what ``opt.state`` holds, for host parameters with fp32
 moments in RAM, the one configuration where every entry of ``opt.state`` can be copied in.
 
 torch's AdamW keys its state by parameter, so a user may edit a param group's ``params`` list, switch

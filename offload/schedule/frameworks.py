@@ -1,4 +1,4 @@
-"""step/frameworks.py: what training frameworks say about the step that offload cannot see itself.
+"""schedule/frameworks.py: what training frameworks say about the step that offload cannot see itself.
 
 accelerate (and transformers' Trainer through it) decides which backward of a gradient accumulation is
 the last; it tells DeepSpeed through ``set_gradient_accumulation_boundary`` and nobody else. The

@@ -1,4 +1,4 @@
-"""step/compressed.py: the torch-layout face of compressed moments in the state engine.
+"""moments/compressed.py: the torch-layout face of compressed moments in the state engine.
 
 A parameter whose bucket stores its moments compressed ("bf16" / "8bit", offload/moments/format.py) has
 no fp32 ``exp_avg``/``exp_avg_sq`` bytes anywhere. This module:
@@ -7,7 +7,7 @@ no fp32 ``exp_avg``/``exp_avg_sq`` bytes anywhere. This module:
   parameter; blocks never straddle pieces, see offload/state/layout.py),
 * decodes them to fp32 for ``opt.state`` / ``state_dict()`` (:class:`CompressedState`: decoded on
   every access into a fresh tensor, which the engine keeps in step with the state while the caller
-  holds it: step/handouts.py),
+  holds it: moments/handouts.py),
 * turns whatever ``load_state_dict`` receives (torch's fp32/bf16 moments, or compressed tensors
   ``<key>.<format>`` of this or another format) into the bytes of the parameter's format.
 """
@@ -106,7 +106,7 @@ class CompressedState(MutableMapping):
     ``exp_avg_sq`` are decoded to fp32 on every access (a fresh tensor shaped like the parameter:
     reading costs one decode of the parameter's moments). Each one is handed to ``watch(key,
     tensor)``, through which the engine adopts in-place writes into it before the next step or read
-    of the state and refreshes it after each step while the caller holds it (step/handouts.py), as
+    of the state and refreshes it after each step while the caller holds it (moments/handouts.py), as
     torch's live state tensors behave.
     Assigning or deleting a moment is refused (use ``load_state_dict``), except assigning a tensor
     that holds exactly the decoded values (frameworks that move every state tensor to the model's

@@ -1,4 +1,4 @@
-"""step/table.py: native task-table rows of one bucket (the only place that knows the column order).
+"""engine/table.py: native task-table rows of one bucket (the only place that knows the column order).
 
 A row points the kernel at one piece: its fp32 master (a state section, or the host fp32 parameter
 itself), its moments (state sections), its gradient and, for bf16/fp16 or device parameters, where

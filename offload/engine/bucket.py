@@ -1,7 +1,7 @@
-"""step/bucket.py: step_bucket, the one per-bucket body of a step, for every tier, side and schedule.
+"""engine/bucket.py: step_bucket, the one per-bucket body of a step, for every tier, side and schedule.
 
-Both loops call it: the inline loop of step/pipeline.py (host parameters, and device parameters with
-``overlap=False``) and the CPU worker of step/backward.py (device parameters, overlapped schedules).
+Both loops call it: the inline loop of engine/pipeline.py (host parameters, and device parameters with
+``overlap=False``) and the CPU worker of schedule/backward.py (device parameters, overlapped schedules).
 They differ only around it: what was read ahead, when the state slot is acquired and released, and
 when the new weights go up. For one bucket whose state bytes ``blk`` are in host memory:
 

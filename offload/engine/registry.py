@@ -1,4 +1,4 @@
-"""step/registry.py: which parameter has state, its step count, and fresh-state creation.
+"""engine/registry.py: which parameter has state, its step count, and fresh-state creation.
 
 Step counts are fp32 like torch's, one vector per group; ``state['step']`` entries are 0-dim views
 of them. A parameter's state is created at its first step exactly as the RAM mode does (zeros,

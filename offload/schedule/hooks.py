@@ -1,4 +1,4 @@
-"""step/hooks.py: torch hooks that reach their engine object through a weak reference.
+"""schedule/hooks.py: torch hooks that reach their engine object through a weak reference.
 
 Tensor hooks are held from C++ and module hooks by torch's global registries, where the garbage
 collector cannot see a cycle: a hook holding its engine strongly would keep the engine, its host

@@ -1,4 +1,4 @@
-"""step/adopt.py: a state tensor a user put in ``opt.state`` in place of the one the optimizer holds, taken
+"""engine/adopt.py: a state tensor a user put in ``opt.state`` in place of the one the optimizer holds, taken
 over by a resident tier (host RAM): its values are copied into the state's own memory and the state's
 view goes back into ``opt.state``, so the step uses exactly what torch's AdamW would use.
 
@@ -18,7 +18,7 @@ import torch
 
 from ..base.dist import local
 from ..params.guards import SharedMemoryError, extent
-from .compressed import CompressedState
+from ..moments.compressed import CompressedState
 
 __all__ = ["copy_in", "follow_shapes", "missing_entry"]
 

@@ -1,4 +1,4 @@
-"""step/delayed.py: the delayed update of device parameters (``delay_updates=1``): one step of staleness.
+"""schedule/delayed.py: the delayed update of device parameters (``delay_updates=1``): one step of staleness.
 
 ``step()`` of iteration t queues its CPU step (D2H of the gradients, the kernel, the NVMe traffic) as
 the *pending update* and returns; that CPU step runs while the forward and backward of iteration t+1
@@ -9,7 +9,7 @@ Once delayed, the kernel writes each bucket's new weights into a host buffer of
 that bucket (``HeldParams``) instead of uploading them. ``step()`` of iteration t+1 first waits for
 the pending CPU step, then uploads its weights (after t+1's backward on the compute stream), queues
 its own CPU step and returns; the next forward waits bucket by bucket for those uploads, as in the
-exact schedule (step/uploads.py). So with w_t the master weights after update t:
+exact schedule (schedule/uploads.py). So with w_t the master weights after update t:
 
     w_t = AdamW(w_{t-1}, g_t),   g_t computed on w_{t-1} for t <= delay_after + 1, on w_{t-2} after
 
@@ -19,8 +19,8 @@ w_{t-2}), so g_t is computed on that instead of w_{t-2}; the masters follow the 
 Anything that needs the current weights completes the pending update first (``DelayedUpdates.
 synchronize``: ``opt.synchronize()``, ``state_dict()``, ``offload.save``, ``close()``, ``add_param_group``,
 and a module's ``state_dict()`` / ``load_state_dict()``); the forward after that sees it. A skipped
-step (overflow) completes the pending update and queues none. The device schedule (step/device_step.py)
-uses this module through ``prepare`` and ``DelayedUpdates``; the worker (step/backward.py) does not
+step (overflow) completes the pending update and queues none. The device schedule (schedule/device_step.py)
+uses this module through ``prepare`` and ``DelayedUpdates``; the worker (schedule/backward.py) does not
 know about it: to it, ``publish`` is an upload that needs no wait.
 Costs: host memory for one copy of the parameters in their dtype (pinned on CUDA; two to extrapolate,
 plus a pass over them per step in the worker), and staleness.
@@ -226,7 +226,7 @@ class DelayedUpdates:
         return int(max((float(s.max()) for s in self.feed.engine.registry.steps if s.numel()), default=0))
 
     def wrap(self, feed_step: Callable[..., dict]) -> Callable[..., dict]:
-        """The feed's step() (step/feedstep.py) as ``step`` runs it."""
+        """The feed's step() (schedule/feedstep.py) as ``step`` runs it."""
         return lambda *args, **kw: self.step(lambda: feed_step(*args, **kw), kw.get("skip", False))
 
     def _release(self, actual: bool = False) -> list:

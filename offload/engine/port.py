@@ -1,7 +1,7 @@
-"""step/port.py: StepPort, what the device schedule and the small-parameter optimizer see of the optimizer.
+"""engine/port.py: StepPort, what the device schedule and the small-parameter optimizer see of the optimizer.
 
-The schedule (step/device_step.py, the CPU worker of step/backward.py) and DeviceSideAdam
-(offload/step/smallparams.py) never hold the optimizer itself: they get these callables, built once from the
+The schedule (schedule/device_step.py, the CPU worker of schedule/backward.py) and DeviceSideAdam
+(offload/schedule/smallparams.py) never hold the optimizer itself: they get these callables, built once from the
 optimizer's public API (``param_groups``, ``state``, ``group_hyper``, ``kernel_threads``, the pending clip
 coefficient, and the ``grad_scale`` / ``found_inf`` that ``torch.amp.GradScaler`` sets on an optimizer
 that steps with AMP scaling). What they may read or change of it is therefore listed here, in one place.

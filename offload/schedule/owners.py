@@ -1,6 +1,6 @@
-"""step/owners.py: ForwardObserver, which module of the observed forward reads which parameters.
+"""schedule/owners.py: ForwardObserver, which module of the observed forward reads which parameters.
 
-The waits for new weights (step/uploads.py) run in module forward pre-hooks and cover a module's
+The waits for new weights (schedule/uploads.py) run in module forward pre-hooks and cover a module's
 own parameters. Some modules read parameters of submodules whose forward they never call:
 ``nn.MultiheadAttention`` hands ``out_proj.weight`` and ``.bias`` to
 ``F.multi_head_attention_forward`` without running ``out_proj`` (so do ``nn.TransformerEncoderLayer``,

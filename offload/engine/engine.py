@@ -1,12 +1,12 @@
-"""step/engine.py: StateEngine, the composition root: one layout, one state tier, one parameter side,
-and the torch-layout face of the state (``views``, step/torchstate.py TorchViews).
+"""engine/engine.py: StateEngine, the composition root: one layout, one state tier, one parameter side,
+and the torch-layout face of the state (``views``, engine/torchstate.py TorchViews).
 
 It is what ``offload.Adam/AdamW`` hold in every mode (host or device parameters, FSDP2 local shards,
 any tier and moment format): it validates a step's gradients before any I/O, runs the pipeline
-(step/pipeline.py) over the buckets that have gradients, installs torch-layout views of the state
+(engine/pipeline.py) over the buckets that have gradients, installs torch-layout views of the state
 in ``opt.state`` and serves ``state_dict`` / ``load_state_dict`` bucket by bucket. It never reads
 the optimizer's private attributes: hyperparameters come through ``hyper(group)``. The device
-schedule (step/device_step.py, step/backward.py) steps buckets itself, through the public seam
+schedule (schedule/device_step.py, schedule/backward.py) steps buckets itself, through the public seam
 ``lock`` / ``exclusive()`` / ``begin()`` / ``collect()`` / ``commit()``.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..state import make_tier
 from ..state.tier import split_budget
 from ..base.units import parse_size
 from . import grow, pipeline
-from .handouts import Handouts
+from ..moments.handouts import Handouts
 from .registry import Registry
 from .torchstate import TorchViews
 
@@ -371,7 +371,7 @@ class StateEngine:
         self.views.reload_masters(which, self.side.read_master)
 
     def holds_moment_copies(self) -> bool:
-        """A caller holds decoded compressed moments from opt.state (step/handouts.py)."""
+        """A caller holds decoded compressed moments from opt.state (moments/handouts.py)."""
         return self.views.holds_moment_copies()
 
     @property

@@ -1,4 +1,4 @@
-"""step/views.py: torch-layout tensors of one parameter's state, as views of the tier (never copies).
+"""engine/views.py: torch-layout tensors of one parameter's state, as views of the tier (never copies).
 
 A parameter in one bucket: each state key is a plain view of the tier's bytes (for NVMe a shared
 mapping of the file, read lazily by the page cache). A parameter split over several buckets has

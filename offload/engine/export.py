@@ -1,4 +1,4 @@
-"""step/export.py: where ``state_dict()`` puts the fp32 moments it decodes from compressed state.
+"""engine/export.py: where ``state_dict()`` puts the fp32 moments it decodes from compressed state.
 
 With ``state="nvme"|"mmap"`` the state is on disk because it does not fit in RAM; ``state_dict()``
 (what HF Trainer, Lightning and accelerate ``torch.save``) must hand out fp32 ``exp_avg`` /

@@ -1,6 +1,6 @@
-"""step/grow.py: the state engine's layout grows: ``add_param_group`` (a new group laid out after the
+"""engine/grow.py: the state engine's layout grows: ``add_param_group`` (a new group laid out after the
 existing state; undone if it fails part-way) and parameters frozen at construction that get their first
-gradient (laid out late). Functions of the engine's public parts (step/engine.py StateEngine: its
+gradient (laid out late). Functions of the engine's public parts (engine/engine.py StateEngine: its
 per-group lists, layout, registry, tier and parameter side); the engine calls them under its lock.
 """
 from __future__ import annotations

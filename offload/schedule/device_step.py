@@ -1,18 +1,18 @@
-"""step/device_step.py: the optimizer face of device parameters (GPU offload), state in any tier.
+"""schedule/device_step.py: the optimizer face of device parameters (GPU offload), state in any tier.
 
 ``offload.AdamW(cuda_params, storage="ram"|"nvme"|"mmap")``, three schedules:
   * step during backward (the default without clipping / overflow check): buckets are stepped as
     their gradients arrive by the CPU worker, with the state read ahead in the expected backward
-    order (step/backward.py);
+    order (schedule/backward.py);
   * deferred (``max_grad_norm=``, ``check_overflow=True``, ``step_during_backward=False``):
     backward leaves the gradients on the device; ``step()`` decides the multiplier (1/loss scale,
     clipping coefficient) or the skip from the gradients' norms, then queues every bucket to the
     same worker (D2H -> kernel -> H2D through the staging ring) and returns;
-  * ``overlap=False``: all of it inside ``step()`` (step/pipeline.py), which then synchronizes.
-In both overlapped schedules the next forward waits per bucket for the new weights (step/uploads.py);
-with ``delay_updates=1`` (deferred) for those of the step before (step/delayed.py).
+  * ``overlap=False``: all of it inside ``step()`` (engine/pipeline.py), which then synchronizes.
+In both overlapped schedules the next forward waits per bucket for the new weights (schedule/uploads.py);
+with ``delay_updates=1`` (deferred) for those of the step before (schedule/delayed.py).
 Parameters of at most ``small_param_numel`` elements stay on the device, stepped by torch there
-(offload/step/smallparams.py; nothing in the tier). Host memory: the tier + the pinned staging ring.
+(offload/schedule/smallparams.py; nothing in the tier). Host memory: the tier + the pinned staging ring.
 This face is the only part that reads the optimizer (groups, clip coefficient, GradScaler attributes).
 """
 from __future__ import annotations
@@ -72,7 +72,7 @@ class DeviceStep:
         self.release_grads = bool(release_grads)
         self.trace = Trace() if trace else None
         engine.side.trace = self.trace
-        # parameters of at most small_param_numel elements stay on the device (offload/step/smallparams.py)
+        # parameters of at most small_param_numel elements stay on the device (offload/schedule/smallparams.py)
         small = sorted(engine.excluded)
         groups = port.groups()
         self.small = DeviceSideAdam(port, {gi: [groups[gi]["params"][i] for g2, i in small if g2 == gi]
@@ -267,13 +267,13 @@ class DeviceStep:
     def _queued(self, t0: float, rec: dict, mult: float) -> None:
         self._versions = self._snapshot()
         if self.engine.holds_moment_copies():
-            # a caller holds decoded compressed moments (step/handouts.py): they are refreshed when the
+            # a caller holds decoded compressed moments (moments/handouts.py): they are refreshed when the
             # step's last bucket is done; waiting for it here keeps that refresh from racing with the
             # caller's next write into them (the step is then not overlapped with the next forward)
             self.feed.wait_idle()
         compiled = compiled_code_in_use()
         if compiled or self._shared_weights():
-            # a compiled forward would not wait for its buckets (step/uploads.py); collectives read the
+            # a compiled forward would not wait for its buckets (schedule/uploads.py); collectives read the
             # weights on streams that are ordered only after the current one (FSDP2's all-gathers,
             # ZeroRedundancyOptimizer's broadcast right after step()): every upload first
             if compiled and not self._warned_compile:

@@ -1,10 +1,10 @@
-"""step/uploads.py: UploadWaits, the compute stream waits for new weights bucket by bucket.
+"""schedule/uploads.py: UploadWaits, the compute stream waits for new weights bucket by bucket.
 
 ``step()`` of device parameters returns while the CPU worker still steps buckets and their H2D
-copies run (offload/step/backward.py). The weights a module reads must be up before it runs: a
+copies run (offload/schedule/backward.py). The weights a module reads must be up before it runs: a
 module forward pre-hook makes the compute stream wait for the uploads, in upload order, up to the
 last bucket that holds one of the module's own parameters (or one it reads without running its
-owner: step/owners.py); the other buckets keep uploading
+owner: schedule/owners.py); the other buckets keep uploading
 during forward. Anything that needs every weight (the next backward, ``synchronize``,
 ``state_dict``) calls ``wait_all``. A worker failure is raised here instead of waiting forever.
 """
@@ -99,14 +99,14 @@ class UploadWaits:
             self._sd_hooks[module] = hooks
 
     def claim(self, module, params: list) -> None:
-        """``module`` reads ``params`` (of submodules whose forward never ran, step/owners.py): its
+        """``module`` reads ``params`` (of submodules whose forward never ran, schedule/owners.py): its
         forward waits for their uploads too."""
         if params:
             self._claimed[module] = tuple(id(p) for p in params)
 
     def before_state_dict(self, module, *args) -> None:
         """(state_dict / load_state_dict pre-hook) the module's parameters' uploads first (with
-        delay_updates, the pending update too: step/delayed.py)."""
+        delay_updates, the pending update too: schedule/delayed.py)."""
         if self.before_read is not None:
             self.before_read()
         if self.pending:

@@ -1,6 +1,6 @@
-"""step/worker.py: Worker, the CPU worker thread of the overlapped device schedule (step/backward.py
+"""schedule/worker.py: Worker, the CPU worker thread of the overlapped device schedule (schedule/backward.py
 BackwardFeed composes one): its queue and loop, per bucket the D2H into a staging slot, the state
-slot, the kernel (step/bucket.py) and the H2D of the new weights, the NVMe read-ahead between them,
+slot, the kernel (engine/bucket.py) and the H2D of the new weights, the NVMe read-ahead between them,
 and its shutdown; also the check that a gradient it copies was not written meanwhile.
 
 What it needs of the feed's step (failure state, gradients to let go, the expected order) comes in
@@ -15,7 +15,7 @@ import weakref
 from collections import deque
 from typing import Callable, Optional
 
-from .bucket import step_bucket
+from ..engine.bucket import step_bucket
 
 __all__ = ["Worker"]
 

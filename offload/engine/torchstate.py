@@ -1,10 +1,10 @@
-"""step/torchstate.py: TorchViews, the torch-layout face of the state engine: ``opt.state`` views
+"""engine/torchstate.py: TorchViews, the torch-layout face of the state engine: ``opt.state`` views
 (installed when a parameter's state is created), the user's edits of ``opt.state`` honoured as torch
-would, ``state_dict`` tensors, and (through step/load.py) ``load_state_dict`` and re-read masters.
+would, ``state_dict`` tensors, and (through engine/load.py) ``load_state_dict`` and re-read masters.
 
-The engine (step/engine.py) builds one and passes it what it reads: the layout, tier, registry,
-parameter lists, the handed-out decoded moments (step/handouts.py), the moment format of each
-parameter and ``exclusive`` (the engine's lock). Tensors are views of the tier (step/views.py), never
+The engine (engine/engine.py) builds one and passes it what it reads: the layout, tier, registry,
+parameter lists, the handed-out decoded moments (moments/handouts.py), the moment format of each
+parameter and ``exclusive`` (the engine's lock). Tensors are views of the tier (engine/views.py), never
 copies, and keep their memory alive.
 """
 from __future__ import annotations
@@ -19,10 +19,11 @@ from ..native.rows import state_rows
 from ..moments import format as mformat
 from ..base.dist import like, local
 from ..base.dtypes import LOW_PRECISION, STATE_KEYS as _KEYS
-from . import compressed, export
+from ..moments import compressed
+from . import export
 from . import load as loader
 from .adopt import copy_in, follow_shapes, missing_entry
-from .handouts import Handouts, write_moments
+from ..moments.handouts import Handouts, write_moments
 from .views import param_views
 
 __all__ = ["TorchViews"]
@@ -99,12 +100,12 @@ class TorchViews:
         write_moments(self.layout, self.moment_format(gi, i), gi, i, new, cur, self._rewrite)
 
     def holds_moment_copies(self) -> bool:
-        """A caller holds decoded compressed moments from opt.state (step/handouts.py)."""
+        """A caller holds decoded compressed moments from opt.state (moments/handouts.py)."""
         return self.handouts.any_alive()
 
     def _decoded(self, gi: int, i: int, sink=None, view=None) -> dict:
         """fp32 exp_avg / exp_avg_sq (shaped like the parameter) of a compressed-moment parameter,
-        fresh tensors, or decoded into ``sink`` (step/export.py) chunk by chunk. ``view``: the tier's
+        fresh tensors, or decoded into ``sink`` (engine/export.py) chunk by chunk. ``view``: the tier's
         mapping when the caller (a loop over every parameter, under the lock) already holds one.
         In-place writes into this parameter's held decoded moments are adopted first (as torch's
         state would show them)."""
@@ -204,12 +205,12 @@ class TorchViews:
                             "adopted; write into the existing one in place (e.g. opt.state[p]['exp_avg'].zero_()) "
                             "or load a whole state with load_state_dict()")
                 self._record_state(rec, i, ps[i], st, ptrs.get((gi, i), {}))
-        # decoded compressed moments written in place by a caller who holds them (step/handouts.py)
+        # decoded compressed moments written in place by a caller who holds them (moments/handouts.py)
         self.handouts.adopt(self._decode_current, self._write_moments)
 
     def follow_shapes(self, state: dict, rows) -> None:
         """Parameters the side revalidated this step (``rows.revalidated``) that were given another
-        shape: their state views follow (step/adopt.py)."""
+        shape: their state views follow (engine/adopt.py)."""
         for gi, idx in getattr(rows, "revalidated", ()):
             follow_shapes(self.groups[gi], idx, self.registry.ready[gi], state,
                           lambda i, gi=gi: self.ptrs.get((gi, i), ()),
@@ -323,7 +324,7 @@ class TorchViews:
             loader.reload_masters(self.layout, self.tier, self.registry, which, read_master)
 
     def load(self, entries: dict, read_master: Callable) -> None:
-        """Replace the whole state by ``entries`` ((gi, i) -> state dict), bucket by bucket (step/load.py).
+        """Replace the whole state by ``entries`` ((gi, i) -> state dict), bucket by bucket (engine/load.py).
         After a step failed part-way this is the way back: a load that completes makes the state
         usable again (every parameter's state is either loaded or starts afresh)."""
         with self.exclusive(failed_ok=True):

@@ -1,6 +1,6 @@
-"""step/backward.py: BackwardFeed, the overlapped schedule that feeds the buckets of device parameters
-to a CPU worker: it composes the worker (step/worker.py Worker: thread, per-bucket step, read-ahead) and
-its ``step()`` on the training thread (step/feedstep.py FeedStep), and holds the step's bookkeeping.
+"""schedule/backward.py: BackwardFeed, the overlapped schedule that feeds the buckets of device parameters
+to a CPU worker: it composes the worker (schedule/worker.py Worker: thread, per-bucket step, read-ahead) and
+its ``step()`` on the training thread (schedule/feedstep.py FeedStep), and holds the step's bookkeeping.
 
 ``offload.AdamW(cuda_params, storage=...)`` with ``overlap=True`` (any tier). With
 ``step_during_backward`` (the default without clipping / overflow check) a post-accumulate-grad
@@ -16,7 +16,7 @@ one CPU worker thread, per bucket,
 So NVMe reads, D2H, the kernel, write-back and H2D overlap each other and backward. ``step()``
 queues the buckets that never completed (parameters without a hooked gradient) and returns; the
 worker finishes the step (write-backs drained, state committed) while forward runs, and each
-module waits only for the uploads of its own buckets (step/uploads.py). Host memory is the tier's
+module waits only for the uploads of its own buckets (schedule/uploads.py). Host memory is the tier's
 slots plus the staging ring (offload/params/device.py), whatever the model size.
 
 Bitwise equal to every other mode: the same rows and step counts reach the same kernel. Step
@@ -125,7 +125,7 @@ class BackwardFeed:
     # ------------------------------------------------------------------ backward (training / autograd thread)
     def begin_cycle(self) -> None:
         """The first gradient (or step()) of a step: the last one done, opt.state edits and parameter
-        writes adopted; ``marks``: the counters at its start (step/feedstep.py reports the differences)."""
+        writes adopted; ``marks``: the counters at its start (schedule/feedstep.py reports the differences)."""
         self.raise_if_failed()
         self.wait_idle()
         self.uploads.wait_all()   # (a parameter no module's forward used)
@@ -287,7 +287,7 @@ class BackwardFeed:
         self.worker.wait_idle()
 
     def step(self, mult: float, grad_scale, found_inf, skip: bool = False, before=None) -> dict:
-        """Queue what is left of this step and return at once (step/feedstep.py FeedStep.step)."""
+        """Queue what is left of this step and return at once (schedule/feedstep.py FeedStep.step)."""
         return self.stepper.step(mult, grad_scale, found_inf, skip=skip, before=before)
 
     def forward_order(self) -> list:

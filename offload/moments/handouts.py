@@ -1,5 +1,5 @@
-"""step/handouts.py: the decoded moment tensors that ``opt.state[p]['exp_avg']`` / ``['exp_avg_sq']``
-hand out for compressed moments (step/compressed.py CompressedState), kept to the semantics of
+"""moments/handouts.py: the decoded moment tensors that ``opt.state[p]['exp_avg']`` / ``['exp_avg_sq']``
+hand out for compressed moments (moments/compressed.py CompressedState), kept to the semantics of
 torch's live state tensors for as long as the caller holds one:
 
 * an in-place write into it (``.zero_()``, ``[mask] = 0``, ``.mul_()``, even through ``.data`` or
@@ -15,7 +15,7 @@ the CPU worker cannot race with the caller's next write. Per held tensor, each s
 the update and one decode and copy after it. Writes are found by comparing bytes with the state,
 not by version counters, which ``.data`` and numpy writes do not bump.
 
-:class:`Handouts` is the registry (one per engine, held by step/torchstate.py TorchViews);
+:class:`Handouts` is the registry (one per engine, held by engine/torchstate.py TorchViews);
 :func:`write_moments` re-encodes a written moment into the parameter's buckets.
 """
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Handouts:
 def write_moments(layout, fmt: str, gi: int, i: int, new: dict, cur: dict, rewrite: Callable) -> None:
     """Re-encode the moments ``new`` ({key: tensor shaped like the parameter}) of compressed-moment
     parameter (gi, i) (format ``fmt``) into its buckets, leaving its other moment as it is (``cur``: both,
-    decoded); ``rewrite(hits, apply)`` reads, changes and writes back the buckets (step/load.py)."""
+    decoded); ``rewrite(hits, apply)`` reads, changes and writes back the buckets (engine/load.py)."""
     flat = lambda t: local(t).detach().to(device="cpu", dtype=torch.float32).reshape(-1)   # noqa: E731
     try:   # validates (e.g. a negative exp_avg_sq) before the tier is touched
         conv = mformat.encode(flat(new.get("exp_avg", cur["exp_avg"])),

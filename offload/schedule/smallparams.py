@@ -1,4 +1,4 @@
-"""step/smallparams.py: small parameters (norms, biases) kept and stepped on the device, as torchao does.
+"""schedule/smallparams.py: small parameters (norms, biases) kept and stepped on the device, as torchao does.
 
 Below a size threshold, sending a parameter's gradient down and its weight back up costs more in
 per-copy latency than the CPU step saves. ``DeviceSideAdam`` steps those parameters where they are
@@ -22,7 +22,7 @@ _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 class DeviceSideAdam:
     def __init__(self, port, small: Dict[int, List[torch.Tensor]], decoupled: bool):
-        """``port``: the outer optimizer's StepPort (step/port.py); ``small``: outer group index -> its small
+        """``port``: the outer optimizer's StepPort (engine/port.py); ``small``: outer group index -> its small
         parameters."""
         self.port = port
         self.group_of = []           # inner group index -> outer group index

@@ -1,11 +1,11 @@
-"""step/feedstep.py: ``step()`` of the CPU worker's feed (step/backward.py), on the training thread.
+"""schedule/feedstep.py: ``step()`` of the CPU worker's feed (schedule/backward.py), on the training thread.
 
 It checks what the step may do (GradScaler, multiplier, gradients changed after they were sent),
 validates the remaining gradients, queues every bucket not queued during backward (when nothing was:
 in the order the first forward used the buckets, observed by a module pre-hook until the first step,
 since their uploads are what the next forward waits for) and a ``finish`` job
 that commits the state when the worker is done, then returns: the worker and the uploads run on
-during the next forward (step/uploads.py). Also here: the observation of the first forward, and the
+during the next forward (schedule/uploads.py). Also here: the observation of the first forward, and the
 check that no parameter is written while its new weights are still going up.
 
 A part of BackwardFeed (``feed.stepper``): the step's bookkeeping (sent, queued, done ...) stays the
@@ -46,8 +46,8 @@ class FeedStep:
             self._observer = None
 
     def observe(self, module, args=None) -> None:
-        """Forward pre-hook until the first step(): the modules that run, in order (step/owners.py), and
-        the modules whose state_dict() waits for their uploads (step/uploads.py note)."""
+        """Forward pre-hook until the first step(): the modules that run, in order (schedule/owners.py), and
+        the modules whose state_dict() waits for their uploads (schedule/uploads.py note)."""
         feed = self.feed
         feed.uploads.note(module)
         self.forward.saw(module)

@@ -1,8 +1,8 @@
-"""step/load.py: writing state into the tier outside a step, bucket by bucket: ``load_state_dict``
+"""engine/load.py: writing state into the tier outside a step, bucket by bucket: ``load_state_dict``
 (``load``), re-reading fp32 masters from the parameters (``reload_masters``) and the read-change-write
 of chosen buckets both use (``rewrite_buckets``). Any failure part-way fails the tier, as in a step.
 
-Functions of their inputs (layout, tier, registry, ...), called by step/torchstate.py TorchViews under
+Functions of their inputs (layout, tier, registry, ...), called by engine/torchstate.py TorchViews under
 the engine's lock; ``read_master(gi, i, start, n, dst, ...)`` is the parameter side's (offload/params/).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from ..base.dist import local
 from ..moments import format as mformat
-from . import compressed
+from ..moments import compressed
 
 __all__ = ["load", "reload_masters", "rewrite_buckets"]
 
