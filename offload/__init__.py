@@ -19,7 +19,7 @@ import logging as _logging
 from ._version import __version__
 from . import native
 from . import kernels
-from .optim import Adam, AdamW
+from .optim.adam import Adam, AdamW
 from .base.failstop import OptimizerFailedError
 from .store import StoreFailedError
 from .params.guards import SharedMemoryError

@@ -92,7 +92,7 @@ def _median_time(fn, reps: int) -> float:
 def measure_kernel(*, param_dtype=torch.float32, moments: str = "fp32", amsgrad: bool = False,
                    threads: Optional[int] = None, numel: int = PROBE_PARAMS, reps: int = 9) -> float:
     """Bytes/s of ``offload.AdamW.step()`` in RAM on ``numel`` parameters of ``param_dtype``."""
-    from .optim import AdamW
+    from .optim.adam import AdamW
     p = torch.empty(numel, dtype=param_dtype).uniform_(-1, 1)
     p.grad = torch.empty(numel, dtype=param_dtype).uniform_(-1e-2, 1e-2)
     opt = AdamW([p], lr=1e-4, moments=moments, amsgrad=amsgrad, threads=threads)

@@ -86,7 +86,7 @@ def no_o_direct(monkeypatch):
 SIDES = ("host", "cpu", "fake")            # host parameters; offload.device.CpuDevice; FakeDevice
 TIERS = ("ram", "nvme", "mmap")
 MOMENTS = ("fp32", "bf16", "8bit")
-SCHEDULES = ("eager", "deferred", "sync")  # device sides only (offload/options.py OPTIONS_DOC)
+SCHEDULES = ("eager", "deferred", "sync")  # device sides only (offload/optim/options.py OPTIONS_DOC)
 _SCHEDULE_KW = {"eager": dict(overlap=True, step_during_backward=True),
                 "deferred": dict(overlap=True, step_during_backward=False),
                 "sync": dict(overlap=False)}
@@ -109,7 +109,7 @@ class Config:
 
     @property
     def schedule_kw(self) -> dict:
-        """The constructor options of this schedule (offload/options.py): overlap, step_during_backward."""
+        """The constructor options of this schedule (offload/optim/options.py): overlap, step_during_backward."""
         return dict(_SCHEDULE_KW.get(self.schedule, {}))
 
     def kwargs(self, tmp_path, **over) -> dict:

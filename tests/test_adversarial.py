@@ -1,7 +1,7 @@
 # test_adversarial.py: the optimizer contract against torch.optim.Adam/AdamW under inputs an outside
 # audit used (issue 10): constructor and param-group checks with torch's messages, named parameters,
 # state_dict edge cases, parameters the native kernel cannot take (stepped by torch's own code,
-# offload/fallback.py) and torch.compile. The subprocess bad-input matrix is in test_bad_inputs.py.
+# offload/optim/fallback.py) and torch.compile. The subprocess bad-input matrix is in test_bad_inputs.py.
 import warnings
 
 import pytest

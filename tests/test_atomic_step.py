@@ -174,7 +174,7 @@ ENGINE_STAGES = {
     "kernel (fp32 buckets)": lambda opt: (bucket, "step_table"),
     "kernel (compressed buckets)": lambda opt: (bucket, "kernel_for"),
     "opt.state views": _store_stage("views", "install"),
-    "torch's code (fallback parameters)": lambda opt: (offload.fallback, "_torch_adam"),
+    "torch's code (fallback parameters)": lambda opt: (offload.optim.fallback, "_torch_adam"),
 }
 
 

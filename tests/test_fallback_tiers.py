@@ -1,6 +1,6 @@
 # test_fallback_tiers.py: the parameters offload's native kernel cannot take (float64, complex,
 # non-contiguous, listed twice) with storage="nvme"|"mmap" and compressed moments: stepped by torch's
-# own code with their state in host RAM (offload/fallback.py), bitwise the RAM tier's results through
+# own code with their state in host RAM (offload/optim/fallback.py), bitwise the RAM tier's results through
 # clipping, add_param_group, state_dict from torch, offload.save/load, a step that raises; where their
 # state lives is logged, and a large host-RAM state warns once.
 import logging
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import offload
-from offload import fallback
+from offload.optim import fallback
 from conftest import Config, configs
 
 

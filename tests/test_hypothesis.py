@@ -1,6 +1,6 @@
 # test_hypothesis.py: property tests of offload.Adam/AdamW against torch.optim.Adam/AdamW over random
 # hyperparameters, shapes, dtypes and layouts (dense fp32 through the native kernel; float64, complex,
-# transposed and repeated parameters through torch's own code, offload/fallback.py).
+# transposed and repeated parameters through torch's own code, offload/optim/fallback.py).
 import copy
 import warnings
 

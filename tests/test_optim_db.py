@@ -76,7 +76,7 @@ def _compare(name, kw, dtype, state="ram", tmp_path=None, steps=4, foreach=False
     _train(m2, o2, steps)
     for a, b in zip(m1.parameters(), m2.parameters()):
         if dtype == torch.float64 and not foreach:
-            assert torch.equal(a, b)  # stepped by torch's own single-tensor code (offload/fallback.py), any tier
+            assert torch.equal(a, b)  # stepped by torch's own single-tensor code (offload/optim/fallback.py), any tier
         else:
             torch.testing.assert_close(a, b)
     return m1, m2, o1, o2
@@ -257,7 +257,7 @@ def test_optim_db_error_inputs(name, ei):
 # ---------------------------------------------------------------- the parameters torch's test_optim.py adds
 # (test_complex, non-contiguous views, a parameter listed twice, test_deepcopy_copies_all_public_attrs) over
 # the database inputs, in every state tier: the native kernel takes none of them, torch's own code steps them
-# (offload/fallback.py) with their state in host RAM in torch's layout, bit for bit torch's results
+# (offload/optim/fallback.py) with their state in host RAM in torch's layout, bit for bit torch's results
 STATES = ["ram", "nvme", "mmap", "ram-8bit", "nvme-bf16"]
 
 

@@ -2,7 +2,7 @@
 
 ``LOW_PRECISION``: the 16-bit parameter dtypes whose fp32 master copy the optimizer keeps (and the
 16-bit gradient/output dtypes the kernel converts). ``NATIVE_DTYPES``: the parameter and gradient
-dtypes the native kernel steps; other dtypes go to torch's code (offload/fallback.py).
+dtypes the native kernel steps; other dtypes go to torch's code (offload/optim/fallback.py).
 ``TENSOR_STATE_KEYS``: the per-parameter state tensors offload keeps (torch's keys plus
 ``master_param``); ``STATE_KEYS``: the same with ``step`` first, the columns of the native check of
 ``opt.state`` entries (offload/engine/torchstate.py).

@@ -4,7 +4,7 @@ The checkpoint uses public optimizer API only: ``param_groups``, ``state`` / ``s
 (offload's returns views of the NVMe/mmap state file, and synchronizes the GPU engine),
 ``load_state_dict()``, ``storage_info()``, ``synchronize()``, and offload's checkpoint methods
 ``checkpoint_keepalive()``, ``loads_state_itself``, ``gpu_offload``, ``pending_grad_multiplier`` /
-``set_pending_grad_multiplier()`` (offload/gpu.py; an optimizer without them, e.g. torch.optim's,
+``set_pending_grad_multiplier()`` (offload/optim/gpu.py; an optimizer without them, e.g. torch.optim's,
 gets the plain-tensor answers). The rest is read in ONE small function each:
 
 - :func:`readopt`         ``opt.__setstate__`` (offload re-reads its state pointers there)

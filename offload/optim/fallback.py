@@ -1,4 +1,4 @@
-"""fallback.py: the parameters offload's native kernel cannot step, stepped by torch's own Adam code.
+"""optim/fallback.py: the parameters offload's native kernel cannot step, stepped by torch's own Adam code.
 
 torch.optim.Adam/AdamW accept float64 and complex parameters, non-contiguous ones (a transposed
 weight, a strided view) and a parameter listed more than once (torch warns, then steps it once
@@ -13,7 +13,7 @@ With ``storage="nvme"|"mmap"`` or compressed moments (the state engine lays out 
 tensors) these parameters are stepped the same way and their state stays in host RAM in torch's
 layout, beside the state file: the engine gets the other parameters only (``Router.split``, whose
 native part has every parameter at most once) and :func:`engine_index` maps its positions back to
-torch's numbering. In GPU-offload mode such parameters are refused by name (checks.py).
+torch's numbering. In GPU-offload mode such parameters are refused by name (optim/checks.py).
 The split is logged at INFO on the ``offload.fallback`` logger whenever it changes (how many, why,
 and where their state lives); when their host-RAM state exceeds ``RAM_WARN_BYTES`` while the
 rest lives in a file or in compressed moments, a ``UserWarning`` says so once per optimizer.
@@ -29,9 +29,9 @@ import torch
 from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from .base.dist import is_dtensor, local
-from .base.dtypes import NATIVE_DTYPES as _NATIVE_DTYPES
-from .params.guards import SharedMemoryError, extent
+from ..base.dist import is_dtensor, local
+from ..base.dtypes import NATIVE_DTYPES as _NATIVE_DTYPES
+from ..params.guards import SharedMemoryError, extent
 
 __all__ = ["FALLBACK_DTYPES", "RAM_WARN_BYTES", "elsewhere", "reason", "Router", "check", "step", "grad_sumsq", "cast_state",
            "engine_index"]

@@ -1,13 +1,13 @@
-"""checks.py: argument checks of offload.Adam/AdamW (torch's messages where torch has one):
+"""optim/checks.py: argument checks of offload.Adam/AdamW (torch's messages where torch has one):
 parameters, hyperparameters, the constructor's flags and options, a param group's options and
 parameters, the `moments=` choice, and the hyperparameters of a group as the kernels take them."""
 from __future__ import annotations
 
 import torch
 
-from .moments import format as mformat
-from .base.dist import local
-from .base.dtypes import NATIVE_DTYPES as _PARAM_DTYPES
+from ..moments import format as mformat
+from ..base.dist import local
+from ..base.dtypes import NATIVE_DTYPES as _PARAM_DTYPES
 
 
 
@@ -149,7 +149,7 @@ def check_options(params, lr, betas, eps, weight_decay, amsgrad, foreach, captur
 
 def check_group(group: dict, gi: int, names, settings: dict, moments: str, gpu: bool) -> None:
     """offload's checks of param group ``gi`` (``names``/``settings``: see _check_group_options): its
-    options, then every parameter (those torch's code steps excepted: offload/fallback.py)."""
+    options, then every parameter (those torch's code steps excepted: offload/optim/fallback.py)."""
     from . import fallback
     _check_group_options(group, f"param group {gi}", names, settings)
     if moments != "fp32" and group.get("amsgrad"):

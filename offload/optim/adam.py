@@ -1,4 +1,4 @@
-"""optim.py: ``offload.Adam`` and ``offload.AdamW``, drop-in ``torch.optim.Optimizer`` subclasses.
+"""optim/adam.py: ``offload.Adam`` and ``offload.AdamW``, drop-in ``torch.optim.Optimizer`` subclasses.
 
 The math runs in the native multi-tensor kernel (one call per param group per step). The class
 keeps torch's constructor signature, defaults, validation messages and ``state_dict`` layout
@@ -6,13 +6,13 @@ keeps torch's constructor signature, defaults, validation messages and ``state_d
 ``torch.optim.AdamW`` and back. bf16/fp16 parameters get an fp32 master copy (state key
 ``master_param``, the one addition to torch's layout); the kernel writes the rounded new weight
 straight into the parameter in the same pass. Parameters the kernel cannot take but torch steps (float64,
-complex, non-contiguous, listed twice) go through torch's Adam code, state in RAM (offload/fallback.py).
+complex, non-contiguous, listed twice) go through torch's Adam code, state in RAM (offload/optim/fallback.py).
 
 The class derives from ``torch.optim.Optimizer`` only and holds parts, which its methods call in a few
-lines each: ``_store``, the state engine of every mode (engine/engine.py), built by ``_slot`` (engine_slot.py);
-``_gpu``, the device face of GPU offload (schedule/device_step.py, else None; gpu.py); ``_clip``, the pending
-clip coefficient (clipping.py); ``_router``, which parameters torch's code steps (fallback.py); and
-state_dict.py's functions. This file holds the constructor, param groups, pickling and step dispatch.
+lines each: ``_store``, the state engine of every mode (engine/engine.py), built by ``_slot`` (optim/engine_slot.py);
+``_gpu``, the device face of GPU offload (schedule/device_step.py, else None; optim/gpu.py); ``_clip``, the pending
+clip coefficient (optim/clipping.py); ``_router``, which parameters torch's code steps (optim/fallback.py); and
+optim/torch_state.py's functions. This file holds the constructor, param groups, pickling and step dispatch.
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
 
 from . import fallback, gpu
-from . import state_dict as sdict
+from . import torch_state as sdict
 from .checks import _check_hyper, check_group, check_options, check_threads, group_hyper, param_name
 from .clipping import CLIP_GRAD_NORM_DOC, Clip
-from .base.failstop import OptimizerFailedError, detached, failed_message
+from ..base.failstop import OptimizerFailedError, detached, failed_message
 from .engine_slot import EngineSlot
 from .options import OPTIMIZER_WIDE, OPTIONS_DOC, given_gpu_options, resolve_storage
 
@@ -50,7 +50,7 @@ class _AdamBase(Optimizer):
                                              differentiable, fused, threads, state, nvme_dir, nvme_options, moments,
                                              moments_min_size)
         self._store = self._gpu = None
-        # what a param group may repeat (checks.py; ZeroRedundancyOptimizer puts every constructor option in its groups)
+        # what a param group may repeat (optim/checks.py; ZeroRedundancyOptimizer puts every constructor option in its groups)
         self._wide = dict(moments=moments, moments_min_size=moments_min_size, storage=state, state=state, threads=threads,
                           nvme_dir=nvme_dir, host_budget=host_budget, keep_files=keep_files, nvme_options=nvme_options,
                           offload_device=offload_device, **gpu_options)
@@ -62,9 +62,9 @@ class _AdamBase(Optimizer):
         self._threads = threads
         self._clip = Clip()
         self._failure = None   # set when a step failed part-way (offload/base/failstop.py)
-        # float64/complex/strided/duplicate params: torch's code, state in RAM (fallback.py)
+        # float64/complex/strided/duplicate params: torch's code, state in RAM (optim/fallback.py)
         self._router = fallback.Router(elsewhere=fallback.elsewhere(state, moments, offload_device))
-        # --- GPU offload: the mode follows from where the parameters are (offload/gpu.py) ---
+        # --- GPU offload: the mode follows from where the parameters are (offload/optim/gpu.py) ---
         params, device, owns_device = gpu.split_params(params, offload_device, gpu_options)
         # --- the state engine (offload/engine/engine.py): one for all groups, every tier and parameter side
         self._slot = EngineSlot.configure(state, nvme_dir, host_budget, keep_files, nvme_options, gpu_options, device,
@@ -102,7 +102,7 @@ class _AdamBase(Optimizer):
             self._gpu.load_state()
 
     def _sync_engine(self, native: Optional[list] = None, stepping: bool = False) -> None:
-        """Make the engine hold the param groups as they are (engine_slot.py)."""
+        """Make the engine hold the param groups as they are (optim/engine_slot.py)."""
         native = self._slot.groups(self.param_groups, self._router) if native is None else native
         if self._slot.stale(self._store, native, stepping):
             self.state.update(self._rebuild_engine(native, self.state))
@@ -162,7 +162,7 @@ class _AdamBase(Optimizer):
             self._gpu.step(grad_multiplier)
             return loss
         mult = self._clip.multiplier(grad_multiplier)
-        native, fb = self._router.split(self.param_groups)  # fb: stepped by torch's code (offload/fallback.py)
+        native, fb = self._router.split(self.param_groups)  # fb: stepped by torch's code (offload/optim/fallback.py)
         for group, _ in fb:
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         fallback.check(self.state, fb, self.param_groups)
@@ -217,14 +217,14 @@ class _AdamBase(Optimizer):
 
     _decoupled: Optional[bool] = None
 
-    # ------------------------------------------------------------------ clipping (clipping.py)
+    # ------------------------------------------------------------------ clipping (optim/clipping.py)
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         if self._gpu is not None:
             return self._gpu.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         return self._clip.clip_grad_norm_(self.param_groups, self._router, self.kernel_threads, max_norm, norm_type,
                                           error_if_nonfinite)
-    clip_grad_norm_.__doc__ = CLIP_GRAD_NORM_DOC   # (clipping.py: what it does, with the rule it follows)
+    clip_grad_norm_.__doc__ = CLIP_GRAD_NORM_DOC   # (optim/clipping.py: what it does, with the rule it follows)
 
     def pending_clip_coefficient(self) -> float:
         """The coefficient a clip_grad_norm_ left for the next step, if its gradients are still the
@@ -245,7 +245,7 @@ class _AdamBase(Optimizer):
         """Restore a pending coefficient (offload.load of a checkpoint saved between clip and step)."""
         self._clip.mult = float(value)
 
-    # ------------------------------------------------------------------ state_dict (state_dict.py)
+    # ------------------------------------------------------------------ state_dict (optim/torch_state.py)
     def state_dict(self) -> dict:
         self._settle()   # never hand out a partially updated state as a checkpoint
         tensors = self._store.state_tensors()  # views of the tier (a mapped state file, an arena), not copies
@@ -299,7 +299,7 @@ class _AdamBase(Optimizer):
             self._gpu.load_state(loaded=True)
         sdict.post_hooks(self)
 
-    # ------------------------------------------------------------------ GPU offload (gpu.py)
+    # ------------------------------------------------------------------ GPU offload (optim/gpu.py)
     def no_sync(self):
         """Backward passes inside this block only accumulate gradients on the device (no transfer);
         the first backward outside it is the accumulation boundary. No-op in CPU mode."""

@@ -1,11 +1,11 @@
-"""gpu.py: the GPU-offload setup of ``offload.Adam``/``offload.AdamW`` and what its GPU-offload methods run.
+"""optim/gpu.py: the GPU-offload setup of ``offload.Adam``/``offload.AdamW`` and what its GPU-offload methods run.
 
 ``split_params`` decides the mode from where the parameters are (or an explicit ``offload_device=``),
 ``make_state_engine`` builds the one state engine (offload/engine/engine.py), any tier, and
 ``start_engine`` the device face (offload/schedule/device_step.py) over it. ``need``, ``no_sync``,
 ``last_step_stats``, ``io_only_pass`` and ``close`` are the bodies of optimizer methods around the device
 face (accumulation boundary, telemetry, cleanup); they take the device face and the engine as arguments,
-so the optimizer class (optim.py) only delegates. ``start_engine`` logs the
+so the optimizer class (optim/adam.py) only delegates. ``start_engine`` logs the
 setup chosen (parameter side, state tier, moment format) as one INFO line on the ``offload`` logger.
 """
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Optional
 
 import torch
 
-from .device import Device, resolve_device
-from .schedule.smallparams import small_params
-from .schedule.device_step import DeviceStep
-from .engine.port import port_of
-from .schedule.feedstep import WriteRaceError
+from ..device import Device, resolve_device
+from ..schedule.smallparams import small_params
+from ..schedule.device_step import DeviceStep
+from ..engine.port import port_of
+from ..schedule.feedstep import WriteRaceError
 
 __all__ = ["close", "describe", "io_only_pass", "last_step_stats", "make_state_engine", "need", "no_sync",
            "split_params", "start_engine"]
@@ -60,7 +60,7 @@ def make_state_engine(param_groups: list, state: str, *, nvme_dir, host_budget, 
                       device: Optional[Device], gpu_options: dict):
     """The state engine (offload/engine/engine.py): host parameters with NVMe/mmap state or compressed
     moments, or device parameters with any tier (their small parameters excluded: stepped on the device)."""
-    from .engine.engine import StateEngine
+    from ..engine.engine import StateEngine
     opts = dict(nvme_options or {})
     if device is not None:
         mb = gpu_options.get("bucket_mb", 32.0)

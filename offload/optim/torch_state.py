@@ -1,8 +1,8 @@
-"""state_dict.py: the bodies of offload.Adam/AdamW's state_dict / load_state_dict in torch's layout (every
+"""optim/torch_state.py: the bodies of offload.Adam/AdamW's state_dict / load_state_dict in torch's layout (every
 mode: RAM arenas, NVMe/mmap state, compressed moments, GPU offload), and of the tensors a checkpoint saves.
 Functions of explicit inputs (torch's ``state_dict()`` of the optimizer, its param groups, the state engine,
-the engine's numbering ``index``), which the optimizer's methods (optim.py) call. The parameters torch's
-code steps (offload/fallback.py) keep their state in ``opt.state`` in torch's layout with every tier; the
+the engine's numbering ``index``), which the optimizer's methods (optim/adam.py) call. The parameters torch's
+code steps (offload/optim/fallback.py) keep their state in ``opt.state`` in torch's layout with every tier; the
 state engine numbers only the others (``index``: {(group, position in the engine's list): torch's index})."""
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from typing import Callable, Optional
 import torch
 
 from . import fallback
-from .moments import format as mformat
-from .base.dist import is_dtensor, local
+from ..moments import format as mformat
+from ..base.dist import is_dtensor, local
 from .checks import _scalar
-from .moments.compressed import CompressedState
+from ..moments.compressed import CompressedState
 
 __all__ = ["plain", "with_tensors", "checkpoint_tensors", "pre_hooks", "post_hooks", "map_saved", "install"]
 
@@ -43,7 +43,7 @@ def with_tensors(sd: dict, tensors: dict, index: dict) -> dict:
 
 def checkpoint_tensors(groups: list, state, store, index: dict, router) -> list:
     """The tensor references a checkpoint of compressed moments saves (offload/checkpoint/adapter.py)."""
-    from .checkpoint.adapter import tensor_ref
+    from ..checkpoint.adapter import tensor_ref
     tensors = store.raw_state_tensors()
     flat = [p for g in groups for p in g["params"]]
     refs = []
@@ -97,7 +97,7 @@ def map_saved(groups: list, state_dict: dict, host: bool) -> tuple:
             new_state[k] = v
             continue
         p = id_map[k]
-        if host and router.is_fallback(groups, p):  # torch's layout (offload/fallback.py)
+        if host and router.is_fallback(groups, p):  # torch's layout (offload/optim/fallback.py)
             for key, val in v.items():
                 if isinstance(val, torch.Tensor) and key != "step" and val.shape != p.shape:
                     raise ValueError(f"state '{key}' of saved parameter {k} has shape {tuple(val.shape)}, "

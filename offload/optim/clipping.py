@@ -1,4 +1,4 @@
-"""clipping.py: gradient clipping folded into the next step: ``Clip``, the part of offload.Adam/AdamW
+"""optim/clipping.py: gradient clipping folded into the next step: ``Clip``, the part of offload.Adam/AdamW
 that holds the pending clip coefficient (the optimizer's ``_clip``).
 
 ``Clip.clip_grad_norm_`` computes the global L2 norm (all-reduced across ranks for FSDP2 shards) and
@@ -17,10 +17,10 @@ from typing import Optional
 
 import torch
 
-from .native import adam as _kernels
+from ..native import adam as _kernels
 from . import fallback
-from .base.dist import global_sumsq, nonfinite_norm
-from .native.rows import get_version
+from ..base.dist import global_sumsq, nonfinite_norm
+from ..native.rows import get_version
 
 __all__ = ["CLIP_GRAD_NORM_DOC", "Clip", "grad_sumsq"]
 
@@ -35,7 +35,7 @@ CLIP_GRAD_NORM_DOC = """Global L2 gradient norm of all parameters, with clipping
         GradScaler skipped, a skipped batch) discard it; modifying these gradients in place before
         the step (another backward accumulating into them) makes the step raise, since torch would
         have accumulated onto clipped values. A second call clips what the first call left.
-        """   # the docstring of offload.Adam/AdamW.clip_grad_norm_ (optim.py), indented as a method's
+        """   # the docstring of offload.Adam/AdamW.clip_grad_norm_ (optim/adam.py), indented as a method's
 
 
 class Clip:
@@ -93,14 +93,14 @@ class Clip:
     def clip_grad_norm_(self, groups: list, router, threads: int, max_norm: float, norm_type: float,
                         error_if_nonfinite: bool) -> torch.Tensor:
         """The host path of the optimizer's clip_grad_norm_ over ``groups`` (its param_groups), split
-        by ``router`` (offload/fallback.py) into the kernel's parameters and those torch's code steps."""
+        by ``router`` (offload/optim/fallback.py) into the kernel's parameters and those torch's code steps."""
         if float(norm_type) != 2.0:
             raise ValueError("offload's fused clipping supports norm_type=2.0 only")
         pending = self.coefficient()
         native, fbg = router.split(groups)
         params = [p for g in native for p in g["params"] if p.grad is not None]
         fbp = list({id(p): p for _, ps in fbg for p in ps
-                    if p.grad is not None}.values())  # (offload/fallback.py; a repeated parameter counted once)
+                    if p.grad is not None}.values())  # (offload/optim/fallback.py; a repeated parameter counted once)
         grads, fbgrads = [p.grad for p in params], [p.grad for p in fbp]
         sumsq = grad_sumsq(grads, threads) + (fallback.grad_sumsq(fbgrads) if fbgrads else 0.0)
         total = math.sqrt(sumsq) * pending  # the norm of what the step would use

@@ -1,4 +1,4 @@
-"""options.py: offload's own constructor options of ``offload.Adam`` / ``offload.AdamW`` (beyond torch's):
+"""optim/options.py: offload's own constructor options of ``offload.Adam`` / ``offload.AdamW`` (beyond torch's):
 their documentation (appended to both classes' docstrings, so ``help()`` shows each one), where the
 state lives (``storage``; its old name ``state`` still works, with a DeprecationWarning), which
 GPU-offload options the caller actually gave, and which options are the whole optimizer's, never a param

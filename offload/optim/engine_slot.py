@@ -1,7 +1,7 @@
-"""engine_slot.py: ``EngineSlot``, the part of offload.Adam/AdamW (optim.py's ``_slot``) that knows how its
+"""optim/engine_slot.py: ``EngineSlot``, the part of offload.Adam/AdamW (optim/adam.py's ``_slot``) that knows how its
 state engine (offload/engine/engine.py, ``opt._store``) is built: the constructor's storage arguments, the
 device of GPU offload (or None), which param groups the engine holds (host parameters without those torch's
-code steps, offload/fallback.py; device parameters all), and when and how it is built again from
+code steps, offload/optim/fallback.py; device parameters all), and when and how it is built again from
 ``opt.state`` (offload/engine/rebuild.py): where a group's params list changed, for the one configuration
 that can (host parameters, fp32 moments in RAM), which is also the one that pickles.
 """
@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 from . import fallback
 from .gpu import make_state_engine
-from .engine.rebuild import fits, rebuild
+from ..engine.rebuild import fits, rebuild
 
 __all__ = ["EngineSlot"]
 
@@ -53,7 +53,7 @@ class EngineSlot:
 
     def groups(self, param_groups: list, router) -> list:
         """The param groups as the state engine holds them: host parameters without those torch's code
-        steps (``router``: offload/fallback.py; their state stays in host RAM), device parameters all."""
+        steps (``router``: offload/optim/fallback.py; their state stays in host RAM), device parameters all."""
         return param_groups if self.device is not None else router.split(param_groups)[0]
 
     def index(self, param_groups: list, router) -> dict:
