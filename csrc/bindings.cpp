@@ -16,7 +16,7 @@
 //   given and compares pointers as integers; it never dereferences a tensor address. It holds strong
 //   references across every call into Python (the getters it is given may run arbitrary code) and
 //   re-checks the list sizes after each such call, raising RuntimeError if they changed. Public, but
-//   only called by offload/optim.py.
+//   only called by offload/params/hostrows.py.
 // - AioEngine / AioFile (aio_bindings.cpp): no raw addresses: buffers come as buffer-protocol
 //   objects whose export (pointer and length) is held until the transfer is waited for; files are
 //   handles owning their descriptors. Usable only in the process that created the engine.

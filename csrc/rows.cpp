@@ -1,5 +1,5 @@
 // rows.cpp: _C.collect_rows, the per-step check of the optimizer's cached task table
-// (offload/optim.py _AdamBase._collect; the records it compares are kept by offload/_plan.py).
+// (offload/params/hostrows.py GroupRows; the record columns are offload/native/rows.py M_*).
 //
 // For every parameter row it decides, in one C loop, whether the row may be stepped as cached:
 // - ready: the param and its grad are unchanged since the row was validated;
@@ -23,7 +23,7 @@
 // collect_rows(..., grads=out) also stores each accepted row's grad object in out[i] (a list of n
 // entries the caller made): the caller keeps exactly the gradients whose pointers are in the table.
 //
-// state_rows (the state engine's check of opt.state, offload/step/torchstate.py) compares, for
+// state_rows (the state engine's check of opt.state, offload/engine/torchstate.py) compares, for
 // every row with state, opt.state.get(p) and the entries it was last validated with, by identity,
 // and the data pointers of the recorded tensors: the rows that differ are revalidated in Python.
 //
@@ -41,7 +41,7 @@ namespace py = pybind11;
 
 namespace {
 
-// columns of the per-row record (offload/_plan.py REC_* must match)
+// columns of the per-row record (offload/native/rows.py M_* must match)
 enum : int64_t { R_PPTR, R_GPTR, R_CODE, R_DIM, R_SIZE0, R_NUMEL, R_PVER, R_LOWP, R_COLS };
 constexpr int64_t kTaskCols = 10, kColG = 4, kColGD = 8;  // offload/native/adam.py COL_G, COL_GD
 
@@ -240,7 +240,7 @@ void register_state_rows(py::module_& m) {
         py::arg("keys"), py::arg("ptrs"), py::arg("fns"), py::arg("hashes") = py::none(),
         "Row indices (with ready[i]) whose opt.state entry is not the one recorded in recs (identity of "
         "the state dict and of its entries, data pointers of its tensors): to revalidate in Python. "
-        "Internal: offload/step/torchstate.py. RuntimeError if a callback changes the size of a list.");
+        "Internal: offload/engine/torchstate.py. RuntimeError if a callback changes the size of a list.");
 }
 
 }  // namespace
@@ -359,7 +359,7 @@ void register_rows(py::module_& m) {
       "(ready, newgrad, changed, other): row indices of params with a grad, unchanged since validated "
       "(ready); unchanged param with a new grad validated here, grad columns updated (newgrad); to "
       "revalidate in Python (changed); params of other types (other, grad not read). grads (optional "
-      "list): receives the grad of every ready and newgrad row. Internal: offload/optim.py, "
+      "list): receives the grad of every ready and newgrad row. Internal: "
       "offload/params/hostrows.py. RuntimeError if a callback changes the size of a list.");
   register_state_rows(m);
 }
