@@ -179,7 +179,7 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     one does not (``suggestion``).
     """
     from .moments.format import check_moments
-    from .optim.options import resolve_storage
+    from .state.choice import resolve_storage
     check_moments(moments)
     if nvme_path is not None:
         import warnings

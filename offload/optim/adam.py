@@ -22,13 +22,13 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
 
-from . import fallback, gpu
-from . import torch_state as sdict
+from . import fallback, gpu, torch_state as sdict
 from .checks import _check_hyper, check_group, check_options, check_threads, group_hyper, param_name
 from .clipping import CLIP_GRAD_NORM_DOC, Clip
 from ..base.failstop import OptimizerFailedError, detached, failed_message
 from .engine_slot import EngineSlot
-from .options import OPTIMIZER_WIDE, OPTIONS_DOC, given_gpu_options, resolve_storage
+from ..state.choice import resolve_storage
+from .options import OPTIMIZER_WIDE, OPTIONS_DOC, given_gpu_options
 
 __all__ = ["Adam", "AdamW"]
 

@@ -1,15 +1,11 @@
 """optim/options.py: offload's own constructor options of ``offload.Adam`` / ``offload.AdamW`` (beyond torch's):
-their documentation (appended to both classes' docstrings, so ``help()`` shows each one), where the
-state lives (``storage``; its old name ``state`` still works, with a DeprecationWarning), which
+their documentation (appended to both classes' docstrings, so ``help()`` shows each one), which
 GPU-offload options the caller actually gave, and which options are the whole optimizer's, never a param
 group's (``OPTIMIZER_WIDE``).
 """
 from __future__ import annotations
 
-import warnings
-from typing import Optional
-
-__all__ = ["OPTIONS_DOC", "GPU_OPTION_NAMES", "OPTIMIZER_WIDE", "given_gpu_options", "resolve_state", "resolve_storage"]
+__all__ = ["OPTIONS_DOC", "GPU_OPTION_NAMES", "OPTIMIZER_WIDE", "given_gpu_options"]
 
 GPU_OPTION_NAMES = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm", "check_overflow",
                     "release_grads", "trace", "small_param_numel", "delay_updates", "delay_after",
@@ -59,26 +55,6 @@ OPTIONS_DOC = """
         seen without delay predicted from the last update, w + (w - w_before) (default False; it
         costs one more host copy of the parameters and a pass over them per step; docs/gpu.md).
 """
-
-
-def resolve_state(state: Optional[str], nvme_dir) -> str:
-    """``state`` as given, or the default: "nvme" when only ``nvme_dir`` says where, else "ram"."""
-    if state is None:
-        return "nvme" if nvme_dir is not None else "ram"
-    return state
-
-
-def resolve_storage(storage: Optional[str], state: Optional[str], nvme_dir, *, stacklevel: int = 4) -> str:
-    """Where the state lives: ``storage``, or ``state`` (its old name: DeprecationWarning), or the default
-    of :func:`resolve_state`. ``stacklevel`` points the warning at the caller's constructor call."""
-    if state is not None:
-        warnings.warn(f"state={state!r} is deprecated: the argument is now called storage (storage={state!r}); "
-                      "state= will be removed in the next release", DeprecationWarning, stacklevel=stacklevel)
-        if storage is not None and storage != state:
-            raise ValueError(f"storage={storage!r} and state={state!r} disagree: pass storage= only (state= is its "
-                             "old name)")
-        storage = state
-    return resolve_state(storage, nvme_dir)
 
 
 def given_gpu_options(**options) -> dict:

@@ -1,0 +1,30 @@
+"""state/choice.py: which storage the user asked for: ``storage="ram"|"nvme"|"mmap"``, its old name ``state``
+(still accepted, with a DeprecationWarning), and the default when neither is given ("nvme" when only
+``nvme_dir`` says where, else "ram"). Read by the optimizer's constructor and by ``offload.plan()``.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+__all__ = ["resolve_state", "resolve_storage"]
+
+
+def resolve_state(state: Optional[str], nvme_dir) -> str:
+    """``state`` as given, or the default: "nvme" when only ``nvme_dir`` says where, else "ram"."""
+    if state is None:
+        return "nvme" if nvme_dir is not None else "ram"
+    return state
+
+
+def resolve_storage(storage: Optional[str], state: Optional[str], nvme_dir, *, stacklevel: int = 4) -> str:
+    """Where the state lives: ``storage``, or ``state`` (its old name: DeprecationWarning), or the default
+    of :func:`resolve_state`. ``stacklevel`` points the warning at the caller's constructor call."""
+    if state is not None:
+        warnings.warn(f"state={state!r} is deprecated: the argument is now called storage (storage={state!r}); "
+                      "state= will be removed in the next release", DeprecationWarning, stacklevel=stacklevel)
+        if storage is not None and storage != state:
+            raise ValueError(f"storage={storage!r} and state={state!r} disagree: pass storage= only (state= is its "
+                             "old name)")
+        storage = state
+    return resolve_state(storage, nvme_dir)
