@@ -2,7 +2,7 @@
 // offload/native/adam.py into native structs, checks their shape, releases the GIL around every
 // call that does real work, and maps std::invalid_argument to ValueError.
 //
-// What each Python-reachable entry trusts, and why (issue 10, item 14):
+// What each Python-reachable entry trusts, and why:
 // - _adam_step, _grad_sumsq, _bandwidth_probe(_moments), _fingerprint: take raw addresses (int64 tables / ints) and
 //   dereference them. The native layer cannot know the extent of torch memory, so it checks only
 //   what a table can tell (shape, dtype codes, lengths, nulls, overlap within a row) and TRUSTS

@@ -51,7 +51,7 @@ namespace offload {
 // of the loop's own function. The stores through p/m/v/out would otherwise force the compiler
 // to reload every pointer, re-broadcast every scalar and re-test every flag once per vector (a
 // float store may alias the float and bool fields of AdamTask/AdamScalars); that reload chain
-// was what held the AVX2 kernel at ~55% of memory bandwidth (issue 11).
+// was what held the AVX2 kernel at ~55% of memory bandwidth.
 template <class I>
 struct Coeffs {
   using V = typename I::V;
@@ -283,7 +283,7 @@ static void probe_range(float* p, float* m, float* v, const float* g, int64_t b,
 
 }  // namespace offload
 
-#include "kernels_moments.h"  // compressed moments (issue 9): uses the helpers above
+#include "kernels_moments.h"  // compressed moments: uses the helpers above
 
 namespace offload {
 

@@ -1,4 +1,4 @@
-// moments.h: compressed Adam moments (issue 9): the formats, the per-tensor task row of the
+// moments.h: compressed Adam moments: the formats, the per-tensor task row of the
 // separate native entry _C.adam_step_moments, and its driver. The fp32-moment path
 // (AdamTask, common.h) is unchanged; this is a second table layout beside it.
 //

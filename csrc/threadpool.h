@@ -1,7 +1,7 @@
 // threadpool.h: a persistent pool of native worker threads (no OpenMP), shared by all kernels.
 // parallel_run(n, fn) executes fn(tid, T) for tid in [0, T) with the calling thread as worker 0
 // and returns when all are done; T is the number of threads that actually run (n clamped to the
-// pool), and callers must split their work by T, never by the n they asked for (issue 10: a
+// pool), and callers must split their work by T, never by the n they asked for (a
 // split by n skipped the shares of the threads that never ran). Calls from several Python
 // threads are serialised. Work is split statically by the caller, so results never depend on
 // scheduling.
