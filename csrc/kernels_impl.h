@@ -190,7 +190,8 @@ static void adam_range(const AdamTask& t, const AdamScalars& s, int64_t b, int64
   const AdamLoop loop = adam_loop_for<I, kF32, kNone>(s);
   alignas(64) float space[kDChunk + kDSlack];
   const float* const stores[] = {t.p + b, t.m + b, t.v + b, vmax ? vmax + b : nullptr};
-  float* const gbuf = place_chunk_buffer(space, stores, 4);  // chunks of a multiple of 4 KiB keep its place
+  // placed once per call (chunks of a multiple of 4 KiB keep the place); one chunk: not worth the search
+  float* const gbuf = e - b > kDChunk ? place_chunk_buffer(space, stores, 4) : space;
   for (int64_t c = b; c < e; c += kDChunk) {
     const int64_t n = e - c < kDChunk ? e - c : kDChunk;
     adopt_chunk<I>(t.p, t.out, t.odtype, c, n, e);

@@ -342,7 +342,7 @@ static void adam_q_range(const AdamQTask& t, const AdamScalars& s, int64_t bb, i
   const QLoop loop = q8 ? q_loop_for<I, kF32, kNone, true>(s) : q_loop_for<I, kF32, kNone, false>(s);
   alignas(64) float space[kDChunk + kDSlack];
   const float* const stores[] = {t.p + bb * kQBlock};
-  float* const gbuf = place_chunk_buffer(space, stores, 1);
+  float* const gbuf = (be - bb) * kQBlock > kDChunk ? place_chunk_buffer(space, stores, 1) : space;
   constexpr int64_t kChunkBlocks = kDChunk / kQBlock;
   for (int64_t cb = bb; cb < be; cb += kChunkBlocks) {
     const int64_t ce = cb + kChunkBlocks < be ? cb + kChunkBlocks : be;
