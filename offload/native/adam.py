@@ -36,6 +36,18 @@ TASK_COLS = 10  # p, m, v, vmax, g, out, n, step, gdtype, odtype
 COL_P, COL_M, COL_V, COL_VMAX, COL_G, COL_OUT, COL_N, COL_STEP, COL_GD, COL_OD = range(TASK_COLS)
 
 
+def out_and_step(outs, steps, i: int, k: int) -> tuple:
+    """Tensor i's optional low-precision output (checked: a kernel dtype, k elements) and its step count
+    (an int >= 1), as the kernel tables of this module and of native/moments.py take them."""
+    o = outs[i] if outs is not None else None
+    if o is not None:
+        check_tensor(o, f"outs[{i}]", dtypes=tuple(DTYPE_CODES), numel=k)
+    step = int(steps[i])
+    if step < 1:
+        raise ValueError(f"steps[{i}] must be >= 1, got {step}")
+    return o, step
+
+
 def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
               exp_avg_sqs: Sequence[torch.Tensor], max_exp_avg_sqs: Optional[Sequence[torch.Tensor]],
               steps: Sequence[int], *, lr: float, beta1: float, beta2: float, eps: float,
@@ -78,12 +90,7 @@ def adam_table(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, out
         m = check_tensor(exp_avgs[i], f"exp_avgs[{i}]", numel=k)
         v = check_tensor(exp_avg_sqs[i], f"exp_avg_sqs[{i}]", numel=k)
         vm = check_tensor(max_exp_avg_sqs[i], f"max_exp_avg_sqs[{i}]", numel=k) if amsgrad else None
-        o = outs[i] if outs is not None else None
-        if o is not None:
-            check_tensor(o, f"outs[{i}]", dtypes=tuple(DTYPE_CODES), numel=k)
-        step = int(steps[i])
-        if step < 1:
-            raise ValueError(f"steps[{i}] must be >= 1, got {step}")
+        o, step = out_and_step(outs, steps, i, k)
         written += [(f"params[{i}]", p), (f"exp_avgs[{i}]", m), (f"exp_avg_sqs[{i}]", v),
                     (f"max_exp_avg_sqs[{i}]", vm), (f"outs[{i}]", o)]
         read.append((f"grads[{i}]", g))

@@ -18,7 +18,7 @@ import torch
 
 from . import _C
 from ..base.tensors import check_tensor, ptr
-from .adam import DTYPE_CODES, OUT_NONE
+from .adam import DTYPE_CODES, OUT_NONE, out_and_step
 
 __all__ = ["MOMENT_FORMATS", "MOMENT_BLOCK", "MOMENT_TASK_COLS", "moment_state", "moment_table",
            "adam_step_moments", "step_moment_table", "decode_moments"]
@@ -80,12 +80,7 @@ def moment_table(params, grads, exp_avgs, exp_avg_sqs, steps, *, fmt: str, m_sca
         if q8:
             ms = check_tensor(m_scales[i], f"m_scales[{i}]", numel=_nblocks(k))
             vs = check_tensor(v_scales[i], f"v_scales[{i}]", numel=_nblocks(k))
-        o = outs[i] if outs is not None else None
-        if o is not None:
-            check_tensor(o, f"outs[{i}]", dtypes=tuple(DTYPE_CODES), numel=k)
-        step = int(steps[i])
-        if step < 1:
-            raise ValueError(f"steps[{i}] must be >= 1, got {step}")
+        o, step = out_and_step(outs, steps, i, k)
         table[i] = (ptr(p), ptr(m), ptr(v), ptr(ms), ptr(vs), ptr(g), ptr(o), k, step,
                     DTYPE_CODES[g.dtype], DTYPE_CODES[o.dtype] if o is not None else OUT_NONE, MOMENT_FORMATS[fmt])
     return table
