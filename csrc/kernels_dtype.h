@@ -167,4 +167,22 @@ static void emit_chunk(const float* p, void* out, int64_t odtype, int64_t c, int
   }
 }
 
+// Elements [b, e) of one tensor (e: the end of the thread's range) through the passes, kDChunk at a
+// time: adopt the user's writes, widen the gradient, loop(c, n, g) (the fp32 update of elements
+// [c, c + n) given their fp32 gradient g), write the weight copy. `stores`: the fp32 streams the
+// loop stores to, from element b (place_chunk_buffer).
+template <class I, class Loop>
+static void through_passes(float* p, const void* g, int64_t gdtype, void* out, int64_t odtype, int64_t b, int64_t e,
+                           const float* const* stores, int nstores, Loop loop) {
+  alignas(64) float space[kDChunk + kDSlack];
+  // placed once per call (chunks of a multiple of 4 KiB keep the place); one chunk: not worth the search
+  float* const gbuf = e - b > kDChunk ? place_chunk_buffer(space, stores, nstores) : space;
+  for (int64_t c = b; c < e; c += kDChunk) {
+    const int64_t n = e - c < kDChunk ? e - c : kDChunk;
+    adopt_chunk<I>(p, out, odtype, c, n, e);
+    loop(c, n, widen_chunk<I>(g, gdtype, c, n, e, gbuf));
+    emit_chunk<I>(p, out, odtype, c, n, e);
+  }
+}
+
 }  // namespace offload

@@ -188,17 +188,10 @@ static void adam_range(const AdamTask& t, const AdamScalars& s, int64_t b, int64
     return;
   }
   const AdamLoop loop = adam_loop_for<I, kF32, kNone>(s);
-  alignas(64) float space[kDChunk + kDSlack];
   const float* const stores[] = {t.p + b, t.m + b, t.v + b, vmax ? vmax + b : nullptr};
-  // placed once per call (chunks of a multiple of 4 KiB keep the place); one chunk: not worth the search
-  float* const gbuf = e - b > kDChunk ? place_chunk_buffer(space, stores, 4) : space;
-  for (int64_t c = b; c < e; c += kDChunk) {
-    const int64_t n = e - c < kDChunk ? e - c : kDChunk;
-    adopt_chunk<I>(t.p, t.out, t.odtype, c, n, e);
-    const float* const g = widen_chunk<I>(t.g, t.gdtype, c, n, e, gbuf);
+  through_passes<I>(t.p, t.g, t.gdtype, t.out, t.odtype, b, e, stores, 4, [&](int64_t c, int64_t n, const float* g) {
     loop(t.p + c, t.m + c, t.v + c, vmax ? vmax + c : nullptr, g, nullptr, n, e - c, t.gdtype == kF32, s);
-    emit_chunk<I>(t.p, t.out, t.odtype, c, n, e);
-  }
+  });
 }
 
 // Sum of squares of g[begin:end) in double, in a fixed order for a given ISA: W double

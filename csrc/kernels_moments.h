@@ -340,19 +340,12 @@ static void adam_q_range(const AdamQTask& t, const AdamScalars& s, int64_t bb, i
     return;
   }
   const QLoop loop = q8 ? q_loop_for<I, kF32, kNone, true>(s) : q_loop_for<I, kF32, kNone, false>(s);
-  alignas(64) float space[kDChunk + kDSlack];
   const float* const stores[] = {t.p + bb * kQBlock};
-  float* const gbuf = (be - bb) * kQBlock > kDChunk ? place_chunk_buffer(space, stores, 1) : space;
-  constexpr int64_t kChunkBlocks = kDChunk / kQBlock;
-  for (int64_t cb = bb; cb < be; cb += kChunkBlocks) {
-    const int64_t ce = cb + kChunkBlocks < be ? cb + kChunkBlocks : be;
-    const int64_t c = cb * kQBlock;
-    const int64_t n = (ce * kQBlock < t.n ? ce * kQBlock : t.n) - c;
-    adopt_chunk<I>(t.p, t.out, t.odtype, c, n, e);
-    const float* const g = widen_chunk<I>(t.g, t.gdtype, c, n, e, gbuf);
-    loop(chunk(c, g, nullptr, t.gdtype == kF32), s, 0, ce - cb);
-    emit_chunk<I>(t.p, t.out, t.odtype, c, n, e);
-  }
+  // chunks start on block boundaries (kDChunk is a whole number of blocks); the last may end in a partial block
+  through_passes<I>(t.p, t.g, t.gdtype, t.out, t.odtype, bb * kQBlock, e, stores, 1,
+                    [&](int64_t c, int64_t n, const float* g) {
+                      loop(chunk(c, g, nullptr, t.gdtype == kF32), s, 0, (n + kQBlock - 1) / kQBlock);
+                    });
 }
 
 }  // namespace offload
