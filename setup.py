@@ -45,6 +45,7 @@ class BuildExt(build_ext):
 ext = Pybind11Extension(
     "offload._C",
     sorted(glob("csrc/*.cpp")),
+    depends=sorted(glob("csrc/*.h")),  # an edited header rebuilds the extension too
     include_dirs=["csrc"],
     cxx_std=17,
     define_macros=[("OFFLOAD_VERSION", VERSION)],
