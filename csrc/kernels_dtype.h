@@ -35,8 +35,13 @@ static inline void store_out(void* out, int64_t i, typename I::V x) {
 // Both sides are widened exactly and compared as bit patterns (so -0 and NaN payloads count).
 template <class I, int OD>
 static inline typename I::V adopt_user_writes(const void* out, int64_t i, typename I::V p) {
-  if constexpr (OD == kBF16Sync || OD == kF16Sync) {
-    constexpr int LD = OD == kBF16Sync ? kBF16 : kF16;
+  if constexpr (OD == kBF16Sync) {
+    // round(master) widened in registers (no trip through memory): it and the user's widened
+    // value are equal bit patterns exactly where the 16-bit patterns are
+    const typename I::V user = I::load_bf16(static_cast<const uint16_t*>(out) + i);
+    return I::same_bits_select(I::bf16_round_widen(p), user, p, user);
+  } else if constexpr (OD == kF16Sync) {
+    constexpr int LD = kF16;
     alignas(64) uint16_t mine[I::W];
     store_out<I, LD>(mine, 0, p);
     const typename I::V user = load_grad<I, LD>(out, i);

@@ -24,6 +24,8 @@ struct ScalarISA {
   static V load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
   static V load_f16(const uint16_t* p) { return f16_to_f32(*p); }
   static void store_bf16(uint16_t* p, V x) { *p = f32_to_bf16(x); }
+  // x rounded to bf16 (nearest even, NaN -> 0x7FC0) and widened back: store_bf16 then load_bf16
+  static V bf16_round_widen(V x) { return bf16_to_f32(f32_to_bf16(x)); }
   static void store_f16(uint16_t* p, V x) { *p = f32_to_f16(x); }
   static V add(V a, V b) { return a + b; }
   static V sub(V a, V b) { return a - b; }
@@ -81,6 +83,15 @@ struct Avx2ISA {
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  // store_bf16 then load_bf16 in registers: the rounded high half kept in place, low half zeroed
+  static V bf16_round_widen(V x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb),
+                                       _mm256_set1_epi32(int(0xFFFF0000u)));
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
   }
   static void store_f16(uint16_t* p, V x) {
     __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -167,6 +178,16 @@ struct Avx512ISA {
     const __mmask32 ord = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
     const __m512i w = _mm512_mask_permutexvar_epi16(_mm512_set1_epi16(0x7FC0), ord, idx, r);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(w));
+  }
+  // store_bf16 then load_bf16 in registers: the rounded high half kept in place, low half zeroed
+  static V bf16_round_widen(V x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __mmask16 odd = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x10000));
+    __m512i r = _mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF));
+    r = _mm512_mask_add_epi32(r, odd, r, _mm512_set1_epi32(1));
+    r = _mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u)));
+    const __mmask16 ord = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_set1_epi32(0x7FC00000), ord, r));
   }
   static void store_f16(uint16_t* p, V x) {
     __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

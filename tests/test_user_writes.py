@@ -164,3 +164,35 @@ def test_writes_through_p_data_are_kept_with_compressed_moments(fmt, mode):
     kw = dict(moments=fmt, moments_min_size=0)
     unseen, seen = _train(torch.bfloat16, mode, True, **kw), _train(torch.bfloat16, mode, False, **kw)
     assert torch.equal(_bits(unseen), _bits(seen))
+
+
+def test_adoption_compares_round_master_exactly_at_the_rounding_edges():
+    # the vector paths compute round(master) in registers: it must be the reference's rounding at
+    # ties (even and odd), at the overflow to inf, for NaNs of any sign and payload and for
+    # subnormals, each with the parameter in sync (nothing adopted) and written by the user
+    edges = [0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x7F7FFFFF, 0x7F7F8000, 0xFF7FFFFF, 0x7FC00000,
+             0xFFC00000, 0x7FC00001, 0x7F800001, 0xFF800001, 0x7F800000, 0xFF800000, 0x00000001, 0x80008000,
+             0x00018000, 0x80000000, 0x00000000, 0x3F800000]
+    bits = torch.tensor(edges, dtype=torch.int64).to(torch.int32)
+    masters = torch.cat([bits, bits]).view(torch.float32)
+    n = masters.numel()
+    # what the kernel wrote at its last step: round to nearest even, every NaN as 0x7FC0 (torch's
+    # cast writes NaNs differently, so it cannot stand in for it here)
+    u = torch.cat([bits, bits]).to(torch.int64) & 0xFFFFFFFF
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    rounded = torch.where(masters.isnan(), torch.full_like(rounded, 0x7FC0), rounded)
+    in_sync = rounded.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+    for isa, threads in _each_isa_and_thread_count():
+        for fill in ("sync", "written"):
+            def state():
+                gen = torch.Generator().manual_seed(5)
+                m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
+                g = torch.randn(n, generator=gen).to(torch.bfloat16)
+                out = in_sync.clone() if fill == "sync" else torch.full((n,), 0.75).to(torch.bfloat16)
+                out[::3] = in_sync[::3]     # some in sync either way
+                return [masters.clone(), m, v, g, out]
+            ref, st = state(), state()
+            _step(ref, True, 1)
+            _step(st, False, threads)
+            for a, b in zip(st, ref):
+                assert torch.equal(_bits(a), _bits(b)), (isa, threads, fill)
