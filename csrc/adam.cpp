@@ -82,6 +82,7 @@ void adam_multi(const AdamTask* tasks, int64_t ntasks, const AdamHyper& h, int n
   const int64_t total = start[ntasks];
   if (total == 0) return;
   const IsaKernels& k = active_kernels();
+  const bool prefetch = stream_prefetch();
 
   auto work = [&](int tid, int T) {
     int64_t b, e;
@@ -94,7 +95,7 @@ void adam_multi(const AdamTask* tasks, int64_t ntasks, const AdamHyper& h, int n
     for (; i < ntasks && start[i] < e; ++i) {
       const AdamTask& t = tasks[i];
       if (t.n == 0) continue;
-      if (t.step != last_step) { s = make_scalars(h, t.step); last_step = t.step; }
+      if (t.step != last_step) { s = make_scalars(h, t.step); s.prefetch = prefetch; last_step = t.step; }
       const int64_t lo = std::max(b, start[i]) - start[i];
       const int64_t hi = std::min(e, start[i + 1]) - start[i];
       k.adam_range(t, s, lo, hi);

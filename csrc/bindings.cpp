@@ -20,8 +20,8 @@
 // - AioEngine / AioFile (aio_bindings.cpp): no raw addresses: buffers come as buffer-protocol
 //   objects whose export (pointer and length) is held until the transfer is waited for; files are
 //   handles owning their descriptors. Usable only in the process that created the engine.
-// - available_isas, get_isa, set_isa, affinity_cpu_count, get/set_num_threads: plain values,
-//   range-checked.
+// - available_isas, get_isa, set_isa, get/set_stream_prefetch, affinity_cpu_count,
+//   get/set_num_threads: plain values, range-checked.
 #include <pybind11/pybind11.h>
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
@@ -89,6 +89,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("get_isa", [] { return std::string(active_kernels().name); }, "ISA of the kernels in use.");
   m.def("set_isa", &set_isa, py::arg("name"),
         "Force an ISA ('scalar', 'avx2', 'avx512' or 'auto'); ValueError if unsupported.");
+  m.def("set_stream_prefetch", &set_stream_prefetch, py::arg("mode"),
+        "Software prefetch in the fp32 update loop: 'on', 'off' or 'auto' (by CPU vendor).");
+  m.def("get_stream_prefetch", [] { return py::make_tuple(stream_prefetch_mode(), stream_prefetch()); },
+        "(setting, whether the fp32 loop prefetches now).");
   m.def("affinity_cpu_count", &affinity_cpu_count, "CPUs in this process's affinity mask.");
   m.def("get_num_threads", &pool_size, "Native thread pool size.");
   m.def("set_num_threads", &set_pool_size, py::arg("n"), "Resize the native thread pool.");

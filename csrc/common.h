@@ -69,6 +69,7 @@ struct AdamScalars {
   float neg_step_size; // -lr / (1 - beta1^step)
   float eps;
   bool use_mult, use_wd, use_decay, lerp_low, amsgrad, maximize;
+  bool prefetch;        // the fp32 loop's software prefetch (kernels.h stream_prefetch)
 };
 
 static inline AdamScalars make_scalars(const AdamHyper& h, int64_t step) {

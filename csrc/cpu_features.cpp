@@ -38,7 +38,35 @@ const IsaKernels* best() {
 
 std::atomic<const IsaKernels*> g_active{nullptr};
 
+bool auto_prefetch() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return !__builtin_cpu_is("amd");
+#else
+  return true;
+#endif
+}
+
+std::atomic<int> g_prefetch{-1};  // -1 auto, 0 off, 1 on
+
 }  // namespace
+
+bool stream_prefetch() {
+  const int m = g_prefetch.load();
+  return m < 0 ? auto_prefetch() : m == 1;
+}
+
+void set_stream_prefetch(const std::string& mode) {
+  if (mode == "auto" || mode.empty()) g_prefetch.store(-1);
+  else if (mode == "on") g_prefetch.store(1);
+  else if (mode == "off") g_prefetch.store(0);
+  else throw std::invalid_argument("unknown prefetch setting '" + mode + "' (expected on, off or auto)");
+}
+
+std::string stream_prefetch_mode() {
+  const int m = g_prefetch.load();
+  return m < 0 ? "auto" : (m == 1 ? "on" : "off");
+}
 
 std::vector<std::string> available_isas() {
   std::vector<std::string> out{"scalar"};

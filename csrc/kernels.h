@@ -35,6 +35,17 @@ const IsaKernels& active_kernels();
 // Force an ISA by name; throws std::invalid_argument if unknown or unsupported here.
 void set_isa(const std::string& name);
 
+// Whether the fp32 update loop issues software prefetches (the compressed-moment loops always do).
+// "auto" (the default) decides by CPU: on in Intel cores, whose hardware prefetchers alone left the
+// fp32 step at 90-93 % of the memory's best; off in AMD cores, where a walk with the hardware
+// prefetchers alone was 10-20 % faster than the same walk with software prefetches (Zen 3) and the
+// step 3 % faster without them (median of 16 paired cells; -3 to +9 %). docs/benchmarks.md.
+bool stream_prefetch();
+// "on", "off" or "auto"; throws std::invalid_argument otherwise.
+void set_stream_prefetch(const std::string& mode);
+// The setting as given ("on", "off", "auto").
+std::string stream_prefetch_mode();
+
 // Plain scalar reference Adam (adam_reference.cpp): deliberately simple, used by tests.
 void adam_reference(const AdamTask& t, const AdamHyper& h);
 

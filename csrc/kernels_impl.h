@@ -31,7 +31,11 @@ namespace offload {
 // bench/moments_ub (Intel Xeon with AVX-512, 32M elements, 1 thread, TSC cycles per 8 elements,
 // one run): fp32 grads 21.5 -> 20.5 (AVX-512 path) and 22.1 -> 20.4 (AVX2 path); bf16 grad + bf16
 // out 21.9 -> 20.9 and 23.5 -> 20.6: this CPU's hardware prefetchers alone do not keep five
-// streams in flight. On Zen 3 the same prefetch had measured no gain (kernels_moments.h).
+// streams in flight. On Zen 3 the fp32 loop is a little faster without it (the optimizer's step,
+// one process, on/off paired over 11-15 rounds at 32M and 128M, flat and many tensors, fp32 and
+// bf16, 1 and 2 threads: 0.97-1.09x, median 1.03x, 12 of 16 cells for off), so it prefetches only where
+// stream_prefetch() says (kernels.h: on for Intel, off for AMD by default); the compressed-moment
+// loops always do (kernels_moments.h).
 constexpr int64_t kQPrefetchAhead = 1024;
 
 // Every line of CHUNK elements of one stream of SIZE-byte elements, kQPrefetchAhead ahead.
@@ -184,13 +188,13 @@ static void adam_range(const AdamTask& t, const AdamScalars& s, int64_t b, int64
   float* const vmax = t.vmax;
   if (const AdamLoop fused = adam_fused_for<I>(t.gdtype, t.odtype, s)) {
     fused(t.p + b, t.m + b, t.v + b, vmax ? vmax + b : nullptr, elem_at(t.g, t.gdtype, b), elem_at(t.out, t.odtype, b),
-          e - b, e - b, true, s);
+          e - b, s.prefetch ? e - b : 0, true, s);  // room 0: no software prefetch
     return;
   }
   const AdamLoop loop = adam_loop_for<I, kF32, kNone>(s);
   const float* const stores[] = {t.p + b, t.m + b, t.v + b, vmax ? vmax + b : nullptr};
   through_passes<I>(t.p, t.g, t.gdtype, t.out, t.odtype, b, e, stores, 4, [&](int64_t c, int64_t n, const float* g) {
-    loop(t.p + c, t.m + c, t.v + c, vmax ? vmax + c : nullptr, g, nullptr, n, e - c, t.gdtype == kF32, s);
+    loop(t.p + c, t.m + c, t.v + c, vmax ? vmax + c : nullptr, g, nullptr, n, s.prefetch ? e - c : 0, t.gdtype == kF32, s);
   });
 }
 

@@ -286,7 +286,8 @@ def format_report(rep: dict) -> str:
         + (f", {s['distribution']}" if s.get("distribution") else "") + (f", {s['libc']}" if s.get("libc") else ""),
         f"cpu             {c.get('model')}, {c.get('logical_cpus')} logical CPUs, "
         f"flags: {' '.join(c.get('flags') or []) or '-'}",
-        f"kernel isa      {o.get('isa')} (available: {', '.join(o.get('available_isas') or [])})",
+        f"kernel isa      {o.get('isa')} (available: {', '.join(o.get('available_isas') or [])}), "
+        f"software prefetch {o.get('stream_prefetch')}",
         f"threads         {o.get('threads')} by default, affinity {o.get('affinity_cpus')} CPUs",
         f"memory          {_size(m.get('total_bytes'))} total, {_size(m.get('available_bytes'))} available",
     ]

@@ -101,6 +101,38 @@ def test_offload_isa_env_forces_path():
     assert r.returncode != 0 and "OFFLOAD_ISA" in r.stderr
 
 
+def test_stream_prefetch_setting_changes_no_bit():
+    # the fp32 loop with and without software prefetch, every fused pair and a passed one, threads
+    # whose ranges start inside a prefetch window: the same bits; the setting is validated
+    from kernel_util import DTYPES, VARIANTS, assert_bitwise, clone, make_state, run
+    before = kernels.get_stream_prefetch()
+    try:
+        for gd, od in (("f32", None), ("f32", "f32"), ("bf16", "bf16"), ("f16", "f16")):
+            base = make_state(200_003, DTYPES[gd], DTYPES.get(od), seed=3)
+            results = []
+            for mode in ("on", "off", "auto"):
+                kernels.set_stream_prefetch(mode)
+                assert kernels.get_stream_prefetch()[0] == mode
+                st = clone(base)
+                run(st, VARIANTS[3], threads=2)
+                results.append(st)
+            assert_bitwise(results[0], results[1])
+            assert_bitwise(results[0], results[2])
+        with pytest.raises(ValueError, match="prefetch"):
+            kernels.set_stream_prefetch("sometimes")
+    finally:
+        kernels.set_stream_prefetch(before[0])
+
+
+def test_offload_prefetch_env_sets_the_loop():
+    for mode, on in (("on", True), ("off", False)):
+        r = _py("import offload.kernels as k; print(k.get_stream_prefetch())", {"OFFLOAD_PREFETCH": mode})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == str((mode, on))
+    r = _py("import offload", {"OFFLOAD_PREFETCH": "maybe"})
+    assert r.returncode != 0 and "OFFLOAD_PREFETCH" in r.stderr
+
+
 def test_default_threads_follow_affinity_mask():
     code = ("import os; os.sched_setaffinity(0, {0}); import offload; "
             "print(offload.build_info()['threads'], offload.build_info()['affinity_cpus'])")

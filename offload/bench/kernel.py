@@ -223,7 +223,7 @@ def run(args) -> int:
     cases = make_cases(args.scale, args.cases, full=args.full)
     info = offload.build_info()
     print(f"CPU: {cpu_model()}  |  kernel ISA: {info['isa']} (available: {', '.join(info['available_isas'])})"
-          f"  |  cpus(affinity)={all_threads}")
+          f"  |  software prefetch: {info['stream_prefetch']}  |  cpus(affinity)={all_threads}")
     print(f"question: {QUESTION}")
     isa_note = None
     if any(c.key == "isa" for c in cases) and not has_avx512():
