@@ -77,8 +77,8 @@ struct RareFlags {
 // pairs, below; the dtype passes of kernels_dtype.h use kF32/kNone). AMS (amsgrad), DECAY
 // (AdamW's p *= 1 - lr*wd) and RARE (any RareFlags member may be set; false means all are off and
 // lerp_low is on) are template parameters, so the common AdamW loop has no branch at all.
-template <class I, int GD, int OD, bool AMS, bool DECAY, bool RARE>
-static inline void adam_block(float* __restrict p_, float* __restrict m_, float* __restrict v_,
+template <class I, int GD, int OD, bool AMS, bool DECAY, bool RARE, bool OUT = true>
+static inline typename I::V adam_block(float* __restrict p_, float* __restrict m_, float* __restrict v_,
                               float* __restrict vmax_, const void* __restrict g_, void* __restrict out_,
                               const Coeffs<I>& c, RareFlags f, int64_t i) {
   using V = typename I::V;
@@ -106,7 +106,8 @@ static inline void adam_block(float* __restrict p_, float* __restrict m_, float*
   I::store(m_ + i, m);
   I::store(v_ + i, v);
   I::store(p_ + i, p);
-  store_out<I, OD>(out_, i, p);
+  if constexpr (OUT) store_out<I, OD>(out_, i, p);  // else the caller writes it (adam_loop)
+  return p;
 }
 
 // Elements [0, n) of one tensor's streams (every pointer at the first element). The vector loop
@@ -138,8 +139,16 @@ static void adam_loop(float* const __restrict p, float* const __restrict m, floa
       if (pf_g) prefetch_chunk<kStep, GD == kF32 ? 4 : 2, false>(g, i);
       if constexpr (OD != kNone) prefetch_chunk<kStep, OD == kF32 ? 4 : 2, true>(out, i);
     }
-    for (int u = 0; u < kUnroll; ++u)
-      adam_block<I, GD, OD, AMS, DECAY, RARE>(p, m, v, vmax, g, out, c, f, i + u * W);
+    if constexpr (OD == kBF16 || OD == kBF16Sync) {  // the bf16 copy two vectors at a time
+      for (int u = 0; u < kUnroll; u += 2) {
+        const auto a = adam_block<I, GD, OD, AMS, DECAY, RARE, false>(p, m, v, vmax, g, out, c, f, i + u * W);
+        const auto b = adam_block<I, GD, OD, AMS, DECAY, RARE, false>(p, m, v, vmax, g, out, c, f, i + (u + 1) * W);
+        I::store_bf16x2(static_cast<uint16_t*>(out) + i + u * W, a, b);
+      }
+    } else {
+      for (int u = 0; u < kUnroll; ++u)
+        adam_block<I, GD, OD, AMS, DECAY, RARE>(p, m, v, vmax, g, out, c, f, i + u * W);
+    }
   }
   for (; i + W <= n; i += W) adam_block<I, GD, OD, AMS, DECAY, RARE>(p, m, v, vmax, g, out, c, f, i);
   if (i < n) {

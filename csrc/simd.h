@@ -24,6 +24,8 @@ struct ScalarISA {
   static V load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
   static V load_f16(const uint16_t* p) { return f16_to_f32(*p); }
   static void store_bf16(uint16_t* p, V x) { *p = f32_to_bf16(x); }
+  // store_bf16 of a to p[0, W) and of b to p[W, 2W)
+  static void store_bf16x2(uint16_t* p, V a, V b) { p[0] = f32_to_bf16(a); p[1] = f32_to_bf16(b); }
   // x rounded to bf16 (nearest even, NaN -> 0x7FC0) and widened back: store_bf16 then load_bf16
   static V bf16_round_widen(V x) { return bf16_to_f32(f32_to_bf16(x)); }
   static void store_f16(uint16_t* p, V x) { *p = f32_to_f16(x); }
@@ -75,14 +77,23 @@ struct Avx2ISA {
   static V load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  static void store_bf16(uint16_t* p, V x) {
+  // the bf16 pattern of each lane in its low half: round to nearest even, NaN -> 0x7FC0
+  static __m256i bf16_lanes(V x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  }
+  static void store_bf16(uint16_t* p, V x) {
+    const __m256i r = bf16_lanes(x);
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  // store_bf16 of a to p[0, 8) and of b to p[8, 16): one pack, one permute and one store for both
+  static void store_bf16x2(uint16_t* p, V a, V b) {
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_lanes(a), bf16_lanes(b)), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
   }
   // store_bf16 then load_bf16 in registers: the rounded high half kept in place, low half zeroed
   static V bf16_round_widen(V x) {
@@ -179,6 +190,7 @@ struct Avx512ISA {
     const __m512i w = _mm512_mask_permutexvar_epi16(_mm512_set1_epi16(0x7FC0), ord, idx, r);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(w));
   }
+  static void store_bf16x2(uint16_t* p, V a, V b) { store_bf16(p, a); store_bf16(p + 16, b); }
   // store_bf16 then load_bf16 in registers: the rounded high half kept in place, low half zeroed
   static V bf16_round_widen(V x) {
     const __m512i u = _mm512_castps_si512(x);
