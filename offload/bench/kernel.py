@@ -55,7 +55,10 @@ def run_case(case: Case, thread_counts: list, reps: int, use_ds: bool, progress:
         for c in contenders:
             c.set_threads(t)
         for rep in range(reps + 1):  # round-robin; rep 0 is warm-up
-            for c in contenders:
+            # each round starts one contender later: none always runs right after the same one (what
+            # the previous contender left in the caches and write-back queues costs the next one a few %)
+            k = rep % len(contenders)
+            for c in contenders[k:] + contenders[:k]:
                 c.prepare()
                 t0 = time.perf_counter()
                 c.step()
