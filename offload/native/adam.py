@@ -222,19 +222,19 @@ def affinity_cpus() -> int:
     return _C.affinity_cpu_count()
 
 
+def _apply_env(name: str, setter, hint: str = "") -> None:
+    """``setter(value)`` for a set environment variable; a value it refuses fails the import by name."""
+    value = os.environ.get(name, "").strip().lower()
+    if value:
+        try:
+            setter(value)
+        except ValueError as e:
+            raise ImportError(f"{name}={value!r}: {e}{hint}") from None
+
+
 def _init_from_env() -> None:
-    isa = os.environ.get("OFFLOAD_ISA", "").strip().lower()
-    if isa:
-        try:
-            _C.set_isa(isa)
-        except ValueError as e:
-            raise ImportError(f"OFFLOAD_ISA={isa!r}: {e} (available: {_C.available_isas()})") from None
-    prefetch = os.environ.get("OFFLOAD_PREFETCH", "").strip().lower()
-    if prefetch:
-        try:
-            _C.set_stream_prefetch(prefetch)
-        except ValueError as e:
-            raise ImportError(f"OFFLOAD_PREFETCH={prefetch!r}: {e}") from None
+    _apply_env("OFFLOAD_ISA", _C.set_isa, f" (available: {_C.available_isas()})")
+    _apply_env("OFFLOAD_PREFETCH", _C.set_stream_prefetch)
     threads = os.environ.get("OFFLOAD_NUM_THREADS", "").strip()
     if threads:
         _C.set_num_threads(int(threads))
