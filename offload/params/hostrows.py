@@ -36,6 +36,7 @@ __all__ = ["HostRows"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _ESIZE = np.array([0, 4, 2, 2], dtype=np.int64)   # bytes per element by DTYPE_CODES
+_SPAN_COLS = [M_NUMEL, M_CODE, M_PPTR]   # the record columns a parameter's span is computed from
 
 
 class StepGrads(list):
@@ -57,6 +58,7 @@ class GroupRows:
         self.table = np.zeros((n, TASK_COLS), dtype=np.int64)   # P, OUT, OD, G, GD columns as ptrs() needs them
         self.token = -1                       # the collect whose gradients the table describes
         self.plain = np.zeros(n, dtype=bool)  # rows whose table columns describe this step's tensors
+        self.spans_ok = (None, b"")           # (SpanIndex, records) last found to match that index
 
     def record(self, i: int, lp: torch.Tensor, g: torch.Tensor) -> None:
         """Row i was validated (check_grad) with plain parameter ``lp`` and gradient ``g``."""
@@ -138,12 +140,19 @@ class HostRows:
         if not moved and spans is not None:
             for gi, (rows, a) in enumerate(zip(self.groups, active)):
                 w = spans.where[gi]
-                meta = rows.meta[rows.plain]
-                nb = meta[:, M_NUMEL] * _ESIZE[np.clip(meta[:, M_CODE], 0, 3)]
-                if not (np.array_equal(w[rows.plain, 1], nb) and
-                        np.array_equal(np.where(nb > 0, w[rows.plain, 0], 0), np.where(nb > 0, meta[:, M_PPTR], 0))):
-                    moved = True
-                    break
+                # the comparison below reads only these records and w (fixed for one SpanIndex): records
+                # byte-equal to the last ones found matching this index match it again
+                key = rows.plain.tobytes() + rows.meta[:, _SPAN_COLS].tobytes()
+                if rows.spans_ok[0] is not spans or rows.spans_ok[1] != key:
+                    meta = rows.meta[rows.plain]
+                    nb = meta[:, M_NUMEL] * _ESIZE[np.clip(meta[:, M_CODE], 0, 3)]
+                    if not (np.array_equal(w[rows.plain, 1], nb) and
+                            np.array_equal(np.where(nb > 0, w[rows.plain, 0], 0), np.where(nb > 0, meta[:, M_PPTR], 0))):
+                        moved = True
+                        break
+                    rows.spans_ok = (spans, key)
+                if a.all():
+                    continue
                 ps = local_groups[gi]
                 if any(span_of(ps[i]) != tuple(w[i]) for i in np.flatnonzero(~a).tolist()):
                     moved = True   # a parameter without a gradient: its memory is written by no one, but
