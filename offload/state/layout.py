@@ -255,13 +255,12 @@ def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_
 def piece_columns(b: "Bucket", pieces, *fields: str) -> tuple:
     """One int64 array per attribute in ``fields`` (e.g. "param", "start", "pos", "n") of ``pieces``
     of bucket ``b``; cached on the bucket when ``pieces`` is its full piece list (the per-step case)."""
-    full = len(pieces) == len(b.pieces) and all(map(operator.is_, pieces, b.pieces))
-    key = "_cols_" + "_".join(fields)
+    full = pieces is b.pieces or (len(pieces) == len(b.pieces) and all(map(operator.is_, pieces, b.pieces)))
     if full:
-        got = b.__dict__.get(key)
+        got = b.__dict__.get("_piece_cols", {}).get(fields)
         if got is not None and got[0] == len(b.pieces):
             return got[1]
     cols = tuple(np.fromiter((getattr(pc, f) for pc in pieces), dtype=np.int64, count=len(pieces)) for f in fields)
     if full:
-        b.__dict__[key] = (len(b.pieces), cols)
+        b.__dict__.setdefault("_piece_cols", {})[fields] = (len(b.pieces), cols)
     return cols
