@@ -92,13 +92,18 @@ def _py(code, env=None):
     return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
 
 
-def test_offload_isa_env_forces_path():
-    for name in kernels.available_isas():
-        r = _py("import offload; print(offload.build_info()['isa'])", {"OFFLOAD_ISA": name})
+def test_offload_isa_and_prefetch_env_set_the_kernel_path():
+    # (one interpreter per ISA, each also setting the prefetch one way or the other: imports are slow)
+    for k, name in enumerate(kernels.available_isas()):
+        mode = ("on", "off")[k % 2]
+        r = _py("import offload, offload.kernels as k; print(offload.build_info()['isa'], k.get_stream_prefetch())",
+                {"OFFLOAD_ISA": name, "OFFLOAD_PREFETCH": mode})
         assert r.returncode == 0, r.stderr
-        assert r.stdout.strip() == name
+        assert r.stdout.strip() == f"{name} {(mode, mode == 'on')}"
     r = _py("import offload", {"OFFLOAD_ISA": "neon9"})
     assert r.returncode != 0 and "OFFLOAD_ISA" in r.stderr
+    r = _py("import offload", {"OFFLOAD_PREFETCH": "maybe"})
+    assert r.returncode != 0 and "OFFLOAD_PREFETCH" in r.stderr
 
 
 def test_stream_prefetch_setting_changes_no_bit():
@@ -122,15 +127,6 @@ def test_stream_prefetch_setting_changes_no_bit():
             kernels.set_stream_prefetch("sometimes")
     finally:
         kernels.set_stream_prefetch(before[0])
-
-
-def test_offload_prefetch_env_sets_the_loop():
-    for mode, on in (("on", True), ("off", False)):
-        r = _py("import offload.kernels as k; print(k.get_stream_prefetch())", {"OFFLOAD_PREFETCH": mode})
-        assert r.returncode == 0, r.stderr
-        assert r.stdout.strip() == str((mode, on))
-    r = _py("import offload", {"OFFLOAD_PREFETCH": "maybe"})
-    assert r.returncode != 0 and "OFFLOAD_PREFETCH" in r.stderr
 
 
 def test_default_threads_follow_affinity_mask():
