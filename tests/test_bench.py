@@ -50,11 +50,20 @@ def test_paired_ratio_is_the_median_of_per_round_ratios():
 def test_unwritable_result_paths_are_refused_before_the_run(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("mine")
-    for flag, path in (("--json", blocker / "k.json"), ("--json", tmp_path), ("--plot", blocker / "p.png")):
-        r = subprocess.run([sys.executable, "-m", "offload.bench", "kernel", flag, str(path)],
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 2 and f"{flag} {path}" in r.stderr, r.stderr
-        assert "CPU: " not in r.stdout  # nothing was measured
+    cases = (("--json", blocker / "k.json"), ("--json", tmp_path), ("--plot", blocker / "p.png"))
+    # one interpreter runs the bench's command line for each case (importing torch once, not three times)
+    code = ("import sys, json\nfrom offload.bench.__main__ import main\n"
+            "for argv in json.loads(sys.argv[1]):\n"
+            "    try:\n        main(argv)\n        print('RC 0', file=sys.stderr, flush=True)\n"
+            "    except SystemExit as e:\n        print(f'RC {e.code}', file=sys.stderr, flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", code, json.dumps([["kernel", f, str(p)] for f, p in cases])],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    parts = r.stderr.split("RC ")
+    assert len(parts) == len(cases) + 1, r.stderr
+    for (flag, path), before, after in zip(cases, parts[:-1], parts[1:]):
+        assert after.startswith("2") and f"{flag} {path}" in before, r.stderr
+    assert "CPU: " not in r.stdout  # nothing was measured
     assert blocker.read_text() == "mine"
 
 
