@@ -33,9 +33,9 @@ namespace offload {
 // out 21.9 -> 20.9 and 23.5 -> 20.6: this CPU's hardware prefetchers alone do not keep five
 // streams in flight. On Zen 3 the fp32 loop is a little faster without it (the optimizer's step,
 // one process, on/off paired over 11-15 rounds at 32M and 128M, flat and many tensors, fp32 and
-// bf16, 1 and 2 threads: 0.97-1.09x, median 1.03x, 12 of 16 cells for off), so it prefetches only where
-// stream_prefetch() says (kernels.h: on for Intel, off for AMD by default); the compressed-moment
-// loops always do (kernels_moments.h).
+// bf16, 1 and 2 threads: time with / time without 0.97-1.09, median 1.03, 12 of 16 cells for
+// off), so it prefetches only where stream_prefetch() says (kernels.h: on for Intel, off for AMD
+// by default); the compressed-moment loops always do (kernels_moments.h).
 constexpr int64_t kQPrefetchAhead = 1024;
 
 // Every line of CHUNK elements of one stream of SIZE-byte elements, kQPrefetchAhead ahead.
@@ -79,8 +79,8 @@ struct RareFlags {
 // lerp_low is on) are template parameters, so the common AdamW loop has no branch at all.
 template <class I, int GD, int OD, bool AMS, bool DECAY, bool RARE, bool OUT = true>
 static inline typename I::V adam_block(float* __restrict p_, float* __restrict m_, float* __restrict v_,
-                              float* __restrict vmax_, const void* __restrict g_, void* __restrict out_,
-                              const Coeffs<I>& c, RareFlags f, int64_t i) {
+                                       float* __restrict vmax_, const void* __restrict g_, void* __restrict out_,
+                                       const Coeffs<I>& c, RareFlags f, int64_t i) {
   using V = typename I::V;
   V g = load_grad<I, GD>(g_, i);
   if (RARE && f.use_mult) g = I::mul(g, c.mult);
