@@ -92,18 +92,32 @@ def _py(code, env=None):
     return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
 
 
-def test_offload_isa_and_prefetch_env_set_the_kernel_path():
-    # (one interpreter per ISA, each also setting the prefetch one way or the other: imports are slow)
-    for k, name in enumerate(kernels.available_isas()):
-        mode = ("on", "off")[k % 2]
-        r = _py("import offload, offload.kernels as k; print(offload.build_info()['isa'], k.get_stream_prefetch())",
-                {"OFFLOAD_ISA": name, "OFFLOAD_PREFETCH": mode})
-        assert r.returncode == 0, r.stderr
-        assert r.stdout.strip() == f"{name} {(mode, mode == 'on')}"
-    r = _py("import offload", {"OFFLOAD_ISA": "neon9"})
-    assert r.returncode != 0 and "OFFLOAD_ISA" in r.stderr
-    r = _py("import offload", {"OFFLOAD_PREFETCH": "maybe"})
-    assert r.returncode != 0 and "OFFLOAD_PREFETCH" in r.stderr
+def test_offload_isa_and_prefetch_env_set_the_kernel_path(monkeypatch):
+    # at import (one interpreter: imports are slow) ...
+    best = kernels.available_isas()[-1]
+    r = _py("import offload, offload.kernels as k; print(offload.build_info()['isa'], k.get_stream_prefetch())",
+            {"OFFLOAD_ISA": best, "OFFLOAD_PREFETCH": "off"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"{best} {('off', False)}"
+    # ... and every other value through the same function, in this process
+    from offload.native import adam as native_adam
+    before_isa, before_pf = kernels.get_isa(), kernels.get_stream_prefetch()[0]
+    try:
+        for k, name in enumerate(kernels.available_isas()):
+            mode = ("on", "off")[k % 2]
+            monkeypatch.setenv("OFFLOAD_ISA", name)
+            monkeypatch.setenv("OFFLOAD_PREFETCH", mode)
+            native_adam._init_from_env()
+            assert kernels.get_isa() == name and kernels.get_stream_prefetch() == (mode, mode == "on")
+        monkeypatch.setenv("OFFLOAD_PREFETCH", "auto")
+        for var, bad in (("OFFLOAD_ISA", "neon9"), ("OFFLOAD_PREFETCH", "maybe")):
+            monkeypatch.setenv(var, bad)
+            with pytest.raises(ImportError, match=var):
+                native_adam._init_from_env()
+            monkeypatch.delenv(var)
+    finally:
+        kernels.set_isa(before_isa)
+        kernels.set_stream_prefetch(before_pf)
 
 
 def test_stream_prefetch_setting_changes_no_bit():
