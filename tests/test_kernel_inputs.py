@@ -107,13 +107,13 @@ def test_offload_isa_and_prefetch_env_set_the_kernel_path(monkeypatch):
             mode = ("on", "off")[k % 2]
             monkeypatch.setenv("OFFLOAD_ISA", name)
             monkeypatch.setenv("OFFLOAD_PREFETCH", mode)
-            native_adam._init_from_env()
+            native_adam.init_from_env()
             assert kernels.get_isa() == name and kernels.get_stream_prefetch() == (mode, mode == "on")
         monkeypatch.setenv("OFFLOAD_PREFETCH", "auto")
         for var, bad in (("OFFLOAD_ISA", "neon9"), ("OFFLOAD_PREFETCH", "maybe")):
             monkeypatch.setenv(var, bad)
             with pytest.raises(ImportError, match=var):
-                native_adam._init_from_env()
+                native_adam.init_from_env()
             monkeypatch.delenv(var)
     finally:
         kernels.set_isa(before_isa)

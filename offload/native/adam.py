@@ -232,7 +232,8 @@ def _apply_env(name: str, setter, hint: str = "") -> None:
             raise ImportError(f"{name}={value!r}: {e}{hint}") from None
 
 
-def _init_from_env() -> None:
+def init_from_env() -> None:
+    """Apply OFFLOAD_ISA, OFFLOAD_PREFETCH and OFFLOAD_NUM_THREADS as import does; ImportError names a refused value."""
     _apply_env("OFFLOAD_ISA", _C.set_isa, f" (available: {_C.available_isas()})")
     _apply_env("OFFLOAD_PREFETCH", _C.set_stream_prefetch)
     threads = os.environ.get("OFFLOAD_NUM_THREADS", "").strip()
@@ -240,4 +241,4 @@ def _init_from_env() -> None:
         _C.set_num_threads(int(threads))
 
 
-_init_from_env()
+init_from_env()
