@@ -1,7 +1,7 @@
 """optim_state_util.py: helpers of the tests of what a user can change between steps
 (test_optim_state_grads.py, test_optim_state_params.py, test_optim_state_tensors.py): the configurations
 they run over, the make fixture (an offload.AdamW of a configuration), parameters with their torch
-copies, deterministic gradients and the comparison with torch; the child process of the crash-prone
+copies, deterministic gradients (and a step of both sides with them) and the comparison with torch; the child process of the crash-prone
 cases."""
 import subprocess
 import sys
@@ -35,6 +35,14 @@ def set_grads(ps, seed, scale=1.0):
     gen = torch.Generator().manual_seed(seed)
     for p in ps:
         p.grad = (torch.randn(p.shape, generator=gen) * scale).to(p.dtype)
+
+
+def step_both(opt, topt, ours, ref, seed):
+    """The same gradients (set_grads(..., seed)) on both sides, then a step of each optimizer."""
+    set_grads(ours, seed)
+    set_grads(ref, seed)
+    opt.step()
+    topt.step()
 
 
 def close(a, b, **kw):

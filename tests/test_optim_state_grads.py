@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import configs
-from optim_state_util import HOST_FP32, LR, close, make, pair, set_grads  # noqa: F401 (a fixture)
+from optim_state_util import HOST_FP32, LR, close, make, pair, set_grads, step_both  # noqa: F401 (a fixture)
 
 
 # ----------------------------------------------------------------------------- item 2: clip coefficient
@@ -69,10 +69,7 @@ def test_clip_coefficient_of_a_skipped_step_is_not_applied_to_new_gradients(make
     assert not torch.isfinite(opt.clip_grad_norm_(1.0))
     for p in ours:
         p.grad = None
-    set_grads(ours, 2)
-    set_grads(ref, 2)
-    opt.step()
-    topt.step()
+    step_both(opt, topt, ours, ref, 2)
     close(ours, ref)
     assert torch.isfinite(ours[0]).all()
 

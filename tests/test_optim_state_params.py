@@ -12,7 +12,7 @@ import torch
 
 import offload
 from conftest import configs
-from optim_state_util import HOST_FP32, LR, _run_child, close, make, pair, set_grads  # noqa: F401 (a fixture)
+from optim_state_util import HOST_FP32, LR, _run_child, close, make, pair, set_grads, step_both  # noqa: F401 (a fixture)
 
 
 # ----------------------------------------------------------------------------- item 3: writes to bf16/fp16 params
@@ -102,10 +102,7 @@ def test_disjoint_views_of_one_storage_are_fine(make):
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     opt, topt = make(ours), torch.optim.AdamW(ref, lr=LR)
     for s in range(3):
-        set_grads(ours, s)
-        set_grads(ref, s)
-        opt.step()
-        topt.step()
+        step_both(opt, topt, ours, ref, s)
     close(ours, ref)
 
 
@@ -136,10 +133,7 @@ def _step_or_refuse(opt, topt, match):
 def test_transposed_param_data_is_not_mispaired(make, static_grad):
     ours, ref = pair(shape=(5, 5))
     opt, topt = make(ours), torch.optim.AdamW(ref, lr=LR)
-    set_grads(ours, 0)
-    set_grads(ref, 0)
-    opt.step()
-    topt.step()
+    step_both(opt, topt, ours, ref, 0)
     for p in ours + ref:
         p.data = p.data.t()
     if not static_grad:
@@ -152,10 +146,7 @@ def test_transposed_param_data_is_not_mispaired(make, static_grad):
 def test_transposed_grad_in_place_is_not_mispaired(make):
     ours, ref = pair(shape=(5, 5))
     opt, topt = make(ours), torch.optim.AdamW(ref, lr=LR)
-    set_grads(ours, 0)
-    set_grads(ref, 0)
-    opt.step()
-    topt.step()
+    step_both(opt, topt, ours, ref, 0)
     for p in ours + ref:
         p.grad.t_()  # same object and data pointer, new strides
     if _step_or_refuse(opt, topt, "contiguous"):

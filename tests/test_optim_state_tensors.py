@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import configs
-from optim_state_util import HOST_FP32, LR, _run_child, close, make, pair, set_grads  # noqa: F401 (a fixture)
+from optim_state_util import HOST_FP32, LR, _run_child, close, make, pair, set_grads, step_both  # noqa: F401 (a fixture)
 
 
 # ----------------------------------------------------------------------------- item 6: replaced state tensors
@@ -44,10 +44,7 @@ def test_disk_state_replaced_moment_is_refused_cleared_state_starts_fresh(make, 
     ours, ref = pair()
     opt, topt = make(ours, cfg), torch.optim.AdamW(ref, lr=LR)
     for s in range(2):
-        set_grads(ours, s)
-        set_grads(ref, s)
-        opt.step()
-        topt.step()
+        step_both(opt, topt, ours, ref, s)
     for o, p in ((opt, ours[0]), (topt, ref[0])):
         o.state[p]["exp_avg"].zero_()
     saved = opt.state[ours[0]]["exp_avg"]
@@ -55,15 +52,11 @@ def test_disk_state_replaced_moment_is_refused_cleared_state_starts_fresh(make, 
     with pytest.raises(ValueError, match="exp_avg.*replaced by another tensor"):
         opt.step()
     opt.state[ours[0]]["exp_avg"] = saved
-    for o, ps in ((opt, ours), (topt, ref)):
-        set_grads(ps, 2)
-        o.step()
+    step_both(opt, topt, ours, ref, 2)
     close(ours, ref)
     opt.state.clear()
     topt.state.clear()
-    for o, ps in ((opt, ours), (topt, ref)):
-        set_grads(ps, 3)
-        o.step()
+    step_both(opt, topt, ours, ref, 3)
     close(ours, ref)
     assert float(opt.state[ours[0]]["step"]) == float(topt.state[ref[0]]["step"]) == 1.0
 
@@ -86,16 +79,10 @@ def test_replaced_step_is_used(make, cfg):
 def test_replaced_state_is_converted_and_checked(make):
     ours, ref = pair()
     opt, topt = make(ours), torch.optim.AdamW(ref, lr=LR)
-    set_grads(ours, 0)
-    set_grads(ref, 0)
-    opt.step()
-    topt.step()
+    step_both(opt, topt, ours, ref, 0)
     opt.state[ours[0]]["exp_avg"] = torch.full((5, 6), 0.01, dtype=torch.float64).t()  # fp64, non-contiguous
     topt.state[ref[0]]["exp_avg"] = torch.full((6, 5), 0.01)
-    set_grads(ours, 1)
-    set_grads(ref, 1)
-    opt.step()
-    topt.step()
+    step_both(opt, topt, ours, ref, 1)
     close(ours, ref)
     opt.state[ours[0]]["exp_avg_sq"] = torch.zeros(7)
     with pytest.raises(ValueError, match="exp_avg_sq"):
