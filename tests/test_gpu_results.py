@@ -253,14 +253,19 @@ def test_state_dict_round_trip_with_torch():
     opt2 = ours()(model2)
     opt2.load_state_dict(ref.state_dict())
     gen = torch.Generator().manual_seed(9)
-    for _ in range(2):
-        idx, tgt = random_batch(CFG, 2, "cpu", gen)
-        for m, o in ((ref_model, ref), (model2, opt2)):
+    _train_alike((model2, opt2), (ref_model, ref), [random_batch(CFG, 2, "cpu", gen) for _ in range(2)])
+
+
+def _train_alike(ours_pair, ref_pair, batches):
+    """A training step of each (model, optimizer) pair on every batch, then their weights and state
+    compared (after offload's device work has drained)."""
+    for idx, tgt in batches:
+        for m, o in (ours_pair, ref_pair):
             m(idx, tgt, use_aux=True).backward()
             o.step()
             o.zero_grad()
-    opt2.synchronize()
-    assert_same((model2, opt2), (ref_model, ref), exact=False)
+    ours_pair[1].synchronize()
+    assert_same(ours_pair, ref_pair, exact=False)
 
 
 # ------------------------------------------------------------------------------------ small params
@@ -293,13 +298,7 @@ def test_small_params_state_dict_round_trip():
     ref_model.load_state_dict(model.state_dict())
     ref = torch_ref(ref_model)
     ref.load_state_dict(sd)
-    idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(3))
-    for m, o in ((model2, opt2), (ref_model, ref)):
-        m(idx, tgt, use_aux=True).backward()
-        o.step()
-        o.zero_grad()
-    opt2.synchronize()
-    assert_same((model2, opt2), (ref_model, ref), exact=False)
+    _train_alike((model2, opt2), (ref_model, ref), [random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(3))])
 
 
 # ------------------------------------------------------------------------------------ variants
