@@ -75,7 +75,8 @@ static void run1(Bufs& b, int vi, int fmt, bool lowp) {
   AdamScalars s = make_scalars(H, 10);
   // the fp32 loop's software prefetch (the library's stream_prefetch(); compressed loops always prefetch):
   // on unless OFFLOAD_PREFETCH=off, as the library on Intel CPUs
-  s.prefetch = !(std::getenv("OFFLOAD_PREFETCH") && std::string(std::getenv("OFFLOAD_PREFETCH")) == "off");
+  const char* pf = std::getenv("OFFLOAD_PREFETCH");
+  s.prefetch = !(pf && std::string(pf) == "off");
   if (fmt == 32) {
     AdamTask t{b.p, b.m, b.v, nullptr, lowp ? (void*)b.gb : (void*)b.g, lowp ? b.out : nullptr, b.n, 10, lowp ? kBF16 : kF32, lowp ? kBF16 : kNone};
     VARS[vi].f(t, s, 0, b.n);

@@ -20,11 +20,12 @@ __all__ = ["info"]
 def info() -> dict:
     """The compiled core's version, chosen and available ISAs, the fp32 loop's software prefetch, thread
     count, CPUs in the affinity mask."""
+    mode, prefetching = _C.get_stream_prefetch()
     return {
         "native_version": _C.__version__,
         "isa": _C.get_isa(),
         "available_isas": list(_C.available_isas()),
-        "stream_prefetch": "%s (%s)" % (("on" if _C.get_stream_prefetch()[1] else "off"), _C.get_stream_prefetch()[0]),
+        "stream_prefetch": f"{'on' if prefetching else 'off'} ({mode})",
         "threads": _C.get_num_threads(),
         "affinity_cpus": _C.affinity_cpu_count(),
     }
