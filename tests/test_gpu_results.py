@@ -148,22 +148,25 @@ def test_step_grad_multiplier(cfg):
     assert_same(run(ours(**cfg.schedule_kw)), run(cpu_mode))
 
 
-@pytest.mark.timeout(60)
-def test_eager_mode_refuses_grad_multiplier():
+def _after_one_backward():
+    """An offload optimizer in the default (eager) mode whose model has just run one backward."""
     model = make_net(torch.float32)
     opt = ours()(model)
     idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(5))
     model(idx, tgt, use_aux=True).backward()
+    return model, opt
+
+
+@pytest.mark.timeout(60)
+def test_eager_mode_refuses_grad_multiplier():
+    model, opt = _after_one_backward()
     with pytest.raises(RuntimeError, match="step_during_backward=False"):
         opt.step(grad_multiplier=0.5)
 
 
 @pytest.mark.timeout(60)
 def test_eager_mode_refuses_late_clipping():
-    model = make_net(torch.float32)
-    opt = ours()(model)
-    idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(5))
-    model(idx, tgt, use_aux=True).backward()
+    model, opt = _after_one_backward()
     with pytest.raises(RuntimeError, match="max_grad_norm"):
         opt.clip_grad_norm_(1.0)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
