@@ -137,3 +137,21 @@ def test_train_bench_runs_on_cpu(tmp_path, capsys):
     nv = json.loads(out.read_text())["results"][0]
     assert nv["variant"] == "offload-nvme" and nv["bound"] > 0 and nv["io_s"] > 0 and nv["host_bytes"] <= 2**20
     assert "target <= 1.15" in capsys.readouterr().out
+
+
+def test_kernel_call_contender_does_the_steps_work_on_bf16_parameters():
+    """The bench's raw kernel call on bf16 parameters does what the step does: it also takes the
+    user's writes to the parameter since the last step (so it is timed doing the same work)."""
+    import torch
+    from offload.bench.kernel_cases import Case, Ours, OursKernel
+    torch.manual_seed(0)
+    case = Case("bf16", [1000, 37], lowp=True)
+    ours = Ours(case, [torch.randn(n).bfloat16() for n in case.sizes], 1)
+    ours.step()   # state exists from here
+    kernel = OursKernel(ours, 1)
+    before = ours.params[0].detach().clone()
+    ours.params[0].data[5:9] = 3.0   # a write through .data: the step adopts it into its master
+    kernel.step()
+    after = ours.params[0].float()
+    assert (after[5:9] - 3.0).abs().max() < 0.05   # updated from the written value, not the old master
+    assert (after[9:] - before[9:].float()).abs().max() < 0.05

@@ -154,6 +154,11 @@ class OursKernel(Contender):
         outs = [p if "master_param" in st else None for st, p in zip(sts, ps)]
         self.table = _kernels.adam_table(masters, [p.grad for p in ps], [st["exp_avg"] for st in sts],
                                          [st["exp_avg_sq"] for st in sts], None, [10] * len(ps), outs)
+        # a bf16/fp16 parameter is the step's own output: the step also checks it for the user's
+        # writes since the last step (and adopts them), so the call does the same work
+        for i, o in enumerate(outs):
+            if o is not None and o.dtype in _kernels.OUT_USER_PARAM:
+                self.table[i, _kernels.COL_OD] = _kernels.OUT_USER_PARAM[o.dtype]
         self.threads = threads
 
     def step(self) -> None:
