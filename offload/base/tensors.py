@@ -3,7 +3,8 @@
 ``check_tensor`` (type, layout, device, dtype, contiguity, shape, neg/conj bits, storage bounds),
 ``check_storage`` (the view lies inside its storage), ``check_no_overlap`` (nothing written shares
 bytes with anything else), ``tensor_signature`` (what a cached pointer-table row depends on) and
-``ptr`` (the address, 0 for none). Used by offload/native/ before every native call and by the
+``ptr`` (the address, 0 for none), ``bump_versions`` (what an in-place torch op does to the version
+counter, for memory written through an address). Used by offload/native/ before every native call and by the
 parameter checks of offload/params/.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["check_storage", "check_tensor", "check_no_overlap", "ptr", "tensor_signature"]
+__all__ = ["bump_versions", "check_storage", "check_tensor", "check_no_overlap", "ptr", "tensor_signature"]
 
 
 def check_storage(t: torch.Tensor, name: str) -> None:
@@ -111,3 +112,17 @@ def check_no_overlap(written, read=()) -> None:
 def ptr(t: Optional[torch.Tensor]) -> int:
     """The address of ``t``'s first element; 0 for None or an empty tensor (the native tables' "absent")."""
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def bump_versions(tensors: list) -> None:
+    """Raise the version counter of every tensor in ``tensors`` by one, as an in-place torch op on
+    it would: memory the native kernel wrote through an address is then seen as modified by
+    autograd (a backward through values saved before the write raises, as it does after torch's
+    own optimizers) and by anything else that watches ``_version``."""
+    if not tensors:
+        return
+    try:
+        torch.autograd.graph.increment_version(tensors)   # a sequence, in one call (recent torch)
+    except TypeError:
+        for t in tensors:   # torch versions whose increment_version takes one tensor
+            torch.autograd.graph.increment_version(t)

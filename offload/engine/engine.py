@@ -58,8 +58,7 @@ def _check_process(pid: int, mode: str) -> None:
 
 
 def _moment_format(numels: list, moments: str, min_size: int, gi: int, i: int) -> str:
-    n = numels[gi][i]
-    return moments if n and n >= min_size else "fp32"
+    return moments if numels[gi][i] >= max(min_size, 1) else "fp32"
 
 
 class StateEngine:
@@ -300,6 +299,7 @@ class StateEngine:
             pipeline.run(jobs, tier=self.tier, side=self.side, registry=self.registry, hyper=hypers.__getitem__,
                          mult=mult, threads=threads, depth=self.depth, ahead=getattr(self.side, "nslots", 1),
                          timing=self.telemetry, resync=resync and self._resync(resync))
+            self.side.stepped(active)   # host: the kernel wrote them through their addresses (versions up)
             fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~self.registry.ready[gi])]
             self.commit(active, fresh, state)
         except BaseException as e:
@@ -327,8 +327,8 @@ class StateEngine:
         return apply
 
     def io_pass(self) -> float:
-        """Benchmark helper: read and write back every bucket through the step's pipeline without
-        computing (data unchanged). Returns the seconds it took: the I/O-only time of a full step."""
+        """Benchmark helper: the seconds to read and write back every bucket through the step's pipeline
+        without computing (data unchanged): the I/O-only time of a full step."""
         with self.exclusive():
             return self._io_pass()
 

@@ -104,6 +104,10 @@ class DeviceParams:
             out.append((0, gbuf.data_ptr() + pc.boff, code, obuf.data_ptr() + pc.boff, code))
         return out
 
+    def stepped(self, active: list) -> None:
+        """(HostParams bumps the version counters of the parameters the kernel wrote; here the kernel
+        wrote the staging slots, and the uploads write through ``.data``, see publish.)"""
+
     def publish(self, b, pieces, staged: Staged, after=None):
         """H2D of the new weights from the slot (after ``after``: during backward, the compute stream's
         event recorded when the bucket's gradients were complete, so no queued kernel still reads them)."""

@@ -7,9 +7,11 @@ and gradients is cached per row (params/hostrows.py); ``ptrs`` reads the address
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..base.dist import local
+from ..base.tensors import bump_versions
 from ..native.adam import DTYPE_CODES, OUT_USER_PARAM
 from .base import LOW_PRECISION
 
@@ -53,6 +55,21 @@ class HostParams:
             else:
                 out.append((p.data_ptr() + pc.start * isz, ga, DTYPE_CODES[g.dtype], 0, 0))
         return out
+
+    def stepped(self, active: list) -> None:
+        """The kernel wrote the parameters ``active`` (per group, bool masks) through their addresses:
+        their version counters go up as after an in-place torch op (that of the parameter object a
+        forward saves: a sharded parameter's DTensor), and the cached records of bf16/fp16 rows
+        follow, so that the next step does not take its own write for the user's."""
+        written = []
+        for ps, a in zip(self.groups, active):
+            if a.all():
+                written += ps   # (every warm step of a model whose parameters all have gradients)
+            elif a.any():
+                written += [ps[i] for i in np.flatnonzero(a).tolist()]
+        bump_versions(written)
+        if self.rows is not None:
+            self.rows.bumped(active)
 
     def read_master(self, gi: int, i: int, start: int, n: int, dst: torch.Tensor, changed_only: bool = False) -> None:
         # (host bf16/fp16 parameters: the kernel adopts user writes element by element anyway)

@@ -168,6 +168,19 @@ class HostRows:
         else:
             spans.check_grads((gi, i, grads[gi][i]) for gi, rows in new for i in rows)
 
+    def bumped(self, active: list) -> None:
+        """The step raised the version counter of the parameters ``active`` by one (HostParams.stepped):
+        the recorded version of each bf16/fp16 row among them follows. Every such row was checked
+        against its record (or recorded) by this step's collect, and nothing writes a parameter
+        between that and the kernel; a write by anyone else leaves the counter ahead of the record
+        (a revalidation and a resync, never a missed write)."""
+        for rows, a in zip(self.groups, active):
+            if len(a) != len(rows.plain):
+                continue
+            sel = a & rows.plain & (rows.meta[:, M_LOWP] != 0) & (rows.meta[:, M_PVER] >= 0)
+            if sel.any():
+                rows.meta[sel, M_PVER] += 1
+
     def ptrs(self, b, pieces, grads) -> Optional[np.ndarray]:
         """The (param, grad, grad dtype, out, out dtype) addresses of ``pieces`` of bucket ``b`` as
         params/host.py computes them, from this step's records; None if a piece is not recorded."""
