@@ -22,17 +22,20 @@ class RamTier(StateTier):
         super().__init__()
         self.arenas: list = []   # (offset, tensor): one per allocate() (add_param_group appends)
         self.nbytes = 0
+        self.blocks: dict = {}   # (offset, nbytes) -> Block, made once per arena layout (acquire)
 
     def allocate(self, layout) -> None:
         if layout.nbytes > self.nbytes:
             self.arenas.append((self.nbytes, aligned_empty(layout.nbytes - self.nbytes)))
             self.nbytes = layout.nbytes
         self.layout = layout
+        self.blocks = {}
 
     def shrink(self, layout) -> None:
         self.arenas = [(start, arena) for start, arena in self.arenas if start < max(layout.nbytes, 1)]
         self.nbytes = self.arenas[-1][0] + self.arenas[-1][1].numel() if self.arenas else 0
         self.layout = layout
+        self.blocks = {}
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         for start, arena in reversed(self.arenas):
@@ -50,8 +53,12 @@ class RamTier(StateTier):
         return self.view, None
 
     def acquire(self, b, read: bool) -> Block:
-        data = self.view(b.offset, b.nbytes)
-        return Block(data.data_ptr(), data)
+        # the same view every step (no torch op per bucket), until the arenas change
+        blk = self.blocks.get((b.offset, b.nbytes))
+        if blk is None:
+            data = self.view(b.offset, b.nbytes)
+            blk = self.blocks[(b.offset, b.nbytes)] = Block(data.data_ptr(), data)
+        return blk
 
     def info(self) -> dict:
         d = super().info()
