@@ -43,7 +43,7 @@ namespace {
 
 // columns of the per-row record (offload/native/rows.py M_* must match)
 enum : int64_t { R_PPTR, R_GPTR, R_CODE, R_DIM, R_SIZE0, R_NUMEL, R_PVER, R_LOWP, R_COLS };
-constexpr int64_t kTaskCols = 10, kColG = 4, kColGD = 8;  // offload/native/adam.py COL_G, COL_GD
+constexpr int64_t kTableCols = 10, kTableColG = 4, kTableColGD = 8;  // offload/native/adam.py COL_G, COL_GD
 
 using Table = py::array_t<int64_t, py::array::c_style>;
 
@@ -257,7 +257,7 @@ void register_rows(py::module_& m) {
         if (out && (!PyList_CheckExact(grads.ptr()) || PyList_GET_SIZE(grads.ptr()) != n))
           throw std::invalid_argument("collect_rows: grads must be None or a list with one entry per parameter");
         int64_t* rec = table_data(rec_a, n, R_COLS, "rec");
-        int64_t* table = table_data(table_a, n, kTaskCols, "table");
+        int64_t* table = table_data(table_a, n, kTableCols, "table");
         const Torch T = unpack(fns);
         // rec and table are written below, between calls into Python: hold the arrays themselves
         // (their buffers cannot be freed or moved while referenced and not resizable) ...
@@ -345,8 +345,8 @@ void register_rows(py::module_& m) {
           const py::object old_ref = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(g_refs.ptr(), i));
           PyList_SetItem(g_refs.ptr(), i, wr);  // steals wr
           r[R_GPTR] = gptr;
-          table[i * kTaskCols + kColG] = numel > 0 ? gptr : 0;
-          table[i * kTaskCols + kColGD] = code;
+          table[i * kTableCols + kTableColG] = numel > 0 ? gptr : 0;
+          table[i * kTableCols + kTableColGD] = code;
           keep_grad(g);
           newgrad.push_back(i);
         }
