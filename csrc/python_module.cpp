@@ -1,9 +1,8 @@
 // python_module.cpp: the Python-facing sources of offload._C, compiled as one translation unit.
 // Each of them includes pybind11, whose headers alone cost ~6-7 s of compiler time per translation
-// unit at -O1; compiled together the four take ~13 s instead of ~39 s (GCC 12, AMD EPYC Zen 3),
-// which on 2 cores is about a quarter of the clean build. They stay separate files, one
-// responsibility each (their headers say what they trust); setup.py compiles them only through
-// here, at the glue's -O1, so names in their anonymous namespaces must not collide.
+// unit; compiled together the four take ~19 s instead of ~39 s as four units (GCC 12, AMD Zen 3).
+// They stay separate files, one responsibility each (their headers say what they trust); setup.py
+// compiles them only through here, so names in their anonymous namespaces must not collide.
 #include "bindings.cpp"          // the module: kernel entries, ISA and thread settings
 #include "aio_bindings.cpp"      // the NVMe state I/O engine
 #include "moments_bindings.cpp"  // compressed-moment kernel entry
