@@ -63,3 +63,21 @@ def test_the_steps_own_version_bump_is_not_a_user_write(monkeypatch):
             assert checked == []   # every row as recorded: none revalidated in Python
     for p, q in zip(ps, ref):   # the fp32 master rounded: torch's fp32 step to within one bf16 rounding
         torch.testing.assert_close(p.float(), q.detach().bfloat16().float(), atol=1e-2, rtol=1e-2)
+
+
+def test_the_functional_kernels_raise_the_versions_of_what_they_write():
+    """offload.kernels.adam_step / adam_step_moments, like torch's in-place foreach/fused ops."""
+    from offload import kernels
+    p, g, m, v = torch.randn(100), torch.randn(100), torch.zeros(100), torch.zeros(100)
+    out = torch.empty(100, dtype=torch.bfloat16)
+    before = [t._version for t in (p, m, v, out)]
+    kernels.adam_step([p], [g], [m], [v], None, [1], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                      weight_decay=0.0, decoupled=True, outs=[out])
+    assert [t._version for t in (p, m, v, out)] == [b + 1 for b in before] and g._version == 0
+    st = kernels.moment_state(100, "8bit")
+    written = [p, st["exp_avg"], st["exp_avg_sq"], st["exp_avg_scale"], st["exp_avg_sq_scale"]]
+    before = [t._version for t in written]
+    kernels.adam_step_moments([p], [g], [st["exp_avg"]], [st["exp_avg_sq"]], [1], fmt="8bit", lr=1e-3, beta1=0.9,
+                              beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True,
+                              m_scales=[st["exp_avg_scale"]], v_scales=[st["exp_avg_sq_scale"]])
+    assert [t._version for t in written] == [b + 1 for b in before]

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..base.dtypes import LOW_PRECISION, NATIVE_DTYPES
-from ..base.tensors import check_no_overlap, check_tensor, ptr
+from ..base.tensors import bump_versions, check_no_overlap, check_tensor, ptr
 from . import _C
 
 __all__ = [
@@ -60,7 +60,8 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp
     ``params``/``exp_avgs``/``exp_avg_sqs``/``max_exp_avg_sqs`` are fp32 and updated in place;
     ``grads`` may be fp32, bf16 or fp16; ``outs[i]`` (optional) receives the new weights as
     bf16/fp16/fp32. ``steps[i]`` is the step count after this update (>= 1).
-    ``reference=True`` runs the plain scalar reference instead of the SIMD kernels.
+    ``reference=True`` runs the plain scalar reference instead of the SIMD kernels. Every tensor
+    written gets its version counter raised, as torch's in-place ops do.
     """
     n = len(params)
     for name, seq in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("steps", steps)):
@@ -74,6 +75,8 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp
     _C._adam_step(table, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
                   bool(decoupled), bool(amsgrad), bool(maximize), float(grad_multiplier), int(threads),
                   bool(reference))
+    bump_versions([t for seq in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else (), outs or ())
+                   for t in seq if t is not None])
 
 
 def adam_table(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, outs=None) -> np.ndarray:

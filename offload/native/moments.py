@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from . import _C
-from ..base.tensors import check_tensor, ptr
+from ..base.tensors import bump_versions, check_tensor, ptr
 from .adam import DTYPE_CODES, OUT_NONE, out_and_step
 
 __all__ = ["MOMENT_FORMATS", "MOMENT_BLOCK", "MOMENT_TASK_COLS", "moment_state", "moment_table",
@@ -108,13 +108,16 @@ def adam_step_moments(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
     """One Adam/AdamW update of every tensor with compressed moments, in one native call.
 
     ``params`` are fp32 masters (updated in place), ``grads`` fp32/bf16/fp16, moments as made
-    by :func:`moment_state`. Same math as :func:`offload.kernels.adam_step` on the decoded moments.
+    by :func:`moment_state`. Same math as :func:`offload.kernels.adam_step` on the decoded moments;
+    every tensor written gets its version counter raised, as torch's in-place ops do.
     """
     table = moment_table(params, grads, exp_avgs, exp_avg_sqs, steps, fmt=fmt, m_scales=m_scales,
                          v_scales=v_scales, outs=outs)
     step_moment_table(table, dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                                   decoupled=decoupled, amsgrad=amsgrad, maximize=maximize),
                       grad_multiplier, threads, reference)
+    bump_versions([t for seq in (params, exp_avgs, exp_avg_sqs, m_scales or (), v_scales or (), outs or ())
+                   for t in seq if t is not None])
 
 
 def decode_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fmt: str,
