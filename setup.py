@@ -24,7 +24,8 @@ ISA_FLAGS = {
 IN_PYTHON_MODULE = ["csrc/bindings.cpp", "csrc/aio_bindings.cpp", "csrc/moments_bindings.cpp", "csrc/rows.cpp"]
 # The longest compiles first (~22, 22, 19 and 5 s on one core; ParallelCompile hands the files out in
 # this order), so that on 2 cores the rest fills in around them instead of one of them starting last.
-LONGEST_FIRST = ["csrc/kernels_avx2.cpp", "csrc/kernels_avx512.cpp", "csrc/python_module.cpp", "csrc/kernels_scalar.cpp"]
+LONGEST_FIRST = ["csrc/kernels_avx2.cpp", "csrc/kernels_avx512.cpp", "csrc/python_module.cpp",
+                 "csrc/kernels_scalar.cpp"]
 SOURCES = LONGEST_FIRST + sorted(set(glob("csrc/*.cpp")) - set(IN_PYTHON_MODULE) - set(LONGEST_FIRST))
 
 

@@ -7,11 +7,11 @@
   that knows the parameters did not move (params/hostrows.py) checks only new gradients.
 - ``WriteTracker``: a bf16/fp16 parameter's fp32 master lives apart from the parameter, and the
   kernel writes the parameter through a raw pointer; the step then raises its version counter
-  itself (HostParams.stepped) before the tracker records it. A user's write in between (``p.mul_(mask)``, ``clamp_``, ``copy_``, ``load_state_dict``,
-  ``p.data = ...``) changes the version counter or the data pointer; ``refresh_master`` then takes
-  the parameter's new values into the master where they differ from the rounded master, so
-  unchanged elements keep their fp32 precision. (A write through ``p.data.mul_()`` bumps no
-  counter of ``p`` and is not seen.)
+  itself (HostParams.stepped) before the tracker records it. A user's write in between
+  (``p.mul_(mask)``, ``clamp_``, ``copy_``, ``load_state_dict``, ``p.data = ...``) changes the
+  version counter or the data pointer; ``refresh_master`` then takes the parameter's new values
+  into the master where they differ from the rounded master, so unchanged elements keep their fp32
+  precision. (A write through ``p.data.mul_()`` bumps no counter of ``p`` and is not seen.)
 """
 from __future__ import annotations
 
