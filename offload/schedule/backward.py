@@ -250,9 +250,10 @@ class BackwardFeed:
 
     def give_up_uploads(self) -> None:
         """The worker failed: it finishes what is queued (it steps and uploads nothing more), the compute
-        stream waits for the uploads it issued before the failure, and none is waited for again."""
+        stream waits for the uploads it issued before the failure (those of a step still in backward
+        too: a failure raised by a gradient hook), and none is waited for again."""
         self.wait_idle()
-        self.uploads.abandon()
+        self.uploads.abandon(self.ups)
 
     def recover(self) -> None:
         """After a complete load_state_dict (which recovered the tier): a failed step's error goes, and the
@@ -260,7 +261,7 @@ class BackwardFeed:
         if self.error is not None:
             self.wait_idle()
             self.error, self.reported = None, False
-            self.uploads.abandon()
+            self.uploads.abandon(self.ups)
             self._reset()
 
     def fail(self, e: BaseException, reported: bool = False) -> None:
@@ -300,7 +301,7 @@ class BackwardFeed:
         StoreFailedError through the tier; close() still works)."""
         self.wait_idle()
         if self.error is not None and self.reported:
-            self.uploads.abandon()   # reported already: later uses raise StoreFailedError
+            self.uploads.abandon(self.ups)   # reported already: later uses raise StoreFailedError
             return
         self.raise_if_failed()
         self.uploads.wait_all()

@@ -161,11 +161,12 @@ class UploadWaits:
         if self.pending:
             self.wait_upto(len(self.seq) - 1)
 
-    def abandon(self) -> None:
+    def abandon(self, current: tuple = ()) -> None:
         """The worker failed (reported) and is idle: nothing more will be uploaded. The compute stream
         still waits for the uploads issued before the failure, so that none lands after a later write
-        (the user restoring the weights); an upload that failed itself is part of the failure reported."""
-        for u in self.seq[self.next:]:
+        (the user restoring the weights); an upload that failed itself is part of the failure reported.
+        ``current``: the uploads of a step still in backward (not handed to ``start`` yet), waited for too."""
+        for u in list(self.seq[self.next:]) + list(current):
             if u.issued.is_set() and u.ev is not None:
                 try:
                     self.device.wait(u.ev)
