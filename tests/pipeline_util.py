@@ -2,8 +2,11 @@
 (test_gpu_results.py, test_gpu_overlap.py, test_gpu_device_writes.py, test_gpu_api.py): a tiny GPT with a
 layer used only on even steps, optimizer factories (offload on the fake device, torch.optim.AdamW, the
 CPU mode of offload.AdamW), a training loop with accumulation, clipping, overflow and GradScaler options,
-the comparison of two runs, and the spans of a Chrome trace."""
+the comparison of two runs, the spans of a Chrome trace, and a fake device whose uploads are held back.
+"""
 import contextlib
+import threading
+import time
 
 import torch
 import torch.nn as nn
@@ -11,6 +14,7 @@ import torch.nn as nn
 import offload
 from offload.bench.gpt import GPT, PRESETS, param_groups, random_batch
 from offload.device import FakeDevice
+from offload.device.base import Event
 from offload.testing import device
 from conftest import SCHEDULES, Config
 
@@ -129,3 +133,36 @@ def _trace_spans(opt, path):
     opt.export_chrome_trace(str(path))
     ev = json.loads(path.read_text())["traceEvents"]
     return [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("ph") == "X"]
+
+
+class _Held(Event):
+    """Completes after ``after``, then ``delay`` seconds after it was made, or (no delay) once ``gate`` is set."""
+
+    def __init__(self, after, delay, gate):
+        self.after, self.t, self.gate = after, None if delay is None else time.perf_counter() + delay, gate
+
+    def synchronize(self) -> None:
+        if self.after is not None:
+            self.after.synchronize()
+        if self.t is None:
+            assert self.gate.wait(60), "a held upload was never released"
+        elif self.t > time.perf_counter():
+            time.sleep(self.t - time.perf_counter())
+
+    def query(self) -> bool:
+        return ((self.after is None or self.after.query())
+                and (self.gate.is_set() if self.t is None else time.perf_counter() >= self.t))
+
+
+class HeldUploads(FakeDevice):
+    """FakeDevice whose host-to-device copies start ``delay`` seconds after they are issued, or, with
+    ``delay=None``, only while ``gate`` (a threading.Event, set at first) is set."""
+
+    def __init__(self, delay=None, **kw):
+        super().__init__(**kw)
+        self.delay = delay
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def copy_to_device(self, pairs, after):
+        return super().copy_to_device(pairs, _Held(after, self.delay, self.gate))

@@ -5,7 +5,7 @@ upload issued before the failure that lands after that load would silently put t
 weights back into the model, and the next load of the optimizer's state would take them as the
 master (docs/failures.md).
 
-The uploads here are held back by a gate that opens a fixed time after each is issued, and a layer
+The uploads here start a fixed time after each is issued, and a layer
 whose backward sleeps makes the failure of the second bucket's kernel surface at a later
 parameter's gradient, inside the same backward: the path where the uploads of the step in
 progress had not been handed to the compute stream's waits yet."""
@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 
 import offload
-from offload.device import FakeDevice
-from offload.device.base import Event
 from offload.engine import bucket
+from pipeline_util import HeldUploads
+from tiny_models import slow_backward
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(60)]
 
@@ -26,44 +26,9 @@ UPLOAD_DELAY_S = 0.6    # each upload lands this long after it is issued
 BACKWARD_PAUSE_S = 0.25  # the first layer's backward starts this long after the last layers'
 
 
-class _Later(Event):
-    """Completes ``delay`` seconds after it was made, and after ``after``."""
-
-    def __init__(self, after, delay: float):
-        self.after, self.t = after, time.perf_counter() + delay
-
-    def synchronize(self) -> None:
-        if self.after is not None:
-            self.after.synchronize()
-        left = self.t - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
-
-    def query(self) -> bool:
-        return time.perf_counter() >= self.t and (self.after is None or self.after.query())
-
-
-class SlowUploads(FakeDevice):
-    """FakeDevice whose host-to-device copies start UPLOAD_DELAY_S after they are issued."""
-
-    def copy_to_device(self, pairs, after):
-        return super().copy_to_device(pairs, _Later(after, UPLOAD_DELAY_S))
-
-
-class _Pause(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        time.sleep(BACKWARD_PAUSE_S)
-        return g
-
-
 class Pause(nn.Module):
     def forward(self, x):
-        return _Pause.apply(x)
+        return slow_backward(x, BACKWARD_PAUSE_S)
 
 
 class Fault(Exception):
@@ -104,7 +69,7 @@ def test_no_upload_lands_after_a_failure_raised_in_backward(storage, tmp_path, m
     kw = dict(storage=storage, nvme_dir=str(tmp_path)) if storage == "nvme" else {}
     # 4 staging slots: the worker steps the next bucket while the last one's upload is in flight
     kw["nvme_options"] = {"staging_slots": 4}
-    dev = SlowUploads(max_delay=0.0)
+    dev = HeldUploads(delay=UPLOAD_DELAY_S, max_delay=0.0)
     opt = offload.AdamW(model.parameters(), lr=0.1, offload_device=dev, bucket_mb=0.001, **kw)
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
     model(x).square().mean().backward()
