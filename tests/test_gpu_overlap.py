@@ -8,6 +8,8 @@ Parameters are CPU tensors that the pipeline treats as device tensors: every gra
 every weight goes up through background "streams" with random delays, and the fake device poisons copy
 destinations and checks copy sources, so an ordering bug shows up as NaNs or as a recorded hazard.
 """
+import time
+
 import pytest
 import torch
 import torch.nn as nn
@@ -15,9 +17,10 @@ import torch.nn as nn
 import offload
 from offload.bench.gpt import random_batch
 from offload.device import FakeDevice
+from offload.engine import bucket
 from offload.testing import bookkeeping_sizes, device, trace_spans
 from tiny_models import slow_backward
-from pipeline_util import CFG, _trace_spans, assert_same, cpu_mode, make_net, ours, train
+from pipeline_util import HeldUploads, CFG, _trace_spans, assert_same, cpu_mode, make_net, ours, train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
 
@@ -99,6 +102,47 @@ def test_buckets_are_stepped_during_backward(tmp_path):
     t_step = next(a for name, a, _ in spans if name.startswith("step()"))
     # the last layers' buckets were stepped while the first layer's backward was still running
     assert sum(a < t_step for name, a, _ in spans if name.startswith("adam")) >= 2
+
+
+@pytest.mark.timeout(60)
+def test_worker_steps_staged_buckets_while_an_upload_is_held(monkeypatch):
+    """A bucket whose staging slot still uploads an earlier bucket's weights waits; the buckets already
+    staged are stepped meanwhile (the worker does not block on the slot first)."""
+    kernels = []
+    real = bucket.step_table
+    monkeypatch.setattr(bucket, "step_table", lambda *a, **k: (kernels.append(1), real(*a, **k))[1])
+
+    def run(dev):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        opt = offload.AdamW(model.parameters(), lr=1e-2, offload_device=dev, bucket_mb=0.001,
+                            nvme_options={"staging_slots": 2})
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+        for step in range(3):
+            if step == 2 and isinstance(dev, HeldUploads):
+                opt.synchronize()   # the last step's uploads landed: only this step's are held
+                dev.gate.clear()
+            kernels.clear()
+            model(x).square().mean().backward()
+            if step == 2 and isinstance(dev, HeldUploads):
+                deadline = time.perf_counter() + 10
+                while len(kernels) < 2 and time.perf_counter() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.1)
+                held = len(kernels)
+                dev.gate.set()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        out = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+        return out, (held if isinstance(dev, HeldUploads) else None)
+
+    ref, _ = run(FakeDevice(max_delay=0.0))
+    got, held = run(HeldUploads(max_delay=0.0))
+    assert held == 2, f"{held} bucket(s) stepped while the first upload was held, 2 staged"
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.timeout(60)

@@ -94,6 +94,11 @@ class DeviceParams:
         self.stats["d2h_bytes"] += sum(d.numel() * d.element_size() for d, _ in pairs)
         return Staged(s, ev)
 
+    def next_slot_free(self) -> bool:
+        """Can ``arrive`` take the next staging slot without waiting for its previous upload?"""
+        ev = self.slot_ev[self._next] if self.slot_ev else None
+        return ev is None or ev.query()
+
     def ptrs(self, b, pieces, staged: Staged) -> list:
         staged.d2h.synchronize()
         params = self.groups[b.group]

@@ -116,8 +116,12 @@ class Worker:
                 pending.append(q.get_nowait())
             except queue.Empty:
                 break
-        nslots = self.side.nslots
-        while pending and pending[0] is not None and pending[0][0] == "step" and len(staged) < nslots:
+        side = self.side
+        nslots = side.nslots
+        # a bucket is staged (its gradients copied down) while a slot is free; one whose slot still
+        # uploads the weights of an earlier bucket waits until the buckets already staged are stepped
+        while (pending and pending[0] is not None and pending[0][0] == "step" and len(staged) < nslots
+               and (not staged or side.next_slot_free())):
             job = pending.popleft()
             if self.failure() is not None:
                 job[-1].issued.set()
