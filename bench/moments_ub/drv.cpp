@@ -2,7 +2,8 @@
 // the thread pool: every variant built by mk.sh (one per csrc/ copy, e.g. before/after a change)
 // and a memory probe with each format's own streams (p, g and the moments, trivial arithmetic)
 // run round-robin in one process; prints the median TSC cycles per 8 elements (all threads'
-// elements over wall time) for fp32 / bf16 / 8-bit moments, fp32 grads and bf16 grad + out.
+// elements over wall time) for fp32 / bf16 / 8-bit moments, fp32 grads, bf16 grad + out and bf16 grad + the user's bf16
+// parameter (kBF16Sync: read for writes to adopt, none here, then written).
 // Usage: ./drv N THREADS [REPS]   (N per thread; streams staggered by 64 KiB + 64 B as the bench)
 //   in L2: ./drv 16384 1 9    out of cache: ./drv 33554432 1 5; ./drv 16777216 2 5
 #include "common.h"
@@ -31,7 +32,7 @@ struct Bufs {
     gb = (uint16_t*)carve(c, n * 2); out = (uint16_t*)carve(c, n * 2); m16 = (uint16_t*)carve(c, n * 2); v16 = (uint16_t*)carve(c, n * 2);
     mq = (int8_t*)carve(c, n); vq = (uint8_t*)carve(c, n); ms = (float*)carve(c, q_blocks(n) * 4); vs = (float*)carve(c, q_blocks(n) * 4);
     std::mt19937 r(1); std::normal_distribution<float> d;
-    for (int64_t i = 0; i < n; ++i) { p[i] = d(r); g[i] = d(r) * 1e-2f; gb[i] = f32_to_bf16(g[i]); }
+    for (int64_t i = 0; i < n; ++i) { p[i] = d(r); g[i] = d(r) * 1e-2f; gb[i] = f32_to_bf16(g[i]); out[i] = f32_to_bf16(p[i]); }
   }
 };
 
@@ -70,7 +71,8 @@ __attribute__((target("avx2"))) static void probe(Bufs& b, int fmt) {
   }
 }
 static AdamHyper H{1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, true, false, false};
-static void run1(Bufs& b, int vi, int fmt, bool lowp) {
+static void run1(Bufs& b, int vi, int fmt, int lowp) {
+  const int64_t od = lowp == 2 ? kBF16Sync : (lowp ? kBF16 : kNone);
   if (vi < 0) { probe(b, fmt); return; }
   AdamScalars s = make_scalars(H, 10);
   // the fp32 loop's software prefetch (the library's stream_prefetch(); compressed loops always prefetch):
@@ -78,11 +80,11 @@ static void run1(Bufs& b, int vi, int fmt, bool lowp) {
   const char* pf = std::getenv("OFFLOAD_PREFETCH");
   s.prefetch = !(pf && std::string(pf) == "off");
   if (fmt == 32) {
-    AdamTask t{b.p, b.m, b.v, nullptr, lowp ? (void*)b.gb : (void*)b.g, lowp ? b.out : nullptr, b.n, 10, lowp ? kBF16 : kF32, lowp ? kBF16 : kNone};
+    AdamTask t{b.p, b.m, b.v, nullptr, lowp ? (void*)b.gb : (void*)b.g, lowp ? b.out : nullptr, b.n, 10, lowp ? kBF16 : kF32, od};
     VARS[vi].f(t, s, 0, b.n);
   } else {
     AdamQTask t{b.p, fmt == 2 ? (void*)b.m16 : (void*)b.mq, fmt == 2 ? (void*)b.v16 : (void*)b.vq, b.ms, b.vs,
-      lowp ? (void*)b.gb : (void*)b.g, lowp ? b.out : nullptr, b.n, 10, lowp ? kBF16 : kF32, lowp ? kBF16 : kNone, fmt == 2 ? kMomBF16 : kMom8};
+      lowp ? (void*)b.gb : (void*)b.g, lowp ? b.out : nullptr, b.n, 10, lowp ? kBF16 : kF32, od, fmt == 2 ? kMomBF16 : kMom8};
     VARS[vi].q(t, s, 0, q_blocks(b.n));
   }
 }
@@ -90,26 +92,29 @@ int main(int argc, char** argv) {
   int64_t n = atoll(argv[1]); int threads = atoi(argv[2]); int reps = argc > 3 ? atoi(argv[3]) : 9;
   const int NV = sizeof(VARS) / sizeof(VARS[0]);
   int64_t inner = std::max<int64_t>(1, (1 << 23) / n);
-  std::vector<Bufs*> bs; for (int t = 0; t < threads; ++t) bs.push_back(new Bufs(n));
+  // the probes get their own buffers: their arithmetic leaves moments no Adam step would (v < 0,
+  // then NaN masters), which would send the kBF16Sync loops down their slow path
+  std::vector<Bufs*> bs, ps;
+  for (int t = 0; t < threads; ++t) bs.push_back(new Bufs(n)), ps.push_back(new Bufs(n));
   const int fmts[3] = {32, 2, 8};
-  std::vector<double> smp[16][2][3];
-  for (int r = -1; r < reps; ++r) for (int vi = 0; vi <= NV; ++vi) for (int lowp = 0; lowp < 2; ++lowp) for (int f = 0; f < 3; ++f) {
+  std::vector<double> smp[16][3][3];
+  for (int r = -1; r < reps; ++r) for (int vi = 0; vi <= NV; ++vi) for (int lowp = 0; lowp < 3; ++lowp) for (int f = 0; f < 3; ++f) {
     if (vi == NV && lowp) continue;
     uint64_t c0 = __rdtsc();
     std::vector<std::thread> th;
-    for (int t = 1; t < threads; ++t) th.emplace_back([&, t] { for (int64_t k = 0; k < inner; ++k) run1(*bs[t], vi == NV ? -1 : vi, fmts[f], lowp); });
-    for (int64_t k = 0; k < inner; ++k) run1(*bs[0], vi == NV ? -1 : vi, fmts[f], lowp);
+    for (int t = 1; t < threads; ++t) th.emplace_back([&, t] { for (int64_t k = 0; k < inner; ++k) run1(vi == NV ? *ps[t] : *bs[t], vi == NV ? -1 : vi, fmts[f], lowp); });
+    for (int64_t k = 0; k < inner; ++k) run1(vi == NV ? *ps[0] : *bs[0], vi == NV ? -1 : vi, fmts[f], lowp);
     for (auto& x : th) x.join();
     uint64_t c1 = __rdtsc();
     if (r >= 0) smp[vi][lowp][f].push_back(double(c1 - c0) / (double(inner) * n * threads) * 8.0);
   }
   printf("n=%lld thr=%d  TSC cycles per 8 elements (all threads' elements / wall), median of %d\n", (long long)n, threads, reps);
-  for (int lowp = 0; lowp < 2; ++lowp) for (int vi = 0; vi <= NV; ++vi) {
+  for (int lowp = 0; lowp < 3; ++lowp) for (int vi = 0; vi <= NV; ++vi) {
     if (vi == NV && lowp) continue;
     double md[3];
     for (int f = 0; f < 3; ++f) { auto v = smp[vi][lowp][f]; std::sort(v.begin(), v.end()); md[f] = v[v.size() / 2]; }
     auto v0 = smp[0][lowp][0]; std::sort(v0.begin(), v0.end()); double base = v0[v0.size() / 2];
-    printf("  %-10s %s  fp32 %6.2f  bf16 %6.2f (%.2fx)  8bit %6.2f (%.2fx)   [vs var0 fp32: bf16 %.2fx 8bit %.2fx]\n", (vi == NV ? "PROBE" : VARS[vi].name), lowp ? "bf16g+o" : "fp32 g ",
+    printf("  %-10s %s  fp32 %6.2f  bf16 %6.2f (%.2fx)  8bit %6.2f (%.2fx)   [vs var0 fp32: bf16 %.2fx 8bit %.2fx]\n", (vi == NV ? "PROBE" : VARS[vi].name), lowp == 2 ? "bf16g+P" : (lowp ? "bf16g+o" : "fp32 g "),
            md[0], md[1], md[0] / md[1], md[2], md[0] / md[2], base / md[1], base / md[2]);
   }
 }
