@@ -110,6 +110,19 @@ static inline typename I::V adam_block(float* __restrict p_, float* __restrict m
   return p;
 }
 
+// kUnroll vectors from i with a bf16 copy (OD kBF16 or kBF16Sync), stored two vectors at a time.
+template <class I, int GD, int OD, bool AMS, bool DECAY, bool RARE, int kUnroll>
+static inline __attribute__((always_inline)) void adam_bf16_blocks(
+    float* __restrict p, float* __restrict m, float* __restrict v, float* __restrict vmax, const void* __restrict g,
+    void* __restrict out, const Coeffs<I>& c, RareFlags f, int64_t i) {
+  constexpr int W = I::W;
+  for (int u = 0; u < kUnroll; u += 2) {
+    const auto a = adam_block<I, GD, OD, AMS, DECAY, RARE, false>(p, m, v, vmax, g, out, c, f, i + u * W);
+    const auto b = adam_block<I, GD, OD, AMS, DECAY, RARE, false>(p, m, v, vmax, g, out, c, f, i + (u + 1) * W);
+    I::store_bf16x2(static_cast<uint16_t*>(out) + i + u * W, a, b);
+  }
+}
+
 // Elements [0, n) of one tensor's streams (every pointer at the first element). The vector loop
 // is unrolled 4x (kUnroll): with one vector per iteration the sqrt/div chain of each vector left
 // too little independent work in flight to keep the loads streaming; the rest runs one vector,
@@ -140,11 +153,14 @@ static void adam_loop(float* const __restrict p, float* const __restrict m, floa
       if constexpr (OD != kNone) prefetch_chunk<kStep, OD == kF32 ? 4 : 2, true>(out, i);
     }
     if constexpr (OD == kBF16 || OD == kBF16Sync) {  // the bf16 copy two vectors at a time
-      for (int u = 0; u < kUnroll; u += 2) {
-        const auto a = adam_block<I, GD, OD, AMS, DECAY, RARE, false>(p, m, v, vmax, g, out, c, f, i + u * W);
-        const auto b = adam_block<I, GD, OD, AMS, DECAY, RARE, false>(p, m, v, vmax, g, out, c, f, i + (u + 1) * W);
-        I::store_bf16x2(static_cast<uint16_t*>(out) + i + u * W, a, b);
+      // the user's parameter: where the quick test passes, no lane has a write to adopt
+      if constexpr (OD == kBF16Sync && I::kQuickBF16Sync) {
+        if (I::template bf16_quick_in_sync<kStep>(p + i, static_cast<const uint16_t*>(out) + i)) {
+          adam_bf16_blocks<I, GD, kBF16, AMS, DECAY, RARE, kUnroll>(p, m, v, vmax, g, out, c, f, i);
+          continue;
+        }
       }
+      adam_bf16_blocks<I, GD, OD, AMS, DECAY, RARE, kUnroll>(p, m, v, vmax, g, out, c, f, i);
     } else {
       for (int u = 0; u < kUnroll; ++u)
         adam_block<I, GD, OD, AMS, DECAY, RARE>(p, m, v, vmax, g, out, c, f, i + u * W);

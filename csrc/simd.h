@@ -18,6 +18,7 @@ namespace {
 struct ScalarISA {
   using V = float;
   static constexpr int W = 1;
+  static constexpr bool kQuickBF16Sync = false;  // (Avx2ISA::bf16_quick_in_sync)
   static V set1(float x) { return x; }
   static V load(const float* p) { return *p; }
   static void store(float* p, V x) { *p = x; }
@@ -133,6 +134,27 @@ struct Avx2ISA {
     const __m256i eq = _mm256_cmpeq_epi32(_mm256_castps_si256(a), _mm256_castps_si256(b));
     return _mm256_blendv_ps(y, x, _mm256_castsi256_ps(eq));
   }
+  // A sufficient test that store_bf16 of p[k] would give u[k] for every k in [0, N) (N a multiple
+  // of W): no p[k] is NaN and bits(p[k]) - (u[k] << 16) is within +-0x7FFF, where round to
+  // nearest even can only give u[k] (a tie, +-0x8000, or a NaN fails it). 5 ops per vector where
+  // the exact per-lane check (bf16_round_widen + same_bits_select) is 9, and none on p's path:
+  // on Zen 3 the 32M bf16 step at 1 thread ran 3-7 % faster. (Avx512ISA keeps the per-lane check:
+  // its mask ops make that cheaper, and no AVX-512 CPU has measured a group test.)
+  static constexpr bool kQuickBF16Sync = true;
+  template <int N>
+  static bool bf16_quick_in_sync(const float* p, const uint16_t* u) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int k = 0; k < N; k += W) {
+      const V x = load(p + k);
+      const __m256i d = _mm256_sub_epi32(_mm256_castps_si256(x), _mm256_castps_si256(load_bf16(u + k)));
+      const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      acc = _mm256_or_si256(acc, _mm256_or_si256(_mm256_abs_epi32(d), nan));
+    }
+    const bool quick = _mm256_testz_si256(acc, _mm256_set1_epi32(int(0xFFFF8000u)));
+    // the update loads p again: kept live from here, those registers made it spill its constants
+    __asm__ volatile("" ::: "memory");
+    return quick;
+  }
   static V abs(V a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
   static V copysign(V mag, V sgn) { return _mm256_or_ps(mag, _mm256_and_ps(sgn, _mm256_set1_ps(-0.0f))); }
   static V maxf(V a, V b) { return _mm256_max_ps(a, b); }
@@ -163,6 +185,7 @@ struct Avx2ISA {
 struct Avx512ISA {
   using V = __m512;
   static constexpr int W = 16;
+  static constexpr bool kQuickBF16Sync = false;  // (Avx2ISA::bf16_quick_in_sync)
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
