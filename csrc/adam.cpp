@@ -141,6 +141,9 @@ double grad_sumsq(const GradTask* tasks, int64_t ntasks, int nthreads) {
   return sum;
 }
 
+// kProbeTiles: 1 MiB of each fp32 stream; thread t takes tiles t, t + T, ...
+constexpr int64_t kProbeTile = 1 << 18;
+
 void bandwidth_probe(float* p, float* m, float* v, const float* g, int64_t n, int nthreads, int mode) {
   if (n < 0) throw std::invalid_argument("negative length");
   if (mode < 0 || mode >= kProbeModes) throw std::invalid_argument("unknown probe mode");
@@ -151,21 +154,31 @@ void bandwidth_probe(float* p, float* m, float* v, const float* g, int64_t n, in
     split_run(n, nthreads, [&](int64_t b, int64_t e) { k.probe(p, m, v, g, b, e, mode); });
     return;
   }
-  constexpr int64_t kTile = 1 << 18;  // 1 MiB of each stream; thread t takes tiles t, t + T, ...
   parallel_run(threads_for(n, nthreads), [&](int tid, int T) {
-    for (int64_t b = tid * kTile; b < n; b += T * kTile) k.probe(p, m, v, g, b, std::min(n, b + kTile), kProbeFused);
+    for (int64_t b = tid * kProbeTile; b < n; b += T * kProbeTile)
+      k.probe(p, m, v, g, b, std::min(n, b + kProbeTile), kProbeFused);
   });
 }
 
 void bandwidth_probe_fmt(float* p, void* m, void* v, const void* g, void* out, int64_t n, int64_t mbytes,
-                         int64_t gbytes, int nthreads) {
+                         int64_t gbytes, int nthreads, int mode) {
   if (n < 0) throw std::invalid_argument("negative length");
+  if (mode != kProbeFused && mode != kProbeHwOnly && mode != kProbeTiles)
+    throw std::invalid_argument("unknown probe mode for the moment probe (0, 1 or 2)");
   if (mbytes != 1 && mbytes != 2 && mbytes != 4) throw std::invalid_argument("moment element size must be 1, 2 or 4");
   if (gbytes != 2 && gbytes != 4) throw std::invalid_argument("gradient element size must be 2 or 4");
   if (n > 0 && (!p || !m || !v || !g)) throw std::invalid_argument("null pointer");
   if (n == 0) return;
   const IsaKernels& k = active_kernels();
-  split_run(n, nthreads, [&](int64_t b, int64_t e) { k.probe_fmt(p, m, v, g, out, mbytes, gbytes, b, e); });
+  const bool pf = mode != kProbeHwOnly;
+  if (mode != kProbeTiles) {
+    split_run(n, nthreads, [&](int64_t b, int64_t e) { k.probe_fmt(p, m, v, g, out, mbytes, gbytes, b, e, pf); });
+    return;
+  }
+  parallel_run(threads_for(n, nthreads), [&](int tid, int T) {
+    for (int64_t b = tid * kProbeTile; b < n; b += T * kProbeTile)
+      k.probe_fmt(p, m, v, g, out, mbytes, gbytes, b, std::min(n, b + kProbeTile), true);
+  });
 }
 
 int64_t fingerprint_bytes(const void* p, int64_t nbytes) {

@@ -33,8 +33,9 @@ void bandwidth_probe(float* p, float* m, float* v, const float* g, int64_t n, in
 // pseudo-random int32 weight, exact 64-bit products, summed mod 2^64); a trailing 1-3 bytes count
 // as one more word. Any single changed word changes it. (offload/params/fingerprint.py: CPU tensors.)
 int64_t fingerprint_bytes(const void* p, int64_t nbytes);
-// The probe with a compressed-moment step's streams (kernels.h IsaKernels::probe_fmt).
+// The probe with a compressed-moment step's streams (kernels.h IsaKernels::probe_fmt), in mode
+// kProbeFused, kProbeHwOnly or kProbeTiles (common.h).
 void bandwidth_probe_fmt(float* p, void* m, void* v, const void* g, void* out, int64_t n, int64_t mbytes,
-                         int64_t gbytes, int nthreads);
+                         int64_t gbytes, int nthreads, int mode);
 
 }  // namespace offload

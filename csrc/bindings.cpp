@@ -148,16 +148,18 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_bandwidth_probe_moments",
       [](int64_t p, int64_t mm, int64_t v, int64_t g, int64_t out, int64_t n, int64_t mbytes, int64_t gbytes,
-         int threads) {
+         int threads, int mode) {
         const int nt = check_threads(threads);
         py::gil_scoped_release nogil;
         bandwidth_probe_fmt(reinterpret_cast<float*>(p), reinterpret_cast<void*>(mm), reinterpret_cast<void*>(v),
-                            reinterpret_cast<const void*>(g), reinterpret_cast<void*>(out), n, mbytes, gbytes, nt);
+                            reinterpret_cast<const void*>(g), reinterpret_cast<void*>(out), n, mbytes, gbytes, nt,
+                            mode);
       },
       py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("out"), py::arg("n"), py::arg("mbytes"),
-      py::arg("gbytes"), py::arg("threads") = 0,
+      py::arg("gbytes"), py::arg("threads") = 0, py::arg("mode") = 0,
       "Memory-bandwidth probe with a compressed-moment step's streams: fp32 p read+written, g read "
-      "(gbytes 4 or 2), m and v read+written (mbytes 4, 2 or 1), out (2-byte, 0 = none) written.");
+      "(gbytes 4 or 2), m and v read+written (mbytes 4, 2 or 1), out (2-byte, 0 = none) read+written; "
+      "mode 0, 1 or 2 as _bandwidth_probe's.");
 
   m.def(
       "_fingerprint",

@@ -19,9 +19,10 @@ struct IsaKernels {
   // Adam update over compressed moments (moments.h), blocks [block_begin, block_end) of one tensor.
   void (*adam_q_range)(const AdamQTask&, const AdamScalars&, int64_t block_begin, int64_t block_end);
   // Bandwidth probe over [begin, end) with a compressed-moment step's streams: m/v elements of
-  // mbytes (1, 2, 4), gradient elements of gbytes (2, 4), out (2-byte) written if not null.
+  // mbytes (1, 2, 4), gradient elements of gbytes (2, 4), out (2-byte) read and written if not
+  // null; with software prefetch or not.
   void (*probe_fmt)(float* p, void* m, void* v, const void* g, void* out, int64_t mbytes, int64_t gbytes,
-                    int64_t begin, int64_t end);
+                    int64_t begin, int64_t end, bool prefetch);
 };
 
 extern const IsaKernels kernels_scalar;

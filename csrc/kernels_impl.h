@@ -312,29 +312,30 @@ namespace offload {
 
 // The same probe with the streams of a compressed-moment step (bench: each format's ceiling):
 // fp32 p read and written, the gradient read (fp32 or 2-byte), m and v read and written in their
-// own element size (MT: float, uint16_t, uint8_t), an optional 2-byte output written. Plain loops
-// over the ISA's translation unit, vectorized by its compiler flags; trivial arithmetic.
-template <class MT, class GT, bool OUT>
+// own element size (MT: float, uint16_t, uint8_t), an optional 2-byte output read and written (the
+// step reads the user's bf16/fp16 parameter for writes to adopt; a write-only output costs its
+// line's read all the same). Plain loops over the ISA's translation unit, vectorized by its
+// compiler flags; trivial arithmetic. PF: software prefetch (modes as ProbeMode, common.h).
+template <class MT, class GT, bool OUT, bool PF>
 static void probe_fmt_t(float* __restrict p, MT* __restrict m, MT* __restrict v, const GT* __restrict g,
                         uint16_t* __restrict out, int64_t b, int64_t e) {
   // Chunks of 64 elements, one single-type loop per stream inside: one loop mixing 1-, 2- and
   // 4-byte elements vectorized so poorly (widening, index narrowing) that the probe ran slower
   // than the step it is meant to bound. All streams still advance together, as in the kernel.
-  // Software prefetch as the kernels do (kQPrefetchAhead): without it this Xeon's hardware
-  // prefetchers left the bf16 grad + out probes slower than the kernels.
+  // Software prefetch as the kernels do (kQPrefetchAhead): without it a Xeon's hardware
+  // prefetchers left the bf16 grad + out probes slower than the kernels; on Zen 3 the hardware
+  // prefetchers alone are faster (the bench takes the faster way, round by round).
   constexpr int64_t kChunk = 64;
   auto streams = [&](int64_t from, int64_t to) {
     for (int64_t k = from; k < to; ++k) p[k] += 0.5f * static_cast<float>(g[k]);
     for (int64_t k = from; k < to; ++k) m[k] = static_cast<MT>(m[k] + 1);
     for (int64_t k = from; k < to; ++k) v[k] = static_cast<MT>(v[k] - 1);
-    if constexpr (OUT && std::is_same_v<GT, uint16_t>)  // any value: only the write matters
-      for (int64_t k = from; k < to; ++k) out[k] = static_cast<uint16_t>(g[k] ^ 1u);
-    else if constexpr (OUT)
-      for (int64_t k = from; k < to; ++k) out[k] = static_cast<uint16_t>(k);
+    if constexpr (OUT)  // any value: only the traffic matters
+      for (int64_t k = from; k < to; ++k) out[k] = static_cast<uint16_t>(out[k] + 1u);
   };
   int64_t i = b;
   for (; i + kChunk <= e; i += kChunk) {
-    if (i + kChunk + kQPrefetchAhead <= e) {
+    if (PF && i + kChunk + kQPrefetchAhead <= e) {
       prefetch_chunk<kChunk, 4, true>(p, i);
       prefetch_chunk<kChunk, sizeof(GT), false>(g, i);
       prefetch_chunk<kChunk, sizeof(MT), true>(m, i);
@@ -346,29 +347,36 @@ static void probe_fmt_t(float* __restrict p, MT* __restrict m, MT* __restrict v,
   streams(i, e);
 }
 
-template <class MT>
+template <class MT, bool PF>
 static void probe_fmt_m(float* p, void* m, void* v, const void* g, void* out, int64_t gbytes, int64_t b, int64_t e) {
   MT* const mm = static_cast<MT*>(m);
   MT* const vv = static_cast<MT*>(v);
   uint16_t* const o = static_cast<uint16_t*>(out);
   if (gbytes == 2) {
     const uint16_t* const g16 = static_cast<const uint16_t*>(g);
-    if (o) return probe_fmt_t<MT, uint16_t, true>(p, mm, vv, g16, o, b, e);
-    return probe_fmt_t<MT, uint16_t, false>(p, mm, vv, g16, o, b, e);
+    if (o) return probe_fmt_t<MT, uint16_t, true, PF>(p, mm, vv, g16, o, b, e);
+    return probe_fmt_t<MT, uint16_t, false, PF>(p, mm, vv, g16, o, b, e);
   }
   const float* const g32 = static_cast<const float*>(g);
-  if (o) return probe_fmt_t<MT, float, true>(p, mm, vv, g32, o, b, e);
-  return probe_fmt_t<MT, float, false>(p, mm, vv, g32, o, b, e);
+  if (o) return probe_fmt_t<MT, float, true, PF>(p, mm, vv, g32, o, b, e);
+  return probe_fmt_t<MT, float, false, PF>(p, mm, vv, g32, o, b, e);
+}
+
+template <bool PF>
+static void probe_fmt_pf(float* p, void* m, void* v, const void* g, void* out, int64_t mbytes, int64_t gbytes,
+                         int64_t b, int64_t e) {
+  switch (mbytes) {
+    case 1: return probe_fmt_m<uint8_t, PF>(p, m, v, g, out, gbytes, b, e);
+    case 2: return probe_fmt_m<uint16_t, PF>(p, m, v, g, out, gbytes, b, e);
+    default: return probe_fmt_m<float, PF>(p, m, v, g, out, gbytes, b, e);
+  }
 }
 
 template <class I>
 static void probe_fmt_range(float* p, void* m, void* v, const void* g, void* out, int64_t mbytes, int64_t gbytes,
-                            int64_t b, int64_t e) {
-  switch (mbytes) {
-    case 1: return probe_fmt_m<uint8_t>(p, m, v, g, out, gbytes, b, e);
-    case 2: return probe_fmt_m<uint16_t>(p, m, v, g, out, gbytes, b, e);
-    default: return probe_fmt_m<float>(p, m, v, g, out, gbytes, b, e);
-  }
+                            int64_t b, int64_t e, bool prefetch) {
+  if (prefetch) return probe_fmt_pf<true>(p, m, v, g, out, mbytes, gbytes, b, e);
+  probe_fmt_pf<false>(p, m, v, g, out, mbytes, gbytes, b, e);
 }
 
 }  // namespace offload

@@ -207,15 +207,16 @@ def test_bandwidth_probe_takes_tensors():
 @pytest.mark.parametrize("isa", kernels.available_isas())
 @pytest.mark.parametrize("mdtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16])
-def test_moment_streams_probe_touches_every_element_of_its_streams(isa, mdtype, gdtype):
-    n = 1000 + 37  # a vector tail on every ISA
+@pytest.mark.parametrize("mode", range(len(kernels.MOMENT_PROBE_MODES)))
+def test_moment_streams_probe_touches_every_element_of_its_streams(isa, mdtype, gdtype, mode):
+    n = (1 << 19) + 1037 if mode == 2 else 1000 + 37  # tiles: two threads' tiles and a short last one
     kernels.set_isa(isa)
     try:
         p = torch.arange(n, dtype=torch.float32)
         m, v = torch.zeros(n, dtype=mdtype), torch.full((n,), 5, dtype=mdtype)
         g = (torch.arange(n) % 7).to(gdtype)
-        out = torch.zeros(n, dtype=torch.bfloat16) if gdtype != torch.float32 else None
-        kernels.bandwidth_probe_moments(p, m, v, g, out, threads=2)
+        out = torch.full((n,), 3, dtype=torch.int16).view(torch.bfloat16) if gdtype != torch.float32 else None
+        kernels.bandwidth_probe_moments(p, m, v, g, out, threads=2, mode=mode)
     finally:
         kernels.set_isa("auto")
     want_g = g.float() if gdtype == torch.float32 else g.view(torch.int16).float()  # a 2-byte grad: its bits
@@ -226,8 +227,8 @@ def test_moment_streams_probe_touches_every_element_of_its_streams(isa, mdtype, 
         bits = torch.int16 if mdtype == torch.bfloat16 else torch.int8
         v0 = torch.full((n,), 5, dtype=mdtype).view(bits)
         assert torch.equal(m.view(bits), torch.ones(n, dtype=bits)) and torch.equal(v.view(bits), v0 - 1)
-    if out is not None:
-        assert torch.equal(out.view(torch.int16), g.view(torch.int16) ^ 1)  # any value; this one
+    if out is not None:  # read and written: any value, this one
+        assert torch.equal(out.view(torch.int16), torch.full((n,), 4, dtype=torch.int16))
 
 
 def test_moment_streams_probe_validates_its_tensors():
@@ -243,6 +244,8 @@ def test_moment_streams_probe_validates_its_tensors():
         kernels.bandwidth_probe_moments(p, m, m, g)
     with pytest.raises((TypeError, ValueError, RuntimeError), match="contiguous"):
         kernels.bandwidth_probe_moments(torch.zeros(128)[::2], m, v, g)
+    with pytest.raises(ValueError, match="mode"):
+        kernels.bandwidth_probe_moments(p, m, v, g, mode=3)
 
 
 def test_raw_address_entries_are_private():

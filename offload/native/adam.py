@@ -21,8 +21,8 @@ from ..base.tensors import bump_versions, check_no_overlap, check_tensor, ptr
 from . import _C
 
 __all__ = [
-    "DTYPE_CODES", "TASK_COLS", "PROBE_MODES", "adam_step", "adam_table", "step_table", "grad_sumsq", "bandwidth_probe",
-    "bandwidth_probe_moments", "fingerprint", "set_isa", "get_isa", "available_isas", "set_stream_prefetch",
+    "DTYPE_CODES", "TASK_COLS", "PROBE_MODES", "MOMENT_PROBE_MODES", "adam_step", "adam_table", "step_table",
+    "grad_sumsq", "bandwidth_probe", "bandwidth_probe_moments", "fingerprint", "set_isa", "get_isa", "available_isas", "set_stream_prefetch",
     "get_stream_prefetch",
     "get_num_threads", "set_num_threads", "affinity_cpus",
 ]
@@ -155,12 +155,15 @@ def bandwidth_probe(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.
 _MOMENT_PROBE_DTYPES = {1: (torch.int8, torch.uint8), 2: (torch.bfloat16, torch.float16, torch.int16), 4: (torch.float32,)}
 
 
+MOMENT_PROBE_MODES = PROBE_MODES[:3]  # the ways bandwidth_probe_moments walks memory (mode order)
+
+
 def bandwidth_probe_moments(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                            out: Optional[torch.Tensor] = None, threads: int = 0) -> None:
+                            out: Optional[torch.Tensor] = None, threads: int = 0, mode: int = 0) -> None:
     """The probe with a compressed-moment step's streams (bench: each format's ceiling): reads and
     writes fp32 p and the moments m, v (1, 2 or 4 bytes each, as their dtype says), reads g (fp32
-    or 2-byte), writes the optional 2-byte out. All contiguous CPU tensors of p's element count;
-    what is written must not overlap anything."""
+    or 2-byte), reads and writes the optional 2-byte out. All contiguous CPU tensors of p's element
+    count; what is written must not overlap anything. ``mode``: an index into ``MOMENT_PROBE_MODES``."""
     n = check_tensor(p, "p").numel()
     mb = m.element_size() if isinstance(m, torch.Tensor) else 0
     if mb not in _MOMENT_PROBE_DTYPES:
@@ -173,8 +176,10 @@ def bandwidth_probe_moments(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g
         check_tensor(out, "out", dtypes=LOW_PRECISION, numel=n)
         written.append(("out", out))
     check_no_overlap(written, [("g", g)])
+    if not isinstance(mode, int) or not 0 <= mode < len(MOMENT_PROBE_MODES):
+        raise ValueError(f"mode must be an int in [0, {len(MOMENT_PROBE_MODES)}) (MOMENT_PROBE_MODES), got {mode!r}")
     _C._bandwidth_probe_moments(ptr(p), ptr(m), ptr(v), ptr(g), ptr(out) if out is not None else 0, n, mb,
-                                g.element_size(), int(threads))
+                                g.element_size(), int(threads), mode)
 
 
 def fingerprint(t: torch.Tensor) -> int:
