@@ -155,3 +155,20 @@ def test_kernel_call_contender_does_the_steps_work_on_bf16_parameters():
     after = ours.params[0].float()
     assert (after[5:9] - 3.0).abs().max() < 0.05   # updated from the written value, not the old master
     assert (after[9:] - before[9:].float()).abs().max() < 0.05
+
+
+def test_bf16_case_ceiling_walks_the_streams_its_step_moves():
+    """The bf16 case's ceiling moves what its step moves (fp32 p, m, v read and written, the bf16 gradient
+    read, the bf16 parameter read and written: 30 B/param), in every way of walking memory it times."""
+    import torch
+    from offload.bench.kernel_cases import BYTES_PER_PARAM_BF16, Case, probe_modes
+    case = Case("bf16", [4099], lowp=True)
+    assert case.bytes_per_param == BYTES_PER_PARAM_BF16 == 30 and Case("flat", [10]).bytes_per_param == 28
+    probes = probe_modes(case.numel, 2, lowp=True)
+    assert len(probes) > 1 and all(pr.bufs is probes[0].bufs for pr in probes)
+    assert [t.dtype for t in probes[0].bufs] == [torch.float32] * 3 + [torch.bfloat16] * 2
+    for pr in probes:
+        before = [t.clone() for t in pr.bufs]
+        pr.step()
+        written = [not torch.equal(a, b) for a, b in zip(before, pr.bufs)]
+        assert written == [True, True, True, False, True], pr.name   # p, m, v, (g read only), parameter

@@ -3,8 +3,10 @@
 In one process and round-robin (so drifting memory bandwidth hits every contender alike) it times
 ``offload.AdamW.step()``, our raw multi-tensor kernel call, ``torch.optim.AdamW(fused=True)``,
 ``torch.optim.AdamW(foreach=True)``, DeepSpeed's ``DeepSpeedCPUAdam`` when importable, and a
-native bandwidth probe with Adam's access pattern (reads 4, writes 3 fp32 streams). Figures are
-medians; GB/s counts the bytes a perfect single pass must move (28 B/param).
+native bandwidth probe with the case's streams (reads 4, writes 3 fp32 streams; for bf16 gradients
+and weights the bf16 streams instead of the fp32 gradient) walked in several ways, the fastest being
+the ceiling. Figures are medians; GB/s counts the bytes a perfect single pass must move (28 B/param,
+bf16 gradients and weights 30 B/param).
 
 The default sizes (32M-parameter flat tensors, 10000 x 1024) are well past any L3 and finish in
 about a minute on 2 cores; ``--full`` runs the 128M-parameter sizes the speed targets are set on. On a
@@ -25,7 +27,7 @@ from offload.native import adam as _native
 
 from .common import (Progress, add_common_options, cpu_model, format_table, machine_info, median, paired_ratio,
                      verdict, write_json)
-from .kernel_cases import (BYTES_PER_PARAM, CASE_KEYS, MODE_PREFIX, OPT_IN, Case, DeepSpeed, MetadataFloor, Ours,
+from .kernel_cases import (BYTES_PER_PARAM, BYTES_PER_PARAM_BF16, CASE_KEYS, MODE_PREFIX, OPT_IN, Case, DeepSpeed, MetadataFloor, Ours,
                            OursKernel, OursKernelIsa, Probe, TorchAdamW, ceiling_series, deepspeed_available, has_avx512,
                            make_cases, probe_modes, randn_like_sizes)
 
@@ -47,7 +49,7 @@ def run_case(case: Case, thread_counts: list, reps: int, use_ds: bool, progress:
             contenders.append(DeepSpeed(case, grads, thread_counts[0]))
         except Exception as e:  # noqa: BLE001 - report and go on without it
             print(f"  (DeepSpeedCPUAdam unavailable: {type(e).__name__}: {e})")
-    contenders += probe_modes(case.numel, thread_counts[0])
+    contenders += probe_modes(case.numel, thread_counts[0], lowp=case.lowp)
     if case.key in ("small", "small-newgrads"):
         contenders.append(MetadataFloor(ours))
     for t in thread_counts:
@@ -84,7 +86,7 @@ def summarize(cases: list, thread_counts: list) -> tuple:
             for name, sec in res.items():
                 if name.startswith("_"):
                     continue
-                gbs = case.numel * BYTES_PER_PARAM / sec / 1e9
+                gbs = case.numel * case.bytes_per_param / sec / 1e9
                 rows.append([case.name, t, name, f"{sec * 1e3:.1f}", f"{case.numel / sec / 1e6:.0f}",
                              f"{gbs:.1f}", f"{probe / sec * 100:.0f}%", f"{sec / ours:.2f}x"])
                 records.append(dict(case=case.name, threads=t, impl=name, seconds=sec, params=case.numel,
@@ -207,7 +209,7 @@ def plot(path: str, records: list) -> None:
         ax.bar(np.arange(len(labels)) + j * width, vals, width, label=impl)
     ax.set_xticks(np.arange(len(labels)) + 0.4 - width / 2)
     ax.set_xticklabels([f"{c}\n{t} thr" for c, t in labels], fontsize=8)
-    ax.set_ylabel("effective GB/s (28 B/param)")
+    ax.set_ylabel(f"effective GB/s ({BYTES_PER_PARAM} B/param, bf16 case {BYTES_PER_PARAM_BF16})")
     ax.set_title("CPU Adam step: offload vs peers vs bandwidth probe")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -240,7 +242,8 @@ def run(args) -> int:
     use_ds = not args.no_deepspeed and deepspeed_available()
     print(f"offload {info['version']}  torch {torch.__version__}  DeepSpeed: "
           f"{'yes' if use_ds else 'not importable (skipped)'}  sizes: {'--full' if args.full else 'default (--full: 128M)'}")
-    print(f"median of {args.reps} round-robin repetitions after one warm-up; GB/s = params x {BYTES_PER_PARAM} B / time")
+    print(f"median of {args.reps} round-robin repetitions after one warm-up; GB/s = params x the bytes a single "
+          f"pass must move / time ({BYTES_PER_PARAM} B/param; bf16 grad+out: {BYTES_PER_PARAM_BF16} B)")
     n_contenders = 9 + int(use_ds)  # (3 probe modes; the floor runs in the many-tensor cases only: an estimate)
     progress = Progress(len(cases) * len(thread_counts) * (args.reps + 1) * n_contenders, "kernel bench",
                         enabled=not args.no_progress)

@@ -3,7 +3,7 @@
 A ``Case`` is a list of tensor sizes (flat, many tensors, bf16 gradient + output); a ``Contender``
 is one implementation stepping that case: ``offload.AdamW.step()``, our raw kernel call (also
 forced to another ISA), torch's AdamW (fused / foreach), DeepSpeed's CPU Adam, and the native
-bandwidth probe with Adam's access pattern.
+bandwidth probe with the case's streams.
 """
 from __future__ import annotations
 
@@ -17,7 +17,11 @@ from offload.native import adam as _kernels
 STREAM_STAGGER = 16400  # floats between the probe's streams (as offload.optim's state arena)
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, amsgrad=False,
              maximize=False)  # of the raw kernel call (OursKernel)
-BYTES_PER_PARAM = 28  # read g, p, m, v (16 B) + write p, m, v (12 B); bf16 case: 2+12 read, 12+2 written
+BYTES_PER_PARAM = 28  # read g, p, m, v (16 B) + write p, m, v (12 B)
+# bf16 case: read p, m, v (12 B), the bf16 gradient (2 B) and the bf16 parameter (2 B: the step reads it
+# for the user's writes, and a write-only stream costs its line's read all the same); write p, m, v and
+# the parameter (14 B)
+BYTES_PER_PARAM_BF16 = 30
 
 
 def _count(n: int) -> str:   # an element count: 32M, 1.5K
@@ -37,6 +41,10 @@ class Case:
     @property
     def numel(self) -> int:
         return sum(self.sizes)
+
+    @property
+    def bytes_per_param(self) -> int:
+        return BYTES_PER_PARAM_BF16 if self.lowp else BYTES_PER_PARAM
 
     @property
     def name(self) -> str:
@@ -251,29 +259,44 @@ class MetadataFloor(Contender):
         list(map(self.data_ptr, list(map(self.grad, self.params))))
 
 
+def _probe_streams(numel: int, lowp: bool) -> list:
+    """The probe's streams: g, p, m, v in fp32 (Adam's pattern), or for the bf16 case p, m, v in fp32
+    and the bf16 gradient and parameter. One allocation per element size, streams staggered like
+    offload's state arena: separate allocations of a power-of-two size sit a power of two (+ one
+    page) apart, and on some machines that costs a third of the bandwidth (measured on an AVX2 EPYC at
+    32M: 750 vs 1050 Mparam/s), which would make the "ceiling" lower than what a kernel can reach."""
+    stride = numel + STREAM_STAGGER
+    f32 = torch.full(((3 if lowp else 4) * stride,), 0.5)
+    bufs = [f32[k * stride:k * stride + numel] for k in range(3 if lowp else 4)]
+    if lowp:
+        b16 = torch.full((2 * stride,), 0.5, dtype=torch.bfloat16)
+        bufs += [b16[k * stride:k * stride + numel] for k in range(2)]
+    return bufs
+
+
 class Probe(Contender):
-    """Bandwidth probe: native pass over 7 fp32 streams (Adam's pattern), same size, walking memory in one
-    of the probe's ways (PROBE_MODES). Without a mode it is the plain ceiling (fused + prefetch); with one
-    it is one of the ceiling's candidates (probe_modes): run_case times them all in the round-robin and
-    takes, round by round, the fastest as the ceiling, so that what this machine's memory does at best,
-    not what one loop shape gets out of it, is the 100 % line."""
+    """Bandwidth probe: a native pass over the case's streams (7 fp32 streams, Adam's pattern; for the bf16
+    case fp32 p, m, v, the bf16 gradient and the bf16 parameter read and written), same size, trivial
+    arithmetic, walking memory in one of the probe's ways (PROBE_MODES). Without a mode it is the plain
+    ceiling (fused + prefetch); with one it is one of the ceiling's candidates (probe_modes): run_case
+    times them all in the round-robin and takes, round by round, the fastest as the ceiling, so that what
+    this machine's memory does at best, not what one loop shape gets out of it, is the 100 % line."""
     name = CEILING = "bandwidth probe (ceiling)"
 
-    def __init__(self, numel: int, threads: int, mode=None, arena=None):
-        # One allocation, streams staggered like offload's state arena: four separate allocations
-        # of a power-of-two size sit a power of two (+ one page) apart, and on some machines that
-        # costs a third of the bandwidth (measured on an AVX2 EPYC at 32M: 750 vs 1050 Mparam/s),
-        # which would make the "ceiling" lower than what a kernel can reach.
-        stride = numel + STREAM_STAGGER
-        self.arena = torch.full((4 * stride,), 0.5) if arena is None else arena
-        self.bufs = [self.arena[k * stride:k * stride + numel] for k in range(4)]
-        self.threads, self.numel = threads, numel
+    def __init__(self, numel: int, threads: int, mode=None, bufs=None, lowp: bool = False):
+        self.bufs = _probe_streams(numel, lowp) if bufs is None else bufs
+        self.threads, self.numel, self.lowp = threads, numel, lowp
         self.mode = 0 if mode is None else mode
         if mode is not None:
             self.name = f"{MODE_PREFIX}{_kernels.PROBE_MODES[mode]}"
 
     def step(self) -> None:
-        _kernels.bandwidth_probe(*self.bufs, threads=self.threads, mode=self.mode)
+        if self.lowp:
+            p, m, v, g, out = self.bufs
+            _kernels.bandwidth_probe_moments(p, m, v, g, out, threads=self.threads, mode=self.mode)
+        else:
+            g, p, m, v = self.bufs
+            _kernels.bandwidth_probe(p, m, v, g, threads=self.threads, mode=self.mode)
 
 
 MODE_PREFIX = "_probe: "  # contender names of the ceiling's candidates (hidden from the tables)
@@ -282,10 +305,11 @@ MODE_PREFIX = "_probe: "  # contender names of the ceiling's candidates (hidden 
 CEILING_MODES = (0, 1, 2)
 
 
-def probe_modes(numel: int, threads: int) -> list:
-    """The ceiling's candidates, one per mode of CEILING_MODES, sharing one arena (they run in turn)."""
-    first = Probe(numel, threads, CEILING_MODES[0])
-    return [first] + [Probe(numel, threads, m, arena=first.arena) for m in CEILING_MODES[1:]]
+def probe_modes(numel: int, threads: int, lowp: bool = False) -> list:
+    """The ceiling's candidates, one per mode of CEILING_MODES, sharing one set of streams (they run in
+    turn)."""
+    first = Probe(numel, threads, CEILING_MODES[0], lowp=lowp)
+    return [first] + [Probe(numel, threads, m, bufs=first.bufs, lowp=lowp) for m in CEILING_MODES[1:]]
 
 
 def ceiling_series(times: dict) -> list:
