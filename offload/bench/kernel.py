@@ -254,7 +254,7 @@ def run(args) -> int:
     mom = None
     if moments is not None:
         from . import moments as bench_moments
-        mom = bench_moments.run(moments.numel, thread_counts, args.reps, Probe, progress)
+        mom = bench_moments.run(moments.numel, thread_counts, args.reps, probe_modes, progress)
     progress.close()
     table, records = summarize(cases, thread_counts)
     print(table)

@@ -58,21 +58,34 @@ def _label(fmt: str, lowp: bool) -> str:
     return f"{fmt} moments, {'bf16 grad+out' if lowp else 'fp32 grad'}"
 
 
-class _FormatProbe:
-    """The memory ceiling of one format: a native pass over that step's own streams (p, g, m and v
-    in their element sizes, out) with trivial arithmetic (_kernels.bandwidth_probe_moments)."""
+def _probe_name(fmt: str, lowp: bool) -> str:
+    return f"probe: {_label(fmt, lowp)} streams"
 
-    def __init__(self, n: int, fmt: str, lowp: bool, threads: int):
-        self.fmt, self.lowp, self.threads, self.n = fmt, lowp, threads, n
-        self.name = f"probe: {_label(fmt, lowp)} streams"
-        bufs = _streams(n, fmt, lowp)
-        self.p, self.g, self.m, self.v = bufs[:4]
+
+class _FormatProbe:
+    """One candidate for the memory ceiling of one format: a native pass over that step's own streams
+    (p, g, m and v in their element sizes, out) with trivial arithmetic, walking memory in one of the
+    ways of kernels.MOMENT_PROBE_MODES (_kernels.bandwidth_probe_moments). The ceiling is, round by
+    round, the fastest of the format's candidates (run)."""
+
+    def __init__(self, n: int, fmt: str, lowp: bool, threads: int, mode: int, bufs=None):
+        self.fmt, self.lowp, self.threads, self.n, self.mode = fmt, lowp, threads, n, mode
+        self.name = f"{_probe_name(fmt, lowp)} [{kernels.MOMENT_PROBE_MODES[mode]}]"
+        self.bufs = _streams(n, fmt, lowp) if bufs is None else bufs
+        self.p, self.g, self.m, self.v = self.bufs[:4]
         if fmt == "8bit":
             self.v = self.v.view(torch.int8)  # same bytes; the probe only needs m and v alike
-        self.out = bufs[4] if lowp else None
+        self.out = self.bufs[4] if lowp else None
 
     def step(self) -> None:
-        kernels.bandwidth_probe_moments(self.p, self.m, self.v, self.g, self.out, self.threads)
+        kernels.bandwidth_probe_moments(self.p, self.m, self.v, self.g, self.out, self.threads, self.mode)
+
+
+def _format_probes(n: int, fmt: str, lowp: bool, threads: int) -> list:
+    """The format's ceiling candidates, one per mode, sharing one set of streams (they run in turn)."""
+    first = _FormatProbe(n, fmt, lowp, threads, 0)
+    return [first] + [_FormatProbe(n, fmt, lowp, threads, m, first.bufs)
+                      for m in range(1, len(kernels.MOMENT_PROBE_MODES))]
 
 
 class _Contender:
@@ -111,15 +124,19 @@ class _Contender:
             native_moments.step_moment_table(self.table, HYPER, 1.0, self.threads)
 
 
-def run(n: int, thread_counts: list, reps: int, probe_cls, progress) -> tuple:
+def run(n: int, thread_counts: list, reps: int, probe_modes, progress) -> tuple:
     """Returns (table text, records, summary lines). The summary's ratios are medians of per-round
-    ratios (common.paired_ratio); the table shows medians of the times."""
+    ratios (common.paired_ratio); the table shows medians of the times. ``probe_modes(n, threads)``:
+    the fp32 streams' ceiling candidates (kernel_cases.probe_modes), whose fastest, round by round, is
+    the "% probe" column's 100 %."""
     rows, records, summary = [], [], []
     combos = [(fmt, lowp) for lowp in (False, True) for fmt in ("fp32", "bf16", "8bit")]
     contenders = [_Contender(n, fmt, lowp, thread_counts[0]) for fmt, lowp in combos]
-    fprobes = {(fmt, lowp): _FormatProbe(n, fmt, lowp, thread_counts[0]) for fmt, lowp in combos}
-    probe = probe_cls(n, thread_counts[0])
-    everyone = contenders + list(fprobes.values()) + [probe]
+    fprobes = {(fmt, lowp): _format_probes(n, fmt, lowp, thread_counts[0]) for fmt, lowp in combos}
+    probes = probe_modes(n, thread_counts[0])
+    probe_name = probes[0].CEILING
+    ceilings = [(probe_name, probes)] + [(_probe_name(*key), ps) for key, ps in fprobes.items()]
+    everyone = contenders + [p for _, ps in ceilings for p in ps]
     for t in thread_counts:
         for c in everyone:
             c.threads = t
@@ -131,19 +148,21 @@ def run(n: int, thread_counts: list, reps: int, probe_cls, progress) -> tuple:
                 if rep:
                     times[c.name].append(time.perf_counter() - t0)
                 progress.update(f"moments t={t} {c.name}")
+        for name, ps in ceilings:   # each ceiling: its fastest candidate, round by round
+            times[name] = [min(r) for r in zip(*(times[p.name] for p in ps))]
         med = {k: median(v) for k, v in times.items()}
-        pr = med[probe.name]
+        pr = med[probe_name]
         for c in contenders:
             sec = med[c.name]
             base_name = _label("fp32", c.lowp)
-            own = fprobes[(c.fmt, c.lowp)].name
+            own = _probe_name(c.fmt, c.lowp)
             b = true_bytes(c.fmt, c.lowp, n)
             rows.append([f"flat {n / 2**20:g}M", t, c.name, f"{sec * 1e3:.1f}", f"{n / sec / 1e6:.0f}", f"{b:.2f}",
                          f"{n * b / sec / 1e9:.1f}", f"{pr / sec * 100:.0f}%", f"{med[own] / sec * 100:.0f}%",
                          f"{med[base_name] / sec:.2f}x"])
             speedup = paired_ratio(times[base_name], times[c.name])
             own_pct = paired_ratio(times[own], times[c.name]) * 100
-            ceiling = paired_ratio(times[fprobes[("fp32", c.lowp)].name], times[own])
+            ceiling = paired_ratio(times[_probe_name("fp32", c.lowp)], times[own])
             records.append(dict(case="moments", threads=t, impl=c.name, seconds=sec, params=n, bytes_per_param=b,
                                 pct_of_probe=pr / sec * 100, pct_of_own_probe=own_pct,
                                 speedup_vs_fp32_moments=speedup, probe_speedup_vs_fp32_streams=ceiling))
@@ -155,11 +174,12 @@ def run(n: int, thread_counts: list, reps: int, probe_cls, progress) -> tuple:
                 if speedup < target and kernels.get_isa() != "avx512":
                     line += f"; expected with the {kernels.get_isa()} kernels (not reached on AVX2-only CPUs: docs/moments.md)"
                 summary.append(line)
-        for c in list(fprobes.values()) + [probe]:
-            sec = med[c.name]
-            b = true_bytes(c.fmt, c.lowp, n) if c is not probe else 28.0
-            rows.append([f"flat {n / 2**20:g}M", t, c.name, f"{sec * 1e3:.1f}", f"{n / sec / 1e6:.0f}", f"{b:.2f}",
-                         f"{n * b / sec / 1e9:.1f}", f"{pr / sec * 100:.0f}%", "-", "-"])
+        for (fmt, lowp), _ in fprobes.items():
+            sec, b = med[_probe_name(fmt, lowp)], true_bytes(fmt, lowp, n)
+            rows.append([f"flat {n / 2**20:g}M", t, _probe_name(fmt, lowp), f"{sec * 1e3:.1f}", f"{n / sec / 1e6:.0f}",
+                         f"{b:.2f}", f"{n * b / sec / 1e9:.1f}", f"{pr / sec * 100:.0f}%", "-", "-"])
+        rows.append([f"flat {n / 2**20:g}M", t, probe_name, f"{pr * 1e3:.1f}", f"{n / pr / 1e6:.0f}", "28.00",
+                     f"{n * 28 / pr / 1e9:.1f}", "100%", "-", "-"])
     headers = ["case", "thr", "moments (kernel call)", "ms", "Mparam/s", "B/param", "GB/s (true)", "% probe",
                "% own probe", "vs fp32 moments"]
     return format_table(headers, rows), records, summary
