@@ -57,9 +57,14 @@ static inline Q8Pending q8_pass1(float* __restrict p, const int8_t* __restrict m
     if (len == kQBlock && i0 + kQBlock + kQPrefetchAhead <= lim) {
       q_pipelined_groups<I>(
           0, kQBlock / kQGroup, [&](int64_t k, QVec<I>& x) { q8_decode<I>(mq, vq, k, vmd, vvd, x); },
-          [&](int64_t k, QVec<I>& x) { q_stage_a<I, GD, OD, DECAY, RARE>(p, g, out, c, f, i0 + k, x); },
+          [&](int64_t k, QVec<I>& x, bool quick) {
+            q_stage_a_gated<I, GD, OD, DECAY, RARE>(p, g, out, c, f, i0 + k, x, quick);
+          },
           [&](int64_t k, const QVec<I>& x) { q_stage_b<I, OD>(p, out, c, i0 + k, x); q8_encode<I>(rbuf, ubuf, k, x, am, au); },
-          [&](int64_t k, int u) { q_prefetch_group_streams<W, GD, OD, 1>(p, gpf, out, mq0, vq0, i0 + k, u); });
+          [&](int64_t k, int u) { q_prefetch_group_streams<W, GD, OD, 1>(p, gpf, out, mq0, vq0, i0 + k, u); },
+          // a bf16 parameter: the per-lane check only in groups the quick test does not clear (Zen 3,
+          // 1 thread: 25.1 -> 23.0 TSC cycles per 8 elements in L2, 25.3 -> 22.9 out of cache)
+          [&](int64_t k) { return q_group_quick<I, OD>(p, out, i0 + k); });
       j = kQBlock;
     }
     j = q_pipelined<I>(

@@ -198,39 +198,70 @@ def test_adoption_compares_round_master_exactly_at_the_rounding_edges():
                 assert torch.equal(_bits(a), _bits(b)), (isa, threads, fill)
 
 
-def test_whole_vector_groups_at_the_rounding_edges_match_the_reference():
-    # the AVX2 loop first tests a group of vectors at once (no NaN master, each master within
-    # 0x7FFF of its parameter's bits) and skips the per-lane check where that passes: groups made
-    # of one edge value each (ties, the last values that round to the parameter, max float next to
-    # inf, -0 next to +0, NaNs next to inf), in sync, with one lane written to a neighbouring value, or
-    # each lane holding the master's truncated bits (inf where the master is a NaN with a small payload)
+def _edge_groups(fill):
+    # masters: each edge value over 64 elements (a vector group of the fp32 loop is 32, one of the
+    # compressed loops 64), the whole set four times over (the compressed loops test groups only in
+    # blocks with room to prefetch behind them); the parameter in sync, with one lane written to a
+    # neighbouring value in the first 32 of each edge's elements (lanes 0..31 in turn), or with each
+    # lane holding the master's truncated bits (inf where the master is a NaN with a small payload)
     edges = [0x3F807FFF, 0x3F808000, 0x3F808001, 0x3F817FFF, 0x3F818000, 0x7F7FFFFF, 0x7F7F7FFF, 0xFF7FFFFF,
              0x80000000, 0x00000000, 0x80007FFF, 0x00008000, 0x7FC00000, 0x7F800000, 0x3F800000, 0x7F800001,
              0xFF800123]
     group = 64
-    bits = torch.tensor(edges, dtype=torch.int64).repeat_interleave(group).to(torch.int32)
+    bits = torch.tensor(edges * 4, dtype=torch.int64).repeat_interleave(group).to(torch.int32)
     masters = bits.view(torch.float32)
     n = masters.numel()
     u = bits.to(torch.int64) & 0xFFFFFFFF
     rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
     rounded = torch.where(masters.isnan(), torch.full_like(rounded, 0x7FC0), rounded)
-    for fill in ("sync", "up", "down", "zero", "truncated"):
-        out_bits = rounded.clone() if fill != "truncated" else u >> 16   # truncated: every lane
-        if fill not in ("sync", "truncated"):   # one lane in the first 32 of each edge's elements (lanes 0..31 in turn)
-            starts = torch.arange(0, n, group)
-            lanes = starts + (starts // group) % 32
-            out_bits[lanes] = {"up": out_bits[lanes] + 1, "down": out_bits[lanes] - 1,
-                               "zero": torch.zeros_like(lanes)}[fill] & 0xFFFF
-        out = out_bits.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+    out_bits = rounded.clone() if fill != "truncated" else u >> 16
+    if fill not in ("sync", "truncated"):
+        starts = torch.arange(0, n, group)
+        lanes = starts + (starts // group) % 32
+        out_bits[lanes] = {"up": out_bits[lanes] + 1, "down": out_bits[lanes] - 1,
+                           "zero": torch.zeros_like(lanes)}[fill] & 0xFFFF
+    return masters, out_bits.to(torch.int32).to(torch.int16).view(torch.bfloat16)
 
-        def state():
-            gen = torch.Generator().manual_seed(7)
-            m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
-            return [masters.clone(), m, v, torch.randn(n, generator=gen).to(torch.bfloat16), out.clone()]
-        ref = state()
-        _step(ref, True, 1)
-        for isa, threads in _each_isa_and_thread_count():
-            st = state()
-            _step(st, False, threads)
-            for a, b in zip(st, ref):
-                assert torch.equal(_bits(a), _bits(b)), (isa, threads, fill)
+
+EDGE_FILLS = ["sync", "up", "down", "zero", "truncated"]
+
+
+@pytest.mark.parametrize("fill", EDGE_FILLS)
+def test_whole_vector_groups_at_the_rounding_edges_match_the_reference(fill):
+    # the AVX2 loops first test a group of vectors at once (no NaN master, each master within 0x7FFF
+    # of its parameter's bits) and skip the per-lane check where that passes: groups made of one edge
+    # value each (ties, the last values that round to the parameter, max float next to inf, -0 next
+    # to +0, NaNs next to inf)
+    masters, out = _edge_groups(fill)
+    n = masters.numel()
+
+    def state():
+        gen = torch.Generator().manual_seed(7)
+        m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
+        return [masters.clone(), m, v, torch.randn(n, generator=gen).to(torch.bfloat16), out.clone()]
+    ref = state()
+    _step(ref, True, 1)
+    for isa, threads in _each_isa_and_thread_count():
+        st = state()
+        _step(st, False, threads)
+        for a, b in zip(st, ref):
+            assert torch.equal(_bits(a), _bits(b)), (isa, threads, fill)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+@pytest.mark.parametrize("fill", EDGE_FILLS)
+def test_compressed_moment_groups_at_the_rounding_edges_match_the_reference(fmt, fill):
+    from offload.native.moments import moment_state
+    masters, out = _edge_groups(fill)
+    n = masters.numel()
+
+    def state():
+        gen = torch.Generator().manual_seed(8)
+        return masters.clone(), torch.randn(n, generator=gen).to(torch.bfloat16), out.clone(), moment_state(n, fmt)
+    ref = state()
+    _q_step(ref, fmt, True, 1)
+    for isa, threads in _each_isa_and_thread_count():
+        st = state()
+        _q_step(st, fmt, False, threads)
+        for a, b in zip(st[:3], ref[:3]):
+            assert torch.equal(_bits(a), _bits(b)), (isa, threads, fill)
