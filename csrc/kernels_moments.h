@@ -64,19 +64,6 @@ static OFFLOAD_QINLINE void q_stage_a(const float* __restrict p_, const void* __
   x.p = p;
 }
 
-// Stage A with a bf16 parameter that is the kernel's output (kBF16Sync): as kBF16, without the
-// per-lane adoption check, where `quick` says the vector's group passed I::bf16_quick_in_sync
-// (q_group_quick); for every other OD, or without a quick test, stage A as it is.
-template <class I, int GD, int OD, bool DECAY, bool RARE>
-static OFFLOAD_QINLINE void q_stage_a_gated(const float* __restrict p_, const void* __restrict g_,
-                                            const void* __restrict out_, const Coeffs<I>& c, RareFlags f, int64_t i,
-                                            QVec<I>& x, bool quick) {
-  if constexpr (OD == kBF16Sync && I::kQuickBF16Sync) {
-    if (quick) return q_stage_a<I, GD, kBF16, DECAY, RARE>(p_, g_, out_, c, f, i, x);
-  }
-  q_stage_a<I, GD, OD, DECAY, RARE>(p_, g_, out_, c, f, i, x);
-}
-
 template <class I, int OD>
 static OFFLOAD_QINLINE void q_stage_b(float* __restrict p_, void* __restrict out_, const Coeffs<I>& c, int64_t i,
                                       const QVec<I>& x) {
@@ -149,17 +136,6 @@ static OFFLOAD_QINLINE void q_pipelined_groups(int64_t i, int64_t groups, Dec de
     }
     flag = next_flag;
   }
-}
-
-// The gate of q_pipelined_groups for a loop with output OD: with kBF16Sync on an ISA with a quick
-// test, whether the kQGroup elements from i have no user write to adopt (simd.h
-// bf16_quick_in_sync; false sends them through the exact per-lane check); otherwise false.
-template <class I, int OD>
-static OFFLOAD_QINLINE bool q_group_quick(const float* p, const void* out, int64_t i) {
-  if constexpr (OD == kBF16Sync && I::kQuickBF16Sync)
-    return I::template bf16_quick_in_sync<kQGroup>(p + i, static_cast<const uint16_t*>(out) + i);
-  else
-    return false;
 }
 
 // The prefetches of one stream (SIZE-byte elements) that fall to vector u of a group at element

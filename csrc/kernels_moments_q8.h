@@ -6,6 +6,30 @@
 
 namespace offload {
 
+// Stage A with a bf16 parameter that is the kernel's output (kBF16Sync): as kBF16, without the
+// per-lane adoption check, where `quick` says the vector's group passed I::bf16_quick_in_sync
+// (q_group_quick); for every other OD, or without a quick test, stage A as it is.
+template <class I, int GD, int OD, bool DECAY, bool RARE>
+static OFFLOAD_QINLINE void q_stage_a_gated(const float* __restrict p_, const void* __restrict g_,
+                                            const void* __restrict out_, const Coeffs<I>& c, RareFlags f, int64_t i,
+                                            QVec<I>& x, bool quick) {
+  if constexpr (OD == kBF16Sync && I::kQuickBF16Sync) {
+    if (quick) return q_stage_a<I, GD, kBF16, DECAY, RARE>(p_, g_, out_, c, f, i, x);
+  }
+  q_stage_a<I, GD, OD, DECAY, RARE>(p_, g_, out_, c, f, i, x);
+}
+
+// The gate of q_pipelined_groups for a loop with output OD: with kBF16Sync on an ISA with a quick
+// test, whether the kQGroup elements from i have no user write to adopt (simd.h
+// bf16_quick_in_sync; false sends them through the exact per-lane check); otherwise false.
+template <class I, int OD>
+static OFFLOAD_QINLINE bool q_group_quick(const float* p, const void* out, int64_t i) {
+  if constexpr (OD == kBF16Sync && I::kQuickBF16Sync)
+    return I::template bf16_quick_in_sync<kQGroup>(p + i, static_cast<const uint16_t*>(out) + i);
+  else
+    return false;
+}
+
 // 8-bit decode of W elements (j: index in the block) and encode into the block's scratch:
 // r = shr1(|m|) with m's sign, u = shr1(sqrt(v)), and the running maxima of |r| and u (bits).
 template <class I>
