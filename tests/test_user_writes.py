@@ -198,16 +198,16 @@ def test_adoption_compares_round_master_exactly_at_the_rounding_edges():
                 assert torch.equal(_bits(a), _bits(b)), (isa, threads, fill)
 
 
-def _edge_groups(fill):
-    # masters: each edge value over 64 elements (a vector group of the fp32 loop is 32, one of the
-    # compressed loops 64), the whole set four times over (the compressed loops test groups only in
-    # blocks with room to prefetch behind them); the parameter in sync, with one lane written to a
-    # neighbouring value in the first 32 of each edge's elements (lanes 0..31 in turn), or with each
-    # lane holding the master's truncated bits (inf where the master is a NaN with a small payload)
+def _edge_groups(fill, group=64):
+    # masters: each edge value over `group` elements (the quick test covers 32 elements in the fp32
+    # loop, 64 in the 8-bit one, 1024 in the bf16-moment one), the whole set four times over (the
+    # compressed loops test only where there is room to prefetch behind them); the parameter in sync,
+    # with one lane written to a neighbouring value in the first 32 of each edge's elements in the first
+    # of the four (lanes 0..31 in turn; the other three stay in sync), or with each lane holding the
+    # master's truncated bits (inf where the master is a NaN with a small payload)
     edges = [0x3F807FFF, 0x3F808000, 0x3F808001, 0x3F817FFF, 0x3F818000, 0x7F7FFFFF, 0x7F7F7FFF, 0xFF7FFFFF,
              0x80000000, 0x00000000, 0x80007FFF, 0x00008000, 0x7FC00000, 0x7F800000, 0x3F800000, 0x7F800001,
              0xFF800123]
-    group = 64
     bits = torch.tensor(edges * 4, dtype=torch.int64).repeat_interleave(group).to(torch.int32)
     masters = bits.view(torch.float32)
     n = masters.numel()
@@ -216,7 +216,7 @@ def _edge_groups(fill):
     rounded = torch.where(masters.isnan(), torch.full_like(rounded, 0x7FC0), rounded)
     out_bits = rounded.clone() if fill != "truncated" else u >> 16
     if fill not in ("sync", "truncated"):
-        starts = torch.arange(0, n, group)
+        starts = torch.arange(0, n // 4, group)
         lanes = starts + (starts // group) % 32
         out_bits[lanes] = {"up": out_bits[lanes] + 1, "down": out_bits[lanes] - 1,
                            "zero": torch.zeros_like(lanes)}[fill] & 0xFFFF
@@ -252,7 +252,7 @@ def test_whole_vector_groups_at_the_rounding_edges_match_the_reference(fill):
 @pytest.mark.parametrize("fill", EDGE_FILLS)
 def test_compressed_moment_groups_at_the_rounding_edges_match_the_reference(fmt, fill):
     from offload.native.moments import moment_state
-    masters, out = _edge_groups(fill)
+    masters, out = _edge_groups(fill, group=1024 if fmt == "bf16" else 64)
     n = masters.numel()
 
     def state():
