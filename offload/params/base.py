@@ -3,14 +3,28 @@ from __future__ import annotations
 
 from typing import List, Sequence
 
+import numpy as np
 import torch
 
 from ..base.dist import local
 from ..base.dtypes import LOW_PRECISION
-from ..base.tensors import check_tensor
+from ..base.tensors import bump_versions, check_tensor
 from ..state.layout import Shape
 
-__all__ = ["LOW_PRECISION", "frozen", "shapes_of", "check_grad"]
+__all__ = ["LOW_PRECISION", "frozen", "shapes_of", "check_grad", "bump_stepped"]
+
+
+def bump_stepped(groups: Sequence[Sequence[torch.Tensor]], active: list) -> None:
+    """The step wrote new weights into the parameters ``active`` (per group, bool masks): their version
+    counters go up by one, as after torch's in-place update (that of the parameter object a forward
+    saves: a sharded parameter's DTensor), and only theirs (a parameter without a gradient is not written)."""
+    written = []
+    for ps, a in zip(groups, active):
+        if a.all():
+            written += ps   # (every warm step of a model whose parameters all have gradients)
+        elif a.any():
+            written += [ps[i] for i in np.flatnonzero(a).tolist()]
+    bump_versions(written)
 
 
 def frozen(p) -> bool:

@@ -7,13 +7,11 @@ and gradients is cached per row (params/hostrows.py); ``ptrs`` reads the address
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..base.dist import local
-from ..base.tensors import bump_versions
 from ..native.adam import DTYPE_CODES, OUT_USER_PARAM
-from .base import LOW_PRECISION
+from .base import LOW_PRECISION, bump_stepped
 
 __all__ = ["HostParams"]
 
@@ -61,13 +59,7 @@ class HostParams:
         their version counters go up as after an in-place torch op (that of the parameter object a
         forward saves: a sharded parameter's DTensor), and the cached records of bf16/fp16 rows
         follow, so that the next step does not take its own write for the user's."""
-        written = []
-        for ps, a in zip(self.groups, active):
-            if a.all():
-                written += ps   # (every warm step of a model whose parameters all have gradients)
-            elif a.any():
-                written += [ps[i] for i in np.flatnonzero(a).tolist()]
-        bump_versions(written)
+        bump_stepped(self.groups, active)
         if self.rows is not None:
             self.rows.bumped(active)
 
