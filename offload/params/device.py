@@ -17,6 +17,7 @@ import torch
 
 from ..base.dist import local
 from ..native.adam import DTYPE_CODES
+from .base import bump_stepped
 
 __all__ = ["DeviceParams"]
 
@@ -110,8 +111,13 @@ class DeviceParams:
         return out
 
     def stepped(self, active: list) -> None:
-        """(HostParams bumps the version counters of the parameters the kernel wrote; here the kernel
-        wrote the staging slots, and the uploads write through ``.data``, see publish.)"""
+        """The step's new weights of the parameters ``active`` (per group, bool masks) are uploaded, or
+        will be before anything waits for them: their version counters go up now, in step(), as after
+        torch's in-place update (the uploads themselves write through ``.data``, in the worker and on
+        the device's streams: a version moved there would race with the next forward's saved tensors).
+        Called before the step's write tracking records the parameters (engine.commit, the device
+        step's snapshot), so the step's own bump is not taken for a user's write."""
+        bump_stepped(self.groups, active)
 
     def publish(self, b, pieces, staged: Staged, after=None):
         """H2D of the new weights from the slot (after ``after``: during backward, the compute stream's

@@ -127,6 +127,7 @@ class FeedStep:
             if not skip:
                 for gi, i in feed.sent:
                     active[gi][i] = True
+                feed.side.stepped(active)   # versions up now (before _finish records them, in order)
             fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~eng.registry.ready[gi])]
             rec.update(first=feed.marks["first"], buckets=0 if skip else len(feed.dispatched), skipped=skip)
             order = feed.dispatched + [bi for bi in feed.order if bi not in feed.done]
