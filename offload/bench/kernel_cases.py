@@ -14,6 +14,8 @@ import torch
 import offload
 from offload.native import adam as _kernels
 
+from .moments import _streams
+
 STREAM_STAGGER = 16400  # floats between the probe's streams (as offload.optim's state arena)
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, amsgrad=False,
              maximize=False)  # of the raw kernel call (OursKernel)
@@ -261,17 +263,19 @@ class MetadataFloor(Contender):
 
 def _probe_streams(numel: int, lowp: bool) -> list:
     """The probe's streams: g, p, m, v in fp32 (Adam's pattern), or for the bf16 case p, m, v in fp32
-    and the bf16 gradient and parameter. One allocation per element size, streams staggered like
-    offload's state arena: separate allocations of a power-of-two size sit a power of two (+ one
-    page) apart, and on some machines that costs a third of the bandwidth (measured on an AVX2 EPYC at
-    32M: 750 vs 1050 Mparam/s), which would make the "ceiling" lower than what a kernel can reach."""
-    stride = numel + STREAM_STAGGER
-    f32 = torch.full(((3 if lowp else 4) * stride,), 0.5)
-    bufs = [f32[k * stride:k * stride + numel] for k in range(3 if lowp else 4)]
+    and the bf16 gradient and parameter (the fp32-moment streams of bench/moments.py). One allocation,
+    streams staggered like offload's state arena: separate allocations of a power-of-two size sit a
+    power of two (+ one page) apart, and on some machines that costs a third of the bandwidth (measured
+    on an AVX2 EPYC at 32M: 750 vs 1050 Mparam/s), which would make the "ceiling" lower than what a
+    kernel can reach."""
     if lowp:
-        b16 = torch.full((2 * stride,), 0.5, dtype=torch.bfloat16)
-        bufs += [b16[k * stride:k * stride + numel] for k in range(2)]
-    return bufs
+        p, g, m, v, out = _streams(numel, "fp32", True)
+        for t in (p, g, m, v, out):
+            t.fill_(0.5)   # as the fp32 streams below (and every page touched before the first round)
+        return [p, m, v, g, out]
+    stride = numel + STREAM_STAGGER
+    f32 = torch.full((4 * stride,), 0.5)
+    return [f32[k * stride:k * stride + numel] for k in range(4)]
 
 
 class Probe(Contender):
