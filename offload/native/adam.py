@@ -22,8 +22,8 @@ from . import _C
 
 __all__ = [
     "DTYPE_CODES", "TASK_COLS", "PROBE_MODES", "MOMENT_PROBE_MODES", "adam_step", "adam_table", "step_table",
-    "grad_sumsq", "bandwidth_probe", "bandwidth_probe_moments", "fingerprint", "set_isa", "get_isa", "available_isas", "set_stream_prefetch",
-    "get_stream_prefetch",
+    "grad_sumsq", "bandwidth_probe", "bandwidth_probe_moments", "fingerprint", "set_isa", "get_isa", "available_isas",
+    "set_stream_prefetch", "get_stream_prefetch",
     "get_num_threads", "set_num_threads", "affinity_cpus",
 ]
 
