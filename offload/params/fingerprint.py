@@ -97,12 +97,23 @@ def fingerprints(tensors: Sequence[torch.Tensor], native: Optional[bool] = None)
 
 
 def _batched(batch: list, w: torch.Tensor, out: torch.Tensor) -> None:
-    """out[j] = sum(ints * w[:len]) for each (j, ints) of ``batch`` (together at most one chunk)."""
+    """out[j] = sum(ints * w[:len]) for each (j, ints) of ``batch`` (together at most one chunk), in a fixed
+    number of kernels: the products' running sum (int64, wrapping like the sums themselves) read at each
+    tensor's two ends. No atomics, no host sync, and the one host-to-device copy (the ends and the output
+    positions) comes from pinned memory on CUDA."""
     device = out.device
     sizes = [ints.numel() for _, ints in batch]
-    flat = torch.cat([ints.to(torch.int64) for _, ints in batch])
-    starts = torch.tensor([0] + sizes[:-1], dtype=torch.int64, device=device).cumsum(0)
-    seg = torch.repeat_interleave(torch.arange(len(batch), device=device), torch.tensor(sizes, device=device))
-    pos = torch.arange(flat.numel(), dtype=torch.int64, device=device) - starts[seg]
-    sums = torch.zeros(len(batch), dtype=torch.int64, device=device).index_add_(0, seg, flat * w[pos])
-    out[torch.tensor([j for j, _ in batch], device=device)] = sums
+    flat = torch.cat([ints for _, ints in batch]).to(torch.int64)   # (one integer dtype per batch)
+    prods = torch.mul(flat, torch.cat([w[:n] for n in sizes]))
+    run = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), prods.cumsum(0)])
+    ends, at = [], 0
+    for n in sizes:
+        at += n
+        ends.append(at)
+    host = torch.tensor([e - n for e, n in zip(ends, sizes)] + ends + [j for j, _ in batch], dtype=torch.int64)
+    if device.type == "cuda":
+        idx = host.pin_memory().to(device, non_blocking=True)
+    else:
+        idx = host.to(device)
+    k = len(batch)
+    out[idx[2 * k:]] = run.index_select(0, idx[k:2 * k]) - run.index_select(0, idx[:k])
