@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from .hooks import weak_hook
+from .hooks import weak_module_hook
 from .owners import ForwardObserver
 
 __all__ = ["FeedStep", "WriteRaceError"]
@@ -37,7 +37,7 @@ class FeedStep:
         self.forward = ForwardObserver()
         # until the first step(): the order the first forward uses the buckets in (deferred schedule),
         # and the modules whose state_dict() must wait for uploads (uploads.note)
-        self._observer = torch.nn.modules.module.register_module_forward_pre_hook(weak_hook(self, "observe"))
+        self._observer = torch.nn.modules.module.register_module_forward_pre_hook(weak_module_hook(self, "observe"))
 
     def close(self) -> None:
         """Stop observing forwards (if still observing)."""

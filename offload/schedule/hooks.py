@@ -5,12 +5,16 @@ collector cannot see a cycle: a hook holding its engine strongly would keep the 
 memory and its threads alive forever. ``weak_hook(obj, "method", *bound)`` returns a hook that
 calls ``obj.method(*bound, *args)`` while ``obj`` lives, does nothing afterwards, and always
 returns None (a forward pre-hook or tensor hook returning a value would replace its input).
+``weak_module_hook`` is the same for global module hooks, which also run inside the forwards that
+torch.compile traces: there they do nothing (see its docstring).
 """
 from __future__ import annotations
 
 import weakref
 
-__all__ = ["weak_hook"]
+import torch
+
+__all__ = ["weak_hook", "weak_module_hook"]
 
 
 def weak_hook(obj, method: str, *bound):
@@ -20,4 +24,21 @@ def weak_hook(obj, method: str, *bound):
         o = ref()
         if o is not None:
             getattr(o, method)(*bound, *args)
+    return hook
+
+
+def weak_module_hook(obj, method: str):
+    """``weak_hook`` for a global module hook: it does nothing while torch.compile traces a forward.
+    Traced into, it would break the graph at every module, or make dynamo give up compiling the
+    model at all, which then ran uncompiled in every step. Compiled code keeps only what was traced,
+    so per-module waits cannot run in it anyway: step() waits for every upload itself once compiled
+    code ran (schedule/uploads.compiled_code_in_use)."""
+    ref = weakref.ref(obj)
+
+    def hook(*args):
+        if torch.compiler.is_compiling():
+            return
+        o = ref()
+        if o is not None:
+            getattr(o, method)(*args)
     return hook

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .hooks import weak_hook
+from .hooks import weak_hook, weak_module_hook
 
 __all__ = ["Upload", "UploadWaits", "compiled_code_in_use"]
 
@@ -77,7 +77,8 @@ class UploadWaits:
         self.seq, self.next = list(seq), 0
         self.pos = {u.bucket: k for k, u in enumerate(self.seq)}
         if self.seq and self._handle is None:
-            self._handle = torch.nn.modules.module.register_module_forward_pre_hook(weak_hook(self, "before_forward"))
+            hook = weak_module_hook(self, "before_forward")
+            self._handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
 
     @property
     def pending(self) -> bool:
