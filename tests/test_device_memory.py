@@ -23,12 +23,14 @@ LAYERS, WIDTH = 12, 64
 
 
 class _Block(nn.Module):
-    def __init__(self):
+    def __init__(self, slow: bool):
         super().__init__()
         self.lin = nn.Linear(WIDTH, WIDTH)
+        self.slow = slow
 
     def forward(self, x):
-        return slow_backward(torch.tanh(self.lin(x)), 0.02)   # backward slower than the copies, as on a GPU
+        y = torch.tanh(self.lin(x))
+        return slow_backward(y, 0.02) if self.slow else y   # backward slower than the copies
 
 
 class _Live:
@@ -52,12 +54,12 @@ class _Live:
             self.now -= n
 
 
-def _run(release, steps=3, **opts):
+def _run(release, steps=3, slow=True, max_delay=0.001, bucket_mb=0.001, **opts):
     torch.manual_seed(0)
-    model = nn.Sequential(*[_Block() for _ in range(LAYERS)])
+    model = nn.Sequential(*[_Block(slow) for _ in range(LAYERS)])
     live = _Live(model)
-    dev = FakeDevice(max_delay=0.001, seed=0)
-    opt = offload.AdamW(model.parameters(), lr=1e-3, offload_device=dev, bucket_mb=0.001,
+    dev = FakeDevice(max_delay=max_delay, seed=0)
+    opt = offload.AdamW(model.parameters(), lr=1e-3, offload_device=dev, bucket_mb=bucket_mb,
                         release_grads=release, **opts)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     peaks = []
@@ -80,6 +82,15 @@ def test_release_grads_frees_each_gradient_once_copied_down():
     assert left == 0
     # each gradient dies once its bucket's copy was issued: never more than a few at once
     assert max(peaks[1:]) <= total / 3, (peaks, total)
+
+
+def test_release_grads_bounds_the_gradients_alive_when_backward_runs_ahead_of_the_copies():
+    """On a GPU backward is enqueued far ahead of the copies, and a gradient is allocated when its
+    backward is enqueued: here backward is fast and the copies slow. release_grads must hold backward
+    back, or every gradient exists before the first copy is issued (the peak of release_grads=False)."""
+    peaks, left, total = _run(release=True, slow=False, max_delay=0.01, bucket_mb=0.02)
+    assert left == 0
+    assert max(peaks[1:]) <= total / 2, (peaks, total)
 
 
 def test_without_release_grads_peak_is_the_whole_gradient_set_and_nothing_survives_the_step():

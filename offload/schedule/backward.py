@@ -26,6 +26,7 @@ RAM-state GPU scheduler does). Anything that fails after a bucket was stepped ma
 from __future__ import annotations
 
 import math
+import threading
 import time
 import weakref
 from typing import Optional
@@ -40,7 +41,11 @@ from .hooks import weak_hook
 from .uploads import Upload, UploadWaits
 from .worker import Worker
 
-__all__ = ["BackwardFeed"]
+__all__ = ["BackwardFeed", "HELD_BUCKETS"]
+
+# release_grads: backward waits while more queued buckets than this still hold their gradients (copies
+# down not issued yet); see BackwardFeed._hold_back
+HELD_BUCKETS = 2
 
 
 class BackwardFeed:
@@ -63,6 +68,7 @@ class BackwardFeed:
         self._hooked = 0
         self._nb = -1
         self.order: list = []
+        self._down_cv = threading.Condition()   # the worker issued a bucket's copies down (_sent_down)
         self._hook_params()
         self.maps()
         self._reset()
@@ -115,6 +121,7 @@ class BackwardFeed:
         self._hypers: dict = {}              # group -> hyperparameters read at its first bucket this step
         self.missing = [len(ps) for ps in self.params_of]
         self.dispatched: list = []   # queue order
+        self.down = 0                # buckets of this cycle whose copies down were issued (worker)
         self.done = set()            # queued (training thread)
         self.stepped = set()         # stepped (worker)
         self.grads = [[None] * len(g) for g in self.engine.groups]
@@ -173,6 +180,18 @@ class BackwardFeed:
                 self.missing[bi] -= 1
                 if self.missing[bi] == 0:
                     self.dispatch(bi, 1.0)
+            if self.release_grads:
+                self._hold_back()
+
+    def _hold_back(self) -> None:
+        """release_grads: wait while more than HELD_BUCKETS queued buckets still hold their gradients.
+        A gradient is allocated when its backward is enqueued, and on a GPU backward is enqueued far
+        ahead of the copies: without this wait every gradient exists before the first one is freed,
+        and the peak is that of release_grads=False. Waiting here holds the rest of backward back,
+        so the gradients alive at once stay a few buckets' worth."""
+        with self._down_cv:
+            while len(self.dispatched) - self.down > HELD_BUCKETS and self.error is None:
+                self._down_cv.wait(0.05)
 
     def capture(self, gi: int, i: int, p) -> None:
         eng = self.engine
@@ -230,6 +249,9 @@ class BackwardFeed:
                 self.unsent[key] = left
             elif self.unsent.pop(key, None) is not None:
                 self.grads[gi][pc.param] = None
+        with self._down_cv:
+            self.down += 1
+            self._down_cv.notify_all()
 
     def raise_if_failed(self) -> None:
         """Report the worker's failure: StoreFailedError naming it, every time until a load. The first
