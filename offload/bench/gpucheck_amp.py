@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from .gpucheck_common import Ctx, Result, Skip, snapshot, state_tensors
+from .gpucheck_common import Ctx, Result, Skip, l2_dist, snapshot, state_tensors
 from .gpucheck_train import mlp_loss, run_gpt
 from .gpucheck_correct import _parity_case
 
@@ -61,8 +61,19 @@ def check_clipping(ctx: Ctx, res: Result) -> None:
     tor_sync = run("torch", overlap=False)
     ctx.compare(res, "torch clip_grad_norm_ on device grads, deferred == overlap=False", tor_sync["params"],
                 tor["params"])
-    ctx.compare(res, "torch clip_grad_norm_ on device grads is picked up (== the method, per element)",
-                meth["params"], tor["params"], rtol=1e-5, atol=1e-7, exact=False)
+    if not ctx.cuda:   # the same norm code on both sides here
+        ctx.compare(res, "torch clip_grad_norm_ on device grads is picked up (== the method, per element)",
+                    meth["params"], tor["params"], rtol=1e-5, atol=1e-7, exact=False)
+        return
+    # on CUDA torch's norm sums in another order: the runs part by rounding, and more with each step.
+    # Picked up means: as close to the method as rounding allows, and far closer than a run not clipped
+    init = snapshot(ctx.gpt().parameters())
+    ctx.compare_moved(res, "torch clip_grad_norm_ on device grads is picked up (near the method)", init,
+                      meth["params"], tor["params"], tol=1e-3)
+    plain = run("none", step_during_backward=False)
+    near, far = l2_dist(meth["params"], tor["params"]), l2_dist(meth["params"], plain["params"])
+    res.expect(near * 10 < far, "torch clip_grad_norm_ run is >10x nearer the method than an unclipped run",
+               near=near, unclipped=far)
 
 
 # ------------------------------------------------------------------------ 08
@@ -113,6 +124,16 @@ def _amp_run(ctx: Ctx, res: Result, dtype, autocast, inf_at: int, torch_opt=Fals
     return dict(params=snapshot(model.parameters()), scales=scales, skipped_ok=skipped_ok)
 
 
+def _vs_torch(ctx: Ctx, res: Result, what: str, ref: list, got: list) -> None:
+    """Ours vs torch's AdamW on the same device: per element where both run the same CPU arithmetic (the
+    fake device); on CUDA torch's kernels round differently and fp16 autocast grows the differences with
+    each step, so there the distance is measured against how far torch's run moved."""
+    if not ctx.cuda:
+        ctx.compare(res, what, ref, got, rtol=1e-4, atol=1e-5, exact=False)
+        return
+    ctx.compare_moved(res, what, snapshot(ctx.mlp(ref[0].dtype).parameters()), ref, got, tol=1e-2)
+
+
 def check_gradscaler(ctx: Ctx, res: Result) -> None:
     k = 1
     # fp32 parameters under fp16 autocast: ours vs torch AdamW + GradScaler
@@ -122,16 +143,14 @@ def check_gradscaler(ctx: Ctx, res: Result) -> None:
         res.expect(got["skipped_ok"], f"fp32+fp16 autocast {label}: injected inf skips the step bitwise")
         res.expect(got["scales"] == ref["scales"], f"fp32+fp16 autocast {label}: scale sequence == torch's",
                    ours=got["scales"], torch=ref["scales"])
-        ctx.compare(res, f"fp32+fp16 autocast {label}: parameters vs torch AdamW", ref["params"], got["params"],
-                    rtol=1e-4, atol=1e-5, exact=False)
+        _vs_torch(ctx, res, f"fp32+fp16 autocast {label}: parameters vs torch AdamW", ref["params"], got["params"])
     # the unscale_ variant (torch clipping after unscale_ on the device gradients)
     ref_u = _amp_run(ctx, res, torch.float32, True, k, torch_opt=True, unscale=True)
     got_u = _amp_run(ctx, res, torch.float32, True, k, unscale=True, check_overflow=True)
     res.expect(got_u["skipped_ok"], "unscale_ variant: injected inf skips the step bitwise")
     res.expect(got_u["scales"] == ref_u["scales"], "unscale_ variant: scale sequence == torch's",
                ours=got_u["scales"], torch=ref_u["scales"])
-    ctx.compare(res, "unscale_ variant: parameters vs torch AdamW", ref_u["params"], got_u["params"],
-                rtol=1e-4, atol=1e-5, exact=False)
+    _vs_torch(ctx, res, "unscale_ variant: parameters vs torch AdamW", ref_u["params"], got_u["params"])
     # fp16 parameters (torch's own AdamW cannot unscale fp16 gradients): deferred vs overlap=False
     a = _amp_run(ctx, res, torch.float16, False, k, check_overflow=True)
     b = _amp_run(ctx, res, torch.float16, False, k, check_overflow=True, overlap=False)

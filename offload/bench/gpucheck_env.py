@@ -53,8 +53,8 @@ def _register_probe(res: Result) -> None:
     except Exception as e:  # a sticky error from the register call shows up here
         launched = f"{type(e).__name__}: {e}"
     res.expect(launched is True, "a kernel launch after cudaHostRegister works", outcome=launched)
-    if rc == 0:
-        res.expect(buf.is_pinned(), "the registered buffer reports is_pinned()")
+    if rc == 0:   # (offload registers nothing itself: its host buffers come from torch's pinned allocator)
+        res.data["torch is_pinned() of a cudaHostRegister'ed buffer"] = bool(buf.is_pinned())
         cudart.cudaHostUnregister(buf.data_ptr())
     from offload.device import CudaDevice
     dev = CudaDevice()

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.nn as nn
 
-from .gpucheck_common import Ctx, Result, Skip, snapshot, state_tensors
+from .gpucheck_common import Ctx, Result, Skip, l2_dist, same_bits, snapshot, state_tensors
 from .gpucheck_train import mlp_loss
 
 SCHED = {"eager": dict(step_during_backward=True), "deferred": dict(step_during_backward=False),
@@ -171,10 +171,14 @@ def check_non_owner_reads(ctx: Ctx, res: Result) -> None:
                 synced = [v.detach().to("cpu", copy=True) for v in model.state_dict().values()]
                 right_after[-1] = (right_after[-1], synced)
         return snapshot(model.parameters()), right_after
+    t0 = time.time()
     ref, _ = run(SCHED["sync"])
+    res.data["seconds"] = {"overlap=False": round(time.time() - t0, 2)}
     for label, opts in (("deferred", SCHED["deferred"]), ("max_grad_norm", dict(max_grad_norm=1e9)),
                         ("eager", SCHED["eager"])):
+        t0 = time.time()
         got, snaps = run(opts)
+        res.data["seconds"][label] = round(time.time() - t0, 2)
         ctx.compare(res, f"TransformerEncoderLayer stack, {label} == overlap=False", ref, got)
         bad = [s for s, (a, b) in enumerate(snaps) if not all(torch.equal(x, y) for x, y in zip(a, b))]
         res.expect(not bad, f"{label}: model.state_dict() right after step() == weights after synchronize()",
@@ -187,8 +191,12 @@ def check_compile(ctx: Ctx, res: Result) -> None:
     res.note(f"backend {backend}")
     data = ctx.mlp_batches(ctx.steps)
 
+    from torch._dynamo.utils import counters
+    graphs = {}
+
     def run(opts, compiled=True, mode=None):
         torch._dynamo.reset()
+        counters.clear()
         model = ctx.mlp()
         fwd = torch.compile(model, backend=backend, mode=mode) if compiled else model
         with ctx.amplified():
@@ -200,15 +208,31 @@ def check_compile(ctx: Ctx, res: Result) -> None:
                 opt.zero_grad()
             right_after = snapshot(model.parameters())   # no synchronize(): step() must have waited
             opt.synchronize()
+        graphs[tuple(sorted(opts.items()))] = (
+            counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
         return snapshot(model.parameters()), right_after
     t0 = time.time()
     ref, _ = run(SCHED["sync"])
     res.data["first_compile_s"] = round(time.time() - t0, 1)
+    # inductor may pick other kernel configs (another reduction order) each time it compiles: a second
+    # compiled overlap=False run says whether compiled runs can agree bitwise here at all
+    again, _ = run(SCHED["sync"]) if ctx.cuda else (ref, None)
+    exact = all(same_bits(a, b) for a, b in zip(ref, again))
+    init = snapshot(ctx.mlp().parameters())
+    noise = l2_dist(ref, again) / max(l2_dist(ref, init), 1e-30)
+    res.data["two compiled overlap=False runs: bitwise, distance over moved"] = (exact, noise)
     for label in ("eager", "deferred"):
         got, right_after = run(SCHED[label])
-        ctx.compare(res, f"compiled model, {label} == overlap=False", ref, got)
+        if exact:
+            ctx.compare(res, f"compiled model, {label} == overlap=False", ref, got)
+        else:   # as near to overlap=False as a second compile of it is (a stale weight is ~1/steps off)
+            ctx.compare_moved(res, f"compiled model, {label} near overlap=False (within 10x two compiles' spread)",
+                              init, ref, got, tol=max(1e-4, 10 * noise))
         ctx.compare(res, f"compiled model, {label}: weights right after step() are the final ones", got, right_after,
                     exact=True)
+        n, breaks = graphs[tuple(sorted(SCHED[label].items()))]
+        res.expect(n >= 1 and breaks == 0, f"compiled model, {label}: compiled, without graph breaks",
+                   graphs=n, graph_breaks=breaks)
     if not ctx.cuda:
         res.note("reduce-overhead (CUDA graphs) smoke test on CUDA only")
         return
