@@ -97,7 +97,7 @@ _BUDGETS = {
     "15_user_stream": (6, 1, 1), "16_fsdp2": (20, 10, 3), "17_ddp": (12, 6, 2), "18_robustness": (25, 20, 8),
     "perf_setup": (8, 2, 1), "perf_baseline": (12, 3, 2), "perf_torch_fused": (12, 3, None),
     "perf_offload_eager": (15, 4, 3), "perf_offload_deferred_clip": (15, 4, None), "perf_offload_sync": (15, 4, None),
-    "perf_offload_nvme": (20, 5, None), "perf_offload_8bit": (15, 4, None), "perf_profiler": (15, 5, None),
+    "perf_offload_nvme": (45, 5, None), "perf_offload_8bit": (15, 4, None), "perf_profiler": (15, 5, None),
     "perf_thread_sweep": (40, 6, None), "perf_bucket_sweep": (35, 6, None), "perf_fingerprint_cost": (12, 3, None),
     "perf_memory_vs_plan": (10, 2, None), "perf_trace_lanes": (10, 3, None), "perf_peers": (30, 3, None),
     "perf_summary": (1, 1, 1),

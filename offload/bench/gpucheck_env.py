@@ -79,8 +79,10 @@ def check_environment(ctx: Ctx, res: Result) -> None:
         info["build_info"] = offload.build_info()
     except Exception as e:  # noqa: BLE001
         res.expect(False, "offload.build_info() works (rebuild with pip install -e . if _C is stale)", error=str(e))
+    from .common import cpu_model
+    info["cpu_model"] = cpu_model()   # the host's memory bandwidth sets the CPU step's speed
     lim = info["memlock_rlimit"][0]
-    res.note(f"torch {torch.__version__}, affinity {info['affinity_cpus']} CPUs, ulimit -l "
+    res.note(f"CPU {info['cpu_model']}; torch {torch.__version__}, affinity {info['affinity_cpus']} CPUs, ulimit -l "
              f"{'unlimited' if lim == resource.RLIM_INFINITY else lim // 1024}, "
              f"isa {info.get('build_info', {}).get('isa')}, threads {info.get('build_info', {}).get('threads')}")
     if ctx.cuda:
