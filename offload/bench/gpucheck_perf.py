@@ -18,6 +18,7 @@ import torch
 
 from .gpt import GPT, PRESETS, param_groups, random_batch
 from .gpucheck_common import Ctx, Result, Skip
+from .gpucheck_profile import profile_summary
 
 MB = 1 << 20
 
@@ -122,7 +123,7 @@ def _time(ctx: Ctx, make_opt, batch=None, warmup=None, iters=None, profile=False
                 byt, sec = sum(s.get(f"{k}_bytes", 0) for s in steady), sum(s.get(f"{k}_s", 0) for s in steady)
                 out[f"{k}_gbps"] = byt / sec / 1e9 if sec > 0 else None
         if prof is not None:
-            out["profile"] = _profile_summary(ctx, prof)
+            out["profile"] = profile_summary(ctx, prof)
         if opt is not None and hasattr(opt, "storage_info"):
             out["storage_info"] = {k: v for k, v in opt.storage_info().items() if isinstance(v, (int, float, str, bool))}
         return out
@@ -131,39 +132,6 @@ def _time(ctx: Ctx, make_opt, batch=None, warmup=None, iters=None, profile=False
             opt.close()
         if dev_obj is not None:
             dev_obj.close()
-
-
-def _profile_summary(ctx: Ctx, prof) -> dict:
-    path = os.path.join(ctx.disk_dir("prof"), "trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        evs = json.load(f).get("traceEvents", [])
-    copies = [e for e in evs if e.get("cat") == "gpu_memcpy"]
-    kernels = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in evs if e.get("cat") == "kernel"]
-    kinds = {}
-    for e in copies:
-        kinds[e.get("name", "?")] = kinds.get(e.get("name", "?"), 0) + 1
-    kernels.sort()
-    merged = []
-    for a, b in kernels:
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-
-    def overlap(a, b):
-        return sum(max(0, min(b, y) - max(a, x)) for x, y in merged if x < b and y > a)
-    tot = {"d2h": [0.0, 0.0], "h2d": [0.0, 0.0]}
-    for e in copies:
-        k = "d2h" if "DtoH" in e.get("name", "") else "h2d" if "HtoD" in e.get("name", "") else None
-        if k:
-            a, d = e["ts"], e.get("dur", 0)
-            tot[k][0] += d
-            tot[k][1] += overlap(a, a + d)
-    return dict(copy_kinds=kinds, pageable=sum(n for k, n in kinds.items() if "Pageable" in k),
-                d2h_ms=tot["d2h"][0] / 1e3, h2d_ms=tot["h2d"][0] / 1e3,
-                d2h_overlap=tot["d2h"][1] / tot["d2h"][0] if tot["d2h"][0] else None,
-                h2d_overlap=tot["h2d"][1] / tot["h2d"][0] if tot["h2d"][0] else None)
 
 
 def _offload(ctx: Ctx, **opts):
