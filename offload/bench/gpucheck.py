@@ -218,6 +218,7 @@ def main(argv=None) -> int:
         return 0
     ctx = Ctx(args)
     out = _out_path(args.out)
+    ctx.out_dir = os.path.dirname(os.path.abspath(out))
     print(f"gpu_check: device {ctx.kind}{' (quick)' if ctx.quick else ''}, budget {ctx.budget_s:.0f} s, "
           f"JSON lines -> {out}", flush=True)
     checks = all_checks()

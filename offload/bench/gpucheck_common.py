@@ -130,6 +130,7 @@ class Ctx:
         self._patches: list = []
         self._tmp = None
         self.perf: dict = {}     # shared by the perf checks
+        self.out_dir: Optional[str] = None   # beside the JSON lines: traces worth reading afterwards
 
     # -------------------------------------------------------------- budgets and lifecycle
     def budget_of(self, name: str):

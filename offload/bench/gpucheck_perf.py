@@ -123,7 +123,7 @@ def _time(ctx: Ctx, make_opt, batch=None, warmup=None, iters=None, profile=False
                 byt, sec = sum(s.get(f"{k}_bytes", 0) for s in steady), sum(s.get(f"{k}_s", 0) for s in steady)
                 out[f"{k}_gbps"] = byt / sec / 1e9 if sec > 0 else None
         if prof is not None:
-            out["profile"] = profile_summary(ctx, prof)
+            out["profile"] = profile_summary(ctx, prof, keep=profile if isinstance(profile, str) else "")
         if opt is not None and hasattr(opt, "storage_info"):
             out["storage_info"] = {k: v for k, v in opt.storage_info().items() if isinstance(v, (int, float, str, bool))}
         return out
@@ -221,7 +221,7 @@ def perf_8bit(ctx, res):
 def perf_profiler(ctx, res):
     _need(ctx)
     for name, make in (("eager", _offload(ctx)), ("deferred_clip", _offload(ctx, max_grad_norm=1.0))):
-        r = _time(ctx, make, warmup=2 if ctx.cuda else 1, iters=2, profile=True)
+        r = _time(ctx, make, warmup=2 if ctx.cuda else 1, iters=2, profile=name if ctx.cuda else True)
         prof = r.get("profile", {})
         res.data[name] = r
         if not ctx.cuda:
@@ -301,12 +301,12 @@ def perf_trace(ctx, res):
     opt = offload.AdamW(model.parameters(), lr=1e-4, offload_device=dev, trace=True, bucket_mb=ctx.perf["ns"].bucket_mb)
     try:
         gen = torch.Generator().manual_seed(1)
-        for _ in range(2):
-            model(*random_batch(ctx.perf["cfg"], 2, ctx.tdev, gen)).backward()
+        for _ in range(4):   # at the timed rows' batch: the timeline of their iterations
+            model(*random_batch(ctx.perf["cfg"], ctx.perf["batch"], ctx.tdev, gen)).backward()
             opt.step()
             opt.zero_grad()
         opt.synchronize()
-        path = os.path.join(ctx.disk_dir("trace"), "t.json")
+        path = os.path.join(ctx.out_dir or ctx.disk_dir("trace"), "offload_trace.json")
         opt.export_chrome_trace(path)
         with open(path) as f:
             evs = json.load(f)

@@ -1,20 +1,26 @@
 """bench/gpucheck_profile.py: what ``bench/gpu_check.py``'s performance section reads from a torch.profiler
 run: the copy kinds (pinned or pageable), the copy time in each direction, and the share of it that
-overlaps GPU kernels.
+overlaps GPU kernels; with ``keep``, a gzip of the Chrome trace beside the JSON lines, to read the
+timeline afterwards (chrome://tracing or ui.perfetto.dev).
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import shutil
 
 from .gpucheck_common import Ctx
 
 __all__ = ["profile_summary"]
 
 
-def profile_summary(ctx: Ctx, prof) -> dict:
+def profile_summary(ctx: Ctx, prof, keep: str = "") -> dict:
     path = os.path.join(ctx.disk_dir("prof"), "trace.json")
     prof.export_chrome_trace(path)
+    if keep and ctx.out_dir:
+        with open(path, "rb") as src, gzip.open(os.path.join(ctx.out_dir, f"profile_{keep}.json.gz"), "wb") as dst:
+            shutil.copyfileobj(src, dst)
     with open(path) as f:
         evs = json.load(f).get("traceEvents", [])
     copies = [e for e in evs if e.get("cat") == "gpu_memcpy"]
