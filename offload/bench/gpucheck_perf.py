@@ -183,6 +183,8 @@ def _row(ctx: Ctx, res: Result, name: str, make, **kw) -> dict:
         parts.append(f"kernel {r['kernel_s'] * 1e3:.1f} ms")
     if ctx.cuda:
         parts.append(f"peak {r['peak_alloc_gb']:.2f} GB")
+        if r["wall_ms"] > 1.2 * r["iter_ms"]:   # the GPU timeline misses host time (e.g. the final synchronize())
+            parts.append(f"WALL {r['wall_ms'] / r['iter_ms']:.1f}x the GPU timeline: the host blocked outside it")
     res.note(", ".join(parts))
     return r
 
