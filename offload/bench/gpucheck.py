@@ -60,6 +60,7 @@ _REGISTRY = [
     ("perf_offload_sync", "gpucheck_perf", "perf_sync"),
     ("perf_offload_nvme", "gpucheck_perf", "perf_nvme"),
     ("perf_offload_8bit", "gpucheck_perf", "perf_8bit"),
+    ("perf_offload_delayed", "gpucheck_perf", "perf_delayed"),
     ("perf_profiler", "gpucheck_perf", "perf_profiler"),
     ("perf_thread_sweep", "gpucheck_perf", "perf_threads"),
     ("perf_bucket_sweep", "gpucheck_perf", "perf_buckets"),

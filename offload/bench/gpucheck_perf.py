@@ -1,7 +1,7 @@
 """bench/gpucheck_perf.py: the performance section of ``bench/gpu_check.py`` - a GPT (offload/bench/gpt.py; 350M
 bf16 on CUDA, the tiny preset on the fake device) timed per variant with CUDA events and wall time:
 a no-optimizer baseline, torch AdamW fused, offload eager / deferred+clip / overlap=False / NVMe / 8-bit
-moments (the offload variants built by offload/bench/train.py from a Namespace its own parser makes),
+moments / the delayed update (the offload variants built by offload/bench/train.py from a Namespace its own parser makes),
 then the profiler's copy kinds and copy/compute overlap, last_step_stats vs the profiler, thread and
 bucket sweeps, the cost of synchronize() fingerprints, peak memory vs offload.plan, trace lanes, and
 torchao / DeepSpeed peers when importable (never installed here). Exposed time = iteration - baseline.
@@ -218,6 +218,12 @@ def perf_nvme(ctx, res):
 
 def perf_8bit(ctx, res):
     _row(ctx, res, "offload_8bit", _offload(ctx, moments="8bit"))
+
+
+def perf_delayed(ctx, res):
+    # the schedule that runs the CPU step during the next forward and backward (one step of staleness):
+    # delayed from the second update on, so every timed iteration is a delayed one
+    _row(ctx, res, "offload_delayed", _offload(ctx, delay_updates=1, delay_after=1))
 
 
 def perf_profiler(ctx, res):
