@@ -33,12 +33,9 @@ def weak_module_hook(obj, method: str):
     model at all, which then ran uncompiled in every step. Compiled code keeps only what was traced,
     so per-module waits cannot run in it anyway: step() waits for every upload itself once compiled
     code ran (schedule/uploads.compiled_code_in_use)."""
-    ref = weakref.ref(obj)
+    inner = weak_hook(obj, method)
 
     def hook(*args):
-        if torch.compiler.is_compiling():
-            return
-        o = ref()
-        if o is not None:
-            getattr(o, method)(*args)
+        if not torch.compiler.is_compiling():
+            inner(*args)
     return hook
