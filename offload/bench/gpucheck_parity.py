@@ -22,6 +22,7 @@ from typing import List
 import torch
 
 from .gpt import GPT, GPTConfig, param_groups, random_batch
+from .gpucheck_common import l2_dist
 
 __all__ = ["run_checks", "check_case", "print_checks"]
 
@@ -85,14 +86,13 @@ def check_case(kind: str, dtype: torch.dtype, clip: bool, accum: int, steps: int
     for p in model.parameters():
         st = state.get(index[id(p)], {})
         ours_master.append(st["master_param"].float().to(device) if "master_param" in st else p.detach().float())
-    def l2(ts):
-        return sum(t.double().square().sum().item() for t in ts) ** 0.5
     # how far the reference moved, and how far ours is from it (L2 over all parameters): Adam's
     # update is ~lr per element whatever the gradient, so one flipped bf16 rounding in the forward
     # can change single elements by ~lr; the L2 ratio measures the whole update
-    moved = l2([m.detach().float() - a for m, a in zip(masters, init)])
-    d_master = l2([a - m.detach().float() for a, m in zip(ours_master, masters)])
-    d_param = l2([a.detach().float() - b.detach().float() for a, b in zip(model.parameters(), ref_model.parameters())])
+    ref_masters = [m.detach() for m in masters]
+    moved = l2_dist(ref_masters, init)
+    d_master = l2_dist(ours_master, ref_masters)
+    d_param = l2_dist([p.detach() for p in model.parameters()], [p.detach() for p in ref_model.parameters()])
     finite = all(torch.isfinite(p).all().item() for p in model.parameters())
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     ok = finite and d_master <= tol * moved and d_param <= 2 * tol * moved
