@@ -1,5 +1,5 @@
 # conftest.py: shared fixtures: force each ISA path in turn, and restore the default afterwards;
-# one torch thread for the modules whose fake devices and CPU workers run threads of their own;
+# one torch thread per xdist worker, and for the modules whose fake devices and CPU workers run threads of their own;
 # dynamo's frame counter cleared after each test (see no_compiled_frames_after_the_test); optimizers
 # closed after the test (opts); a filesystem that refuses O_DIRECT (no_o_direct); the configurations
 # tests run over (Config, configs(): side x tier x moments x schedule) and make_opt, which builds one.
@@ -10,7 +10,14 @@ import pathlib
 from typing import Optional
 
 import pytest
-import torch
+
+# each xdist worker (and every process a test starts, which inherits this) runs torch with one intra-op
+# thread: two workers on a 2-core machine each spinning two OpenMP threads slow a float64 reference
+# loop several-fold; the kernels' own thread pool is sized separately (offload.kernels.set_num_threads)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402 (after the thread setting above)
 
 from offload import kernels
 
