@@ -1,8 +1,9 @@
 """offload with torch.distributed on CPU (gloo, 2 processes): ZeRO-1 via ZeroRedundancyOptimizer,
 FSDP2 fully_shard with DTensor parameters, gradient clipping across ranks, per-rank checkpoints.
 
-Each test spawns 2 processes; each process compares its result with single-process
+Each test starts 2 processes; each process compares its result with single-process
 torch.optim.AdamW on the full batch and writes a verdict file the test reads."""
+import multiprocessing
 import os
 import traceback
 
@@ -69,7 +70,12 @@ def _worker(rank, scenario, outdir, module=None):
 
 
 def _run(scenario, tmp_path, module=None):
-    mp.spawn(_worker, args=(scenario, str(tmp_path), module), nprocs=WORLD, join=True)
+    # forkserver: one server per test process imports torch and the test modules once, and each rank is
+    # a fork of it (a fresh single-threaded process, as with spawn, without a torch import per test)
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "offload", "test_distributed"]
+                                           + ([module] if module else []))
+    mp.start_processes(_worker, args=(scenario, str(tmp_path), module), nprocs=WORLD, join=True,
+                       start_method="forkserver")
     for r in range(WORLD):
         verdict = (tmp_path / f"verdict{r}").read_text()
         assert verdict == "ok", f"rank {r}:\n{verdict}"

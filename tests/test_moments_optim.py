@@ -332,7 +332,9 @@ def _fsdp2_worker(rank, outdir):
 @pytest.mark.timeout(120)
 def test_fsdp2_compressed_moments(tmp_path):
     """FSDP2 (gloo, 2 ranks): local shards get 8bit moments; RAM == NVMe bitwise; save/load resumes bitwise."""
+    import multiprocessing
     import torch.multiprocessing as mp
-    mp.start_processes(_fsdp2_worker, args=(str(tmp_path),), nprocs=2, join=True, start_method="spawn")
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "offload"])  # one torch import per server
+    mp.start_processes(_fsdp2_worker, args=(str(tmp_path),), nprocs=2, join=True, start_method="forkserver")
     for r in range(2):
         assert (tmp_path / f"verdict{r}").read_text() == "ok"
