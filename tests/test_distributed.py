@@ -70,10 +70,10 @@ def _worker(rank, scenario, outdir, module=None):
 
 
 def _run(scenario, tmp_path, module=None):
-    # forkserver: one server per test process imports torch and the test modules once, and each rank is
-    # a fork of it (a fresh single-threaded process, as with spawn, without a torch import per test)
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "offload", "test_distributed"]
-                                           + ([module] if module else []))
+    # forkserver: one server per test process imports torch once, and each rank is a fork of it (a fresh
+    # single-threaded process, as with spawn, without a torch import per rank per test); the preload list
+    # counts only when the server starts, so it names what every scenario needs, not this one's module
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "offload"])
     mp.start_processes(_worker, args=(scenario, str(tmp_path), module), nprocs=WORLD, join=True,
                        start_method="forkserver")
     for r in range(WORLD):

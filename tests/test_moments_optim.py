@@ -268,73 +268,58 @@ def test_pickle_refused_with_compressed_moments():
 
 
 # ---------------------------------------------------------------------------------------------- FSDP2
-def _fsdp2_worker(rank, outdir):
-    import traceback
-    import torch.distributed as dist
-    verdict = "ok"
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(outdir, 'rendezvous')}", rank=rank,
-                                world_size=2)
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import DTensor
+def _fsdp2_compressed(rank, outdir):
+    """Run on each of 2 gloo ranks by test_distributed._run."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
-        def model():
-            torch.manual_seed(0)
-            m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 8))
-            for layer in m:
-                if isinstance(layer, torch.nn.Linear):
-                    fully_shard(layer)
-            return fully_shard(m)
+    def model():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 8))
+        for layer in m:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        return fully_shard(m)
 
-        def run(m, o, steps, start=0):
-            for s in range(start, start + steps):
-                g = torch.Generator().manual_seed(100 + s)
-                x, y = torch.randn(8, 64, generator=g), torch.randn(8, 8, generator=g)
-                torch.nn.functional.mse_loss(m(x[rank::2]), y[rank::2]).backward()
-                o.clip_grad_norm_(0.5)
-                o.step()
-                o.zero_grad()
+    def run(m, o, steps, start=0):
+        for s in range(start, start + steps):
+            g = torch.Generator().manual_seed(100 + s)
+            x, y = torch.randn(8, 64, generator=g), torch.randn(8, 8, generator=g)
+            torch.nn.functional.mse_loss(m(x[rank::2]), y[rank::2]).backward()
+            o.clip_grad_norm_(0.5)
+            o.step()
+            o.zero_grad()
 
-        nv = os.path.join(outdir, f"nv{rank}")
-        os.makedirs(nv)
-        m1, m2 = model(), model()
-        o1 = offload.AdamW(m1.parameters(), lr=1e-2, threads=1, moments="8bit", moments_min_size=1024)
-        o2 = offload.AdamW(m2.parameters(), lr=1e-2, threads=1, moments="8bit", moments_min_size=1024,
-                           storage="nvme", nvme_dir=nv, host_budget=64 * 1024)
-        run(m1, o1, 2)
-        run(m2, o2, 2)
-        w = next(iter(m1.parameters()))
-        assert type(o1.state[w]).__name__ == "CompressedState" and isinstance(o1.state[w]["exp_avg"], DTensor)
-        offload.save(o1, os.path.join(outdir, "ck"))
-        saved = [p.to_local().detach().clone() for p in m1.parameters()]
-        run(m1, o1, 2, 2)
-        run(m2, o2, 2, 2)
-        for a, b in zip(m1.parameters(), m2.parameters()):
-            assert torch.equal(a.to_local(), b.to_local()), "FSDP2 8bit: nvme != ram"
-        m3 = model()
-        o3 = offload.AdamW(m3.parameters(), lr=1e-2, threads=1, moments="8bit", moments_min_size=1024)
-        with torch.no_grad():
-            for p, v in zip(m3.parameters(), saved):
-                p.to_local().copy_(v)
-        offload.load(o3, os.path.join(outdir, "ck"))
-        run(m3, o3, 2, 2)
-        for a, b in zip(m1.parameters(), m3.parameters()):
-            assert torch.equal(a.to_local(), b.to_local()), "FSDP2 8bit: resumed run differs"
-        o2.close()
-        dist.destroy_process_group()
-    except BaseException:
-        verdict = traceback.format_exc()
-    with open(os.path.join(outdir, f"verdict{rank}"), "w") as f:
-        f.write(verdict)
+    nv = os.path.join(outdir, f"nv{rank}")
+    os.makedirs(nv)
+    m1, m2 = model(), model()
+    o1 = offload.AdamW(m1.parameters(), lr=1e-2, threads=1, moments="8bit", moments_min_size=1024)
+    o2 = offload.AdamW(m2.parameters(), lr=1e-2, threads=1, moments="8bit", moments_min_size=1024,
+                       storage="nvme", nvme_dir=nv, host_budget=64 * 1024)
+    run(m1, o1, 2)
+    run(m2, o2, 2)
+    w = next(iter(m1.parameters()))
+    assert type(o1.state[w]).__name__ == "CompressedState" and isinstance(o1.state[w]["exp_avg"], DTensor)
+    offload.save(o1, os.path.join(outdir, "ck"))
+    saved = [p.to_local().detach().clone() for p in m1.parameters()]
+    run(m1, o1, 2, 2)
+    run(m2, o2, 2, 2)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a.to_local(), b.to_local()), "FSDP2 8bit: nvme != ram"
+    m3 = model()
+    o3 = offload.AdamW(m3.parameters(), lr=1e-2, threads=1, moments="8bit", moments_min_size=1024)
+    with torch.no_grad():
+        for p, v in zip(m3.parameters(), saved):
+            p.to_local().copy_(v)
+    offload.load(o3, os.path.join(outdir, "ck"))
+    run(m3, o3, 2, 2)
+    for a, b in zip(m1.parameters(), m3.parameters()):
+        assert torch.equal(a.to_local(), b.to_local()), "FSDP2 8bit: resumed run differs"
+    o2.close()
 
 
 @pytest.mark.timeout(120)
 def test_fsdp2_compressed_moments(tmp_path):
     """FSDP2 (gloo, 2 ranks): local shards get 8bit moments; RAM == NVMe bitwise; save/load resumes bitwise."""
-    import multiprocessing
-    import torch.multiprocessing as mp
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "offload"])  # one torch import per server
-    mp.start_processes(_fsdp2_worker, args=(str(tmp_path),), nprocs=2, join=True, start_method="forkserver")
-    for r in range(2):
-        assert (tmp_path / f"verdict{r}").read_text() == "ok"
+    from test_distributed import _run as run_ranks
+    run_ranks("fsdp2_compressed", tmp_path, "test_moments_optim")
