@@ -172,3 +172,44 @@ def test_bf16_case_ceiling_walks_the_streams_its_step_moves():
         pr.step()
         written = [not torch.equal(a, b) for a, b in zip(before, pr.bufs)]
         assert written == [True, True, True, False, True], pr.name   # p, m, v, (g read only), parameter
+
+
+def test_kernel_bench_leaves_out_a_case_that_does_not_fit_in_memory():
+    """A case whose tensors exceed the memory available is skipped with a line that says how much it needs
+    and what --scale would fit, instead of the whole run being killed by the out-of-memory killer."""
+    from offload.bench.kernel import cases_that_fit
+    from offload.bench.kernel_cases import make_cases
+    cases = make_cases(1.0, "flat,moments,isa", full=True)
+    need = {c.key: c.footprint for c in cases}
+    assert need["moments"] > need["flat"] > need["isa"] > 0
+    avail = int(need["flat"] * 1.1) + 2**29 + 1  # room for flat, not for the moments case
+    keep, notes = cases_that_fit(cases, avail, scale=1.0)
+    assert [c.key for c in keep] == ["flat", "isa"]
+    assert len(notes) == 1 and "compressed moments" in notes[0] and "--scale" in notes[0], notes
+    scale = float(notes[0].split("--scale ")[1].split()[0])
+    assert 0 < scale < 1 and make_cases(scale, "moments", full=True)[0].footprint * 1.1 + 2**29 <= avail
+    assert cases_that_fit(cases, None)[0] == cases   # no figure (not Linux): nothing is left out
+
+
+def test_moment_probes_share_one_set_of_streams_each_probe_moving_its_own():
+    """Every probe of the moments case walks views of one set of regions (they run in turn: one set, not
+    one per format), and within one probe the streams are disjoint, of the format's element sizes."""
+    import torch
+    from offload.bench.moments import _format_probes, probe_regions
+    n = 3000
+    regions = probe_regions(n)
+    base = regions[0].untyped_storage().data_ptr()
+    sizes = {"fp32": 4, "bf16": 2, "8bit": 1}
+    for lowp in (False, True):
+        for fmt in sizes:
+            for pr in _format_probes(n, fmt, lowp, 1, regions):
+                streams = [pr.p, pr.g, pr.m, pr.v] + ([pr.out] if lowp else [])
+                assert all(t.untyped_storage().data_ptr() == base and t.numel() == n for t in streams)
+                assert [t.element_size() for t in streams] == ([4, 2 if lowp else 4, sizes[fmt], sizes[fmt]]
+                                                               + ([2] if lowp else []))
+                spans = sorted((t.data_ptr(), t.data_ptr() + n * t.element_size()) for t in streams)
+                assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), (fmt, lowp)
+                before = [t.clone() for t in streams]
+                pr.step()
+                changed = [not torch.equal(a, b) for a, b in zip(before, streams)]
+                assert changed == [True, False, True, True] + ([True] if lowp else []), pr.name

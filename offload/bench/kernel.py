@@ -24,6 +24,7 @@ import torch
 
 import offload
 from offload.native import adam as _native
+from offload.planner import host_memory
 
 from .common import (Progress, add_common_options, cpu_model, format_table, machine_info, median, paired_ratio,
                      verdict, write_json)
@@ -74,6 +75,25 @@ def run_case(case: Case, thread_counts: list, reps: int, use_ds: bool, progress:
         case.results[t] |= {"_raw": times, "_probe_modes": modes}
     del contenders, ours, grads
     gc.collect()
+
+
+def cases_that_fit(cases: list, available, scale: float = 1.0) -> tuple:
+    """(the cases whose tensors fit in ``available`` bytes, one line per case left out). Each case
+    holds its contenders' tensors at once (Case.footprint) and frees them before the next one starts,
+    so each must fit alone; a margin of 10 % and 0.5 GiB stays free. No figure: no check."""
+    if not available:
+        return cases, []
+    keep, notes = [], []
+    for c in cases:
+        need = c.footprint
+        if need * 1.1 + 2**29 <= available:
+            keep.append(c)
+            continue
+        label = f"compressed moments, {c.name}" if c.key == "moments" else c.name
+        notes.append(f"case '{label}' skipped: it holds about {need / 2**30:.1f} GiB at once (every contender's "
+                     f"tensors and the probe's) and {available / 2**30:.1f} GiB of memory is available; "
+                     f"--scale {max(0.01, scale * (available - 2**29) / 1.1 / need):.2g} or less would fit")
+    return keep, notes
 
 
 def summarize(cases: list, thread_counts: list) -> tuple:
@@ -236,6 +256,9 @@ def run(args) -> int:
                     f"(available ISAs: {', '.join(info['available_isas'])})")
         cases = [c for c in cases if c.key != "isa"]
         print(isa_note)
+    cases, memory_notes = cases_that_fit(cases, host_memory().get("MemAvailable"), args.scale)
+    for line in memory_notes:
+        print(line)
     for c in cases:
         if c.key == "isa":
             c.native = info["isa"]
@@ -282,7 +305,7 @@ def run(args) -> int:
     write_json(args.json, dict(bench="kernel", question=QUESTION, machine=machine_info(), build=info, reps=args.reps,
                                scale=args.scale, full=args.full,
                                results=records, verdicts=verdict, targets=targets, target_definitions=list(TARGETS), isa_case=isa or isa_note,
-                               probe_modes=modes,
+                               probe_modes=modes, skipped=memory_notes,
                                raw={f"{c.name}|{t}": c.results[t]["_raw"] for c in cases for t in thread_counts}))
     if args.plot:
         plot(args.plot, records)

@@ -49,6 +49,11 @@ class Case:
         return BYTES_PER_PARAM_BF16 if self.lowp else BYTES_PER_PARAM
 
     @property
+    def footprint(self) -> int:
+        """Bytes this case holds at once (an estimate, FOOTPRINT)."""
+        return self.numel * FOOTPRINT[self.key]
+
+    @property
     def name(self) -> str:
         n = self.sizes[0]
         shape = f"flat {_count(n)}" if len(self.sizes) == 1 else f"{len(self.sizes)}x{n}"
@@ -59,6 +64,14 @@ class Case:
         return f"bf16 grad+out, {shape}" if self.lowp else f"fp32 {shape}"
 
 
+# Bytes per parameter a case holds at once (the gradients; every contender's tensors: offload's
+# parameters, master and moments, torch fused's and foreach's with foreach's temporaries, DeepSpeed's;
+# the probe's streams; the cached random source). The moments case: its six contenders (76 B) and the
+# probe regions all its probes share (20 B). kernel.run skips a case that would not fit in the memory
+# available instead of being killed by the kernel's out-of-memory killer halfway through the run.
+# Peak resident memory over the process's own, --full --scale 0.125, one case per run: flat 76.5,
+# many tensors 73, bf16 86.5, moments 96, isa 36 B/param (setup's temporaries included).
+FOOTPRINT = {"flat": 80, "multi": 80, "small": 80, "small-newgrads": 84, "isa": 40, "bf16": 90, "moments": 100}
 CASE_KEYS = ("flat", "multi", "small", "bf16", "isa", "moments", "small-newgrads")
 OPT_IN = ("small-newgrads",)  # only when named in --cases
 DEFAULT_FLAT = 32 * 2**20  # 32M params: 900 MB moved per step, 28x a 32 MiB L3
@@ -309,11 +322,11 @@ MODE_PREFIX = "_probe: "  # contender names of the ceiling's candidates (hidden 
 CEILING_MODES = (0, 1, 2)
 
 
-def probe_modes(numel: int, threads: int, lowp: bool = False) -> list:
+def probe_modes(numel: int, threads: int, lowp: bool = False, bufs=None) -> list:
     """The ceiling's candidates, one per mode of CEILING_MODES, sharing one set of streams (they run in
-    turn)."""
-    first = Probe(numel, threads, CEILING_MODES[0], lowp=lowp)
-    return [first] + [Probe(numel, threads, m, bufs=first.bufs, lowp=lowp) for m in CEILING_MODES[1:]]
+    turn): ``bufs`` as Probe's, or new ones."""
+    bufs = _probe_streams(numel, lowp) if bufs is None else bufs
+    return [Probe(numel, threads, m, bufs=bufs, lowp=lowp) for m in CEILING_MODES]
 
 
 def ceiling_series(times: dict) -> list:

@@ -54,6 +54,26 @@ def _streams(n: int, fmt: str, lowp: bool) -> list:
     return _carve(specs)
 
 
+def probe_regions(n: int) -> list:
+    """Five regions of 4 bytes per parameter in one allocation (streams staggered as in _carve), filled
+    with fp32 0.5: the streams of every probe of the moments case. The probes run in turn, so they
+    share it: stream k of every format (p, g, m, v, out) is a view of region k in its own dtype (about 20
+    B/param for all of them, where one set per format took 92). No probe writes g (the gradient stays
+    0.5, or 0 and 0.5 read as bf16), the others only add to their streams, so whatever bits one probe
+    leaves in m, v or out, the next one's arithmetic on them is an addition (no multiply of a denormal)."""
+    stride = (4 * n + 63) // 64 * 64 + STAGGER
+    arena = torch.full((5 * stride // 4,), 0.5)
+    return [arena[k * stride // 4:k * stride // 4 + n] for k in range(5)]
+
+
+def region_streams(regions: list, n: int, fmt: str, lowp: bool) -> list:
+    """The streams p, g, m, v (+ out with bf16 gradients) of one format as views of probe_regions."""
+    gd = torch.bfloat16 if lowp else torch.float32
+    md = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.int8}[fmt]
+    dts = [torch.float32, gd, md, md] + ([torch.bfloat16] if lowp else [])
+    return [r.view(dt)[:n] for r, dt in zip(regions, dts)]
+
+
 def _label(fmt: str, lowp: bool) -> str:
     return f"{fmt} moments, {'bf16 grad+out' if lowp else 'fp32 grad'}"
 
@@ -68,24 +88,20 @@ class _FormatProbe:
     ways of kernels.MOMENT_PROBE_MODES (_kernels.bandwidth_probe_moments). The ceiling is, round by
     round, the fastest of the format's candidates (run)."""
 
-    def __init__(self, n: int, fmt: str, lowp: bool, threads: int, mode: int, bufs=None):
+    def __init__(self, n: int, fmt: str, lowp: bool, threads: int, mode: int, regions: list):
         self.fmt, self.lowp, self.threads, self.n, self.mode = fmt, lowp, threads, n, mode
         self.name = f"{_probe_name(fmt, lowp)} [{kernels.MOMENT_PROBE_MODES[mode]}]"
-        self.bufs = _streams(n, fmt, lowp) if bufs is None else bufs
-        self.p, self.g, self.m, self.v = self.bufs[:4]
-        if fmt == "8bit":
-            self.v = self.v.view(torch.int8)  # same bytes; the probe only needs m and v alike
-        self.out = self.bufs[4] if lowp else None
+        bufs = region_streams(regions, n, fmt, lowp)
+        self.p, self.g, self.m, self.v = bufs[:4]
+        self.out = bufs[4] if lowp else None
 
     def step(self) -> None:
         kernels.bandwidth_probe_moments(self.p, self.m, self.v, self.g, self.out, self.threads, self.mode)
 
 
-def _format_probes(n: int, fmt: str, lowp: bool, threads: int) -> list:
-    """The format's ceiling candidates, one per mode, sharing one set of streams (they run in turn)."""
-    first = _FormatProbe(n, fmt, lowp, threads, 0)
-    return [first] + [_FormatProbe(n, fmt, lowp, threads, m, first.bufs)
-                      for m in range(1, len(kernels.MOMENT_PROBE_MODES))]
+def _format_probes(n: int, fmt: str, lowp: bool, threads: int, regions: list) -> list:
+    """The format's ceiling candidates, one per mode, on the shared probe regions (they run in turn)."""
+    return [_FormatProbe(n, fmt, lowp, threads, m, regions) for m in range(len(kernels.MOMENT_PROBE_MODES))]
 
 
 class _Contender:
@@ -126,14 +142,16 @@ class _Contender:
 
 def run(n: int, thread_counts: list, reps: int, probe_modes, progress) -> tuple:
     """Returns (table text, records, summary lines). The summary's ratios are medians of per-round
-    ratios (common.paired_ratio); the table shows medians of the times. ``probe_modes(n, threads)``:
+    ratios (common.paired_ratio); the table shows medians of the times. ``probe_modes(n, threads, bufs=)``:
     the fp32 streams' ceiling candidates (kernel_cases.probe_modes), whose fastest, round by round, is
     the "% probe" column's 100 %."""
     rows, records, summary = [], [], []
     combos = [(fmt, lowp) for lowp in (False, True) for fmt in ("fp32", "bf16", "8bit")]
     contenders = [_Contender(n, fmt, lowp, thread_counts[0]) for fmt, lowp in combos]
-    fprobes = {(fmt, lowp): _format_probes(n, fmt, lowp, thread_counts[0]) for fmt, lowp in combos}
-    probes = probe_modes(n, thread_counts[0])
+    regions = probe_regions(n)
+    fprobes = {(fmt, lowp): _format_probes(n, fmt, lowp, thread_counts[0], regions) for fmt, lowp in combos}
+    p, g, m, v = region_streams(regions, n, "fp32", False)
+    probes = probe_modes(n, thread_counts[0], bufs=[g, p, m, v])
     probe_name = probes[0].CEILING
     ceilings = [(probe_name, probes)] + [(_probe_name(*key), ps) for key, ps in fprobes.items()]
     everyone = contenders + [p for _, ps in ceilings for p in ps]
