@@ -213,3 +213,34 @@ def test_moment_probes_share_one_set_of_streams_each_probe_moving_its_own():
                 pr.step()
                 changed = [not torch.equal(a, b) for a, b in zip(before, streams)]
                 assert changed == [True, False, True, True] + ([True] if lowp else []), pr.name
+
+
+def test_each_contender_is_timed_on_its_second_step_in_a_row():
+    """time_warm times the second of two steps (each after prepare), not the first: a contender whose
+    memory went untouched for a while is not timed cold while another is timed warm."""
+    import time
+    from offload.bench.common import time_warm
+
+    class Cold:
+        def __init__(self):
+            self.calls = []
+
+        def prepare(self):
+            self.calls.append("prepare")
+
+        def step(self):
+            self.calls.append("step")
+            time.sleep(0.2 if self.calls.count("step") == 1 else 0.0)
+
+    c = Cold()
+    assert time_warm(c) < 0.1 and c.calls == ["prepare", "step"] * 2
+
+    class NoPrepare:
+        steps = 0
+
+        def step(self):
+            self.steps += 1
+
+    n = NoPrepare()
+    time_warm(n)
+    assert n.steps == 2

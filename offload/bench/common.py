@@ -6,6 +6,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from typing import Iterable, Optional
 
 
@@ -35,6 +36,23 @@ def paired_ratio(num: list, den: list) -> float:
     if len(num) != len(den) or not num:
         raise ValueError("paired_ratio needs two equally long, non-empty series (one time per round)")
     return statistics.median([a / b for a, b in zip(num, den)])
+
+
+def time_warm(contender) -> float:
+    """Seconds of one ``contender.step()``, timed right after an untimed one (each preceded by
+    ``contender.prepare()`` where it has one). On some machines a pass over memory costs more the
+    longer that memory went untouched (up to 1.6x after 3 s on a VM measured: docs/benchmarks.md),
+    whatever ran meanwhile; timing the second of two steps in a row puts every contender on memory it
+    walked a moment ago, however long a round takes and whichever contenders share memory (the
+    probe's ways of walking one set of streams, the kernel call and the step on the same tensors)."""
+    prepare = getattr(contender, "prepare", None)
+    for _ in range(2):
+        if prepare is not None:
+            prepare()
+        t0 = time.perf_counter()
+        contender.step()
+        dt = time.perf_counter() - t0
+    return dt
 
 
 def verdict(ours: float, peers: dict, *, higher_is_better: bool = False, ours_name: str = "offload",

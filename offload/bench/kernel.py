@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
 
 import numpy as np
 import torch
@@ -27,7 +26,7 @@ from offload.native import adam as _native
 from offload.planner import host_memory
 
 from .common import (Progress, add_common_options, cpu_model, format_table, machine_info, median, paired_ratio,
-                     verdict, write_json)
+                     time_warm, verdict, write_json)
 from .kernel_cases import (BYTES_PER_PARAM, BYTES_PER_PARAM_BF16, CASE_KEYS, MODE_PREFIX, OPT_IN, Case, DeepSpeed, MetadataFloor, Ours,
                            OursKernel, OursKernelIsa, Probe, TorchAdamW, ceiling_series, deepspeed_available, has_avx512,
                            make_cases, probe_modes, randn_like_sizes)
@@ -57,17 +56,13 @@ def run_case(case: Case, thread_counts: list, reps: int, use_ds: bool, progress:
         times = {c.name: [] for c in contenders}
         for c in contenders:
             c.set_threads(t)
-        for rep in range(reps + 1):  # round-robin; rep 0 is warm-up
+        for rep in range(reps):  # round-robin (time_warm's untimed step is each one's warm-up)
             # each round starts one contender later: none always runs right after the same one (what
-            # the previous contender left in the caches and write-back queues costs the next one a few %)
+            # the previous contender left in the caches and write-back queues costs the next one a few %);
+            # each is timed on the second of two steps in a row (common.time_warm)
             k = rep % len(contenders)
             for c in contenders[k:] + contenders[:k]:
-                c.prepare()
-                t0 = time.perf_counter()
-                c.step()
-                dt = time.perf_counter() - t0
-                if rep:
-                    times[c.name].append(dt)
+                times[c.name].append(time_warm(c))
                 progress.update(f"{case.name} t={t} {c.name}")
         times[Probe.CEILING] = ceiling_series(times)
         modes = {k[len(MODE_PREFIX):]: median(v) for k, v in times.items() if k.startswith(MODE_PREFIX)}
@@ -265,10 +260,10 @@ def run(args) -> int:
     use_ds = not args.no_deepspeed and deepspeed_available()
     print(f"offload {info['version']}  torch {torch.__version__}  DeepSpeed: "
           f"{'yes' if use_ds else 'not importable (skipped)'}  sizes: {'--full' if args.full else 'default (--full: 128M)'}")
-    print(f"median of {args.reps} round-robin repetitions after one warm-up; GB/s = params x the bytes a single "
-          f"pass must move / time ({BYTES_PER_PARAM} B/param; bf16 grad+out: {BYTES_PER_PARAM_BF16} B)")
+    print(f"median of {args.reps} round-robin repetitions, each contender timed on the second of two steps in a "
+          f"row; GB/s = params x the bytes a single pass must move / time ({BYTES_PER_PARAM} B/param; bf16 grad+out: {BYTES_PER_PARAM_BF16} B)")
     n_contenders = 9 + int(use_ds)  # (3 probe modes; the floor runs in the many-tensor cases only: an estimate)
-    progress = Progress(len(cases) * len(thread_counts) * (args.reps + 1) * n_contenders, "kernel bench",
+    progress = Progress(len(cases) * len(thread_counts) * args.reps * n_contenders, "kernel bench",
                         enabled=not args.no_progress)
     moments = next((c for c in cases if c.key == "moments"), None)
     cases = [c for c in cases if c.key != "moments"]

@@ -8,7 +8,6 @@ bandwidth probe. Reports params/s, the true bytes moved per parameter, % of the 
 """
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import torch
@@ -16,7 +15,7 @@ import torch
 from offload.native import adam as kernels  # table-level entries (step_table, moment_table) are internal
 from offload.native import moments as native_moments
 
-from .common import format_table, median, paired_ratio
+from .common import format_table, median, paired_ratio, time_warm
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, amsgrad=False,
              maximize=False)
@@ -159,12 +158,10 @@ def run(n: int, thread_counts: list, reps: int, probe_modes, progress) -> tuple:
         for c in everyone:
             c.threads = t
         times = {c.name: [] for c in everyone}
-        for rep in range(reps + 1):
-            for c in everyone:
-                t0 = time.perf_counter()
-                c.step()
-                if rep:
-                    times[c.name].append(time.perf_counter() - t0)
+        for rep in range(reps):
+            k = rep % len(everyone)   # each round starts one later; each timed warm (common.time_warm)
+            for c in everyone[k:] + everyone[:k]:
+                times[c.name].append(time_warm(c))
                 progress.update(f"moments t={t} {c.name}")
         for name, ps in ceilings:   # each ceiling: its fastest candidate, round by round
             times[name] = [min(r) for r in zip(*(times[p.name] for p in ps))]
