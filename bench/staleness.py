@@ -1,8 +1,8 @@
 """bench/staleness.py: does a pass over memory cost more the longer that memory went untouched?
 
-Two sets of the bandwidth probe's fp32 streams, X and Y (Adam's pattern: p, m, v and g read, p, m, v
-written). One pass over X, then a pause of T seconds spent sleeping, spinning the CPU without touching
-memory, or walking Y over and over, then the pass over X that is timed. If the time grows with T
+Two sets of the kernel bench's bandwidth probe streams, X and Y (fp32, Adam's pattern: p, m, v and g
+read, p, m, v written). One pass over X, then a pause of T seconds spent sleeping, spinning the CPU
+without touching memory, or walking Y over and over, then the pass over X that is timed. If the time grows with T
 whatever fills the pause, the machine (typically the hypervisor's or the host's memory management, or
 a cache shared with other tenants) makes stale memory slow, and a benchmark that times contenders in
 turn must give each one memory it walked equally recently: the kernel bench times every contender on
@@ -18,19 +18,12 @@ import time
 
 import torch
 
-from offload.kernels import bandwidth_probe
-
-STAGGER = 16400   # elements between the streams of one set, as the kernel bench's probe
+from offload.bench.kernel_cases import Probe
 
 
-def streams(n: int) -> list:
-    flat = torch.full((4 * (n + STAGGER),), 0.5)
-    return [flat[k * (n + STAGGER):k * (n + STAGGER) + n] for k in range(4)]
-
-
-def one_pass(s: list) -> float:
+def one_pass(probe: Probe) -> float:
     t0 = time.perf_counter()
-    bandwidth_probe(*s, threads=1, mode=0)
+    probe.step()
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -39,7 +32,7 @@ def main() -> None:
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 4
     pauses = [float(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "0.1,0.5,1.5,3").split(",")]
     torch.set_num_threads(1)
-    x, y = streams(n), streams(n)
+    x, y = Probe(n, 1, mode=0), Probe(n, 1, mode=0)   # the kernel bench's probe, one thread
 
     def walk_other(sec: float) -> None:
         end = time.time() + sec

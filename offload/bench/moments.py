@@ -8,7 +8,6 @@ bandwidth probe. Reports params/s, the true bytes moved per parameter, % of the 
 """
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
