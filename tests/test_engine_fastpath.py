@@ -226,6 +226,37 @@ def test_gradient_given_back_is_checked_against_memory_moved_meanwhile(cfg, tmp_
 
 
 @pytest.mark.parametrize("cfg", configs(**HOST))
+def test_new_plain_gradient_onto_a_parameter_is_refused(cfg, tmp_path):
+    # a new gradient that passes every per-row check (plain, contiguous, right dtype and shape) is
+    # checked against the write spans by its recorded (address, bytes): one in parameter 2's memory
+    # (as many elements as parameter 1) is refused, and nothing is stepped
+    ps, opt = _warm(cfg.tier, cfg.moments, tmp_path)
+    for i in (0, 3):
+        ps[i].grad = ps[i].grad.clone()   # other new gradients, fine, before and after it in the row order
+    before = [p.detach().clone() for p in ps]
+    ps[1].grad = ps[2].data.view(16, 32)
+    with pytest.raises(offload.SharedMemoryError, match="gradient of parameter 1 of group 0 shares memory with parameter 2"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+    ps[1].grad = torch.randn(16, 32)   # its own memory again
+    opt.step()
+
+
+@pytest.mark.parametrize("cfg", configs(**HOST))
+def test_new_plain_gradient_overlapping_a_parameter_by_one_element_is_refused(cfg, tmp_path):
+    # the spans compare end-exclusive: the last element of the gradient on the first of the parameter
+    ps, opt = _warm(cfg.tier, cfg.moments, tmp_path)
+    buf = torch.zeros(512 + 256)
+    ps[2].data = buf[:512]
+    opt.step()   # moved memory: the spans are built again
+    ps[3].grad = buf[511:767]   # its first element is parameter 2's last
+    with pytest.raises(offload.SharedMemoryError, match="gradient of parameter 3 of group 0 shares memory with parameter 2"):
+        opt.step()
+    ps[3].grad = buf[512:]      # right after parameter 2: accepted
+    opt.step()
+
+
+@pytest.mark.parametrize("cfg", configs(**HOST))
 def test_gradless_parameter_moved_onto_a_cached_gradient_is_refused(cfg, tmp_path):
     ps, opt = _warm(cfg.tier, cfg.moments, tmp_path)
     ps[0].grad = None

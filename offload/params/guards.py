@@ -73,6 +73,8 @@ class SpanIndex:
             prefix.append((reach, owner))
         self.spans, self.prefix = spans, prefix
         self.starts = [s for s, _, _ in spans]
+        self._starts = np.array(self.starts, dtype=np.int64)                 # (check_spans: the same search,
+        self._reach = np.array([r for r, _ in prefix], dtype=np.int64)      # vectorized)
         self.own = spans_of(own)
         self.where = [np.array([span_of(p) for p in ps], dtype=np.int64).reshape(len(ps), 2) for ps in groups]
 
@@ -90,6 +92,17 @@ class SpanIndex:
                 raise SharedMemoryError(f"the gradient of parameter {i} of group {gi} shares memory with {other} (e.g. "
                                  "p.grad = p.data): the step overwrites that memory while it reads the gradient. "
                                  "Give the parameter a gradient of its own (p.grad = g.clone())")
+
+
+    def check_spans(self, addrs: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """check_grads for gradients known only by (address, bytes) (int64 arrays, 0 bytes: empty, never
+        in conflict): the positions whose memory overlaps a parameter or the optimizer's buffers, in
+        order. The caller raises through check_grads on the first of them (its message names both)."""
+        if not len(self._starts) or not len(addrs):
+            return np.zeros(0, dtype=np.int64)
+        k = np.searchsorted(self._starts, addrs + nbytes, side="left")   # spans that start before each ends
+        hit = (nbytes > 0) & (k > 0) & (self._reach[np.maximum(k - 1, 0)] > addrs)
+        return np.flatnonzero(hit)
 
 
 def extent(t: torch.Tensor) -> int:

@@ -126,7 +126,7 @@ class HostRows:
             gs.token = rows.token = self.steps
             active.append(a)
             grads.append(gs)
-            new.append((gi, newgrad.tolist() + slow))
+            new.append((gi, newgrad, slow))
             if slow:
                 revalidated.append((gi, slow))
         self._check_overlaps(local_groups, active, grads, new, own, mode, moved)
@@ -166,7 +166,15 @@ class HostRows:
                     rows.g_ref[i] = no_grad_ref   # not checked against these spans: checked when it comes back
             self.spans = spans
         else:
-            spans.check_grads((gi, i, grads[gi][i]) for gi, rows in new for i in rows)
+            for gi, fresh, slow in new:
+                if len(fresh):   # new plain gradients, validated natively: their records give (address, bytes)
+                    rows = self.groups[gi]
+                    meta = rows.meta[fresh]
+                    nb = meta[:, M_NUMEL] * _ESIZE[np.clip(meta[:, M_CODE], 0, 3)]
+                    bad = spans.check_spans(rows.table[fresh, COL_G], nb)
+                    if len(bad):   # the checks of the tensors themselves raise, naming both
+                        spans.check_grads((gi, i, grads[gi][i]) for i in fresh.tolist())
+                spans.check_grads((gi, i, grads[gi][i]) for i in slow)
 
     def bumped(self, active: list) -> None:
         """The step raised the version counter of the parameters ``active`` by one (HostParams.stepped):
