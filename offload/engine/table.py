@@ -32,25 +32,41 @@ def bucket_rows(b, pieces: Sequence, base: int, ptrs, steps: Sequence[int]) -> n
     if b.moments != "fp32":
         return _moment_rows(b, pieces, base, ptrs, steps)
     k = len(pieces)
-    t = np.zeros((k, TASK_COLS), dtype=np.int64)
     if not k:
-        return t
-    pa, ga, gc, oa, oc = np.asarray(ptrs, dtype=np.int64).reshape(k, 5).T
+        return np.zeros((0, TASK_COLS), dtype=np.int64)
+    t = _static_rows(b, pieces, base).copy()
+    p = np.asarray(ptrs, dtype=np.int64).reshape(k, 5)
+    pa = p[:, 0]
+    t[:, COL_P] = np.where(pa != 0, pa, t[:, COL_P])   # the parameter itself, or its master section
+    t[:, _DYNAMIC] = p[:, 1:]
+    t[:, COL_STEP] = _step_col(steps, k)
+    return t
+
+
+_DYNAMIC = [COL_G, COL_GD, COL_OUT, COL_OD]   # ptrs' columns 1..4, in that order
+
+
+def _static_rows(b, pieces, base: int) -> np.ndarray:
+    """The columns of bucket_rows that depend only on the bucket, its pieces and the state's address:
+    master section (in COL_P), moments, max_exp_avg_sq and element counts. Cached on the bucket for
+    its full piece list at one address (the per-step case); the other columns are left 0."""
+    full = pieces is b.pieces
+    if full:
+        got = b.__dict__.get("_static_rows")
+        if got is not None and got[0] == base and got[1] == len(pieces) and got[2] == (b.master, b.amsgrad, b.cap, b.gap):
+            return got[3]
+    k = len(pieces)
+    t = np.zeros((k, TASK_COLS), dtype=np.int64)
     pos, n = piece_columns(b, pieces, "pos", "n")
     off = pos * 4
-    m, v = base + b.section("exp_avg"), base + b.section("exp_avg_sq")
-    master = base + b.section("master_param") if b.master else 0
-    t[:, COL_P] = np.where(pa != 0, pa, master + off)
-    t[:, COL_M] = m + off
-    t[:, COL_V] = v + off
+    t[:, COL_P] = (base + b.section("master_param") + off) if b.master else 0
+    t[:, COL_M] = base + b.section("exp_avg") + off
+    t[:, COL_V] = base + b.section("exp_avg_sq") + off
     if b.amsgrad:
         t[:, COL_VMAX] = base + b.section("max_exp_avg_sq") + off
-    t[:, COL_G] = ga
-    t[:, COL_OUT] = oa
     t[:, COL_N] = n
-    t[:, COL_STEP] = _step_col(steps, k)
-    t[:, COL_GD] = gc
-    t[:, COL_OD] = oc
+    if full:
+        b.__dict__["_static_rows"] = (base, k, (b.master, b.amsgrad, b.cap, b.gap), t)
     return t
 
 

@@ -37,6 +37,7 @@ __all__ = ["HostRows"]
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _ESIZE = np.array([0, 4, 2, 2], dtype=np.int64)   # bytes per element by DTYPE_CODES
 _SPAN_COLS = [M_NUMEL, M_CODE, M_PPTR]   # the record columns a parameter's span is computed from
+_PTR_COLS = np.array([COL_P, COL_G, COL_GD, COL_OUT, COL_OD])   # ptrs' columns, in its order
 
 
 class StepGrads(list):
@@ -200,14 +201,12 @@ class HostRows:
         idx, starts = piece_columns(b, pieces, "param", "start")
         if not rows.plain[idx].all():
             return None
-        t = rows.table[idx]
-        off = starts * _ESIZE[t[:, COL_GD]]
-        out = np.empty((len(idx), 5), dtype=np.int64)
-        out[:, 0] = np.where(t[:, COL_P] != 0, t[:, COL_P] + off, 0)
-        out[:, 1] = t[:, COL_G] + off
-        out[:, 2] = t[:, COL_GD]
-        out[:, 3] = np.where(t[:, COL_OUT] != 0, t[:, COL_OUT] + off, 0)
-        out[:, 4] = t[:, COL_OD]
+        out = rows.table[idx[:, None], _PTR_COLS]   # (a copy)
+        if starts.any():   # pieces that start inside their parameter: addresses move by their offsets
+            off = starts * _ESIZE[out[:, 2]]
+            out[:, 1] += off
+            for c in (0, 3):   # (0: no such address)
+                out[:, c] += np.where(out[:, c] != 0, off, 0)
         return out
 
 
