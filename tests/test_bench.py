@@ -118,6 +118,31 @@ def test_verdict_lines():
     assert train_verdict(rows[1:]) is None and train_verdict(rows[:1]) is None
 
 
+def test_kernel_targets_say_where_a_miss_comes_from():
+    """A step under 95 % of the ceiling names its kernel call's share; a bf16 loss to DeepSpeed says that
+    DeepSpeed moves fewer bytes (no fp32 master); a pass carries no note."""
+    from offload.bench.kernel import check_targets
+    from offload.bench.kernel_cases import Case
+
+    def case(key, sizes, lowp, step, kern, ds):
+        c = Case(key, sizes, lowp=lowp)
+        raw = {"bandwidth probe (ceiling)": [1.0] * 3, "offload.AdamW.step": [step] * 3,
+               "offload kernel call": [kern] * 3, "torch AdamW(fused=True)": [2.0] * 3, "DeepSpeedCPUAdam": [ds] * 3}
+        c.results[1] = {"_raw": raw, **{k: v[0] for k, v in raw.items()}}
+        return c
+
+    lines = check_targets([case("multi", [8] * 4, False, 1.25, 1.02, 1.5), case("bf16", [32], True, 1.04, 1.01, 0.95),
+                           case("flat", [32], False, 1.0, 0.98, 1.2)], [1])
+    assert "MISS  fp32 4x8, 1 thr: step time vs the memory's best (>= 95%): 80.0% (the kernel call on the same " \
+           "tensors: 98%; the rest is the step's checks of 4 tensors)" in lines
+    bf16 = [x for x in lines if x.startswith("MISS  bf16") and "fastest peer" in x]
+    assert len(bf16) == 1 and "0.91x (DeepSpeedCPUAdam updates the bf16 weights in place, with no fp32 master " \
+        "copy: it moves 22 B per parameter, offload 30 B)" in bf16[0]
+    assert [x for x in lines if x.startswith("PASS  fp32 flat")] == [
+        "PASS  fp32 flat 32, 1 thr: step time vs the memory's best (>= 95%): 100.0%",
+        "PASS  fp32 flat 32, 1 thr: against the fastest peer, DeepSpeedCPUAdam (>= 1.0x): 1.20x"]
+
+
 @pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
 @pytest.mark.timeout(120)
 def test_train_bench_runs_on_cpu(tmp_path, capsys):

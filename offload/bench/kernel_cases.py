@@ -24,6 +24,9 @@ BYTES_PER_PARAM = 28  # read g, p, m, v (16 B) + write p, m, v (12 B)
 # for the user's writes, and a write-only stream costs its line's read all the same); write p, m, v and
 # the parameter (14 B)
 BYTES_PER_PARAM_BF16 = 30
+# DeepSpeedCPUAdam on bf16 parameters: read the bf16 weight and gradient and fp32 m, v (12 B); write the
+# weight and m, v (10 B). It keeps no fp32 master: each update is rounded into the bf16 weight.
+DS_BF16_BYTES = 22
 
 
 def _count(n: int) -> str:   # an element count: 32M, 1.5K
@@ -235,7 +238,7 @@ class TorchAdamW(Contender):
 
 class DeepSpeed(Contender):
     """DeepSpeedCPUAdam on the case's parameters: fp32, or bf16 (its bf16 path keeps fp32 moments and
-    no fp32 master: it rounds each update into the bf16 weights, 22 B/param moved against our 28)."""
+    no fp32 master: it rounds each update into the bf16 weights, 22 B/param moved against our 30: DS_BF16_BYTES)."""
     name = "DeepSpeedCPUAdam"
 
     def __init__(self, case: Case, grads: list, threads: int):
