@@ -28,8 +28,8 @@ from offload.planner import host_memory
 from .common import (Progress, add_common_options, cpu_model, format_table, machine_info, median, paired_ratio,
                      time_warm, verdict, write_json)
 from .kernel_cases import (BYTES_PER_PARAM, BYTES_PER_PARAM_BF16, CASE_KEYS, DS_BF16_BYTES, MODE_PREFIX, OPT_IN, Case,
-                           DeepSpeed, MetadataFloor, Ours, OursKernel, OursKernelIsa, Probe, TorchAdamW, ceiling_series, deepspeed_available, has_avx512,
-                           make_cases, probe_modes, randn_like_sizes)
+                           DeepSpeed, MetadataFloor, Ours, OursKernel, OursKernelIsa, Probe, TorchAdamW, ceiling_series,
+                           deepspeed_available, has_avx512, make_cases, probe_modes, randn_like_sizes)
 
 def run_case(case: Case, thread_counts: list, reps: int, use_ds: bool, progress: Progress) -> None:
     """Time every contender, round-robin, at each thread count; results go to case.results."""

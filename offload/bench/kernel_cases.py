@@ -238,7 +238,7 @@ class TorchAdamW(Contender):
 
 class DeepSpeed(Contender):
     """DeepSpeedCPUAdam on the case's parameters: fp32, or bf16 (its bf16 path keeps fp32 moments and
-    no fp32 master: it rounds each update into the bf16 weights, 22 B/param moved against our 30: DS_BF16_BYTES)."""
+    no fp32 master: it rounds each update into the bf16 weights; DS_BF16_BYTES against BYTES_PER_PARAM_BF16)."""
     name = "DeepSpeedCPUAdam"
 
     def __init__(self, case: Case, grads: list, threads: int):

@@ -93,7 +93,6 @@ class SpanIndex:
                                  "p.grad = p.data): the step overwrites that memory while it reads the gradient. "
                                  "Give the parameter a gradient of its own (p.grad = g.clone())")
 
-
     def check_spans(self, addrs: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
         """check_grads for gradients known only by (address, bytes) (int64 arrays, 0 bytes: empty, never
         in conflict): the positions whose memory overlaps a parameter or the optimizer's buffers, in
