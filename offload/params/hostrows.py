@@ -40,6 +40,11 @@ _SPAN_COLS = [M_NUMEL, M_CODE, M_PPTR]   # the record columns a parameter's span
 _PTR_COLS = np.array([COL_P, COL_G, COL_GD, COL_OUT, COL_OD])   # ptrs' columns, in its order
 
 
+def _row_bytes(meta: np.ndarray) -> np.ndarray:
+    """Bytes of each recorded row's parameter (and of its gradient: same dtype and shape), from its record."""
+    return meta[:, M_NUMEL] * _ESIZE[np.clip(meta[:, M_CODE], 0, 3)]
+
+
 class StepGrads(list):
     """One group's gradients of one step, as collect returns them; ``token`` ties them to the records
     made in the same collect (ptrs reads the table only for these), without keeping them alive."""
@@ -146,7 +151,7 @@ class HostRows:
                 key = rows.plain.tobytes() + rows.meta[:, _SPAN_COLS].tobytes()
                 if rows.spans_ok[0] is not spans or rows.spans_ok[1] != key:
                     meta = rows.meta[rows.plain]
-                    nb = meta[:, M_NUMEL] * _ESIZE[np.clip(meta[:, M_CODE], 0, 3)]
+                    nb = _row_bytes(meta)
                     if not (np.array_equal(w[rows.plain, 1], nb) and
                             np.array_equal(np.where(nb > 0, w[rows.plain, 0], 0), np.where(nb > 0, meta[:, M_PPTR], 0))):
                         moved = True
@@ -171,7 +176,7 @@ class HostRows:
                 if len(fresh):   # new plain gradients, validated natively: their records give (address, bytes)
                     rows = self.groups[gi]
                     meta = rows.meta[fresh]
-                    nb = meta[:, M_NUMEL] * _ESIZE[np.clip(meta[:, M_CODE], 0, 3)]
+                    nb = _row_bytes(meta)
                     bad = spans.check_spans(rows.table[fresh, COL_G], nb)
                     if len(bad):   # the checks of the tensors themselves raise, naming both
                         spans.check_grads((gi, i, grads[gi][i]) for i in fresh.tolist())
