@@ -22,7 +22,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
 
-from . import fallback, gpu, torch_state as sdict
+from . import fallback, gpu, stephooks, torch_state as sdict
 from .checks import _check_hyper, check_group, check_options, check_threads, group_hyper, param_name
 from .clipping import CLIP_GRAD_NORM_DOC, Clip
 from ..base.failstop import OptimizerFailedError, detached, failed_message
@@ -356,13 +356,13 @@ class _AdamBase(Optimizer):
         return getattr(self, "_store", None)
 
 
-# Entry points run eagerly even when called from a torch.compile'd function: dynamo must not trace
-# the native calls, the cached task tables or the NVMe store (its weakref.finalize breaks guards,
-# and side effects on optimizer attributes would be replayed out of order). Wrapped here, once,
-# rather than at each definition; torch.optim.Optimizer._patch_step_function wraps on top.
+# Entry points run eagerly even when called from a torch.compile'd function: dynamo must not trace the native
+# calls, the cached task tables or the NVMe store (its weakref.finalize breaks guards; side effects on attributes
+# would replay out of order). Wrapped once, here; step() then gets torch's step hooks on top (optim/stephooks.py).
 for _name in ("step", "clip_grad_norm_", "zero_grad", "state_dict", "load_state_dict", "add_param_group",
               "close", "storage_info"):
     setattr(_AdamBase, _name, torch.compiler.disable(getattr(_AdamBase, _name), recursive=True))
+_AdamBase.step = stephooks.hooked_step(_AdamBase.step)
 del _name
 
 
