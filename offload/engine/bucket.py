@@ -33,7 +33,7 @@ def step_bucket(b, act, blk, ptrs: Callable[[], list], *, registry, read_master,
     rows = ptrs()
     if between is not None:
         between()
-    steps = registry.steps[b.group].numpy()
+    steps = registry.counts(b.group)
     table = bucket_rows(b, act, blk.base, rows, steps[piece_columns(b, act, "param")[0]])
     t0 = time.perf_counter()
     (step_table if b.moments == "fp32" else kernel_for(b))(table, hyper, mult, threads)

@@ -36,7 +36,6 @@ __all__ = ["HostRows"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _ESIZE = np.array([0, 4, 2, 2], dtype=np.int64)   # bytes per element by DTYPE_CODES
-_SPAN_COLS = [M_NUMEL, M_CODE, M_PPTR]   # the record columns a parameter's span is computed from
 _PTR_COLS = np.array([COL_P, COL_G, COL_GD, COL_OUT, COL_OD])   # ptrs' columns, in its order
 
 
@@ -64,11 +63,13 @@ class GroupRows:
         self.table = np.zeros((n, TASK_COLS), dtype=np.int64)   # P, OUT, OD, G, GD columns as ptrs() needs them
         self.token = -1                       # the collect whose gradients the table describes
         self.plain = np.zeros(n, dtype=bool)  # rows whose table columns describe this step's tensors
-        self.spans_ok = (None, b"")           # (SpanIndex, records) last found to match that index
+        self.spans_ok = (None, None)          # (SpanIndex, key of the records) last found to match that index
+        self.recorded = 0                     # record() calls: the only writer of a row's span columns
 
     def record(self, i: int, lp: torch.Tensor, g: torch.Tensor) -> None:
         """Row i was validated (check_grad) with plain parameter ``lp`` and gradient ``g``."""
         low = lp.dtype in LOW_PRECISION
+        self.recorded += 1
         record_param(self, i, lp, DTYPE_CODES[lp.dtype])
         m, t = self.meta[i], self.table[i]
         m[M_PVER], m[M_LOWP] = (lp._version if low else -1), low
@@ -113,11 +114,15 @@ class HostRows:
             ready, newgrad, changed, other = collect_rows(params, rows.g_ref, rows.meta, rows.layouts, rows.table,
                                                              ROW_FNS, got)
             gs = StepGrads(got)
-            a = np.zeros(n, dtype=bool)
-            a[ready] = True
-            a[newgrad] = True
+            if len(ready) == n:   # every row as recorded (each row is in one list at most): the steady state
+                a = np.ones(n, dtype=bool)
+                slow = []
+            else:
+                a = np.zeros(n, dtype=bool)
+                a[ready] = True
+                a[newgrad] = True
+                slow = sorted(changed.tolist() + [i for i in other.tolist() if params[i].grad is not None])
             rows.plain[:] = a
-            slow = sorted(changed.tolist() + [i for i in other.tolist() if params[i].grad is not None])
             for i in slow:   # every check as before, its message included
                 p = params[i]
                 g = p.grad
@@ -146,9 +151,9 @@ class HostRows:
         if not moved and spans is not None:
             for gi, (rows, a) in enumerate(zip(self.groups, active)):
                 w = spans.where[gi]
-                # the comparison below reads only these records and w (fixed for one SpanIndex): records
-                # byte-equal to the last ones found matching this index match it again
-                key = rows.plain.tobytes() + rows.meta[:, _SPAN_COLS].tobytes()
+                # the comparison below reads only the rows' span columns, written by record() alone, and w
+                # (fixed for one SpanIndex): the same rows, not recorded since, match this index again
+                key = (rows.plain.tobytes(), rows.recorded)
                 if rows.spans_ok[0] is not spans or rows.spans_ok[1] != key:
                     meta = rows.meta[rows.plain]
                     nb = _row_bytes(meta)
@@ -180,7 +185,8 @@ class HostRows:
                     bad = spans.check_spans(rows.table[fresh, COL_G], nb)
                     if len(bad):   # the checks of the tensors themselves raise, naming both
                         spans.check_grads((gi, i, grads[gi][i]) for i in fresh.tolist())
-                spans.check_grads((gi, i, grads[gi][i]) for i in slow)
+                if slow:
+                    spans.check_grads((gi, i, grads[gi][i]) for i in slow)
 
     def bumped(self, active: list) -> None:
         """The step raised the version counter of the parameters ``active`` by one (HostParams.stepped):

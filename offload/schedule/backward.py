@@ -223,7 +223,7 @@ class BackwardFeed:
             if b.group not in hypers:
                 hypers[b.group] = self.hyper(b.group)
         h = hypers[b.group]
-        adv, steps = self.advanced[b.group], eng.registry.steps[b.group].numpy()
+        adv, steps = self.advanced[b.group], eng.registry.counts(b.group)
         for pc in act:
             if not adv[pc.param]:
                 adv[pc.param] = True
