@@ -133,3 +133,51 @@ def test_hooks_are_not_lost_under_torch_compile_disable():
     opt.register_step_pre_hook(lambda o, a, k: n.append(1))
     opt.step()
     assert n == [1]
+
+
+@pytest.mark.parametrize("wraps", [True, False])
+def test_a_class_level_wrapper_from_elsewhere_keeps_the_hooks(wraps):
+    # a profiler or framework that patches the class's step: the hooks still run, once
+    import functools
+    orig = offload.AdamW.step
+
+    def outer(self, *a, **k):
+        return orig(self, *a, **k)
+
+    offload.AdamW.step = functools.wraps(orig)(outer) if wraps else outer
+    try:
+        p = torch.nn.Parameter(torch.randn(4))
+        p.grad = torch.randn(4)
+        opt = offload.AdamW([p])
+        log = []
+        handles = _log_hooks(opt, log)
+        try:
+            opt.step()
+        finally:
+            for h in handles:
+                h.remove()
+        assert [e[0] for e in log] == ["global pre", "pre", "post", "global post"]
+    finally:
+        offload.AdamW.step = orig
+
+
+def test_a_wrapper_around_a_subclass_step_runs_the_hooks_once():
+    import functools
+
+    class Mine(offload.AdamW):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.randn(4))
+    p.grad = torch.randn(4)
+    opt = Mine([p])   # torch wraps Mine.step
+    inner = Mine.step
+    Mine.step = functools.wraps(inner)(lambda self, *a, **k: inner(self, *a, **k))
+    log = []
+    handles = _log_hooks(opt, log)
+    try:
+        opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert [e[0] for e in log] == ["global pre", "pre", "post", "global post"]

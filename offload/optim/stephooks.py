@@ -12,7 +12,8 @@ or torch's CUPTI monitor is collecting (which only ``record_function`` reports t
 ``record_function``.
 
 A subclass that defines its own ``step`` is wrapped by torch as usual; when that ``step`` calls
-``super().step()``, the hooks are not run a second time.
+``super().step()``, the hooks are not run a second time. A class-level wrapper from elsewhere (a
+profiler, a framework) around offload's ``step`` leaves the hooks to it, as around torch's.
 """
 from __future__ import annotations
 
@@ -26,6 +27,20 @@ from torch.optim import optimizer as _torch_optimizer
 __all__ = ["hooked_step"]
 
 _FAST_RANGE = getattr(getattr(torch._C, "_profiler", None), "_RecordFunctionFast", None)
+# the code of the wrapper Optimizer.__init__ puts around a class's own step(): it runs the hooks itself
+_TORCH_WRAPPER_CODE = getattr(_torch_optimizer.Optimizer.profile_hook_step(lambda *a, **k: None), "__code__", None)
+
+
+def _hooks_ran_outside(f, mine) -> bool:
+    """Whether the class's ``step`` ``f`` is (or wraps, through ``__wrapped__``) torch's hook wrapper
+    around a subclass's own step, rather than ``mine`` itself or a wrapper around it."""
+    for _ in range(32):
+        if f is None or f is mine:
+            return False
+        if getattr(f, "__code__", None) is _TORCH_WRAPPER_CODE:
+            return True
+        f = getattr(f, "__wrapped__", None)
+    return False
 
 
 def _profiler_range(name: str):
@@ -42,7 +57,8 @@ def hooked_step(func):
     @functools.wraps(func)
     def step(*args, **kwargs):
         self = args[0]
-        if type(self).step is not step:   # called from a subclass's own step(), which torch wrapped
+        cls_step = type(self).step
+        if cls_step is not step and _hooks_ran_outside(cls_step, step):   # from a subclass's own step()
             return func(*args, **kwargs)
         with _profiler_range(f"Optimizer.step#{type(self).__name__}.step"):
             for pre_hook in chain(_torch_optimizer._global_optimizer_pre_hooks.values(),
