@@ -31,6 +31,27 @@ def _log_hooks(opt, log):
     return handles
 
 
+def _hooks_of_one_step(opt) -> list:
+    """The hooks (by kind) that one opt.step() runs, global ones included."""
+    log = []
+    handles = _log_hooks(opt, log)
+    try:
+        opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    return [e[0] for e in log]
+
+
+ONCE = ["global pre", "pre", "post", "global post"]
+
+
+def _param():
+    p = torch.nn.Parameter(torch.randn(4))
+    p.grad = torch.randn(4)
+    return p
+
+
 @pytest.mark.parametrize("names", [("Adam", "Adam"), ("AdamW", "AdamW")])
 def test_hooks_run_as_torch_runs_them(names):
     (p, ours), (q, theirs) = _pair(getattr(offload, names[0]), getattr(torch.optim, names[1]))
@@ -101,22 +122,11 @@ def test_a_subclass_step_runs_the_hooks_once():
             self.seen = getattr(self, "seen", 0) + 1
             return super().step(closure)
 
-    p = torch.nn.Parameter(torch.randn(4))
-    p.grad = torch.randn(4)
-    opt = Mine([p])
-    log = []
-    handles = _log_hooks(opt, log)
-    try:
-        opt.step()
-    finally:
-        for h in handles:
-            h.remove()
+    opt = Mine([_param()])
+    assert _hooks_of_one_step(opt) == ONCE
     assert opt.seen == 1
-    assert [e[0] for e in log] == ["global pre", "pre", "post", "global post"]
     # and an optimizer of the base class made afterwards still runs its hooks
-    q = torch.nn.Parameter(torch.randn(4))
-    q.grad = torch.randn(4)
-    base = offload.AdamW([q])
+    base = offload.AdamW([_param()])
     log2 = []
     base.register_step_post_hook(lambda o, a, k: log2.append(o is base))
     base.step()
@@ -146,17 +156,7 @@ def test_a_class_level_wrapper_from_elsewhere_keeps_the_hooks(wraps):
 
     offload.AdamW.step = functools.wraps(orig)(outer) if wraps else outer
     try:
-        p = torch.nn.Parameter(torch.randn(4))
-        p.grad = torch.randn(4)
-        opt = offload.AdamW([p])
-        log = []
-        handles = _log_hooks(opt, log)
-        try:
-            opt.step()
-        finally:
-            for h in handles:
-                h.remove()
-        assert [e[0] for e in log] == ["global pre", "pre", "post", "global post"]
+        assert _hooks_of_one_step(offload.AdamW([_param()])) == ONCE
     finally:
         offload.AdamW.step = orig
 
@@ -168,16 +168,7 @@ def test_a_wrapper_around_a_subclass_step_runs_the_hooks_once():
         def step(self, closure=None):
             return super().step(closure)
 
-    p = torch.nn.Parameter(torch.randn(4))
-    p.grad = torch.randn(4)
-    opt = Mine([p])   # torch wraps Mine.step
+    opt = Mine([_param()])   # torch wraps Mine.step
     inner = Mine.step
     Mine.step = functools.wraps(inner)(lambda self, *a, **k: inner(self, *a, **k))
-    log = []
-    handles = _log_hooks(opt, log)
-    try:
-        opt.step()
-    finally:
-        for h in handles:
-            h.remove()
-    assert [e[0] for e in log] == ["global pre", "pre", "post", "global post"]
+    assert _hooks_of_one_step(opt) == ONCE
