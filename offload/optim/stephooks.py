@@ -13,7 +13,7 @@ or torch's CUPTI monitor is collecting (which only ``record_function`` reports t
 
 A subclass that defines its own ``step`` is wrapped by torch as usual; when that ``step`` calls
 ``super().step()``, the hooks are not run a second time. A class-level wrapper from elsewhere (a
-profiler, a framework) around offload's ``step`` leaves the hooks to it, as around torch's.
+profiler, a framework) around offload's ``step`` changes nothing: the hooks run once, inside it.
 """
 from __future__ import annotations
 
