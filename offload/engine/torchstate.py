@@ -68,7 +68,7 @@ class TorchViews:
         """Give ``state[p]`` its step counter and moments (views of the tier) when its state was created.
         Runs at the end of every step (both schedules): the decoded moments a caller holds take the
         step's new values here."""
-        self.handouts.refresh(self._decode_current)
+        self.handouts.refresh(self.decode_current)
         if not fresh:
             return
         view, fd = self.tier.mapping()
@@ -78,14 +78,14 @@ class TorchViews:
             p = self.groups[gi][int(i)]
             st = state[p]
             st["step"] = self.registry.steps[gi][int(i)]
-            views = self._views(gi, int(i), view, fd)
+            views = self.views_of(gi, int(i), view, fd)
             for k, v in views.items():
                 st[k] = v
             ptrs[(gi, int(i))] = {k: local(v).data_ptr() for k, v in views.items()}
             if self.moment_format(gi, int(i)) != "fp32":   # exp_avg / exp_avg_sq decoded on access
-                state[p] = self._compressed_state(gi, int(i), st)
+                state[p] = self.compressed_entry(gi, int(i), st)
 
-    def _compressed_state(self, gi: int, i: int, base: dict):
+    def compressed_entry(self, gi: int, i: int, base: dict):
         def decode():
             return self._decoded(gi, i)
 
@@ -96,7 +96,7 @@ class TorchViews:
     def _rewrite(self, hits: dict, apply) -> None:
         loader.rewrite_buckets(self.layout, self.tier, hits, apply)
 
-    def _write_moments(self, gi: int, i: int, new: dict, cur: dict) -> None:
+    def rewrite_moments(self, gi: int, i: int, new: dict, cur: dict) -> None:
         write_moments(self.layout, self.moment_format(gi, i), gi, i, new, cur, self._rewrite)
 
     def holds_moment_copies(self) -> bool:
@@ -110,10 +110,10 @@ class TorchViews:
         In-place writes into this parameter's held decoded moments are adopted first (as torch's
         state would show them)."""
         with self.exclusive():
-            self.handouts.adopt(self._decode_current, self._write_moments, only=(gi, i))
-            return self._decode_current(gi, i, sink, view)
+            self.handouts.adopt(self.decode_current, self.rewrite_moments, only=(gi, i))
+            return self.decode_current(gi, i, sink, view)
 
-    def _decode_current(self, gi: int, i: int, sink=None, view=None) -> dict:
+    def decode_current(self, gi: int, i: int, sink=None, view=None) -> dict:
         """_decoded without adopting held writes: the state as its buckets hold it."""
         with self.exclusive():
             if view is None:
@@ -132,7 +132,7 @@ class TorchViews:
         """(gi, i) -> {key: tensor} in the stored form: fp32 views (master, fp32 moments) and, for
         compressed moments, copies of the compressed tensors under ``<key>.<format>`` (offload.save)."""
         with self.exclusive():
-            self.handouts.adopt(self._decode_current, self._write_moments)   # held writes first
+            self.handouts.adopt(self.decode_current, self.rewrite_moments)   # held writes first
             view, fd = self.tier.mapping()
             out = {}
             for gi, params in enumerate(self.groups):
@@ -140,7 +140,7 @@ class TorchViews:
                     if not (self.registry.ready[gi][i] or self.numels[gi][i] == 0):
                         continue
                     fmt = self.moment_format(gi, i)
-                    st = self._views(gi, i, view, fd)
+                    st = self.views_of(gi, i, view, fd)
                     if fmt != "fp32" and self.numels[gi][i]:
                         shape = local(params[i]).shape
                         for k, t in compressed.raw(self.layout, gi, i, fmt, view).items():
@@ -191,7 +191,7 @@ class TorchViews:
                     if not isinstance(t, torch.Tensor):
                         raise missing_entry(key, f"state of parameter {i} of group {gi}", t)
                     if local(t).data_ptr() != ptr:
-                        cur = self._holding(gi, i, key, t)
+                        cur = self.holding(gi, i, key, t)
                         if cur is None and self.tier.adopts and self.moment_format(gi, i) == "fp32":
                             cur = self._view_of(gi, i, key)   # a resident tier takes the values over
                             copy_in(cur, t, key, f"state of parameter {i} of group {gi}", self.local_groups)
@@ -206,7 +206,7 @@ class TorchViews:
                             "or load a whole state with load_state_dict()")
                 self._record_state(rec, i, ps[i], st, ptrs.get((gi, i), {}))
         # decoded compressed moments written in place by a caller who holds them (moments/handouts.py)
-        self.handouts.adopt(self._decode_current, self._write_moments)
+        self.handouts.adopt(self.decode_current, self.rewrite_moments)
 
     def follow_shapes(self, state: dict, rows) -> None:
         """Parameters the side revalidated this step (``rows.revalidated``) that were given another
@@ -219,16 +219,16 @@ class TorchViews:
     def _view_of(self, gi: int, i: int, key: str):
         """The view of the state entry ``key`` of parameter (gi, i) (a fresh view object)."""
         view, fd = self.tier.mapping()
-        return self._views(gi, i, view, fd)[key]
+        return self.views_of(gi, i, view, fd)[key]
 
-    def _holding(self, gi: int, i: int, key: str, t):
+    def holding(self, gi: int, i: int, key: str, t):
         """The view of the state entry ``key`` of parameter (gi, i) if ``t``, which replaced it, is a copy
         of it on another device (a framework moving every state tensor to the model's device, e.g.
         Lightning's _optimizer_to_device on a GPU: the state stays in its tier and the view goes back
         in), else None. A replacement on the state's own device is refused as before: the user may go
         on writing into it, and it would not be the state."""
         view, fd = self.tier.mapping()
-        cur = self._views(gi, i, view, fd).get(key)
+        cur = self.views_of(gi, i, view, fd).get(key)
         if cur is None or not _on_another_device(t, cur):
             return None
         return cur if compressed.bitwise_equal(t, cur) else None
@@ -262,7 +262,7 @@ class TorchViews:
         if gi < len(recs) and i < len(recs[gi].objs):
             recs[gi].objs[i] = None
 
-    def _views(self, gi: int, i: int, view, fd) -> dict:
+    def views_of(self, gi: int, i: int, view, fd) -> dict:
         p = self.groups[gi][i]
         lp = local(p)
         if lp.numel() == 0:
@@ -283,13 +283,13 @@ class TorchViews:
             view, fd = self.tier.mapping()
             st = {"step": self.registry.steps[gi][i]}
             if self.registry.ready[gi][i]:
-                views = self._views(gi, i, view, fd)
+                views = self.views_of(gi, i, view, fd)
                 st.update(views)
                 # what load_state_dict installs in opt.state: a later replacement is detected against it
                 self.ptrs[(gi, i)] = {k: local(v).data_ptr() for k, v in views.items()}
                 self._forget_state(gi, i)
                 if self.moment_format(gi, i) != "fp32" and self.numels[gi][i]:
-                    return self._compressed_state(gi, i, st)
+                    return self.compressed_entry(gi, i, st)
             return st
 
     def state_tensors(self) -> dict:
@@ -299,7 +299,7 @@ class TorchViews:
             return self._state_tensors()
 
     def _state_tensors(self) -> dict:
-        self.handouts.adopt(self._decode_current, self._write_moments)   # held writes first
+        self.handouts.adopt(self.decode_current, self.rewrite_moments)   # held writes first
         view, fd = self.tier.mapping()
         out = {}
         have = [(gi, i) for gi, params in enumerate(self.groups) for i in range(len(params))
@@ -309,9 +309,9 @@ class TorchViews:
         sink = export.DecodedSink(getattr(self.tier, "directory", None),   # None: the RAM tier
                                   2 * sum(self.numels[gi][i] for gi, i in packed)) if packed else None
         for gi, i in have:
-            out[(gi, i)] = self._views(gi, i, view, fd)
+            out[(gi, i)] = self.views_of(gi, i, view, fd)
             if (gi, i) in packed:   # torch's fp32 layout
-                out[(gi, i)].update(self._decode_current(gi, i, sink, view))
+                out[(gi, i)].update(self.decode_current(gi, i, sink, view))
         return out
 
     def drop_records(self) -> None:
