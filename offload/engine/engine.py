@@ -116,7 +116,8 @@ class StateEngine:
         self.views = TorchViews(self.layout, self.tier, self.registry, self.groups, Handouts(),
                                 local_groups=self.local_groups, numels=self.numels, amsgrad=self.amsgrad,
                                 moment_format=self._format, device_params=device is not None, mode=mode,
-                                tracker=self.tracker, exclusive=self._exclusive)
+                                tracker=self.tracker, exclusive=self._exclusive,
+                                read_master=self.side.read_master)
 
     def lay_out(self, groups: list, first_group: int):
         """The layout of parameter lists ``groups`` (numbered from ``first_group``); excluded ones get none."""
@@ -179,13 +180,14 @@ class StateEngine:
                                "original parameter list; add parameters with add_param_group(), or build a new "
                                "optimizer and load_state_dict() into it)")
 
-    def collect(self, param_groups: list, keep_grads: bool = True) -> list:
+    def collect(self, param_groups: list, keep_grads: bool = True, state=None) -> list:
         """Validate grads/params of every group (before any I/O), under ``lock``; lay out the state of
-        parameters that have a gradient for the first time. Returns per group the bool mask of the
+        parameters that have a gradient for the first time (and take their entries in ``state``,
+        opt.state, over where they hold something). Returns per group the bool mask of the
         parameters with a gradient. ``keep_grads``: the checked gradients are what the next
         ``step(..., active=...)`` uses; False (the device worker captures its own): none is kept."""
         with self.lock:
-            active = self._collect(param_groups)
+            active = self._collect(param_groups, state)
             if not keep_grads:
                 self._grads = None
             return active
@@ -205,7 +207,7 @@ class StateEngine:
             self.tracker.record(gi, np.flatnonzero(a))
         self.views.install(fresh, state)   # (the step is done: opt.state must show it, or the tier fails)
 
-    def _collect(self, param_groups: list) -> list:
+    def _collect(self, param_groups: list, state=None) -> list:
         """collect() without the lock: per group, the bool mask of active params."""
         self._check_groups(param_groups)
         active, grads = [], []
@@ -239,6 +241,8 @@ class StateEngine:
                 if self.numels[gi][i] and not self.layout.of_param.get((gi, int(i))) and (gi, int(i)) not in self.excluded]
         if late:
             grow.lay_out_late(self, late)
+            if state is not None:   # an entry a user gave such a parameter: its state, as in torch
+                self.views.adopt_user_state(state, only=set(late))
         return active
 
     def _unplaced(self, gi: int) -> np.ndarray:
@@ -278,7 +282,7 @@ class StateEngine:
         self.tier.check_usable()
         self.views.adopt_user_state(state)
         if active is None:
-            active = self._collect(param_groups)
+            active = self._collect(param_groups, state)
             self.views.follow_shapes(state, getattr(self.side, "rows", None))
         hypers = {gi: hyper(gi) for gi, a in enumerate(active) if a.any()}   # validated before any change
         for gi, h in hypers.items():   # the native kernel refuses these too, but only after I/O has started

@@ -22,7 +22,7 @@ from ..base.dtypes import LOW_PRECISION, STATE_KEYS as _KEYS
 from ..moments import compressed
 from . import export
 from . import load as loader
-from .adopt import copy_in, follow_shapes, missing_entry
+from .adopt import Adoption, follow_shapes
 from ..moments.handouts import Handouts, write_moments
 from .views import param_views
 
@@ -52,16 +52,17 @@ class _StateRecords:
 class TorchViews:
     def __init__(self, layout, tier, registry, groups: list, handouts: Handouts, *, local_groups: list,
                  numels: list, amsgrad: list, moment_format: Callable[[int, int], str], device_params: bool,
-                 mode: str, tracker, exclusive: Callable):
+                 mode: str, tracker, exclusive: Callable, read_master: Callable):
         """``groups``, ``local_groups``, ``numels``, ``amsgrad``: the engine's per-group lists (they grow
         in place with add_param_group); ``device_params``: parameters on a device (every one has an fp32
         master); ``exclusive(failed_ok=False)``: the engine's lock, as a context manager."""
         self.layout, self.tier, self.registry, self.groups, self.handouts = layout, tier, registry, groups, handouts
         self.local_groups, self.numels, self.amsgrad = local_groups, numels, amsgrad
         self.moment_format, self.device_params, self.mode = moment_format, device_params, mode
-        self.tracker, self.exclusive = tracker, exclusive
+        self.tracker, self.exclusive, self.read_master = tracker, exclusive, read_master
         self.ptrs: dict = {}    # (gi, i) -> {key: data_ptr} of the views installed in opt.state
         self.recs: list = []    # per group: _StateRecords (what state_rows compares with)
+        self._placed_masks: dict = {}   # gi -> (layout size, mask): see _placed
 
     # ------------------------------------------------------------------ torch-layout views
     def install(self, fresh: list, state: dict) -> None:
@@ -86,12 +87,18 @@ class TorchViews:
                 state[p] = self.compressed_entry(gi, int(i), st)
 
     def compressed_entry(self, gi: int, i: int, base: dict):
+        return self.bind(compressed.CompressedState(base, None, self.moment_format(gi, i)), gi, i)
+
+    def bind(self, st, gi: int, i: int):
+        """Make the compressed-moment entry ``st`` that of parameter (gi, i) (also one moved there
+        from another parameter): it decodes (gi, i)'s moments and hands them out as (gi, i)'s."""
         def decode():
             return self._decoded(gi, i)
 
         def watch(key, t):
             self.handouts.watch(gi, i, key, t)
-        return compressed.CompressedState(base, decode, self.moment_format(gi, i), watch)
+        st.bind(decode, watch, owner=self, origin=(gi, i))
+        return st
 
     def _rewrite(self, hits: dict, apply) -> None:
         loader.rewrite_buckets(self.layout, self.tier, hits, apply)
@@ -148,65 +155,74 @@ class TorchViews:
                     out[(gi, i)] = st
             return out
 
-    def adopt_user_state(self, state: dict) -> None:
-        """What a user did to ``opt.state`` since the last step, as torch honours it: a replaced
-        ``state[p]['step']`` is adopted; a removed or emptied ``state[p]`` (``opt.state.clear()``,
-        ``del opt.state[p]``) starts that parameter afresh at step 0. A replaced moment tensor cannot be
-        adopted in place here (the moments live in the state file): it is refused by name instead of
-        being silently ignored, unless it holds exactly the state's values (a framework moving every
-        state tensor to the model's device): then the view of the state goes back in its place.
+    def adopt_user_state(self, state: dict, only=None) -> None:
+        """What a user did to ``opt.state`` since the last step, as torch honours it
+        (engine/adopt.py): a replaced ``step`` or state tensor is taken over (its values written
+        into the state, the state's view back in its place), whole entries moved between
+        parameters go with them, a removed or emptied ``state[p]`` (``opt.state.clear()``, ``del
+        opt.state[p]``) starts that parameter afresh at step 0, and the entry of a parameter
+        without state yet that holds something is its state from then on. Every changed entry is
+        read and checked before any is written.
+        ``only``: {(gi, i)}, the entries of those parameters alone (laid out late, during a step).
 
         Each parameter's entry is recorded once validated; each step only the entries that are not
         the recorded objects, or whose tensors moved (``.data = ...``), are looked at again
         (``state_rows`` of offload/native/rows.py, natively). The records go with any change the engine makes itself."""
-        ptrs, recs = self.ptrs, self.recs
+        recs = self.recs
         fast = type(state) is dict or type(state) is defaultdict   # their .get is the C lookup state_rows does
+        todo = Adoption(self)
         for gi, ps in enumerate(self.groups):
-            ready, steps = self.registry.ready[gi], self.registry.steps[gi]
+            ready = self.registry.ready[gi]
             while len(recs) <= gi:
                 recs.append(_StateRecords(len(self.groups[len(recs)])))
             rec = recs[gi]
             if len(rec.objs) != len(ps):
                 rec = recs[gi] = _StateRecords(len(ps))
-            if fast:
+            if only is not None:
+                rows = [i for g, i in only if g == gi and ready[i]]
+            elif fast:
                 rows = state_rows(state, ps, ready, rec.objs, _KEYS, rec.ptrs, _STATE_FNS, rec.hashes).tolist()
             else:
                 rows = np.flatnonzero(ready).tolist()
             for i in rows:
                 rec.objs[i] = None
+                todo.look(gi, i, state.get(ps[i]))
+            # parameters with room for state but none yet, whose entry holds something: taken over
+            idle = ~ready & self._placed(gi)
+            for i in np.flatnonzero(idle).tolist() if idle.any() else ():
                 st = state.get(ps[i])
-                if not st:
-                    ready[i] = False
-                    steps[i] = 0.0
-                    ptrs.pop((gi, i), None)
-                    self.handouts.forget(gi, i)
-                    continue
-                v = st.get("step")
-                if not (isinstance(v, torch.Tensor) and v._base is steps and v.storage_offset() == i
-                        and v.data_ptr() == steps.data_ptr() + 4 * i):
-                    steps[i] = float(v.item() if isinstance(v, torch.Tensor) else (v or 0.0))
-                    st["step"] = steps[i]
-                for key, ptr in list(ptrs.get((gi, i), {}).items()):
-                    t = st.get(key)
-                    if not isinstance(t, torch.Tensor):
-                        raise missing_entry(key, f"state of parameter {i} of group {gi}", t)
-                    if local(t).data_ptr() != ptr:
-                        cur = self.holding(gi, i, key, t)
-                        if cur is None and self.tier.adopts and self.moment_format(gi, i) == "fp32":
-                            cur = self._view_of(gi, i, key)   # a resident tier takes the values over
-                            copy_in(cur, t, key, f"state of parameter {i} of group {gi}", self.local_groups)
-                        if cur is not None:   # the same values elsewhere (Lightning's _optimizer_to_device)
-                            st[key] = cur
-                            ptrs[(gi, i)][key] = local(cur).data_ptr()
-                            continue
-                        raise ValueError(
-                            f"state[{key!r}] of parameter {i} of group {gi} was replaced by another tensor: with "
-                            f"storage={self.mode!r} the moments live in the state file, so a new tensor cannot be "
-                            "adopted; write into the existing one in place (e.g. opt.state[p]['exp_avg'].zero_()) "
-                            "or load a whole state with load_state_dict()")
-                self._record_state(rec, i, ps[i], st, ptrs.get((gi, i), {}))
-        # decoded compressed moments written in place by a caller who holds them (moments/handouts.py)
-        self.handouts.adopt(self.decode_current, self.rewrite_moments)
+                if st and (only is None or (gi, i) in only):
+                    todo.look(gi, i, st, taking=True)
+        todo.check_shared()
+        todo.apply(state)
+        for gi, i in todo.rows:
+            st = state.get(self.groups[gi][i])
+            if st:
+                self._record_state(recs[gi], i, self.groups[gi][i], st, self.ptrs.get((gi, i), {}))
+
+    def _placed(self, gi: int) -> np.ndarray:
+        """Bool mask of group gi's parameters with room for state in the layout (cached)."""
+        key = (len(self.layout.buckets), len(self.layout.of_param), len(self.groups[gi]))
+        got = self._placed_masks.get(gi)
+        if got is None or got[0] != key:
+            of = self.layout.of_param
+            n = len(self.groups[gi])
+            mask = np.array([bool(of.get((gi, i))) for i in range(n)], dtype=bool)
+            got = self._placed_masks[gi] = (key, mask)
+        return got[1]
+
+    def entry_keys(self, gi: int, i: int) -> list:
+        """The state tensors ``opt.state`` shows for parameter (gi, i) as views of its buckets."""
+        lp = local(self.groups[gi][i])
+        shown = self.has_master(gi, i) and not (self.device_params and lp.dtype == torch.float32)
+        keys = ["master_param"] if shown else []
+        if self.moment_format(gi, i) == "fp32":
+            keys += ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad[gi] else [])
+        return keys
+
+    def has_master(self, gi: int, i: int) -> bool:
+        """Parameter (gi, i)'s buckets hold an fp32 master (device parameters, bf16/fp16 ones)."""
+        return self.device_params or local(self.groups[gi][i]).dtype in LOW_PRECISION
 
     def follow_shapes(self, state: dict, rows) -> None:
         """Parameters the side revalidated this step (``rows.revalidated``) that were given another
@@ -215,11 +231,6 @@ class TorchViews:
             follow_shapes(self.groups[gi], idx, self.registry.ready[gi], state,
                           lambda i, gi=gi: self.ptrs.get((gi, i), ()),
                           lambda i, gi=gi: self._forget_state(gi, i))
-
-    def _view_of(self, gi: int, i: int, key: str):
-        """The view of the state entry ``key`` of parameter (gi, i) (a fresh view object)."""
-        view, fd = self.tier.mapping()
-        return self.views_of(gi, i, view, fd)[key]
 
     def holding(self, gi: int, i: int, key: str, t):
         """The view of the state entry ``key`` of parameter (gi, i) if ``t``, which replaced it, is a copy

@@ -113,12 +113,18 @@ class CompressedState(MutableMapping):
     device do that): the state stays where it is.
     """
 
-    def __init__(self, base: dict, decode: Callable[[], Dict[str, torch.Tensor]], fmt: str,
-                 watch: Optional[Callable[[str, torch.Tensor], None]] = None):
+    def __init__(self, base: dict, decode: Optional[Callable[[], Dict[str, torch.Tensor]]],
+                 fmt: str, watch: Optional[Callable[[str, torch.Tensor], None]] = None):
         self._d = dict(base)
-        self._decode = decode
-        self._watch = watch
         self.moments = fmt
+        self.bind(decode, watch)
+
+    def bind(self, decode, watch=None, owner=None, origin=None) -> None:
+        """Whose moments this entry holds: ``decode()`` reads them, ``watch`` hears of each one
+        handed out; ``owner`` and ``origin`` say which state engine and parameter (an entry moved
+        to another parameter in ``opt.state`` is bound to it by the engine: engine/adopt.py)."""
+        self._decode, self._watch = decode, watch
+        self.owner, self.origin = owner, origin
 
     def plain(self) -> dict:
         """The entries that need no decoding (step, master_param, user additions)."""

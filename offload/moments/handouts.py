@@ -52,6 +52,23 @@ class Handouts:
             for key in [k for k in self._held if k[:2] == (gi, i)]:
                 del self._held[key]
 
+    def remap(self, moved: dict, replaced) -> None:
+        """Whole entries moved between parameters (``moved``: {to (gi, i): from (gj, j)}): what
+        each handed out goes with it, as torch's tensors go with their dict; what the entries of
+        ``moved``'s keys and of ``replaced`` handed out before is no parameter's state now."""
+        if not moved and not replaced:
+            return
+        with self._mu:
+            gone = set(moved) | set(replaced)
+            dest = {src: dst for dst, src in moved.items()}
+            held = {}
+            for (gi, i, key), refs in self._held.items():
+                if (gi, i) in dest:
+                    held[dest[(gi, i)] + (key,)] = refs
+                elif (gi, i) not in gone:
+                    held[(gi, i, key)] = refs
+            self._held = held
+
     def any_alive(self) -> bool:
         return bool(self._held) and bool(self._alive())
 
