@@ -8,7 +8,8 @@ keeps torch's constructor signature, defaults, validation messages and ``state_d
 straight into the parameter in the same pass. Parameters the kernel cannot take but torch steps (float64,
 complex, non-contiguous, listed twice) go through torch's Adam code, state in RAM (offload/optim/fallback.py).
 
-The class derives from ``torch.optim.Optimizer`` only and holds parts, which its methods call in a few
+The class derives from ``torch.optim.Optimizer`` (and optim/rebuilding.py's ``EngineSync``, which keeps
+``_store`` laid out for the param groups as they are) and holds parts, which its methods call in a few
 lines each: ``_store``, the state engine of every mode (engine/engine.py), built by ``_slot`` (optim/engine_slot.py);
 ``_gpu``, the device face of GPU offload (schedule/device_step.py, else None; optim/gpu.py); ``_clip``, the pending
 clip coefficient (optim/clipping.py); ``_router``, which parameters torch's code steps (optim/fallback.py); and
@@ -23,10 +24,11 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
 
 from . import fallback, gpu, stephooks, torch_state as sdict
-from .checks import _check_hyper, check_group, check_options, check_threads, group_hyper, param_name
+from .checks import _check_hyper, check_group, check_options, check_threads, group_hyper
 from .clipping import CLIP_GRAD_NORM_DOC, Clip
 from ..base.failstop import OptimizerFailedError, detached, failed_message
 from .engine_slot import EngineSlot
+from .rebuilding import EngineSync
 from ..state.choice import resolve_storage
 from .options import OPTIMIZER_WIDE, OPTIONS_DOC, given_gpu_options
 
@@ -39,7 +41,7 @@ _GROUP_KEYS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False
 _OWN_KEYS = dict(_threads=None, _store=None, _gpu=None, moments="fp32", moments_min_size=4096)
 
 
-class _AdamBase(Optimizer):
+class _AdamBase(EngineSync, Optimizer):
     def __init__(self, params, lr, betas, eps, weight_decay, amsgrad, *, foreach, maximize, capturable, differentiable,
                  fused, decoupled_weight_decay, threads, storage, nvme_dir, host_budget, keep_files, nvme_options,
                  offload_device, moments, moments_min_size, state, **gpu_options):
@@ -100,20 +102,6 @@ class _AdamBase(Optimizer):
             raise
         if store is not None and self._gpu is not None:
             self._gpu.load_state()
-
-    def _sync_engine(self, native: Optional[list] = None, stepping: bool = False) -> None:
-        """Make the engine hold the param groups as they are (optim/engine_slot.py)."""
-        native = self._slot.groups(self.param_groups, self._router) if native is None else native
-        if self._slot.stale(self._store, native, stepping):
-            self.state.update(self._rebuild_engine(native, self.state))
-
-    def _rebuild_engine(self, native: list, state) -> dict:
-        """A new engine for ``native`` holding ``state`` (raises before any change): the state's views."""
-        engine, views = self._slot.rebuild(native, state, lambda gi, i: param_name(self.param_groups, gi, i))
-        old, self._store = self._store, engine
-        if old is not None:
-            old.close()
-        return views
 
     # ------------------------------------------------------------------ pickling, deepcopy, a loaded state
     def __setstate__(self, state: dict) -> None:

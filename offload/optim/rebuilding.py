@@ -1,0 +1,28 @@
+"""optim/rebuilding.py: ``EngineSync``, the part of offload.Adam/AdamW (optim/adam.py) that keeps its
+state engine (``_store``) laid out for the param groups as they are: where a group's params list
+(or, at a step, its amsgrad) changed, the engine is built again holding what ``opt.state`` holds
+(optim/engine_slot.py, offload/engine/rebuild.py).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .checks import param_name
+
+__all__ = ["EngineSync"]
+
+
+class EngineSync:
+    def _sync_engine(self, native: Optional[list] = None, stepping: bool = False) -> None:
+        """Make the engine hold the param groups as they are (optim/engine_slot.py)."""
+        native = self._slot.groups(self.param_groups, self._router) if native is None else native
+        if self._slot.stale(self._store, native, stepping):
+            self.state.update(self._rebuild_engine(native, self.state))
+
+    def _rebuild_engine(self, native: list, state) -> dict:
+        """A new engine for ``native`` holding ``state`` (raises before any change): the state's views."""
+        engine, views = self._slot.rebuild(native, state, lambda gi, i: param_name(self.param_groups, gi, i))
+        old, self._store = self._store, engine
+        if old is not None:
+            old.close()
+        return views
