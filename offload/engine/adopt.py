@@ -137,7 +137,9 @@ class Adoption:
             if isinstance(st, CompressedState) and st.owner is v:
                 if st.origin != (gi, i):
                     self.moved[(gi, i)] = st.origin
-            else:   # a plain dict (or another optimizer's entry): its moments are encoded
+            elif isinstance(st, CompressedState):   # another engine's (a parameter that came back)
+                self.packed[(gi, i)] = compressed.to_format(st.stored(), fmt, n, where)
+            else:   # a plain dict: its moments are encoded, as load_state_dict encodes them
                 ms = {}
                 for key in mformat.MOMENT_KEYS:
                     t = st.get(key)

@@ -172,20 +172,16 @@ class StateEngine:
             len(ps) == len(mine) and all(map(operator.is_, ps, mine)) for ps, mine in zip(params, self.groups))
 
     def _check_groups(self, groups: list) -> None:
-        if len(groups) != len(self.groups) or not all(
-                len(g["params"]) == len(ps) and all(map(operator.is_, g["params"], ps))
-                for g, ps in zip(groups, self.groups)):
-            raise RuntimeError(f"the optimizer's parameters changed since it was created with storage={self.mode!r} "
-                               "(a param group's 'params' list was edited or replaced: the state is laid out for the "
-                               "original parameter list; add parameters with add_param_group(), or build a new "
-                               "optimizer and load_state_dict() into it)")
+        if not self.holds([g["params"] for g in groups], None):   # (laid out again first: a guard)
+            raise RuntimeError("a param group's 'params' list changed since the state's layout")
 
     def collect(self, param_groups: list, keep_grads: bool = True, state=None) -> list:
-        """Validate grads/params of every group (before any I/O), under ``lock``; lay out the state of
-        parameters that have a gradient for the first time (and take their entries in ``state``,
-        opt.state, over where they hold something). Returns per group the bool mask of the
-        parameters with a gradient. ``keep_grads``: the checked gradients are what the next
-        ``step(..., active=...)`` uses; False (the device worker captures its own): none is kept."""
+        """Validate grads/params of every group (before any I/O), under ``lock``; lay out the state
+        of parameters that have a gradient for the first time (their entries in ``state``,
+        opt.state, if any, are their state). Returns per group the bool mask of the parameters with
+        a gradient.
+        ``keep_grads``: the checked gradients are what the next ``step(..., active=...)`` uses;
+        False (the device worker captures its own): none is kept."""
         with self.lock:
             active = self._collect(param_groups, state)
             if not keep_grads:
@@ -240,9 +236,7 @@ class StateEngine:
         late = [(gi, int(i)) for gi, a in enumerate(active) for i in np.flatnonzero(a & self._unplaced(gi))
                 if self.numels[gi][i] and not self.layout.of_param.get((gi, int(i))) and (gi, int(i)) not in self.excluded]
         if late:
-            grow.lay_out_late(self, late)
-            if state is not None:   # an entry a user gave such a parameter: its state, as in torch
-                self.views.adopt_user_state(state, only=set(late))
+            grow.lay_out_late(self, late, state)
         return active
 
     def _unplaced(self, gi: int) -> np.ndarray:

@@ -54,9 +54,10 @@ def _drop_groups(eng, gi: int, nb: int, nbytes: int) -> None:
         del eng.layout.of_param[key]
 
 
-def lay_out_late(eng, late: list) -> None:
+def lay_out_late(eng, late: list, state=None) -> None:
     """Parameters frozen (requires_grad=False) at construction reserved nothing; the first time one
-    has a gradient its state is laid out after the existing state (the file grows)."""
+    has a gradient its state is laid out after the existing state (the file grows). ``state``
+    (opt.state): an entry a user gave such a parameter is its state from then on, as in torch."""
     shapes = []
     for gi, i in sorted(late):
         lp = local(eng.groups[gi][i])
@@ -66,3 +67,5 @@ def lay_out_late(eng, late: list) -> None:
     eng.tier.allocate(eng.layout)
     if eng.device is not None:
         eng.side.allocate(eng.layout)
+    if state is not None:
+        eng.views.adopt_user_state(state, only=set(late))

@@ -97,8 +97,19 @@ class TorchViews:
 
         def watch(key, t):
             self.handouts.watch(gi, i, key, t)
-        st.bind(decode, watch, owner=self, origin=(gi, i))
+        st.bind(decode, watch, owner=self, origin=(gi, i), stored=lambda: self.stored_entry(gi, i))
         return st
+
+    def stored_entry(self, gi: int, i: int) -> dict:
+        """Parameter (gi, i)'s compressed moments, copied, under their saved keys
+        (``exp_avg.8bit``, ...): what its ``opt.state`` entry holds, held decoded moments' in-place
+        writes first."""
+        with self.exclusive():
+            self.handouts.adopt(self.decode_current, self.rewrite_moments, only=(gi, i))
+            view, _fd = self.tier.mapping()
+            fmt = self.moment_format(gi, i)
+            raw = compressed.raw(self.layout, gi, i, fmt, view)
+            return {mformat.saved_key(k, fmt): t for k, t in raw.items()}
 
     def _rewrite(self, hits: dict, apply) -> None:
         loader.rewrite_buckets(self.layout, self.tier, hits, apply)

@@ -81,7 +81,9 @@ class _AdamBase(EngineSync, Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's add_param_group (named parameters, duplicate warning, its checks and messages),
         then offload's own checks of every parameter; the group is not added if one fails.
-        With NVMe/mmap state the new group is laid out after the existing state (the file grows)."""
+        With NVMe/mmap state the new group is laid out after the existing state (the file grows);
+        where other groups' params lists were edited (a parameter moved here) the state engine is
+        built again, every entry of opt.state kept (offload/engine/rebuild.py)."""
         self._check_usable()
         store = getattr(self, "_store", None)
         n = len(self.param_groups)
@@ -94,9 +96,11 @@ class _AdamBase(EngineSync, Optimizer):
             check_group(self.param_groups[n], n, OPTIMIZER_WIDE, self._wide,
                         getattr(self, "moments", "fp32"), self._slot.device is not None)
             self._clip.forget()
-            if store is not None:  # the new group is laid out after the existing state (a file grows)
-                native = self._slot.groups(self.param_groups, self._router)
+            native = self._slot.groups(self.param_groups, self._router)
+            if store is not None and not self._slot.stale(store, native[:n], False):
                 store.add_group(native[n]["params"], self.param_groups[n]["amsgrad"])
+            elif store is not None:
+                self.state.update(self._rebuild_engine(native, self.state))
         except BaseException:
             del self.param_groups[n:]
             raise
@@ -119,7 +123,7 @@ class _AdamBase(EngineSync, Optimizer):
             self.__dict__.setdefault(k, v)
         self._clip.forget()   # (load_state_dict: the coefficient stays, tied to no gradients)
         self._failure = None   # a loaded state (load_state_dict, offload.load) is the way back after a failure
-        if self._store is None and self._slot.rebuildable:   # unpickled or deep-copied: the engine from opt.state
+        if self._store is None and self._slot.picklable:   # unpickled, deep-copied: from opt.state
             self._sync_engine()
 
     def __getstate__(self):
@@ -147,6 +151,7 @@ class _AdamBase(EngineSync, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._gpu is not None:
+            self._sync_engine(self.param_groups, stepping=True)
             self._gpu.step(grad_multiplier)
             return loss
         mult = self._clip.multiplier(grad_multiplier)
@@ -280,8 +285,7 @@ class _AdamBase(EngineSync, Optimizer):
         new_state, groups = sdict.map_saved(self.param_groups, state_dict, host=self._slot.device is None)
         self.synchronize()
         sdict.install(new_state, self.param_groups, self._router.split(groups)[0], self._store,
-                      self._engine_index,
-                      self._rebuild_engine if self._slot.rebuildable else None)
+                      self._engine_index, self._rebuild_engine)
         self.__setstate__({"state": new_state, "param_groups": groups})
         if self._gpu is not None:
             self._gpu.load_state(loaded=True)
@@ -299,9 +303,11 @@ class _AdamBase(EngineSync, Optimizer):
             self._gpu.set_accumulation_boundary(flag)
 
     def synchronize(self) -> None:
-        """Wait until the last step is fully applied and the new weights are on the device."""
+        """Wait until the last step is fully applied and the new weights are on the device (and lay
+        the state out again for param groups changed since: they keep their opt.state entries)."""
         if self._gpu is not None:
             self._gpu.synchronize()
+            self._sync_engine(stepping=True)
 
     def reload_params(self) -> None:
         """Re-read the fp32 master weights from the device parameters after changing them in place."""

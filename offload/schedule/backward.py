@@ -134,10 +134,17 @@ class BackwardFeed:
         """The first gradient (or step()) of a step: the last one done, opt.state edits and parameter
         writes adopted; ``marks``: the counters at its start (schedule/feedstep.py reports the differences)."""
         self.raise_if_failed()
+        eng = self.engine
+        groups = self.face.port.groups()
+        if not eng.holds([g["params"] for g in groups], [bool(g.get("amsgrad")) for g in groups]):
+            raise RuntimeError(
+                "a param group's 'params' list or amsgrad changed since the last step: with "
+                "parameters on a device the optimizer lays its state out for the groups again at "
+                "opt.synchronize(), step() or add_param_group(); call opt.synchronize() after "
+                "changing them, before the next backward")
         self.wait_idle()
         self.uploads.wait_all()   # (a parameter no module's forward used)
         self._reset()
-        eng = self.engine
         eng.begin(self.face.port.state())
         self.face.reload_changed()
         self.side.grads = self.grads
