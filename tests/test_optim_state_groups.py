@@ -2,7 +2,8 @@
 a parameter moved to a new group (``params.pop()`` then ``add_param_group``, a per-layer lr)
 keeps its state, with or without a step in between, for every tier, moment format and parameter
 side; a parameter edited out of the lists before a backward that steps during backward is refused
-by name there. The reference is the documented way (a new optimizer with the new groups, given
+by name there; amsgrad switched on, off and on again uses the kept ``max_exp_avg_sq`` as torch
+does. The reference is the documented way (a new optimizer with the new groups, given
 the state through load_state_dict of its stored form: bitwise, compressed moments included) and,
 for fp32 moments, torch.optim.AdamW.
 """
@@ -145,3 +146,25 @@ def test_device_groups_edited_between_steps_with_backward(make_opt, cfg):
     if cfg.moments == "fp32":
         close(list(a.parameters()), list(t.parameters()))
 
+
+@pytest.mark.parametrize("cfg", configs(sides=("host", "fake"), moments=("fp32",), cover="all"))
+def test_amsgrad_on_off_on_follows_torch(make_opt, cfg):
+    """torch keeps max_exp_avg_sq in opt.state while amsgrad is off and uses it again when switched
+    back on."""
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(6, 5)) for _ in range(2)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = make_opt(cfg, ours, lr=LR, amsgrad=True)
+    topt = torch.optim.AdamW(ref, lr=LR, amsgrad=True)
+    for s, flag in enumerate([True, True, False, False, True, True]):
+        for ps, o in ((ours, opt), (ref, topt)):
+            o.param_groups[0]["amsgrad"] = flag
+            _grads(ps, s)
+            for p in ps:   # larger gradients early: the kept maximum matters later
+                p.grad.mul_(4.0 if s < 2 else 1.0)
+            o.step()
+        opt.synchronize()
+        close(ours, ref)
+        assert set(opt.state[ours[0]]) == set(topt.state[ref[0]])
+        torch.testing.assert_close(opt.state[ours[0]]["max_exp_avg_sq"],
+                                   topt.state[ref[0]]["max_exp_avg_sq"])

@@ -8,8 +8,8 @@ again and every parameter's entry is loaded into it (once, O(model); with NVMe/m
 new state file), in its stored form (compressed moments as they are: bitwise); a parameter
 without state starts afresh as in torch. A parameter the new groups no longer hold keeps its
 entry, as torch keeps it, on copies of its own (the old engine closes), and goes on from it if it
-is added back. Nothing is replaced until the new engine holds everything: a rebuild that raises
-changes nothing.
+is added back; so does ``max_exp_avg_sq`` while amsgrad is off. Nothing is replaced until the
+new engine holds everything: a rebuild that raises changes nothing.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def fits(engine, groups: Sequence[dict], amsgrad: bool = True) -> bool:
 
 
 def _entries(groups: Sequence[dict], state, names: Callable[[int, int], str]) -> tuple:
-    """{(gi, i): stored entry to load}."""
-    out = {}
+    """({(gi, i): stored entry to load}, {(gi, i): max_exp_avg_sq kept while amsgrad is off})."""
+    out, kept = {}, {}
     for gi, g in enumerate(groups):
         for i, p in enumerate(g["params"]):
             st = state.get(p)
@@ -47,6 +47,8 @@ def _entries(groups: Sequence[dict], state, names: Callable[[int, int], str]) ->
             else:
                 e.update((k, st[k]) for k in _KEYS if st.get(k) is not None)
             if not g.get("amsgrad", False):
+                if isinstance(e.get("max_exp_avg_sq"), torch.Tensor):
+                    kept[(gi, i)] = e["max_exp_avg_sq"].detach().clone()
                 e.pop("max_exp_avg_sq", None)
             elif "max_exp_avg_sq" not in e and local(p).numel():
                 raise ValueError(
@@ -55,7 +57,7 @@ def _entries(groups: Sequence[dict], state, names: Callable[[int, int], str]) ->
                     "amsgrad=False again, or give each such parameter one: "
                     "opt.state[p]['max_exp_avg_sq'] = torch.zeros_like(p, dtype=torch.float32)")
             out[(gi, i)] = e
-    return out
+    return out, kept
 
 
 def _keep_own(st, p) -> None:
@@ -73,7 +75,7 @@ def rebuild(make: Callable[[], object], groups: Sequence[dict], state,
     """(engine, {parameter: its new opt.state entry}) for ``groups`` (the engine's param groups)
     and ``state`` (``opt.state``); ``make()`` builds an empty engine for the groups as they are
     now; ``old_params``: those the engine being replaced holds."""
-    entries = _entries(groups, state, names)
+    entries, kept = _entries(groups, state, names)
     engine = make()
     try:
         # small parameters stepped on the device keep torch's entries (schedule/smallparams.py)
@@ -83,7 +85,11 @@ def rebuild(make: Callable[[], object], groups: Sequence[dict], state,
         if late:   # frozen when the engine was made (no room yet), but with state to keep
             grow.lay_out_late(engine, late)
         engine.load(entries)
-        views = {groups[gi]["params"][i]: engine.torch_state(gi, i) for gi, i in entries}
+        views = {}
+        for gi, i in entries:
+            views[groups[gi]["params"][i]] = st = engine.torch_state(gi, i)
+            if (gi, i) in kept:
+                st["max_exp_avg_sq"] = kept[(gi, i)]   # (torch keeps it, unused while it is off)
     except BaseException:
         engine.close()
         raise
