@@ -3,13 +3,15 @@ a parameter moved to a new group (``params.pop()`` then ``add_param_group``, a p
 keeps its state, with or without a step in between, for every tier, moment format and parameter
 side; a parameter edited out of the lists before a backward that steps during backward is refused
 by name there; amsgrad switched on, off and on again uses the kept ``max_exp_avg_sq`` as torch
-does. The reference is the documented way (a new optimizer with the new groups, given
-the state through load_state_dict of its stored form: bitwise, compressed moments included) and,
-for fp32 moments, torch.optim.AdamW.
+does; a parameter given another size is named by state_dict(), offload.save and step(). The
+reference is the documented way (a new optimizer with the new groups, given the state through
+load_state_dict of its stored form: bitwise, compressed moments included) and, for fp32 moments,
+torch.optim.AdamW.
 """
 import pytest
 import torch
 
+import offload
 from conftest import configs
 from optim_state_util import LR, close
 from test_optim_state_permute import _grads, _stored
@@ -168,3 +170,27 @@ def test_amsgrad_on_off_on_follows_torch(make_opt, cfg):
         assert set(opt.state[ours[0]]) == set(topt.state[ref[0]])
         torch.testing.assert_close(opt.state[ours[0]]["max_exp_avg_sq"],
                                    topt.state[ref[0]]["max_exp_avg_sq"])
+
+
+@pytest.mark.parametrize("cfg", configs(**dict(EVERY, cover="pairs")))
+def test_resized_parameter_is_named_by_state_dict_and_step(make_opt, cfg, tmp_path):
+    """A parameter given another size (p.data = ...): state_dict(), offload.save and step() name it
+    (group and index) and say what to do; given its size back, everything works again."""
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(6, 5)) for _ in range(3)]
+    opt = make_opt(cfg, [{"params": ps[:1]}, {"params": ps[1:]}], lr=LR)
+    _grads(ps, 0)
+    opt.step()
+    opt.synchronize()
+    kept = ps[2].data
+    ps[2].data = torch.randn(8, 5)
+    want = (r"parameter 1 of group 1 has 40 elements, but its optimizer state was made for 30.*"
+            r"give it back a tensor of 30 elements, or build a new optimizer")
+    for call in (opt.state_dict, lambda: offload.save(opt, tmp_path / "ckpt"),
+                 lambda: (_grads(ps, 1), opt.step())):
+        with pytest.raises(RuntimeError, match=want):
+            call()
+    ps[2].data = kept
+    _grads(ps, 2)
+    opt.step()
+    assert len(opt.state_dict()["state"]) == 3

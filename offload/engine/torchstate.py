@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..native.rows import state_rows
+from ..params.base import resized
 from ..moments import format as mformat
 from ..base.dist import like, local
 from ..base.dtypes import LOW_PRECISION, STATE_KEYS as _KEYS
@@ -133,6 +134,7 @@ class TorchViews:
 
     def decode_current(self, gi: int, i: int, sink=None, view=None) -> dict:
         """_decoded without adopting held writes: the state as its buckets hold it."""
+        self._check_size(gi, i, local(self.groups[gi][i]))
         with self.exclusive():
             if view is None:
                 view, _fd = self.tier.mapping()   # NVMe: drains the write-backs and maps the file
@@ -222,6 +224,10 @@ class TorchViews:
             got = self._placed_masks[gi] = (key, mask)
         return got[1]
 
+    def _check_size(self, gi: int, i: int, lp) -> None:
+        if lp.numel() != self.numels[gi][i]:   # (p.data = a tensor of another size)
+            raise resized(gi, i, self.numels[gi][i], lp.numel(), self.mode)
+
     def entry_keys(self, gi: int, i: int) -> list:
         """The state tensors ``opt.state`` shows for parameter (gi, i) as views of its buckets."""
         lp = local(self.groups[gi][i])
@@ -287,6 +293,7 @@ class TorchViews:
     def views_of(self, gi: int, i: int, view, fd) -> dict:
         p = self.groups[gi][i]
         lp = local(p)
+        self._check_size(gi, i, lp)
         if lp.numel() == 0:
             keys = (["master_param"] if (self.device_params or lp.dtype in LOW_PRECISION)
                     else []) + ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad[gi] else [])
