@@ -221,9 +221,9 @@ class Adoption:
         v = self.v
         for gi, i in self.cleared:
             v.handouts.forget(gi, i)
-        # decoded compressed moments a caller wrote in place: into the state first (a moved entry
+        # held copies of the state a caller wrote in place: into the state first (a moved entry
         # takes them along)
-        v.handouts.adopt(v.decode_current, v.rewrite_moments)
+        v.handouts.adopt(v.held_current, v.rewrite_held)
         if not (self.rows or self.taken):
             return   # (every warm step)
         view, fd = v.tier.mapping()
@@ -231,25 +231,8 @@ class Adoption:
         for dst, (gj, j) in self.moved.items():   # the compressed bytes copied before any write
             packed[dst] = compressed.raw(v.layout, gj, j, v.moment_format(gj, j), view)
         flat = self._sources()
-        hits: dict = {}
-        for key in set(flat) | set(packed) | self.remaster:
-            for bi, pc in v.layout.of_param.get(key, []):
-                hits.setdefault(bi, []).append(pc)
-
-        def write(b, pieces, blk):
-            f32 = blk.data[:b.nbytes].view(torch.float32)
-            for pc in pieces:
-                for key, src in flat.get((b.group, pc.param), {}).items():
-                    sec = b.section(key) // 4 + pc.pos
-                    f32[sec:sec + pc.n].copy_(src[pc.start:pc.start + pc.n])
-                conv = packed.get((b.group, pc.param))
-                if conv is not None:
-                    compressed.write_piece(b, pc, blk.data, conv)
-                if (b.group, pc.param) in self.remaster:
-                    sec = b.section("master_param") // 4 + pc.pos
-                    v.read_master(b.group, pc.param, pc.start, pc.n, f32[sec:sec + pc.n])
-        if hits:
-            loader.rewrite_buckets(v.layout, v.tier, hits, write)
+        if flat or packed or self.remaster:
+            loader.write_entries(v.layout, v.tier, flat, packed, self.remaster, v.read_master)
             view, fd = v.tier.mapping()
         self._views_back(state, view, fd)
 
@@ -293,7 +276,7 @@ class Adoption:
             if (gi, i) in self.steps:
                 st["step"] = reg.steps[gi][i]
             if (gi, i) in self.copies or (gi, i) in self.taken:
-                fresh = v.views_of(gi, i, view, fd)
+                fresh = v.entry_views(gi, i, view, fd)
                 for key in (fresh if (gi, i) in self.taken else self.copies[(gi, i)]):
                     st[key] = fresh[key]
                     v.ptrs[(gi, i)][key] = local(fresh[key]).data_ptr()

@@ -70,7 +70,7 @@ class TorchViews:
         """Give ``state[p]`` its step counter and moments (views of the tier) when its state was created.
         Runs at the end of every step (both schedules): the decoded moments a caller holds take the
         step's new values here."""
-        self.handouts.refresh(self.decode_current)
+        self.handouts.refresh(self.held_current)
         if not fresh:
             return
         view, fd = self.tier.mapping()
@@ -80,7 +80,7 @@ class TorchViews:
             p = self.groups[gi][int(i)]
             st = state[p]
             st["step"] = self.registry.steps[gi][int(i)]
-            views = self.views_of(gi, int(i), view, fd)
+            views = self.entry_views(gi, int(i), view, fd)
             for k, v in views.items():
                 st[k] = v
             ptrs[(gi, int(i))] = {k: local(v).data_ptr() for k, v in views.items()}
@@ -106,7 +106,7 @@ class TorchViews:
         (``exp_avg.8bit``, ...): what its ``opt.state`` entry holds, held decoded moments' in-place
         writes first."""
         with self.exclusive():
-            self.handouts.adopt(self.decode_current, self.rewrite_moments, only=(gi, i))
+            self.handouts.adopt(self.held_current, self.rewrite_held, only=(gi, i))
             view, _fd = self.tier.mapping()
             fmt = self.moment_format(gi, i)
             raw = compressed.raw(self.layout, gi, i, fmt, view)
@@ -117,6 +117,38 @@ class TorchViews:
 
     def rewrite_moments(self, gi: int, i: int, new: dict, cur: dict) -> None:
         write_moments(self.layout, self.moment_format(gi, i), gi, i, new, cur, self._rewrite)
+
+    def entry_views(self, gi: int, i: int, view, fd) -> dict:
+        """views_of for an opt.state entry. A tensor that had to be joined by a copy (a parameter
+        split over buckets in pieces of under a page per section: a tiny host_budget) is held as
+        decoded moments are (moments/handouts.py): in-place writes into it are taken into the state
+        and it takes the state's values after each step, as a view would."""
+        copied: set = set()
+        views = self.views_of(gi, i, view, fd, copied)
+        for key in copied & set(views):
+            self.handouts.watch(gi, i, key, views[key])
+        return views
+
+    def held_current(self, gi: int, i: int) -> dict:
+        """What a held copy of parameter (gi, i)'s state holds when unwritten: its fp32 tensors and
+        its decoded compressed moments."""
+        with self.exclusive():
+            view, fd = self.tier.mapping()
+            out = self.views_of(gi, i, view, fd)
+            if self.moment_format(gi, i) != "fp32" and self.numels[gi][i]:
+                out.update(self.decode_current(gi, i, view=view))
+            return out
+
+    def rewrite_held(self, gi: int, i: int, new: dict, cur: dict) -> None:
+        """Write into the state what a caller wrote into held copies (``new``: {key: tensor};
+        ``cur``: held_current's)."""
+        packed = self.moment_format(gi, i) != "fp32"
+        moments = {k: t for k, t in new.items() if packed and k in mformat.MOMENT_KEYS}
+        if moments:
+            self.rewrite_moments(gi, i, moments, cur)
+        flat = {k: local(t).detach().reshape(-1) for k, t in new.items() if k not in moments}
+        if flat:
+            loader.write_entries(self.layout, self.tier, {(gi, i): flat})
 
     def holds_moment_copies(self) -> bool:
         """A caller holds decoded compressed moments from opt.state (moments/handouts.py)."""
@@ -129,7 +161,7 @@ class TorchViews:
         In-place writes into this parameter's held decoded moments are adopted first (as torch's
         state would show them)."""
         with self.exclusive():
-            self.handouts.adopt(self.decode_current, self.rewrite_moments, only=(gi, i))
+            self.handouts.adopt(self.held_current, self.rewrite_held, only=(gi, i))
             return self.decode_current(gi, i, sink, view)
 
     def decode_current(self, gi: int, i: int, sink=None, view=None) -> dict:
@@ -152,7 +184,7 @@ class TorchViews:
         """(gi, i) -> {key: tensor} in the stored form: fp32 views (master, fp32 moments) and, for
         compressed moments, copies of the compressed tensors under ``<key>.<format>`` (offload.save)."""
         with self.exclusive():
-            self.handouts.adopt(self.decode_current, self.rewrite_moments)   # held writes first
+            self.handouts.adopt(self.held_current, self.rewrite_held)   # held writes first
             view, fd = self.tier.mapping()
             out = {}
             for gi, params in enumerate(self.groups):
@@ -253,10 +285,10 @@ class TorchViews:
         """The view of the state entry ``key`` of parameter (gi, i) if ``t``, which replaced it, is a copy
         of it on another device (a framework moving every state tensor to the model's device, e.g.
         Lightning's _optimizer_to_device on a GPU: the state stays in its tier and the view goes back
-        in), else None. A replacement on the state's own device is refused as before: the user may go
-        on writing into it, and it would not be the state."""
+        in), else None: a replacement on the state's own device has its values taken over (the user
+        may go on writing into it, and it would not be the state)."""
         view, fd = self.tier.mapping()
-        cur = self.views_of(gi, i, view, fd).get(key)
+        cur = self.entry_views(gi, i, view, fd).get(key)
         if cur is None or not _on_another_device(t, cur):
             return None
         return cur if compressed.bitwise_equal(t, cur) else None
@@ -290,7 +322,9 @@ class TorchViews:
         if gi < len(recs) and i < len(recs[gi].objs):
             recs[gi].objs[i] = None
 
-    def views_of(self, gi: int, i: int, view, fd) -> dict:
+    def views_of(self, gi: int, i: int, view, fd, copied=None) -> dict:
+        """{key: tensor} of parameter (gi, i)'s fp32 state, views of the tier (``copied``: gets the
+        keys joined by a copy, engine/views.py)."""
         p = self.groups[gi][i]
         lp = local(p)
         self._check_size(gi, i, lp)
@@ -299,9 +333,10 @@ class TorchViews:
                     else []) + ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad[gi] else [])
             return {k: like(p, torch.zeros(lp.shape, dtype=torch.float32)) for k in keys}
         if self.moment_format(gi, i) != "fp32":   # only the fp32 master is viewable as it is
-            out = param_views(self.tier, self.layout, gi, i, lp.shape, view, fd, only=("master_param",))
+            only = ("master_param",)
         else:
-            out = param_views(self.tier, self.layout, gi, i, lp.shape, view, fd)
+            only = None
+        out = param_views(self.tier, self.layout, gi, i, lp.shape, view, fd, only, copied)
         if self.device_params and lp.dtype == torch.float32:
             out.pop("master_param", None)   # torch's layout: an fp32 parameter is its own master
         return {k: like(p, v) for k, v in out.items()}
@@ -312,7 +347,7 @@ class TorchViews:
             view, fd = self.tier.mapping()
             st = {"step": self.registry.steps[gi][i]}
             if self.registry.ready[gi][i]:
-                views = self.views_of(gi, i, view, fd)
+                views = self.entry_views(gi, i, view, fd)
                 st.update(views)
                 # what load_state_dict installs in opt.state: a later replacement is detected against it
                 self.ptrs[(gi, i)] = {k: local(v).data_ptr() for k, v in views.items()}
@@ -328,7 +363,7 @@ class TorchViews:
             return self._state_tensors()
 
     def _state_tensors(self) -> dict:
-        self.handouts.adopt(self.decode_current, self.rewrite_moments)   # held writes first
+        self.handouts.adopt(self.held_current, self.rewrite_held)   # held writes first
         view, fd = self.tier.mapping()
         out = {}
         have = [(gi, i) for gi, params in enumerate(self.groups) for i in range(len(params))

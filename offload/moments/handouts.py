@@ -8,6 +8,10 @@ torch's live state tensors for as long as the caller holds one:
   like any state the format stores, as ``load_state_dict`` would);
 * after each step it holds the new moments.
 
+The same holds for the fp32 state tensors of ``opt.state`` that cannot be views of the tier (a
+parameter split over buckets in pieces of under a page per section, with a tiny ``host_budget``):
+they are copies, held here so that they behave as views (engine/torchstate.py ``entry_views``).
+
 Held tensors are found through weak references, so this costs nothing when none is alive (the usual
 case: a moment read and dropped). While one is held, a GPU-offload step that overlaps the next forward
 (stepping during backward) waits for its last bucket before ``step()`` returns, so that the refresh on
@@ -110,10 +114,11 @@ class Handouts:
                                      f"{tuple(local(bad[0]).shape)}; the parameter has shape "
                                      f"{tuple(local(cur[key]).shape)}")
                 if any(not bitwise_equal(t, changed[0]) for t in changed[1:]):
-                    raise ValueError(f"state[{key!r}] of parameter {i} of group {gi}: {len(changed)} tensors "
-                                     "read from opt.state were written in place with different values; with "
-                                     "compressed moments each read is its own copy, so the state cannot take both "
-                                     "(write one of them, or load a state with load_state_dict())")
+                    raise ValueError(
+                        f"state[{key!r}] of parameter {i} of group {gi}: {len(changed)} tensors "
+                        "read from opt.state were written in place with different values; each "
+                        "read is its own copy here, so the state cannot take both (write one of "
+                        "them, or load a state with load_state_dict())")
                 new[key] = changed[0]
             if new:
                 write(gi, i, new, cur)

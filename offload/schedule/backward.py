@@ -327,13 +327,19 @@ class BackwardFeed:
     # ------------------------------------------------------------------ lifecycle
     def synchronize(self) -> None:
         """Wait for the worker; a failure not reported yet is raised (later uses of the state then raise
-        StoreFailedError through the tier; close() still works)."""
+        StoreFailedError through the tier; close() still works). The state the worker read ahead
+        for the next step is given up: the caller may write opt.state's views of the state file
+        now, and the next step reads those buckets again (no read ahead until it begins)."""
         self.wait_idle()
         if self.error is not None and self.reported:
             self.uploads.abandon(self.ups)   # reported already: later uses raise StoreFailedError
             return
         self.raise_if_failed()
         self.uploads.wait_all()
+        with self.engine.lock:
+            self.ahead = []
+            if self.tier.reading():
+                self.tier.keep_reads(())
 
     def close(self) -> None:
         self.uploads.close()
