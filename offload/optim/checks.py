@@ -131,10 +131,14 @@ def check_options(params, lr, betas, eps, weight_decay, amsgrad, foreach, captur
                             "of tensors in sets will change between runs. Please use a list instead.")
     # NVMe/mmap state (offload/state/)
     if state not in ("ram", "nvme", "mmap"):
-        raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {state!r}")
-    if state == "ram" and (nvme_dir is not None or set(nvme_options or ()) - {"staging_slots"}):
-        raise ValueError("nvme_dir/nvme_options only apply to storage='nvme' or storage='mmap' (with storage='ram', "
-                         "nvme_options={'staging_slots': n} sizes the staging ring of device parameters)")
+        raise ValueError(f"storage must be 'ram', 'nvme' or 'mmap', got {state!r}")
+    given = [k for k, v in (("nvme_dir", nvme_dir is not None),
+                            ("nvme_options", set(nvme_options or ()) - {"staging_slots"})) if v]
+    if state == "ram" and given:
+        ring = (" (with storage='ram', nvme_options={'staging_slots': n} sizes the staging ring "
+                "of device parameters)") if "nvme_options" in given else ""
+        raise ValueError(f"{' and '.join(given)} only appl{'y' if len(given) > 1 else 'ies'} to "
+                         f"storage='nvme' or storage='mmap'{ring}")
     moments = _check_moments(moments, moments_min_size, amsgrad, params)   # compressed moments (docs/moments.md)
     if capturable:
         raise ValueError("capturable=True is not supported by offload (the step runs on the CPU)")
