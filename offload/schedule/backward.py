@@ -132,7 +132,7 @@ class BackwardFeed:
     # ------------------------------------------------------------------ backward (training / autograd thread)
     def begin_cycle(self) -> None:
         """The first gradient (or step()) of a step: the last one done, opt.state edits and parameter
-        writes adopted; ``marks``: the counters at its start (schedule/feedstep.py reports the differences)."""
+        writes adopted; the counters at its start marked."""
         self.raise_if_failed()
         self.wait_idle()
         self.uploads.wait_all()   # (a parameter no module's forward used)
@@ -141,10 +141,14 @@ class BackwardFeed:
         eng.begin(self.face.port.state())
         self.face.reload_changed()
         self.side.grads = self.grads
-        tel = self.tier.telemetry
-        self.marks = dict(io=tel["read_wait_s"] + tel["write_wait_s"], kernel=eng.telemetry["kernel_s"],
-                          side=dict(self.side.stats), first=None)
+        self.mark()
         self.in_cycle = True
+
+    def mark(self) -> None:
+        """``marks``: the counters at the start of a step (feedstep.py reports the differences)."""
+        tel = self.tier.telemetry
+        self.marks = dict(io=tel["read_wait_s"] + tel["write_wait_s"], first=None,
+                          kernel=self.engine.telemetry["kernel_s"], side=dict(self.side.stats))
 
     def _before_accumulate(self, grad) -> None:
         """Tensor hook before a gradient accumulates: a step still in flight may read p.grad (D2H); and
