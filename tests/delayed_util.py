@@ -47,7 +47,7 @@ def losses_of(model, micro, inf=False, scale=lambda loss: loss):
 
 
 def reference(kind, dtype, data, clip=None, inf_step=None, after=0, extrapolate=False, frozen=None,
-              sync=(), clear=None, opt_kw=None):
+              sync=(), clear=None, opt_kw=None, between=None):
     """The rule with a plain optimizer: ``model`` holds the weights forward sees, ``master`` the
     fp32 masters. An update is exact (the model gets its weights at once) while fewer than ``after``
     were applied before it (a skipped step is no update), else pending: the next step() gives the
@@ -59,7 +59,9 @@ def reference(kind, dtype, data, clip=None, inf_step=None, after=0, extrapolate=
     goes up as w, and the next one is not extrapolated. ``clear``: {iteration: indices of the
     parameters whose state is deleted between backward and step()}: ``sync`` first; a fresh master
     is the parameter, in its dtype (the step count starts again when every state is deleted).
-    ``opt_kw``: more options of the optimizer."""
+    ``opt_kw``: more options of the optimizer. ``between(t, opt, master)`` runs before the step of
+    iteration t (the update before it applied, as the optimizer shows it between backward and
+    step())."""
     model = make_net(dtype)
     master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     opt = (offload.AdamW(master, lr=LR, weight_decay=WD, **(opt_kw or {})) if kind == "offload" else
@@ -81,6 +83,8 @@ def reference(kind, dtype, data, clip=None, inf_step=None, after=0, extrapolate=
                 master[i].copy_(list(model.parameters())[i].float())
         if len(clear.get(t, ())) == len(master):
             updates = 0
+        if between is not None:
+            between(t, opt, master)
         held = updates >= after
         if inf_step != t:   # an overflow skips the update (the pending one still lands)
             stepped = [i not in frozen.get(t, ()) for i in range(len(master))]

@@ -313,6 +313,13 @@ class BackwardFeed:
         """Every queued bucket stepped and its upload issued."""
         self.worker.wait_idle()
 
+    def settle(self) -> None:
+        """The user is about to read or write ``opt.state`` (optim/adam.py ``state``): as torch's,
+        it shows the state after the last step() and takes in-place writes for the next one. So a
+        CPU step still running is waited for, and (NVMe) a read-ahead of the next step's state is
+        given up (Worker.park). Not on the worker itself, which commits a step into opt.state."""
+        self.worker.park()
+
     def step(self, mult: float, grad_scale, found_inf, skip: bool = False, before=None) -> dict:
         """Queue what is left of this step and return at once (schedule/feedstep.py FeedStep.step)."""
         return self.stepper.step(mult, grad_scale, found_inf, skip=skip, before=before)
