@@ -164,6 +164,14 @@ def assert_matches(model, opt, ref, exact=True):
         assert float(sd[i]["step"]) == float(rsd[i]["step"])
 
 
+def assert_same_run(model, opt, model2, opt2):
+    """Two runs ended in the same weights and optimizer state, bitwise (after synchronize())."""
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def check_device(opt):
     dev = testing.device(opt)
     if isinstance(dev, FakeDevice):

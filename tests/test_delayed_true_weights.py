@@ -16,8 +16,8 @@ import torch
 
 import offload
 from conftest import configs
-from delayed_util import (LR, WD, assert_matches, batches, check_device, make_net, moment_opts,
-                          ours, reference, tier_opts, train)
+from delayed_util import (LR, WD, assert_matches, assert_same_run, batches, check_device,
+                          make_net, moment_opts, ours, reference, tier_opts, train)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
 
@@ -111,10 +111,7 @@ def test_resumed_run_is_the_uninterrupted_one(cfg, dtype, tmp_path):
     offload.load(opt2, str(tmp_path / "ckpt"))
     assert train(fresh, opt2, data[3:]) == rest
     opt2.synchronize()
-    for a, b in zip(model.parameters(), fresh.parameters()):
-        assert torch.equal(a, b)
-    for a, b in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values()):
-        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_run(model, opt, fresh, opt2)
     opt.close()
     opt2.close()
 

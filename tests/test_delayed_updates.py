@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import offload
-from delayed_util import LR, STEPS, WD, assert_matches, batches, check_device, losses_of, make_net, ours, reference
+from delayed_util import (LR, STEPS, WD, assert_matches, assert_same_run, batches, check_device,
+                          losses_of, make_net, ours, reference)
 from offload.device import CpuDevice, FakeDevice
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
@@ -130,10 +131,7 @@ def test_checkpoint_holds_the_pending_update_and_resumes_bitwise(dtype, after, t
         opt2.zero_grad()
     opt2.synchronize()
     assert rest == rest2
-    for a, b in zip(model.parameters(), fresh.parameters()):
-        assert torch.equal(a, b)
-    for a, b in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values()):
-        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_run(model, opt, fresh, opt2)
     opt.close()
     opt2.close()
 
