@@ -4,8 +4,8 @@ what torch's would at that point: the state after the last ``step()``, and an in
 next step uses (optim/adam.py ``state``); also after ``synchronize()`` with NVMe state, whose worker
 then reads the next step's first buckets ahead (the exact deferred schedule too).
 
-The CPU step is made slow deterministically: the fake device's copies to the host take 50 ms more
-(``FakeDevice(d2h_delay=...)``), or the NVMe drive serves one bucket per 50 ms
+The CPU step is made slow deterministically: the fake device's copies to the host take 30 ms more
+(``FakeDevice(d2h_delay=...)``), or the NVMe drive serves one bucket per 30 ms
 (``offload.testing.slow_drive``), while a forward and backward take a few ms. The run is compared
 with the rule written out (delayed_util.reference) with the same reads and edits at the same points.
 Every tier and moment format.
@@ -21,7 +21,7 @@ from offload.device import FakeDevice
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
 
-SLOW = 0.05   # seconds: the CPU step's copies down, or each NVMe read and write
+SLOW = 0.03   # seconds: the CPU step's copies down, or each NVMe read and write
 CONFIGS = [p.values[0] for p in configs(sides=("fake",), schedules=("deferred",), cover="all")]
 CASES = ([pytest.param(1, False, c, id=f"delayed-{c.id}") for c in CONFIGS] +
          [pytest.param(delay, True, c, id=f"{name}-synchronized-{c.id}") for c in CONFIGS
