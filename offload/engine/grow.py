@@ -12,7 +12,7 @@ from ..params.base import LOW_PRECISION
 from ..params.guards import check_overlaps
 from ..state.layout import Shape
 
-__all__ = ["add_group", "lay_out_late"]
+__all__ = ["add_group", "lay_out_late", "unplaced"]
 
 
 def add_group(eng, params: list, amsgrad: bool) -> None:
@@ -66,3 +66,14 @@ def lay_out_late(eng, late: list) -> None:
     eng.tier.allocate(eng.layout)
     if eng.device is not None:
         eng.side.allocate(eng.layout)
+
+
+def unplaced(eng, gi: int) -> np.ndarray:
+    """Bool mask of group gi's non-empty parameters that have no state laid out (yet); cached per layout."""
+    key = (id(eng.layout), len(eng.layout.buckets), len(eng.layout.of_param), len(eng.groups[gi]))
+    got = eng.__dict__.setdefault("_unplaced_masks", {}).get(gi)
+    if got is None or got[0] != key:
+        mask = np.array([bool(n) and not eng.layout.of_param.get((gi, i)) for i, n in enumerate(eng.numels[gi])],
+                        dtype=bool)
+        got = eng._unplaced_masks[gi] = (key, mask)
+    return got[1]
