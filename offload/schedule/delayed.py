@@ -113,10 +113,16 @@ class HeldParams(DeviceParams):
 
     def allocate(self, layout) -> None:
         super().allocate(layout)
-        for b in layout.buckets:
-            if b.index not in self.bufs:
-                self.bufs[b.index] = [self.device.host_empty(max(64, b.stage_bytes), torch.uint8)
-                                      for _ in range(2 if self.extrapolate else 1)]
+        new = {b.index: [self.device.host_empty(max(64, b.stage_bytes), torch.uint8)
+                         for _ in range(2 if self.extrapolate else 1)]
+               for b in layout.buckets if b.index not in self.bufs}
+        self.bufs.update(new)   # (all or none)
+
+    def drop_buckets(self, buckets) -> None:
+        """The layout lost ``buckets`` (indices; a growth that was undone): their buffers go (a
+        bucket laid out later under the same index may need another size)."""
+        for bi in buckets:
+            self.bufs.pop(bi, None)
 
     @property
     def pinned_bytes(self) -> int:
