@@ -9,13 +9,10 @@ import errno
 import os
 
 import pytest
-import torch
-import torch.nn as nn
-
 import offload
 from offload import testing
 from offload.device import FakeDevice
-from atomic_util import assert_same, snapshot
+from atomic_util import assert_same, model_step, snapshot, tiny_model
 from conftest import Config, configs
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(60)]
@@ -26,10 +23,7 @@ FROZEN_UNTIL = 2   # steps run with the middle layer frozen
 
 
 def build(cfg, dirs, **over):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
-                          nn.Linear(64, 4))
-    model[2].requires_grad_(False)   # frozen when the optimizer is built: no state laid out
+    model = tiny_model(frozen=(2,))   # the middle layer frozen when the optimizer is built
     kw = {}
     if dirs:
         kw.update(storage=cfg.tier, nvme_dir=dirs if len(dirs) > 1 else dirs[0], host_budget=65536)
@@ -41,18 +35,11 @@ def build(cfg, dirs, **over):
     return model, offload.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, **kw)
 
 
-def one_step(model, opt, s):
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(s))
-    model(x).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
-
-
 def train(model, opt, start, n):
     for s in range(start, start + n):
         if s == FROZEN_UNTIL:
             model[2].requires_grad_(True)
-        one_step(model, opt, s)
+        model_step(model, opt, s)
     opt.synchronize()
 
 
@@ -75,7 +62,7 @@ def refused_then_bitwise(model, opt, ref, ropt, monkeypatch, match, code):
     model[2].requires_grad_(True)
     for _ in range(2):
         with pytest.raises(OSError, match=match) as ei:
-            one_step(model, opt, FROZEN_UNTIL)
+            model_step(model, opt, FROZEN_UNTIL)
         assert ei.value.errno == code
         opt.zero_grad()
         opt.synchronize()
