@@ -1,0 +1,80 @@
+"""test_atomic_step_counts.py: the ``step`` entries of opt.state, written or replaced between
+steps. The parameters stepped by torch's code (float64: offload/optim/fallback.py) take what
+torch.optim.AdamW's code takes, with torch's results bit for bit, and what torch refuses (a plain
+number, a step whose bias correction divides by zero, a bool or complex tensor) is refused before
+anything is stepped (docs/failures.md); training then goes on bitwise as a run that never had it."""
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+from atomic_util import assert_same, grads, snapshot, train
+from conftest import Config
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(60)]
+F64 = torch.float64
+
+
+# ------------------------------------------------------------------------ stepped by torch's code
+def fallback_run(kw):
+    """float64 parameters (torch's code) beside fp32 ones (the kernel), in two groups."""
+    g = torch.Generator().manual_seed(0)
+    ps = [nn.Parameter(torch.randn(n, generator=g, dtype=dt)) for n, dt in
+          ((300, torch.float32), (20, F64), (30, F64), (200, torch.float32))]
+    groups = [{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.1}]
+    return ps, offload.AdamW(groups, lr=0.01, **kw)
+
+
+HOST = [Config("host", *r) for r in (("ram", "fp32"), ("nvme", "8bit"), ("mmap", "bf16"))]
+TORCH_REFUSES = {   # torch's own code raises on these, part-way through its loop
+    "a float": 3.0, "an int": 3, "None": None,
+    "-1: step 0 after the increment": torch.tensor(-1.0),
+    "-5: a negative bias correction": torch.tensor(-5.0),
+    "a bool tensor": torch.tensor(True), "a complex tensor": torch.tensor(3.0 + 0j),
+    "two elements": torch.tensor([3.0, 3.0]),
+    "uint8 255: 0 after the increment": torch.tensor(255, dtype=torch.uint8),
+}
+
+
+@pytest.mark.parametrize("cfg", HOST, ids=lambda c: c.id)
+@pytest.mark.parametrize("bad", list(TORCH_REFUSES))
+def test_fallback_step_torch_refuses_is_refused_before_anything_changes(cfg, bad, tmp_path, opts):
+    (ps, opt), (ref, ropt) = (fallback_run(cfg.kwargs(tmp_path / d, host_budget=16384))
+                              for d in ("a", "b"))
+    opts += [opt, ropt]
+    train(ps, opt, 0, 2)
+    train(ref, ropt, 0, 4)
+    good, v = opt.state[ps[2]]["step"], TORCH_REFUSES[bad]
+    opt.state[ps[2]]["step"] = v.clone() if isinstance(v, torch.Tensor) else v   # after group 0's
+    before = snapshot(ps, opt)
+    grads(ps, 2)
+    with pytest.raises(ValueError, match="state 'step' of parameter 0 of group 1"):
+        opt.step()
+    assert_same(snapshot(ps, opt), before)
+    opt.state[ps[2]]["step"] = good
+    train(ps, opt, 2, 2)
+    assert_same(snapshot(ps, opt), snapshot(ref, ropt))
+
+
+TORCH_TAKES = {"nan": torch.tensor(float("nan")), "inf": torch.tensor(float("inf")),
+               "2.5": torch.tensor(2.5), "0": torch.tensor(0.0), "int64": torch.tensor(3),
+               "float64": torch.tensor(3.0, dtype=F64), "shape (1,)": torch.tensor([3.0]),
+               "1e30": torch.tensor(1e30)}
+
+
+@pytest.mark.parametrize("value", list(TORCH_TAKES))
+def test_fallback_step_torch_takes_gives_torchs_answer(value, opts):
+    ps, opt = fallback_run({})
+    opts.append(opt)
+    ref = [nn.Parameter(p.detach().clone()) for p in ps]
+    topt = torch.optim.AdamW([{"params": ref[:2]}, {"params": ref[2:], "weight_decay": 0.1}],
+                             lr=0.01)
+    for s in range(3):
+        for o, qs in ((opt, ps), (topt, ref)):
+            if s == 2:
+                o.state[qs[2]]["step"] = TORCH_TAKES[value].clone()
+            grads(qs, s)
+            o.step()
+    for a, b in zip(ps[1:3], ref[1:3]):
+        assert_same(dict(params=[a], state=dict(opt.state[a]), coef=1.0),
+                    dict(params=[b], state=dict(topt.state[b]), coef=1.0))
