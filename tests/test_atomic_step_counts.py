@@ -2,14 +2,17 @@
 steps. The parameters stepped by torch's code (float64: offload/optim/fallback.py) take what
 torch.optim.AdamW's code takes, with torch's results bit for bit, and what torch refuses (a plain
 number, a step whose bias correction divides by zero, a bool or complex tensor) is refused before
-anything is stepped (docs/failures.md); training then goes on bitwise as a run that never had it."""
+anything is stepped. The native kernel takes a whole number of steps: a NaN, negative, fractional,
+infinite or huge count, or an entry that is no one-element real tensor, is refused by name before
+anything changes (docs/failures.md), in every tier and moment format, for host parameters and for
+device parameters in every schedule; training then goes on bitwise as a run that never had it."""
 import pytest
 import torch
 import torch.nn as nn
 
 import offload
-from atomic_util import assert_same, grads, snapshot, train
-from conftest import Config
+from atomic_util import assert_same, grads, model_step, snapshot, tiny_model, train
+from conftest import Config, configs
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(60)]
 F64 = torch.float64
@@ -78,3 +81,57 @@ def test_fallback_step_torch_takes_gives_torchs_answer(value, opts):
     for a, b in zip(ps[1:3], ref[1:3]):
         assert_same(dict(params=[a], state=dict(opt.state[a]), coef=1.0),
                     dict(params=[b], state=dict(topt.state[b]), coef=1.0))
+
+
+# ------------------------------------------------------------------------------ the native kernel
+NAN, INF = float("nan"), float("inf")
+NATIVE_REFUSES = {   # ("fill", v): written into the counter in place; ("put", v): in its place
+    "nan": ("fill", NAN), "-1": ("fill", -1.0), "2.5": ("fill", 2.5), "inf": ("fill", INF),
+    "1e30": ("fill", 1e30), "nan, replaced": ("put", torch.tensor(NAN)),
+    "-5, replaced": ("put", torch.tensor(-5.0)), "2.5 as a float": ("put", 2.5),
+    "two elements": ("put", torch.tensor([3.0, 3.0])), "None": ("put", None),
+    "a bool tensor": ("put", torch.tensor(True)), "a string": ("put", "3"),
+    "a complex tensor": ("put", torch.tensor(3.0 + 0j)),
+}
+FEW = ("nan", "-5, replaced")   # in every configuration; the others in two
+NATIVE = [row.values[0] for row in configs(schedules=("sync", "deferred", "eager"))]
+BOTH = [Config("host", "ram", "fp32"), Config("fake", "nvme", "8bit", "eager")]
+DELAYED = Config("fake", "ram", "fp32", "deferred")
+CASES = [pytest.param(c, b, {}, id=f"{c.id}-{b}") for c in NATIVE for b in NATIVE_REFUSES
+         if b in FEW or c in BOTH]
+CASES += [pytest.param(DELAYED, b, dict(delay_updates=1, delay_after=1),
+                       id=f"fake-ram-fp32-delayed-{b}") for b in FEW]
+
+
+def _set(opt, p, how, v):
+    if how == "fill":
+        opt.state[p]["step"].fill_(v)
+    else:
+        opt.state[p]["step"] = v.clone() if isinstance(v, torch.Tensor) else v
+
+
+@pytest.mark.parametrize("cfg,bad,over", CASES)
+def test_native_step_count_refused_before_anything_changes(cfg, bad, over, make_opt):
+    model, ref = tiny_model(), tiny_model()
+    opt, ropt = (make_opt(cfg, m.parameters(), lr=0.01, weight_decay=0.1, **over)
+                 for m in (model, ref))
+    ps, p = list(model.parameters()), model[2].weight   # the middle layer: after the last one
+    for m, o in ((model, opt), (ref, ropt)):
+        for s in range(2):
+            model_step(m, o, s)
+        o.synchronize()
+    good = float(opt.state[p]["step"])
+    _set(opt, p, *NATIVE_REFUSES[bad])
+    before = snapshot(ps, opt)
+    with pytest.raises((ValueError, KeyError), match="parameter 2 of group 0") as ei:
+        model_step(model, opt, 2)   # (the eager schedule: raised by backward)
+    assert "'step'" in str(ei.value)
+    opt.zero_grad()
+    opt.synchronize()
+    assert_same(snapshot(ps, opt), before)
+    _set(opt, p, NATIVE_REFUSES[bad][0], torch.tensor(good))
+    for m, o in ((model, opt), (ref, ropt)):
+        for s in range(2, 4):
+            model_step(m, o, s)
+        o.synchronize()
+    assert_same(snapshot(ps, opt), snapshot(list(ref.parameters()), ropt))
