@@ -38,6 +38,13 @@ def model_step(model, opt, step: int) -> None:
     opt.zero_grad()
 
 
+def train_model(model, opt, start: int, n: int) -> None:
+    """model_step for the steps start .. start + n - 1, then opt.synchronize()."""
+    for s in range(start, start + n):
+        model_step(model, opt, s)
+    opt.synchronize()
+
+
 def _copy(v):
     if isinstance(v, torch.Tensor):
         return v.detach().clone()

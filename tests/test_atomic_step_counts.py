@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import offload
-from atomic_util import assert_same, grads, model_step, snapshot, tiny_model, train
+from atomic_util import assert_same, grads, model_step, snapshot, tiny_model, train, train_model
 from conftest import Config, configs
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(60)]
@@ -103,35 +103,66 @@ CASES += [pytest.param(DELAYED, b, dict(delay_updates=1, delay_after=1),
                        id=f"fake-ram-fp32-delayed-{b}") for b in FEW]
 
 
-def _set(opt, p, how, v):
-    if how == "fill":
-        opt.state[p]["step"].fill_(v)
-    else:
-        opt.state[p]["step"] = v.clone() if isinstance(v, torch.Tensor) else v
+def refused_then_bitwise(make_opt, cfg, p_of, spoil, match, **kw):
+    """Two runs of tiny_model (configuration ``cfg``, keywords ``kw``), two steps each; then
+    ``spoil(opt, p)`` edits opt.state of ``p = p_of(model)`` in one: its next step raises ``match``
+    and changes nothing; after the undo ``spoil`` returned, it trains on as the other run. The
+    error raised."""
+    model, ref = tiny_model(), tiny_model()
+    opt, ropt = (make_opt(cfg, m.parameters(), lr=0.01, weight_decay=0.1, **kw)
+                 for m in (model, ref))
+    ps = list(model.parameters())
+    for m, o in ((model, opt), (ref, ropt)):
+        train_model(m, o, 0, 2)
+    undo = spoil(opt, p_of(model))
+    before = snapshot(ps, opt)
+    with pytest.raises((ValueError, KeyError), match=match) as ei:
+        model_step(model, opt, 2)   # (the eager schedule: raised by backward)
+    opt.zero_grad()
+    opt.synchronize()
+    assert_same(snapshot(ps, opt), before)
+    undo()
+    for m, o in ((model, opt), (ref, ropt)):
+        train_model(m, o, 2, 2)
+    assert_same(snapshot(ps, opt), snapshot(list(ref.parameters()), ropt))
+    return ei.value
+
+
+def put(opt, p, key, v):
+    """opt.state[p][key] = v (a copy); returns the undo."""
+    good = opt.state[p][key]
+    opt.state[p][key] = v.clone() if isinstance(v, torch.Tensor) else v
+    return lambda: opt.state[p].__setitem__(key, good)
 
 
 @pytest.mark.parametrize("cfg,bad,over", CASES)
 def test_native_step_count_refused_before_anything_changes(cfg, bad, over, make_opt):
-    model, ref = tiny_model(), tiny_model()
-    opt, ropt = (make_opt(cfg, m.parameters(), lr=0.01, weight_decay=0.1, **over)
-                 for m in (model, ref))
-    ps, p = list(model.parameters()), model[2].weight   # the middle layer: after the last one
-    for m, o in ((model, opt), (ref, ropt)):
-        for s in range(2):
-            model_step(m, o, s)
-        o.synchronize()
-    good = float(opt.state[p]["step"])
-    _set(opt, p, *NATIVE_REFUSES[bad])
-    before = snapshot(ps, opt)
-    with pytest.raises((ValueError, KeyError), match="parameter 2 of group 0") as ei:
-        model_step(model, opt, 2)   # (the eager schedule: raised by backward)
-    assert "'step'" in str(ei.value)
-    opt.zero_grad()
-    opt.synchronize()
-    assert_same(snapshot(ps, opt), before)
-    _set(opt, p, NATIVE_REFUSES[bad][0], torch.tensor(good))
-    for m, o in ((model, opt), (ref, ropt)):
-        for s in range(2, 4):
-            model_step(m, o, s)
-        o.synchronize()
-    assert_same(snapshot(ps, opt), snapshot(list(ref.parameters()), ropt))
+    how, v = NATIVE_REFUSES[bad]
+
+    def spoil(opt, p):
+        if how == "put":
+            return put(opt, p, "step", v)
+        good = float(opt.state[p]["step"])
+        opt.state[p]["step"].fill_(v)   # written through the view of the counter
+        return lambda: opt.state[p]["step"].fill_(good)
+    err = refused_then_bitwise(make_opt, cfg, lambda m: m[2].weight,   # (after the last layer's)
+                               spoil, "parameter 2 of group 0", **over)
+    assert "'step'" in str(err)
+
+
+# --------------------------------------- small parameters: stepped on the device by torch's code
+SMALL_REFUSED = {   # torch's foreach/fused Adam raises on these part-way (after other parameters)
+    "a float": 3.0, "-1: step 0 after the increment": torch.tensor(-1.0),
+    "two elements": torch.tensor([3.0, 3.0]), "an int64 tensor": torch.tensor(3),
+    "exp_avg of another shape": torch.zeros(3),
+}
+
+
+@pytest.mark.parametrize("schedule", ["sync", "deferred", "eager"])
+@pytest.mark.parametrize("bad", list(SMALL_REFUSED))
+def test_small_parameter_state_torch_refuses_is_refused_first(schedule, bad, make_opt):
+    key = "exp_avg" if bad.startswith("exp_avg") else "step"
+    refused_then_bitwise(make_opt, Config("fake", "ram", "fp32", schedule),
+                         lambda m: m[4].bias,   # 4 elements: stepped on the device
+                         lambda opt, p: put(opt, p, key, SMALL_REFUSED[bad]),
+                         f"state '{key}' of parameter 5 of group 0", small_param_numel=64)

@@ -25,7 +25,7 @@ class Registry:
         self.steps: List[torch.Tensor] = []
         self.ready: List[np.ndarray] = []
         self._counts: dict = {}   # gi -> (steps[gi], its numpy view): Tensor.numpy() costs ~45 us on cold caches
-        self._valid: dict = {}    # gi -> (steps[gi], its _version) when check() last found it valid
+        self._valid: dict = {}    # gi -> (steps[gi], its _version) when check() found it valid
         self.grow(sizes)
 
     def counts(self, gi: int) -> np.ndarray:
@@ -90,7 +90,7 @@ class Registry:
         first that is not (``where(gi, i)``: its parameter), before anything is stepped."""
         for gi, t in enumerate(self.steps):
             if self._checked(gi, t):
-                continue   # not written since it was checked (a write through a view moves _version)
+                continue   # not written since (a write through a view moves _version)
             s = self.counts(gi)
             if s.size and not (s.min() >= 0 and s.max() <= MAX_STEP and (np.floor(s) == s).all()):
                 # (a NaN fails the comparisons: min() and max() return it)

@@ -146,6 +146,8 @@ class BackwardFeed:
         self._reset()
         eng = self.engine
         eng.begin(self.face.port.state())
+        if self.face.small:   # (stepped at step(), after the buckets this backward steps)
+            self.face.small.check()
         self.face.reload_changed()
         self.side.grads = self.grads
         self.mark()
