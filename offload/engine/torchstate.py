@@ -22,7 +22,7 @@ from ..base.dtypes import LOW_PRECISION, STATE_KEYS as _KEYS
 from ..moments import compressed
 from . import export
 from . import load as loader
-from .adopt import copy_in, follow_shapes, missing_entry
+from .adopt import copy_in, follow_shapes, missing_entry, step_count
 from ..moments.handouts import Handouts, write_moments
 from .views import param_views
 
@@ -184,7 +184,7 @@ class TorchViews:
                 v = st.get("step")
                 if not (isinstance(v, torch.Tensor) and v._base is steps and v.storage_offset() == i
                         and v.data_ptr() == steps.data_ptr() + 4 * i):
-                    steps[i] = float(v.item() if isinstance(v, torch.Tensor) else (v or 0.0))
+                    steps[i] = step_count(v, f"parameter {i} of group {gi}")
                     st["step"] = steps[i]
                 for key, ptr in list(ptrs.get((gi, i), {}).items()):
                     t = st.get(key)
@@ -205,6 +205,7 @@ class TorchViews:
                             "adopted; write into the existing one in place (e.g. opt.state[p]['exp_avg'].zero_()) "
                             "or load a whole state with load_state_dict()")
                 self._record_state(rec, i, ps[i], st, ptrs.get((gi, i), {}))
+        self.registry.check(lambda gi, i: f"parameter {i} of group {gi}")   # also written in place
         # decoded compressed moments written in place by a caller who holds them (moments/handouts.py)
         self.handouts.adopt(self._decode_current, self._write_moments)
 

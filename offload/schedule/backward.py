@@ -136,9 +136,18 @@ class BackwardFeed:
         self.raise_if_failed()
         self.wait_idle()
         self.uploads.wait_all()   # (a parameter no module's forward used)
+        # a parameter frozen at construction and unfrozen since may get its first gradient now: its
+        # state is laid out before any bucket is stepped (a full drive refuses here, unchanged)
+        late = [(gi, i) for gi, i in self.unlaid if self.engine.groups[gi][i].requires_grad
+                or self.engine.groups[gi][i].grad is not None]
+        if late:
+            self.engine.reserve(late)
+            self.maps()
         self._reset()
         eng = self.engine
         eng.begin(self.face.port.state())
+        if self.face.small:   # (stepped at step(), after the buckets this backward steps)
+            self.face.small.check()
         self.face.reload_changed()
         self.side.grads = self.grads
         self.mark()

@@ -33,6 +33,7 @@ plus a pass over them per step in the worker), and staleness.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -113,10 +114,16 @@ class HeldParams(DeviceParams):
 
     def allocate(self, layout) -> None:
         super().allocate(layout)
-        for b in layout.buckets:
-            if b.index not in self.bufs:
-                self.bufs[b.index] = [self.device.host_empty(max(64, b.stage_bytes), torch.uint8)
-                                      for _ in range(2 if self.extrapolate else 1)]
+        new = {b.index: [self.device.host_empty(max(64, b.stage_bytes), torch.uint8)
+                         for _ in range(2 if self.extrapolate else 1)]
+               for b in layout.buckets if b.index not in self.bufs}
+        self.bufs.update(new)   # (all or none)
+
+    def drop_buckets(self, buckets) -> None:
+        """The layout lost ``buckets`` (indices; a growth that was undone): their buffers go (a
+        bucket laid out later under the same index may need another size)."""
+        for bi in buckets:
+            self.bufs.pop(bi, None)
 
     @property
     def pinned_bytes(self) -> int:
@@ -293,8 +300,11 @@ class DelayedUpdates:
         return sum(int(np.count_nonzero(r)) for r in self.feed.engine.registry.ready)
 
     def steps(self) -> int:
-        """The optimizer's step count: updates applied so far (skipped steps do not count)."""
-        return int(max((float(s.max()) for s in self.feed.engine.registry.steps if s.numel()), default=0))
+        """The optimizer's step count: updates applied so far (skipped steps do not count). A NaN
+        or infinite count (opt.state edited) counts as none: the step refuses it (registry.py)."""
+        steps = self.feed.engine.registry.steps
+        top = max((float(s.max()) for s in steps if s.numel()), default=0.0)
+        return int(top) if math.isfinite(top) else 0
 
     def wrap(self, feed_step: Callable[..., dict]) -> Callable[..., dict]:
         """The feed's step() (schedule/feedstep.py) as ``step`` runs it."""
