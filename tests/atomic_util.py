@@ -1,5 +1,6 @@
 """atomic_util.py: helpers of the every-step-is-atomic tests (test_atomic_*.py): deterministic
-gradients, a bitwise snapshot of parameters and optimizer state, and its comparison."""
+gradients, a tiny model and one training step of it, a bitwise snapshot of parameters and
+optimizer state, and its comparison."""
 from __future__ import annotations
 
 import torch
@@ -16,6 +17,32 @@ def train(params, opt, start: int, n: int) -> None:
     for s in range(start, start + n):
         grads(params, s)
         opt.step()
+
+
+def tiny_model(frozen=()) -> torch.nn.Sequential:
+    """Linear 16-64-64-4 with tanh between (the same weights every time); the layers ``frozen``
+    (indices) get requires_grad=False."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    for i in frozen:
+        model[i].requires_grad_(False)
+    return model
+
+
+def model_step(model, opt, step: int) -> None:
+    """Forward, backward (the same batch for ``step`` in every run), opt.step(), zero_grad()."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def train_model(model, opt, start: int, n: int) -> None:
+    """model_step for the steps start .. start + n - 1, then opt.synchronize()."""
+    for s in range(start, start + n):
+        model_step(model, opt, s)
+    opt.synchronize()
 
 
 def _copy(v):

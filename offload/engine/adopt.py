@@ -33,8 +33,9 @@ from ..moments.compressed import CompressedState
 from ..params.guards import SharedMemoryError, extent
 from . import export
 from . import load as loader
+from .registry import count_error
 
-__all__ = ["Adoption", "follow_shapes", "missing_entry"]
+__all__ = ["Adoption", "follow_shapes", "missing_entry", "step_count"]
 
 
 def missing_entry(key: str, where: str, t) -> Exception:
@@ -44,6 +45,29 @@ def missing_entry(key: str, where: str, t) -> Exception:
         return KeyError(f"{where} has no {key!r} (it was deleted or set to None): give it one again, or clear the "
                         "parameter's whole state (del opt.state[p]) to start it afresh")
     return TypeError(f"{where}: {key!r} is a {type(t).__name__}, not a tensor")
+
+
+def step_count(v, where: str) -> float:
+    """The count of a ``step`` entry put in place of the optimizer's own (a one-element real
+    tensor, as torch's code takes, or a plain number) if the kernel takes it (registry.py
+    count_error); anything else is refused, naming ``where`` (its parameter), before it is used."""
+    real = isinstance(v, torch.Tensor) and not (v.dtype == torch.bool or v.is_complex())
+    if real and v.numel() == 1:
+        v = v.item()
+    elif v is None:
+        raise missing_entry("step", f"state of {where}", v)
+    if isinstance(v, torch.Tensor):
+        got = f"a {v.dtype} tensor of shape {tuple(v.shape)}"
+    elif not isinstance(v, (int, float)) or isinstance(v, bool):
+        got = f"{v!r} ({type(v).__name__})"
+    else:
+        err = count_error(float(v), where)
+        if err is not None:
+            raise err
+        return float(v)
+    raise ValueError(f"state 'step' of {where} is {got}, not a step count: give it one as a "
+                     "one-element tensor (torch's is a 0-dim float32 tensor, e.g. "
+                     "opt.state[p]['step'] = torch.tensor(10.0))")
 
 
 def _check_replacement(t, n: int, shape, key: str, where: str, groups) -> None:
@@ -125,10 +149,8 @@ class Adoption:
             return
         where = f"state of parameter {i} of group {gi}"
         s = st.get("step")
-        if taking and s is None:
-            raise missing_entry("step", where, s)
         if taking or not _own_step(s, v.registry.steps[gi], i):
-            self.steps[(gi, i)] = float(s.item() if isinstance(s, torch.Tensor) else (s or 0.0))
+            self.steps[(gi, i)] = step_count(s, f"parameter {i} of group {gi}")
             self.step_objs[(gi, i)] = s
         n = v.numels[gi][i]
         shape = local(v.groups[gi][i]).shape

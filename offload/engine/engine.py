@@ -233,21 +233,15 @@ class StateEngine:
             check_overlaps(self.local_groups, [(gi, i, g) for gi, gs in enumerate(grads) for i, g in enumerate(gs)
                                                if g is not None], self.tier.own_memory(), self.mode)
         self._grads = grads   # the step uses exactly the tensors checked here
-        late = [(gi, int(i)) for gi, a in enumerate(active) for i in np.flatnonzero(a & self._unplaced(gi))
-                if self.numels[gi][i] and not self.layout.of_param.get((gi, int(i))) and (gi, int(i)) not in self.excluded]
-        if late:
-            grow.lay_out_late(self, late, state)
+        grow.lay_out_late(self, [(gi, int(i)) for gi, a in enumerate(active)
+                                 for i in np.flatnonzero(a & grow.unplaced(self, gi))], state)
         return active
 
-    def _unplaced(self, gi: int) -> np.ndarray:
-        """Bool mask of group gi's non-empty parameters that have no state laid out (yet); cached per layout."""
-        key = (id(self.layout), len(self.layout.buckets), len(self.layout.of_param), len(self.groups[gi]))
-        got = self.__dict__.setdefault("_unplaced_masks", {}).get(gi)
-        if got is None or got[0] != key:
-            mask = np.array([bool(n) and not self.layout.of_param.get((gi, i)) for i, n in enumerate(self.numels[gi])],
-                            dtype=bool)
-            got = self._unplaced_masks[gi] = (key, mask)
-        return got[1]
+    def reserve(self, keys: list) -> None:
+        """Lay out the state of the parameters ``keys`` ([(gi, i)]) that have none yet (frozen at
+        construction), before a step that may need it starts; nothing changes if it cannot grow."""
+        with self.exclusive():
+            grow.lay_out_late(self, keys)
 
     def _jobs(self, active: list, order=None) -> list:
         jobs = []

@@ -6,7 +6,8 @@ fp32 master = the parameter), so every tier gives bitwise the same results.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+import math
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -14,7 +15,9 @@ import torch
 from ..base.tensors import bump_versions
 from ..state.layout import piece_columns
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "MAX_STEP", "count_error"]
+
+MAX_STEP = 2 ** 62   # the largest step count taken (the kernel's is an int64, after one more step)
 
 
 class Registry:
@@ -22,6 +25,7 @@ class Registry:
         self.steps: List[torch.Tensor] = []
         self.ready: List[np.ndarray] = []
         self._counts: dict = {}   # gi -> (steps[gi], its numpy view): Tensor.numpy() costs ~45 us on cold caches
+        self._valid: dict = {}    # gi -> (steps[gi], its _version) when check() found it valid
         self.grow(sizes)
 
     def counts(self, gi: int) -> np.ndarray:
@@ -76,7 +80,27 @@ class Registry:
                 else:
                     s[a] += np.float32(1)
                 moved.append(self.steps[gi])
+        valid = [gi for gi, t in enumerate(self.steps) if self._checked(gi, t)]
         bump_versions(moved)
+        for gi in valid:   # a valid count one step on is still valid
+            self._valid[gi] = (self.steps[gi], self.steps[gi]._version)
+
+    def check(self, where: Callable[[int, int], str]) -> None:
+        """Every step count is one the kernel takes (:func:`count_error`); a ValueError naming the
+        first that is not (``where(gi, i)``: its parameter), before anything is stepped."""
+        for gi, t in enumerate(self.steps):
+            if self._checked(gi, t):
+                continue   # not written since (a write through a view moves _version)
+            s = self.counts(gi)
+            if s.size and not (s.min() >= 0 and s.max() <= MAX_STEP and (np.floor(s) == s).all()):
+                # (a NaN fails the comparisons: min() and max() return it)
+                i = int(np.flatnonzero(~((s >= 0) & (s <= MAX_STEP) & (np.floor(s) == s)))[0])
+                raise count_error(float(s[i]), where(gi, i))
+            self._valid[gi] = (t, t._version)
+
+    def _checked(self, gi: int, t: torch.Tensor) -> bool:
+        got = self._valid.get(gi)
+        return got is not None and got[0] is t and got[1] == t._version
 
     def commit(self, active: Sequence[np.ndarray]) -> None:
         for gi, a in enumerate(active):
@@ -86,3 +110,15 @@ class Registry:
         for s, r in zip(self.steps, self.ready):
             s.zero_()
             r[:] = False
+
+
+def count_error(n: float, where: str) -> Optional[ValueError]:
+    """None if ``n`` is a whole number from 0 to MAX_STEP, else the error naming ``where``: the
+    kernel's bias correction takes an integer count (torch's code would compute with a fractional
+    one, and divide by zero or give NaN on a negative or NaN one)."""
+    if 0 <= n <= MAX_STEP and n == math.floor(n):
+        return None
+    return ValueError(f"state 'step' of {where} is {n}: offload's kernel takes a whole number "
+                      "of steps from 0 to 2**62 (the updates the parameter had), and cannot step "
+                      "from this one as torch's code would. Set it (opt.state[p]['step'].fill_(n))"
+                      " or delete opt.state[p] to start the parameter afresh")

@@ -239,6 +239,7 @@ class TorchViews:
                 if st and (only is None or (gi, i) in only):
                     todo.look(gi, i, st, taking=True)
         todo.check_shared()
+        self.registry.check(lambda gi, i: f"parameter {i} of group {gi}")   # also written in place
         todo.apply(state)
         for gi, i in todo.rows:
             st = state.get(self.groups[gi][i])
@@ -250,8 +251,7 @@ class TorchViews:
         key = (len(self.layout.buckets), len(self.layout.of_param), len(self.groups[gi]))
         got = self._placed_masks.get(gi)
         if got is None or got[0] != key:
-            of = self.layout.of_param
-            n = len(self.groups[gi])
+            of, n = self.layout.of_param, len(self.groups[gi])
             mask = np.array([bool(of.get((gi, i))) for i in range(n)], dtype=bool)
             got = self._placed_masks[gi] = (key, mask)
         return got[1]

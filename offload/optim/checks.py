@@ -151,14 +151,19 @@ def check_options(params, lr, betas, eps, weight_decay, amsgrad, foreach, captur
     return params, moments
 
 
+def check_amsgrad(group: dict, gi: int, moments: str) -> None:
+    """amsgrad=True is refused with compressed moments (when a group is added, or switched on later)."""
+    if moments != "fp32" and group.get("amsgrad"):
+        raise ValueError(f"param group {gi}: amsgrad=True with moments={moments!r}: compressed moments "
+                         "have no max_exp_avg_sq; use moments='fp32' for amsgrad")
+
+
 def check_group(group: dict, gi: int, names, settings: dict, moments: str, gpu: bool) -> None:
     """offload's checks of param group ``gi`` (``names``/``settings``: see _check_group_options): its
     options, then every parameter (those torch's code steps excepted: offload/optim/fallback.py)."""
     from . import fallback
     _check_group_options(group, f"param group {gi}", names, settings)
-    if moments != "fp32" and group.get("amsgrad"):
-        raise ValueError(f"param group {gi}: amsgrad=True with moments={moments!r}: compressed moments "
-                         "have no max_exp_avg_sq; use moments='fp32' for amsgrad")
+    check_amsgrad(group, gi, moments)
     params = group["params"]
     pnames = group.get("param_names")
     for i, p in enumerate(params):

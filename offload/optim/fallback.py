@@ -31,6 +31,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from ..base.dist import is_dtensor, local
 from ..base.dtypes import NATIVE_DTYPES as _NATIVE_DTYPES
+from ..base.torchadam import check_state
 from ..params.guards import SharedMemoryError, extent
 
 __all__ = ["FALLBACK_DTYPES", "RAM_WARN_BYTES", "elsewhere", "reason", "Router", "check", "step", "grad_sumsq", "cast_state",
@@ -221,19 +222,7 @@ def check(state, fallback: list, groups: list) -> None:
             st = state.get(p)
             if not st:
                 continue   # fresh state, made by step()
-            keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] and "max_exp_avg_sq" in st
-                                                else ())
-            for key in keys:
-                t = st.get(key)
-                if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != p.dtype or t.device != p.device:
-                    have = (f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
-                            else "missing" if t is None else type(t).__name__)
-                    raise ValueError(f"state '{key}' of {where} is {have}, but the parameter is a {p.dtype} tensor of "
-                                     f"shape {tuple(p.shape)} on {p.device}: fix or delete opt.state[p] (deleted: the "
-                                     "parameter starts afresh)")
-            step_ = st.get("step")
-            if not (isinstance(step_, (int, float)) or (isinstance(step_, torch.Tensor) and step_.numel() == 1)):
-                raise ValueError(f"state 'step' of {where} must be a number or a 1-element tensor, got {step_!r}")
+            check_state(p, st, group, where)
 
 
 def step(opt, fallback: list, mult: float, decoupled_override: Optional[bool]) -> None:

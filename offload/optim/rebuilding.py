@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from . import gpu
-from .checks import param_name
+from .checks import check_amsgrad, param_name
 
 __all__ = ["EngineSync"]
 
@@ -19,6 +19,8 @@ class EngineSync:
         """Make the engine hold the param groups as they are (optim/engine_slot.py)."""
         native = self._slot.groups(self.param_groups, self._router) if native is None else native
         if self._slot.stale(self._store, native, stepping):
+            for gi, g in enumerate(native):   # (amsgrad switched on: refused before anything changes)
+                check_amsgrad(g, gi, self.moments)
             self.state.update(self._rebuild_engine(native, self.state))
             if self._gpu is not None:
                 self._gpu.load_state()

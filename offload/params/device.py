@@ -59,9 +59,10 @@ class DeviceParams:
         if need <= self.slot_bytes:
             return
         self.synchronize()
-        self.slot_bytes = need
-        self.grad_bufs = [self.device.host_empty(need, torch.uint8) for _ in range(self.nslots)]
-        self.out_bufs = [self.device.host_empty(need, torch.uint8) for _ in range(self.nslots)]
+        grad_bufs = [self.device.host_empty(need, torch.uint8) for _ in range(self.nslots)]
+        out_bufs = [self.device.host_empty(need, torch.uint8) for _ in range(self.nslots)]
+        # (replaced only once all are made: a ring that cannot grow stays as it was)
+        self.slot_bytes, self.grad_bufs, self.out_bufs = need, grad_bufs, out_bufs
         self.slot_ev = [None] * self.nslots
 
     @property

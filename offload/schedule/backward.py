@@ -132,7 +132,7 @@ class BackwardFeed:
     # ------------------------------------------------------------------ backward (training / autograd thread)
     def begin_cycle(self) -> None:
         """The first gradient (or step()) of a step: the last one done, opt.state edits and parameter
-        writes adopted; ``marks``: the counters at its start (schedule/feedstep.py reports the differences)."""
+        writes adopted; the counters at its start marked."""
         self.raise_if_failed()
         eng = self.engine
         groups = self.face.port.groups()
@@ -144,14 +144,27 @@ class BackwardFeed:
                 "changing them, before the next backward")
         self.wait_idle()
         self.uploads.wait_all()   # (a parameter no module's forward used)
+        # a parameter frozen at construction and unfrozen since may get its first gradient now: its
+        # state is laid out before any bucket is stepped (a full drive refuses here, unchanged)
+        late = [(gi, i) for gi, i in self.unlaid if self.engine.groups[gi][i].requires_grad
+                or self.engine.groups[gi][i].grad is not None]
+        if late:
+            self.engine.reserve(late)
+            self.maps()
         self._reset()
         eng.begin(self.face.port.state())
+        if self.face.small:   # (stepped at step(), after the buckets this backward steps)
+            self.face.small.check()
         self.face.reload_changed()
         self.side.grads = self.grads
-        tel = self.tier.telemetry
-        self.marks = dict(io=tel["read_wait_s"] + tel["write_wait_s"], kernel=eng.telemetry["kernel_s"],
-                          side=dict(self.side.stats), first=None)
+        self.mark()
         self.in_cycle = True
+
+    def mark(self) -> None:
+        """``marks``: the counters at the start of a step (feedstep.py reports the differences)."""
+        tel = self.tier.telemetry
+        self.marks = dict(io=tel["read_wait_s"] + tel["write_wait_s"], first=None,
+                          kernel=self.engine.telemetry["kernel_s"], side=dict(self.side.stats))
 
     def _before_accumulate(self, grad) -> None:
         """Tensor hook before a gradient accumulates: a step still in flight may read p.grad (D2H); and
@@ -316,6 +329,13 @@ class BackwardFeed:
         """Every queued bucket stepped and its upload issued."""
         self.worker.wait_idle()
 
+    def settle(self) -> None:
+        """The user is about to read or write ``opt.state`` (optim/adam.py ``state``): as torch's,
+        it shows the state after the last step() and takes in-place writes for the next one. So a
+        CPU step still running is waited for, and (NVMe) a read-ahead of the next step's state is
+        given up (Worker.park). Not on the worker itself, which commits a step into opt.state."""
+        self.worker.park()
+
     def step(self, mult: float, grad_scale, found_inf, skip: bool = False, before=None) -> dict:
         """Queue what is left of this step and return at once (schedule/feedstep.py FeedStep.step)."""
         return self.stepper.step(mult, grad_scale, found_inf, skip=skip, before=before)
@@ -327,19 +347,13 @@ class BackwardFeed:
     # ------------------------------------------------------------------ lifecycle
     def synchronize(self) -> None:
         """Wait for the worker; a failure not reported yet is raised (later uses of the state then raise
-        StoreFailedError through the tier; close() still works). The state the worker read ahead
-        for the next step is given up: the caller may write opt.state's views of the state file
-        now, and the next step reads those buckets again (no read ahead until it begins)."""
+        StoreFailedError through the tier; close() still works)."""
         self.wait_idle()
         if self.error is not None and self.reported:
             self.uploads.abandon(self.ups)   # reported already: later uses raise StoreFailedError
             return
         self.raise_if_failed()
         self.uploads.wait_all()
-        with self.engine.lock:
-            self.ahead = []
-            if self.tier.reading():
-                self.tier.keep_reads(())
 
     def close(self) -> None:
         self.uploads.close()

@@ -171,10 +171,10 @@ class DeviceStep:
 
     def reload_changed(self) -> None:
         """The user wrote parameters (e.g. model.load_state_dict, p.data.mul_ after synchronize()):
-        their masters follow."""
+        their masters follow (refused while a delay_updates=1 update is pending: delayed.py)."""
         snap = self._snapshot()
         changed = {k for k, v in snap.items() if self._versions.get(k) != v} | self._written()
-        if changed:
+        if changed and (self.delayed is None or self.delayed.adoptable(changed)):
             self.engine.reload_masters(changed)
         self._versions = snap   # (reloading reads the parameters, it does not write them)
 
@@ -224,8 +224,7 @@ class DeviceStep:
             return self._queued(t0, self.feed.step(mult, gs, found_inf, before=self._small_step(mult)), mult)
         skip = found_inf is not None and float(found_inf) > 0
         if self.feed is None:
-            # validation first: nothing changes on error
-            active = self.engine.collect(port.groups(), state=port.state())
+            active = self.engine.collect(port.groups(), state=port.state())   # checks first
         # (GradScaler checked for inf/NaN already when it hands found_inf over: no second pass for that)
         if not skip and (self.max_grad_norm is not None or (self.check_overflow and found_inf is None)):
             total = self._sumsq()
@@ -246,6 +245,7 @@ class DeviceStep:
         s0 = dict(side.stats)
         stats = dict(kernel_s=0.0, nvme_s=0.0, buckets=0)
         if not skip:
+            self.engine.begin(port.state())   # opt.state's edits taken and checked first
             self._small_step(mult)()
             self.reload_changed()   # the user wrote parameters (e.g. model.load_state_dict): masters follow
             self.engine.step(port.groups(), port.hyper, port.state(),

@@ -14,10 +14,12 @@ from typing import Dict, List
 import torch
 
 from ..base.dist import local
+from ..base.torchadam import check_state
 
 __all__ = ["DeviceSideAdam", "small_params"]
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+_STEP_DTYPES = (torch.float32, torch.float64)   # the step counts torch's foreach/fused code groups
 
 
 class DeviceSideAdam:
@@ -46,9 +48,31 @@ class DeviceSideAdam:
     def grads(self) -> List[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 
+    def check(self) -> None:
+        """What torch's Adam code would raise on part-way in these parameters' state (an entry of
+        opt.state edited or replaced: base/torchadam.py, and a step its foreach and fused code
+        cannot group: not a float32/float64 tensor), refused by name before anything is stepped."""
+        if self.inner is None:
+            return
+        groups = self.port.groups()
+        for ig, gi in enumerate(self.group_of):
+            for p in self.inner.param_groups[ig]["params"]:
+                st = self.inner.state.get(p)
+                if not st:
+                    continue
+                i = next(k for k, q in enumerate(groups[gi]["params"]) if q is p)
+                step = st.get("step")
+                if isinstance(step, torch.Tensor) and step.dtype not in _STEP_DTYPES:
+                    raise ValueError(f"state 'step' of parameter {i} of group {gi} is a "
+                                     f"{step.dtype} tensor: torch's foreach and fused Adam take a "
+                                     "float32 or float64 one (opt.state[p]['step'] = "
+                                     "torch.tensor(10.0))")
+                check_state(p, st, groups[gi], f"parameter {i} of group {gi}")
+
     def step(self, mult: float) -> None:
         if self.inner is None:
             return
+        self.check()
         for ig, gi in enumerate(self.group_of):
             outer = self.port.groups()[gi]
             for k in _HYPER:

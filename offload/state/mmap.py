@@ -103,10 +103,10 @@ class MmapTier(StateTier):
                 if self.file_bytes == 0:
                     self.close()
                 raise
-            self.file_bytes = new
-            self._drop_all()   # the buckets kept so far are pages of the old mapping
             # earlier mappings stay valid (and coherent: MAP_SHARED) for views handed out before
-            mm = _mmap.mmap(self._fd[0], self.file_bytes, _mmap.MAP_SHARED, _mmap.PROT_READ | _mmap.PROT_WRITE)
+            mm = _mmap.mmap(self._fd[0], new, _mmap.MAP_SHARED, _mmap.PROT_READ | _mmap.PROT_WRITE)
+            self.file_bytes = new   # (only once mapped: a tier that cannot grow stays as it was)
+            self._drop_all()   # the buckets kept so far are pages of the old mapping
             self._maps.append(mm)
             self._base = torch.frombuffer(mm, dtype=torch.uint8)
         elif layout is not self.layout:
