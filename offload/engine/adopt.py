@@ -246,8 +246,8 @@ class Adoption:
         # held copies of the state a caller wrote in place: into the state first (a moved entry
         # takes them along)
         v.handouts.adopt(v.held_current, v.rewrite_held)
-        if not (self.cleared or self.steps or self.copies or self.restores or self.moved or self.packed
-                or self.taken):
+        if not (self.cleared or self.steps or self.copies or self.restores or self.moved
+                or self.packed or self.taken):
             return   # (every warm step; entries looked at every step, DTensors', unchanged)
         view, fd = v.tier.mapping()
         packed = dict(self.packed)

@@ -8,9 +8,10 @@ keeps torch's constructor signature, defaults, validation messages and ``state_d
 straight into the parameter in the same pass. Parameters the kernel cannot take but torch steps (float64,
 complex, non-contiguous, listed twice) go through torch's Adam code, state in RAM (offload/optim/fallback.py).
 
-The class derives from ``torch.optim.Optimizer`` (and optim/rebuilding.py's ``EngineSync``, which keeps
-``_store`` laid out for the param groups as they are) and holds parts, which its methods call in a few
-lines each: ``_store``, the state engine of every mode (engine/engine.py), built by ``_slot`` (optim/engine_slot.py);
+The class derives from ``torch.optim.Optimizer`` (and optim/rebuilding.py's ``EngineSync``, which
+keeps ``_store`` laid out for the param groups as they are) and holds parts, which its methods call
+in a few lines each: ``_store``, the state engine of every mode (engine/engine.py), built by
+``_slot`` (optim/engine_slot.py);
 ``_gpu``, the device face of GPU offload (schedule/device_step.py, else None; optim/gpu.py); ``_clip``, the pending
 clip coefficient (optim/clipping.py); ``_router``, which parameters torch's code steps (optim/fallback.py); and
 optim/torch_state.py's functions. This file holds the constructor, param groups, pickling and step dispatch.

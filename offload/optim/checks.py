@@ -152,10 +152,10 @@ def check_options(params, lr, betas, eps, weight_decay, amsgrad, foreach, captur
 
 
 def check_amsgrad(group: dict, gi: int, moments: str) -> None:
-    """amsgrad=True is refused with compressed moments (when a group is added, or switched on later)."""
+    """amsgrad=True is refused with compressed moments (a group added, or switched on later)."""
     if moments != "fp32" and group.get("amsgrad"):
-        raise ValueError(f"param group {gi}: amsgrad=True with moments={moments!r}: compressed moments "
-                         "have no max_exp_avg_sq; use moments='fp32' for amsgrad")
+        raise ValueError(f"param group {gi}: amsgrad=True with moments={moments!r}: compressed "
+                         "moments have no max_exp_avg_sq; use moments='fp32' for amsgrad")
 
 
 def check_group(group: dict, gi: int, names, settings: dict, moments: str, gpu: bool) -> None:

@@ -26,7 +26,8 @@ from ..engine.port import port_of
 from ..schedule.feedstep import WriteRaceError
 
 __all__ = ["STATE_DOC", "close", "describe", "io_only_pass", "last_step_stats", "make_state_engine",
-           "need", "no_sync", "quiesce_for_rebuild", "restart", "settled", "split_params", "start_engine"]
+           "need", "no_sync", "quiesce_for_rebuild", "restart", "settled", "split_params",
+           "start_engine"]
 
 log = logging.getLogger("offload")
 

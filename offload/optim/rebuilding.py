@@ -19,7 +19,7 @@ class EngineSync:
         """Make the engine hold the param groups as they are (optim/engine_slot.py)."""
         native = self._slot.groups(self.param_groups, self._router) if native is None else native
         if self._slot.stale(self._store, native, stepping):
-            for gi, g in enumerate(native):   # (amsgrad switched on: refused before anything changes)
+            for gi, g in enumerate(native):   # (amsgrad switched on: refused before any change)
                 check_amsgrad(g, gi, self.moments)
             self.state.update(self._rebuild_engine(native, self.state))
             if self._gpu is not None:
