@@ -30,6 +30,7 @@ from ..base.dist import global_sumsq, in_process_group, is_dtensor, local, multi
 from ..native.adam import affinity_cpus
 from ..params.fingerprint import fingerprints
 from .smallparams import DeviceSideAdam
+from .stepstats import StepStats
 from ..base.trace import Trace
 from .delayed import DelayedUpdates, prepare
 from .uploads import compiled_code_in_use
@@ -86,9 +87,7 @@ class DeviceStep:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.check_overflow = bool(check_overflow)
         self.owns_device = False
-        self._nsteps = 0
-        self._last: Optional[dict] = None
-        self.records: list = []   # the latest steps' statistics until _settle takes them (it runs past 4)
+        self.stats = StepStats(engine, self.feed, self.trace)
         self._versions = self._snapshot()
         self._prints = None   # (keys, fingerprints, side.publishes then): see _take_prints
         self._dtensors = None   # any DTensor parameter (FSDP2): known at the first step
@@ -256,7 +255,7 @@ class DeviceStep:
                     for i in np.flatnonzero(a):
                         self.engine.groups[gi][i].grad = None
         self.synchronize()
-        self._record(t0, s0, stats, mult, skipped=skip, overlapped=False, done=True)
+        self.stats.record(t0, s0, stats, mult, skipped=skip, overlapped=False, done=True)
 
     def _small_step(self, mult: float):
         def run():
@@ -282,53 +281,13 @@ class DeviceStep:
                          "so the next forward does not overlap the rest of the CPU step (docs/gpu.md, Limits)")
             self.feed.uploads.wait_all()
             rec["waited_all"] = True
-        self._record(t0, rec["side0"], rec, mult, overlapped=True)
+        self.stats.record(t0, rec["side0"], rec, mult, overlapped=True)
 
     def _shared_weights(self) -> bool:
         """Are the weights read by collectives after step()? (FSDP2 shards, or several ranks.)"""
         if self._dtensors is None:
             self._dtensors = any(is_dtensor(p) for ps in self.engine.groups for p in ps)
         return self._dtensors or multi_rank()
-
-    def _record(self, t0: float, s0: dict, stats: dict, mult: float, **extra) -> None:
-        """Stats of the step that began at t0 (s0: the side's counters then); ``stats`` is completed
-        later by the worker when the step is queued (``done``)."""
-        self._nsteps += 1
-        rec = stats if "done" in stats else dict(stats)
-        rec.update(step=self._nsteps, s0=s0, exposed0=self._exposed(), t0=t0, exposed_step=time.perf_counter() - t0,
-                   grad_multiplier=mult, **extra)
-        rec.setdefault("skipped", False)
-        if self.trace is not None:
-            self.trace.span(f"step() {self._nsteps}", "training thread", (t0, time.perf_counter()))
-        self.records.append(rec)
-        if len(self.records) > 4:   # bounded however rarely the stats are read
-            self._settle()
-
-    def _exposed(self) -> float:
-        return self.feed.uploads.exposed_s if self.feed is not None else 0.0
-
-    def _settle(self) -> None:
-        """The latest step whose CPU part is done (and whose uploads were waited for) becomes _last."""
-        side = self.engine.side
-        side.collect_times()
-        pending = self.feed is not None and self.feed.uploads.pending
-        done = [k for k, r in enumerate(self.records) if r["done"] and not (pending and k == len(self.records) - 1)]
-        if not done:
-            return
-        k = done[-1]
-        r = self.records[k]
-        nxt = self.records[k + 1] if k + 1 < len(self.records) else None
-        s1 = nxt["s0"] if nxt is not None else side.stats
-        waits = (nxt["exposed0"] if nxt is not None else self._exposed()) - r["exposed0"]
-        self._last = dict(step=r["step"], d2h_s=s1["d2h_s"] - r["s0"]["d2h_s"], kernel_s=r["kernel_s"],
-                          h2d_s=s1["h2d_s"] - r["s0"]["h2d_s"], nvme_s=r["nvme_s"],
-                          exposed_s=r["exposed_step"] + waits, d2h_bytes=s1["d2h_bytes"] - r["s0"]["d2h_bytes"],
-                          h2d_bytes=s1["h2d_bytes"] - r["s0"]["h2d_bytes"], buckets=r["buckets"],
-                          skipped=r["skipped"], grad_multiplier=r["grad_multiplier"],
-                          overlapped=r["overlapped"], waited_all=r.get("waited_all", False), complete=True)
-        if "pipeline_s" in r:
-            self._last["pipeline_s"] = r["pipeline_s"]
-        self.records = self.records[k:]
 
     # ------------------------------------------------------------------ the rest of the GPU face
     def synchronize(self) -> None:
@@ -375,8 +334,8 @@ class DeviceStep:
         latest step first)."""
         if wait:
             self.synchronize()
-        self._settle()
-        return None if self._last is None else dict(self._last)
+        self.stats.settle()
+        return None if self.stats.last is None else dict(self.stats.last)
 
     def export_chrome_trace(self, path: str) -> int:
         trace = self.trace
