@@ -28,7 +28,7 @@ from .clipping import CLIP_GRAD_NORM_DOC, Clip
 from ..base.failstop import OptimizerFailedError, detached, failed_message
 from .engine_slot import EngineSlot
 from ..state.choice import resolve_storage
-from .options import OPTIMIZER_WIDE, OPTIONS_DOC, given_gpu_options
+from .options import OPTIMIZER_WIDE, OPTIONS_DOC, constructor_args, given_gpu_options
 
 __all__ = ["Adam", "AdamW"]
 
@@ -366,11 +366,6 @@ _AdamBase.step = stephooks.hooked_step(_AdamBase.step)
 del _name
 
 
-def _forward(args: dict) -> dict:
-    """A subclass constructor's arguments, as keywords for _AdamBase.__init__."""
-    return {k: v for k, v in args.items() if k not in ("self", "__class__")}
-
-
 class Adam(_AdamBase):
     __doc__ = "Adam (L2 weight decay added to the gradient), same signature and defaults as torch.optim.Adam.\n" \
         + OPTIONS_DOC
@@ -382,7 +377,7 @@ class Adam(_AdamBase):
                  bucket_mb=None, overlap=None, step_during_backward=None, max_grad_norm=None, check_overflow=None,
                  release_grads=None, trace=None, small_param_numel=None, delay_updates=None, delay_after=None,
                  delay_extrapolate=None, state=None):
-        super().__init__(**_forward(locals()))
+        super().__init__(**constructor_args(locals()))
 
 
 class AdamW(_AdamBase):
@@ -397,4 +392,4 @@ class AdamW(_AdamBase):
                  step_during_backward=None, max_grad_norm=None, check_overflow=None, release_grads=None,
                  trace=None, small_param_numel=None, delay_updates=None, delay_after=None, delay_extrapolate=None,
                  state=None):
-        super().__init__(decoupled_weight_decay=True, **_forward(locals()))
+        super().__init__(decoupled_weight_decay=True, **constructor_args(locals()))
