@@ -1,8 +1,12 @@
 """atomic_util.py: helpers of the every-step-is-atomic tests (test_atomic_*.py): deterministic
-gradients, a bitwise snapshot of parameters and optimizer state, and its comparison."""
+gradients, a bitwise snapshot of parameters and optimizer state, and its comparison; what a failed
+optimizer of device parameters refuses and allows (every_call_refused)."""
 from __future__ import annotations
 
+import pytest
 import torch
+
+import offload
 
 
 def grads(params, step: int) -> None:
@@ -58,3 +62,25 @@ def assert_same(a: dict, b: dict) -> None:
         _same(x, y, f"parameter {i}")
     _same(a["state"], b["state"], "state")
     assert a["coef"] == b["coef"]
+
+
+def every_call_refused(model, opt, schedule):
+    """Until a load: each call that steps or reads the state raises OptimizerFailedError (a backward
+    too where buckets are stepped during it), every time; zero_grad and synchronize, which recovery
+    may need, work; a forward and a backward that hand nothing to the optimizer work."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(99))
+    for _ in range(2):
+        if schedule == "eager":
+            with pytest.raises(offload.OptimizerFailedError, match="load the last checkpoint"):
+                model(x).square().mean().backward()
+        else:
+            model(x).square().mean().backward()
+        with pytest.raises(offload.OptimizerFailedError, match="load the last checkpoint"):
+            opt.step()
+        with pytest.raises(offload.OptimizerFailedError):
+            opt.state_dict()
+        with pytest.raises(offload.OptimizerFailedError):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+        opt.synchronize()
+        opt.zero_grad(set_to_none=False)
+        opt.zero_grad()

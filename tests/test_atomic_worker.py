@@ -21,7 +21,7 @@ import offload
 from offload import testing
 from offload.device import FakeDevice
 from offload.engine import bucket
-from atomic_util import assert_same, snapshot
+from atomic_util import assert_same, every_call_refused, snapshot
 from conftest import configs
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(60)]
@@ -156,29 +156,7 @@ def test_worker_failure(stage, cfg, nth, tmp_path, opts, monkeypatch):
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
         model.load_state_dict(weights)
-    _every_call_refused(model, opt, cfg.schedule)
+    every_call_refused(model, opt, cfg.schedule)
     opt.load_state_dict(sd)
     train(model, opt, CKPT, MORE)
     assert_same(snapshot(list(model.parameters()), opt), ref)
-
-
-def _every_call_refused(model, opt, schedule):
-    """Until a load: each call that steps or reads the state raises OptimizerFailedError (a backward
-    too where buckets are stepped during it), every time; zero_grad and synchronize, which recovery
-    may need, work; a forward and a backward that hand nothing to the optimizer work."""
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(99))
-    for _ in range(2):
-        if schedule == "eager":
-            with pytest.raises(offload.OptimizerFailedError, match="load the last checkpoint"):
-                model(x).square().mean().backward()
-        else:
-            model(x).square().mean().backward()
-        with pytest.raises(offload.OptimizerFailedError, match="load the last checkpoint"):
-            opt.step()
-        with pytest.raises(offload.OptimizerFailedError):
-            opt.state_dict()
-        with pytest.raises(offload.OptimizerFailedError):
-            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
-        opt.synchronize()
-        opt.zero_grad(set_to_none=False)
-        opt.zero_grad()
