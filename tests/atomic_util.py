@@ -1,6 +1,7 @@
 """atomic_util.py: helpers of the every-step-is-atomic tests (test_atomic_*.py): deterministic
-gradients, a bitwise snapshot of parameters and optimizer state, and its comparison; what a failed
-optimizer of device parameters refuses and allows (every_call_refused)."""
+gradients, or iterations of a model on deterministic batches, a bitwise snapshot of parameters and
+optimizer state, and its comparison, the snapshot of an uninterrupted run (once per mode); what a
+failed optimizer of device parameters refuses and allows (every_call_refused)."""
 from __future__ import annotations
 
 import pytest
@@ -20,6 +21,39 @@ def train(params, opt, start: int, n: int) -> None:
     for s in range(start, start + n):
         grads(params, s)
         opt.step()
+
+
+def model_backward(model, s: int) -> None:
+    """Backward of the deterministic batch ``s``: 8 x 16 inputs, in the dtype of the model's first
+    parameter; the loss in fp32."""
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(s)).to(dtype)
+    model(x).float().square().mean().backward()
+
+
+def model_step(model, opt, s: int) -> None:
+    """One iteration on batch ``s``: backward, step(), zero_grad()."""
+    model_backward(model, s)
+    opt.step()
+    opt.zero_grad()
+
+
+def model_train(model, opt, start: int, n: int) -> None:
+    """Iterations ``start`` .. ``start + n - 1``, then synchronize()."""
+    for s in range(start, start + n):
+        model_step(model, opt, s)
+    opt.synchronize()
+
+
+def uninterrupted(cache: dict, key, build, run) -> dict:
+    """The snapshot of an uninterrupted run, made once per ``key``: ``build()`` gives (model, opt),
+    ``run(model, opt)`` trains it; the optimizer is closed afterwards."""
+    if key not in cache:
+        model, opt = build()
+        run(model, opt)
+        cache[key] = snapshot(list(model.parameters()), opt)
+        opt.close()
+    return cache[key]
 
 
 def _copy(v):
