@@ -84,7 +84,7 @@ class StateEngine:
         self.tracker = WriteTracker(self.local_groups)   # bf16/fp16 params written by the user between steps
         if device is not None:
             from ..params.device import DeviceParams
-            self.side = DeviceParams(self.groups, device, staging_slots)
+            self.side = DeviceParams(self.groups, device, staging_slots, self.dtypes)
         else:
             self.side = HostParams(self.groups)
         if not isinstance(depth, int) or not 1 <= depth <= 64:

@@ -136,6 +136,7 @@ class BackwardFeed:
         self.raise_if_failed()
         self.wait_idle()
         self.uploads.wait_all()   # (a parameter no module's forward used)
+        self.face.check_params()   # before anything reads or writes them
         self._reset()
         eng = self.engine
         eng.begin(self.face.port.state())

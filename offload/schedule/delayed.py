@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from ..base.dist import is_dtensor, local, multi_rank
+from ..base.dist import is_dtensor, multi_rank
 from ..params.device import DeviceParams
 from .hooks import weak_hook
 from .uploads import Upload
@@ -72,7 +72,8 @@ def prepare(overlap: bool, step_during_backward, small_param_numel, engine, dela
         raise ValueError("delay_updates=1 is not supported with several torch.distributed ranks or DTensor (FSDP2) "
                          "parameters: use delay_updates=0 (the exact schedule)")
     old = engine.side
-    engine.side = HeldParams(old.groups, old.device, old.nslots, extrapolate=bool(delay_extrapolate))
+    engine.side = HeldParams(old.groups, old.device, old.nslots, old.dtypes,
+                             extrapolate=bool(delay_extrapolate))
     engine.side.allocate(engine.layout)
     old.close()
     return (DELAY_AFTER if delay_after is None else delay_after), False
@@ -82,8 +83,8 @@ class HeldParams(DeviceParams):
     """DeviceParams whose new weights wait in one host buffer per bucket until ``release`` (while
     ``hold``; otherwise, in the exact steps before the delay starts, a plain ``DeviceParams``)."""
 
-    def __init__(self, groups, device, slots: int = 2, extrapolate: bool = False):
-        super().__init__(groups, device, slots)
+    def __init__(self, groups, device, slots: int = 2, dtypes=None, extrapolate: bool = False):
+        super().__init__(groups, device, slots, dtypes)
         self.extrapolate = extrapolate
         self.bufs: dict = {}      # bucket index -> host buffers of its weights (its staging layout; two to extrapolate)
         self.held: dict = {}      # bucket index -> (bucket, pieces) stepped and not uploaded yet
@@ -143,9 +144,9 @@ class HeldParams(DeviceParams):
             self.cur[bi], self.pred[bi] = (k, keys), k
             return
         o, before = self.cur[bi][0], self.cur[bi][1]
-        old_buf, params = self._free(bi, o), self.groups[b.group]
+        old_buf, dtypes = self._free(bi, o), self.dtypes[b.group]
         for pc in pieces:
-            dtype = local(params[pc.param]).dtype
+            dtype = dtypes[pc.param]
             new, old = self._piece(self.bufs[bi][k], pc, dtype), self._piece(old_buf, pc, dtype)
             if (pc.param, pc.start, pc.n) in before:
                 x = new.float()
@@ -158,17 +159,18 @@ class HeldParams(DeviceParams):
         """Upload every held bucket (after ``after``, the compute stream's event), in ``order`` first;
         returns their ``Upload`` records for the next forward's waits. With extrapolate, the weights
         extrapolated, or (``actual``) the new weights themselves."""
+        for b, pieces in self.held.values():   # every destination first: a refusal uploads nothing
+            for pc in pieces:
+                self.flat_param(b.group, pc.param)
         held, self.held = self.held, {}
         ups = []
         first = [bi for bi in order if bi in held]
         for bi in first + sorted(set(held) - set(first)):
             b, pieces = held[bi]
             k = (self.cur[bi][0] if actual else self.pred[bi]) if self.extrapolate else 0
-            params, buf = self.groups[b.group], self.bufs[bi][k]
-            pairs = []
-            for pc in pieces:   # through .data: our own write must not look like a user's (version counter)
-                p = local(params[pc.param])
-                pairs.append((p.data.reshape(-1)[pc.start:pc.start + pc.n], self._piece(buf, pc, p.dtype)))
+            buf, dtypes = self.bufs[bi][k], self.dtypes[b.group]
+            pairs = [(self.flat_param(b.group, pc.param)[pc.start:pc.start + pc.n],
+                      self._piece(buf, pc, dtypes[pc.param])) for pc in pieces]
             self.publishes += 1
             ev = self.device.copy_to_device(pairs, after)
             self.reading[(bi, k)] = self._last_up = ev

@@ -28,6 +28,7 @@ import torch
 
 from ..base.dist import global_sumsq, in_process_group, is_dtensor, local, multi_rank, nonfinite_norm
 from ..native.adam import affinity_cpus
+from ..params.base import check_device_params
 from ..params.fingerprint import fingerprints
 from .smallparams import DeviceSideAdam
 from .stepstats import StepStats
@@ -168,6 +169,14 @@ class DeviceStep:
         if self.feed is not None:
             self.feed.boundary = bool(flag)
 
+    def check_params(self) -> None:
+        """Before anything reads or writes the parameters (masters re-read, new weights
+        uploaded): every one with state here still has the dtype, size and contiguous memory its
+        state and staging are laid out for (a model cast after the optimizer was built is
+        refused, by name)."""
+        eng = self.engine
+        check_device_params(eng.groups, eng.registry.ready, eng.dtypes, eng.numels, eng.mode)
+
     def reload_changed(self) -> None:
         """The user wrote parameters (e.g. model.load_state_dict, p.data.mul_ after synchronize()):
         their masters follow."""
@@ -213,6 +222,8 @@ class DeviceStep:
 
     def _step(self, t0: float, mult: float) -> None:
         port = self.port
+        if self.feed is None:   # (the overlapped schedules: when the step's cycle begins)
+            self.check_params()
         if self.small:   # they are stepped first: every group's hyperparameters are checked before that
             for gi in range(len(port.groups())):
                 port.hyper(gi)
@@ -298,6 +309,7 @@ class DeviceStep:
 
     def reload_params(self) -> None:
         self.synchronize()
+        self.check_params()
         self.engine.reload_masters({(gi, i) for gi, ps in enumerate(self.engine.groups) for i in range(len(ps))})
         self._versions = self._snapshot()
 
@@ -308,6 +320,7 @@ class DeviceStep:
         if self.feed is not None:
             (self.delayed or self.feed).synchronize()
         self.engine.side.synchronize()
+        self.check_params()
         self.reload_changed()
         self._take_prints()   # (consumed above) a write after a failed add_param_group is still seen
 
