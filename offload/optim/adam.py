@@ -186,8 +186,8 @@ class _AdamBase(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad; also discards a clip coefficient computed from the discarded gradients."""
         self._clip.clear()
-        if self._gpu is not None and not set_to_none:
-            self._gpu.synchronize()   # zeroing in place: not while the last step's D2H may still read them
+        if self._gpu is not None:   # (zeroing in place waits for the last step's copies)
+            self._gpu.zero_grad(set_to_none)
         super().zero_grad(set_to_none=set_to_none)
 
     def close(self) -> None:

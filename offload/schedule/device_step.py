@@ -361,6 +361,15 @@ class DeviceStep:
     def buckets(self) -> list:
         return self.engine.layout.buckets
 
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Before the optimizer's zero_grad: buckets stepped during a backward whose step the
+        gradients were for are given up (the optimizer fails, schedule/backward.py); zeroing in
+        place first waits for the last step's copies of the gradients."""
+        if self.feed is not None:
+            self.feed.discard()
+        if not set_to_none:
+            self.synchronize()
+
     def close(self) -> None:
         self.closed = True
         if self.feed is not None:
