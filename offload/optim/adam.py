@@ -179,6 +179,7 @@ class _AdamBase(Optimizer):
 
     def _check_usable(self) -> None:
         """Raise if an earlier step failed part-way (offload/base/failstop.py) and no state was loaded since."""
+        gpu.check_open(self.__dict__.get("_gpu"))   # device parameters: not after close()
         failure = self.__dict__.get("_failure")
         if failure is not None:
             raise OptimizerFailedError(failed_message("the optimizer", failure)) from failure
@@ -192,7 +193,9 @@ class _AdamBase(Optimizer):
 
     def close(self) -> None:
         """Release NVMe/mmap state (waits for I/O, deletes the state file unless keep_files) and the
-        GPU-offload machinery (hooks, worker thread, a device the optimizer created). No-op otherwise."""
+        GPU-offload machinery (hooks, worker thread, a device the optimizer created); no-op
+        otherwise. Then, with device parameters, step(), synchronize(), state_dict() ... refuse
+        (docs/gpu.md)."""
         gpu.close(getattr(self, "_gpu", None), self._store)
 
     def group_hyper(self, gi: int) -> dict:

@@ -3,9 +3,10 @@
 ``split_params`` decides the mode from where the parameters are (or an explicit ``offload_device=``),
 ``make_state_engine`` builds the one state engine (offload/engine/engine.py), any tier, and
 ``start_engine`` the device face (offload/schedule/device_step.py) over it. ``need``, ``no_sync``,
-``last_step_stats``, ``io_only_pass`` and ``close`` are the bodies of optimizer methods around the device
-face (accumulation boundary, telemetry, cleanup); they take the device face and the engine as arguments,
-so the optimizer class (optim/adam.py) only delegates. ``start_engine`` logs the
+``last_step_stats``, ``io_only_pass``, ``check_open`` and ``close`` are the bodies of optimizer
+methods around the device face (accumulation boundary, telemetry, cleanup and the refusals after
+it); they take the device face and the engine as arguments, so the optimizer class (optim/adam.py)
+only delegates. ``start_engine`` logs the
 setup chosen (parameter side, state tier, moment format) as one INFO line on the ``offload`` logger.
 """
 from __future__ import annotations
@@ -23,8 +24,8 @@ from ..schedule.device_step import DeviceStep
 from ..engine.port import port_of
 from ..schedule.feedstep import WriteRaceError
 
-__all__ = ["close", "describe", "io_only_pass", "last_step_stats", "make_state_engine", "need", "no_sync",
-           "split_params", "start_engine"]
+__all__ = ["check_open", "close", "describe", "io_only_pass", "last_step_stats",
+           "make_state_engine", "need", "no_sync", "split_params", "start_engine"]
 
 log = logging.getLogger("offload")
 
@@ -146,6 +147,12 @@ def io_only_pass(store) -> float:
     if store is None:
         raise RuntimeError("io_only_pass() needs storage='nvme'")
     return store.io_pass()
+
+
+def check_open(gpu: Optional[DeviceStep]) -> None:
+    """RuntimeError if the device face was closed (optimizers without one: their tier decides)."""
+    if gpu is not None:
+        gpu.check_open()
 
 
 def close(gpu: Optional[DeviceStep], store) -> None:

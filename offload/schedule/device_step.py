@@ -177,6 +177,15 @@ class DeviceStep:
         eng = self.engine
         check_device_params(eng.groups, eng.registry.ready, eng.dtypes, eng.numels, eng.mode)
 
+    def check_open(self) -> None:
+        """RuntimeError once close() ran: the worker, the hooks and the state are gone."""
+        if self.closed:
+            raise RuntimeError(
+                "offload: the optimizer was closed: close() stopped its CPU worker, removed its "
+                "hooks and released its state, so it no longer steps, synchronizes, saves or "
+                "loads. Build a new optimizer to train on (and load into it a state_dict() or "
+                "offload.save checkpoint taken before close())")
+
     def reload_changed(self) -> None:
         """The user wrote parameters (e.g. model.load_state_dict, p.data.mul_ after synchronize()):
         their masters follow."""
@@ -196,6 +205,7 @@ class DeviceStep:
         return global_sumsq(self._grads(), lambda gs: side.grad_sumsq(gs, threads))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        self.check_open()
         if float(norm_type) != 2.0:
             raise ValueError("offload's fused clipping supports norm_type=2.0 only")
         if self.eager:
@@ -215,6 +225,7 @@ class DeviceStep:
 
     def step(self, grad_multiplier: Optional[float]) -> None:
         t0 = time.perf_counter()
+        self.check_open()
         (self.feed or self.engine.tier).check_usable()   # failed: refused before any check, any small parameter
         mult = self.port.pending() * (1.0 if grad_multiplier is None else float(grad_multiplier))
         self._step(t0, mult)
@@ -302,6 +313,7 @@ class DeviceStep:
 
     # ------------------------------------------------------------------ the rest of the GPU face
     def synchronize(self) -> None:
+        self.check_open()
         if self.feed is not None:
             (self.delayed or self.feed).synchronize()   # delay_updates: completes the pending update
         self.engine.side.synchronize()
@@ -317,6 +329,7 @@ class DeviceStep:
         """Before the engine changes shape (add_param_group): the worker idle, every upload landed, and
         what the user wrote into parameters since the last step adopted (masters follow), since
         load_state() below starts the write tracking afresh."""
+        self.check_open()
         if self.feed is not None:
             (self.delayed or self.feed).synchronize()
         self.engine.side.synchronize()
@@ -344,8 +357,8 @@ class DeviceStep:
 
     def last_step_stats(self, wait: bool = False) -> Optional[dict]:
         """Timing of the latest step whose weights are back on the device (``wait=True``: finish the
-        latest step first)."""
-        if wait:
+        latest step first; after close() there is nothing left to finish)."""
+        if wait and not self.closed:
             self.synchronize()
         self.stats.settle()
         return None if self.stats.last is None else dict(self.stats.last)
@@ -364,10 +377,10 @@ class DeviceStep:
     def zero_grad(self, set_to_none: bool) -> None:
         """Before the optimizer's zero_grad: buckets stepped during a backward whose step the
         gradients were for are given up (the optimizer fails, schedule/backward.py); zeroing in
-        place first waits for the last step's copies of the gradients."""
-        if self.feed is not None:
+        place first waits for the last step's copies of the gradients (none after close())."""
+        if self.feed is not None and not self.closed:
             self.feed.discard()
-        if not set_to_none:
+        if not set_to_none and not self.closed:
             self.synchronize()
 
     def close(self) -> None:
