@@ -13,142 +13,13 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
 
 import offload
-from offload import testing
+from delayed_util import (LR, STEPS, WD, assert_matches, assert_same_run, batches, check_device,
+                          losses_of, make_net, ours, reference)
 from offload.device import CpuDevice, FakeDevice
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
-
-LR, WD, STEPS = 1e-2, 0.1, 6
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 32)
-        self.norm = nn.LayerNorm(32)
-        self.b = nn.Linear(32, 32)
-        self.c = nn.Linear(32, 4)
-
-    def forward(self, x):
-        return self.c(torch.tanh(self.b(self.norm(torch.relu(self.a(x)))))).float().square().mean()
-
-
-def make_net(dtype):
-    torch.manual_seed(0)
-    return Net().to(dtype)
-
-
-def batches(n, accum=1, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(7)
-    return [[torch.randn(8, 16, generator=gen).to(dtype) for _ in range(accum)] for _ in range(n)]
-
-
-def losses_of(model, micro, inf=False, scale=lambda loss: loss):
-    out = []
-    for k, x in enumerate(micro):
-        loss = model(x)
-        out.append(loss.item())
-        if inf and k == len(micro) - 1:
-            loss = loss * float("inf")
-        scale(loss).backward()
-    return out
-
-
-def reference(kind, dtype, data, clip=None, inf_step=None, after=0, extrapolate=False):
-    """The rule with a plain optimizer: ``model`` holds the weights forward sees, ``master`` the fp32
-    masters. An update is exact (the model gets its weights at once) while fewer than ``after`` were
-    applied before it (a skipped step is no update), else pending: the next step() gives the model its
-    weights, w, or with ``extrapolate`` (when the update before was pending too) w + (w - w_before),
-    computed in fp32 from the weights in the parameters' dtype; a skipped step gives them w itself."""
-    model = make_net(dtype)
-    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-    opt = (offload.AdamW(master, lr=LR, weight_decay=WD) if kind == "offload" else
-           torch.optim.AdamW(master, lr=LR, weight_decay=WD, foreach=False))
-    losses, updates, pending, before = [], 0, None, None
-    for t, micro in enumerate(data):
-        losses += losses_of(model, micro, inf_step == t)
-        if pending is not None:   # step(): the pending update goes up
-            with torch.no_grad():
-                for p, w, e in zip(model.parameters(), *pending):
-                    p.copy_(w if inf_step == t else e)
-            pending = None
-        held = updates >= after
-        if inf_step != t:   # an overflow skips the update (the pending one still lands)
-            for m, p in zip(master, model.parameters()):
-                m.grad = p.grad.float()
-            if clip is not None:
-                (opt.clip_grad_norm_ if kind == "offload" else
-                 lambda c: torch.nn.utils.clip_grad_norm_(master, c))(clip)
-            opt.step()
-            updates += 1
-            new = [m.detach().to(p.dtype, copy=True) for m, p in zip(master, model.parameters())]
-            if not held:
-                with torch.no_grad():
-                    for p, w in zip(model.parameters(), new):
-                        p.copy_(w)
-            ext = new if not (extrapolate and before) else \
-                [(w.float() + (w.float() - b.float())).to(w.dtype) for w, b in zip(new, before)]
-            pending, before = ((new, ext), new) if held else (None, None)
-        model.zero_grad(set_to_none=True)
-    return losses, [m.detach() for m in master], opt
-
-
-def ours(dtype, data, *, device=None, delay=1, clip=None, inf_step=None, scaler=None, accum_with=None,
-         state_opts=None, bucket_mb=0.002, after=0, extrapolate=None):
-    model = make_net(dtype)
-    if delay:   # (after=None: the default warm-up)
-        state_opts = dict(state_opts or {}, **({} if after is None else dict(delay_after=after)),
-                          **({} if extrapolate is None else dict(delay_extrapolate=extrapolate)))
-    opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD, bucket_mb=bucket_mb,
-                        offload_device=device or FakeDevice(max_delay=0.002, seed=1), delay_updates=delay,
-                        max_grad_norm=clip, check_overflow=inf_step is not None or scaler is not None,
-                        **(state_opts or {}))
-    losses, scale = [], (scaler.scale if scaler is not None else lambda loss: loss)
-    for t, micro in enumerate(data):
-        with (opt.no_sync() if accum_with == "no_sync" and len(micro) > 1 else _null()):
-            losses += losses_of(model, micro[:-1], scale=scale)
-        losses += losses_of(model, micro[-1:], inf_step == t, scale)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad()
-    return model, opt, losses
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
-
-
-def assert_matches(model, opt, ref, exact=True):
-    losses, master, ropt = ref
-    opt.synchronize()   # completes the pending update: the device weights are the masters now
-    sd, rsd = opt.state_dict()["state"], ropt.state_dict()["state"]
-    for i, (p, m) in enumerate(zip(model.parameters(), master)):
-        got_m = sd[i]["master_param"] if "master_param" in sd[i] else p.detach()
-        for a, b, what in ((got_m, m, "master"), (p.detach(), m.to(p.dtype), "weight"),
-                           (sd[i]["exp_avg"], rsd[i]["exp_avg"], "exp_avg"),
-                           (sd[i]["exp_avg_sq"], rsd[i]["exp_avg_sq"], "exp_avg_sq")):
-            if exact:
-                assert torch.equal(a, b), f"param {i} {what}: max diff {(a.float() - b.float()).abs().max()}"
-            else:
-                torch.testing.assert_close(a.float(), b.float(), atol=2e-5 if what != "weight" or p.dtype ==
-                                           torch.float32 else 1e-2, rtol=1e-4)
-        assert float(sd[i]["step"]) == float(rsd[i]["step"])
-
-
-def check_device(opt):
-    dev = testing.device(opt)
-    if isinstance(dev, FakeDevice):
-        dev.check()
 
 
 # ------------------------------------------------------------------------------------ the rule
@@ -260,10 +131,7 @@ def test_checkpoint_holds_the_pending_update_and_resumes_bitwise(dtype, after, t
         opt2.zero_grad()
     opt2.synchronize()
     assert rest == rest2
-    for a, b in zip(model.parameters(), fresh.parameters()):
-        assert torch.equal(a, b)
-    for a, b in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values()):
-        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_run(model, opt, fresh, opt2)
     opt.close()
     opt2.close()
 

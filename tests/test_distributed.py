@@ -274,3 +274,66 @@ def test_fsdp2_local_shards_and_clipping_match_single_process(tmp_path):
     files = sorted(os.listdir(tmp_path / "fsdp2"))
     assert len(files) == 1 + 2 * WORLD and files[0] == "index.json"
     assert sum(f.endswith(".safetensors") for f in files) == WORLD
+
+
+# ---------------------------------------------------------------------------- FSDP2 + CPUOffloadPolicy
+def _cpu_offload_model(dtype):
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    model = _model().to(dtype)
+    policy = CPUOffloadPolicy(pin_memory=False)   # pinned host memory needs CUDA
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, offload_policy=policy)
+    fully_shard(model, offload_policy=policy)
+    return model
+
+
+def _fsdp2_cpu_offload(rank, outdir):
+    """torch's own parameter offload (FSDP2 CPUOffloadPolicy: the shards live on the host) with
+    offload.AdamW stepping the host shards: fp32 shards match single-process torch AdamW with the global
+    norm clipped; bf16 shards get an fp32 master kept by offload, and resume from offload.save bitwise."""
+    clip = 0.05
+    ref, ref_norms = _reference(STEPS, clip=clip)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = _cpu_offload_model(dtype)
+        assert all(p.to_local().device.type == "cpu" for p in model.parameters())
+        opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, threads=1)
+        assert not opt.gpu_offload   # host shards: offload's host mode, whatever the mesh's device
+        ckpt = os.path.join(outdir, f"cpu-offload-{dtype}")
+        for s in range(STEPS):
+            x, y = _local_batch(s, rank)
+            torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
+            norm = opt.clip_grad_norm_(clip)
+            if dtype == torch.float32:
+                assert abs(float(norm) - ref_norms[s]) <= 1e-5 * ref_norms[s], (s, float(norm), ref_norms[s])
+            opt.step()
+            opt.zero_grad()
+            if s == 1:
+                offload.save(opt, ckpt)
+                saved = [p.to_local().detach().clone() for p in model.parameters()]
+        for i, (p, r) in enumerate(zip(model.parameters(), ref)):
+            if dtype == torch.float32:
+                _close(p.full_tensor(), r, f"FSDP2 CPUOffloadPolicy parameter {i}")
+            else:   # bf16 forward and gradients: within bf16 rounding of the fp32 run
+                torch.testing.assert_close(p.full_tensor().float(), r, rtol=2e-2, atol=2e-2)
+        if dtype == torch.bfloat16:
+            assert opt.state_dict()["state"][0]["exp_avg"].dtype == torch.float32   # fp32 moments of bf16 shards
+            model2 = _cpu_offload_model(dtype)
+            opt2 = offload.AdamW(model2.parameters(), lr=1e-2, weight_decay=0.1, threads=1)
+            with torch.no_grad():
+                for p, v in zip(model2.parameters(), saved):
+                    p.to_local().copy_(v)
+            offload.load(opt2, ckpt)
+            for s in range(2, STEPS):
+                x, y = _local_batch(s, rank)
+                torch.nn.functional.mse_loss(model2(x.to(dtype)).float(), y).backward()
+                opt2.clip_grad_norm_(clip)
+                opt2.step()
+                opt2.zero_grad()
+            for i, (a, b) in enumerate(zip(model.parameters(), model2.parameters())):
+                assert torch.equal(a.to_local(), b.to_local()), f"CPUOffloadPolicy bf16 resumed parameter {i}"
+
+
+@pytest.mark.timeout(90)
+def test_fsdp2_cpu_offload_policy_with_offload_adamw(tmp_path):
+    _run("fsdp2_cpu_offload", tmp_path)

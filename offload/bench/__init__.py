@@ -3,4 +3,4 @@
 Each subcommand lives in its own module exposing ``add_parser(subparsers)``; the parser it adds
 sets ``func`` to a callable taking the parsed ``argparse.Namespace`` and returning an exit code.
 """
-SUBCOMMANDS = ("kernel", "io", "step", "train", "plan", "fidelity")
+SUBCOMMANDS = ("kernel", "io", "step", "train", "plan", "fidelity", "gpu")

@@ -31,6 +31,8 @@ PRESETS = {
     "small": GPTConfig(vocab=4096, seq=128, n_layer=4, n_head=4, d_model=256),
     "125m": GPTConfig(vocab=50304, seq=512, n_layer=12, n_head=12, d_model=768),
     "350m": GPTConfig(vocab=50304, seq=512, n_layer=24, n_head=16, d_model=1024),
+    # 4.23B: fp32 weights, gradients and Adam moments (68 GB) do not fit next to activations on an 80 GB GPU
+    "4b": GPTConfig(vocab=50304, seq=512, n_layer=20, n_head=32, d_model=4096),
 }
 
 

@@ -104,13 +104,16 @@ class FakeDevice(Device):
     ``max_delay`` (seconds): each copy sleeps a uniform random time in [0, max_delay] before it
     runs, on its stream's thread. ``compute_lag``: events from ``record()`` complete that much later.
     ``seed`` makes the delays reproducible. ``poison=False`` turns off destination poisoning,
-    ``check=False`` the source snapshots (benchmarks use both off).
+    ``check=False`` the source snapshots (benchmarks use both off). ``d2h_delay`` (seconds): each
+    copy to the host waits that much more, so that a CPU step (whose gradients come down first) is
+    deterministically still running while the training thread goes on.
     """
 
     name = "fake"
 
     def __init__(self, max_delay: float = 0.002, seed: int = 0, poison: bool = True, check: bool = True,
-                 min_delay: float = 0.0, compute_lag: Optional[float] = None):
+                 min_delay: float = 0.0, compute_lag: Optional[float] = None,
+                 d2h_delay: float = 0.0):
         # > 0: record()'s events complete that much later (a GPU's compute stream runs behind the host),
         # so a copy that waits for one starts late, as on CUDA; default from OFFLOAD_FAKE_COMPUTE_LAG
         # (seconds), so a whole test suite can run with it
@@ -118,6 +121,7 @@ class FakeDevice(Device):
                                  else compute_lag)
         self.max_delay = float(max_delay)
         self.min_delay = float(min_delay)  # lower bound of the random delay (tests that need slow copies)
+        self.d2h_delay = float(d2h_delay)  # added to each copy to the host (a slow CPU step)
         self.poison = poison
         self.check_sources = check
         self._rng = random.Random(seed)
@@ -146,9 +150,10 @@ class FakeDevice(Device):
             return self._compute.submit(lambda: None, None, self.compute_lag)
         return _DoneEvent()  # the compute stream is the host: everything before this is done
 
-    def _copy(self, stream: _FakeStream, pairs: Pairs, after: Optional[Event]) -> Event:
+    def _copy(self, stream: _FakeStream, pairs: Pairs, after: Optional[Event],
+              extra: float = 0.0) -> Event:
         with self._lock:
-            delay = self._rng.uniform(min(self.min_delay, self.max_delay), self.max_delay)
+            delay = self._rng.uniform(min(self.min_delay, self.max_delay), self.max_delay) + extra
             self.copies += 1
         pairs = [(d, s) for d, s in pairs]
         snaps = [s.detach().clone() if self.check_sources else None for _, s in pairs]
@@ -178,7 +183,7 @@ class FakeDevice(Device):
         return ev
 
     def copy_to_host(self, pairs: Pairs, after: Optional[Event]) -> Event:
-        return self._copy(self._d2h, pairs, after)
+        return self._copy(self._d2h, pairs, after, self.d2h_delay)
 
     def copy_to_device(self, pairs: Pairs, after: Optional[Event]) -> Event:
         return self._copy(self._h2d, pairs, after)

@@ -27,7 +27,9 @@ class StepPort:
 
 def port_of(opt) -> StepPort:
     """The port of an ``offload.Adam`` / ``AdamW``, through its public API only."""
-    return StepPort(groups=lambda: opt.param_groups, state=lambda: opt.state, hyper=opt.group_hyper,
-                    threads=lambda: opt.kernel_threads, pending=opt.pending_clip_coefficient,
-                    set_pending=opt.set_clip_coefficient,
+    # vars(opt)["state"], the dict itself: opt.state waits for a CPU step still running
+    # (optim/adam.py), which the schedule must not, nor the worker that commits a step into it
+    return StepPort(groups=lambda: opt.param_groups, state=lambda: vars(opt)["state"],
+                    hyper=opt.group_hyper, threads=lambda: opt.kernel_threads,
+                    pending=opt.pending_clip_coefficient, set_pending=opt.set_clip_coefficient,
                     amp=lambda: (getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)))

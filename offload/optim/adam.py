@@ -151,8 +151,7 @@ class _AdamBase(Optimizer):
         ``grad_multiplier`` (keyword-only) scales every gradient inside the kernel pass (e.g. 1/loss
         scale); it is multiplied with the coefficient left by :meth:`clip_grad_norm_`, if any.
         Everything is validated (hyperparameters of every group, every row) before any step count
-        advances: a step that raises changes nothing.
-        """
+        advances: a step that raises changes nothing."""
         self._check_usable()
         loss = None
         if closure is not None:
@@ -249,6 +248,9 @@ class _AdamBase(Optimizer):
         self._clip.mult = float(value)
 
     # ------------------------------------------------------------------ state_dict (optim/torch_state.py)
+    state = property(lambda self: gpu.settled(self.__dict__.get("_gpu"), self.__dict__["state"]),
+                     lambda self, v: self.__dict__.__setitem__("state", v), doc=gpu.STATE_DOC)
+
     def state_dict(self) -> dict:
         self._settle()   # never hand out a partially updated state as a checkpoint
         tensors = self._store.state_tensors()  # views of the tier (a mapped state file, an arena), not copies
@@ -285,11 +287,9 @@ class _AdamBase(Optimizer):
         return sdict.checkpoint_tensors(self.param_groups, self.state, self._store, self._engine_index(), self._router)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state saved by this class or by ``torch.optim.Adam/AdamW``.
-
-        Unlike torch, moments stay fp32 for bf16/fp16 parameters (torch would cast them to the
-        parameter dtype); sizes are checked before anything is replaced.
-        """
+        """Load a state saved by this class or by ``torch.optim.Adam/AdamW``. Unlike torch, moments
+        stay fp32 for bf16/fp16 parameters (torch would cast them to the parameter dtype); sizes are
+        checked before anything is replaced."""
         state_dict = sdict.pre_hooks(self, state_dict)
         self._sync_engine()   # (a group's params list edited: the engine is laid out for the groups as they are)
         new_state, groups = sdict.map_saved(self.param_groups, state_dict, host=self._slot.device is None)

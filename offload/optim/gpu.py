@@ -3,11 +3,11 @@
 ``split_params`` decides the mode from where the parameters are (or an explicit ``offload_device=``),
 ``make_state_engine`` builds the one state engine (offload/engine/engine.py), any tier, and
 ``start_engine`` the device face (offload/schedule/device_step.py) over it. ``need``, ``no_sync``,
-``last_step_stats``, ``io_only_pass``, ``check_open`` and ``close`` are the bodies of optimizer
-methods around the device face (accumulation boundary, telemetry, cleanup and the refusals after
-it); they take the device face and the engine as arguments, so the optimizer class (optim/adam.py)
-only delegates. ``start_engine`` logs the
-setup chosen (parameter side, state tier, moment format) as one INFO line on the ``offload`` logger.
+``last_step_stats``, ``io_only_pass``, ``settled``, ``check_open`` and ``close`` are the bodies of
+optimizer methods around the device face (accumulation boundary, telemetry, ``opt.state``, cleanup
+and the refusals after it); they take the device face and the engine as arguments, so the
+optimizer class (optim/adam.py) only delegates. ``start_engine`` logs the setup chosen (parameter
+side, state tier, moment format) as one INFO line on the ``offload`` logger.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from ..schedule.device_step import DeviceStep
 from ..engine.port import port_of
 from ..schedule.feedstep import WriteRaceError
 
-__all__ = ["check_open", "close", "describe", "io_only_pass", "last_step_stats",
-           "make_state_engine", "need", "no_sync", "split_params", "start_engine"]
+__all__ = ["STATE_DOC", "check_open", "close", "describe", "io_only_pass", "last_step_stats",
+           "make_state_engine", "need", "no_sync", "settled", "split_params", "start_engine"]
 
 log = logging.getLogger("offload")
 
@@ -147,6 +147,24 @@ def io_only_pass(store) -> float:
     if store is None:
         raise RuntimeError("io_only_pass() needs storage='nvme'")
     return store.io_pass()
+
+
+STATE_DOC = """torch's ``opt.state``. With device parameters the overlapped schedules run the CPU
+part of a step after ``step()`` returns (with ``delay_updates=1``, during the whole next forward and
+backward): reading ``opt.state`` waits for it, and with NVMe state gives up the next step's state
+read ahead, so that what it shows, and what is written into it in place, is the state after the
+last ``step()``, as with torch's (docs/gpu.md). A tensor taken from it before a ``step()`` is
+written by that step's CPU part while it runs: take it from ``opt.state`` again after the
+``step()``."""
+
+
+def settled(gpu: Optional[DeviceStep], value):
+    """``value`` (``opt.state``), once the device face's CPU step still running is done and (NVMe)
+    no state is read ahead (schedule/backward.py ``settle``); at once without a device."""
+    feed = getattr(gpu, "feed", None)
+    if feed is not None and not gpu.closed:
+        feed.settle()
+    return value
 
 
 def check_open(gpu: Optional[DeviceStep]) -> None:

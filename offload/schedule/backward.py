@@ -136,10 +136,10 @@ class BackwardFeed:
     # ------------------------------------------------------------------ backward (training / autograd thread)
     def begin_cycle(self, in_backward: bool = False) -> None:
         """The first gradient (or step()) of a step: the last one done, opt.state edits and
-        parameter writes adopted; ``marks``: the counters at its start (schedule/feedstep.py
-        reports the differences). What can be checked before the first bucket is stepped is
-        checked first: the parameters, and ``in_backward`` (buckets are stepped as their gradients
-        arrive) the hyperparameters of every group, read here for the whole step."""
+        parameter writes adopted; the counters at its start marked. What can be checked before
+        the first bucket is stepped is checked first: the parameters, and ``in_backward`` (buckets
+        are stepped as their gradients arrive) the hyperparameters of every group, read here for
+        the whole step."""
         self.raise_if_failed()
         self.wait_idle()
         self.uploads.wait_all()   # (a parameter no module's forward used)
@@ -152,10 +152,14 @@ class BackwardFeed:
         eng.begin(self.face.port.state())
         self.face.reload_changed()
         self.side.grads = self.grads
-        tel = self.tier.telemetry
-        self.marks = dict(io=tel["read_wait_s"] + tel["write_wait_s"], kernel=eng.telemetry["kernel_s"],
-                          side=dict(self.side.stats), first=None)
+        self.mark()
         self.in_cycle = True
+
+    def mark(self) -> None:
+        """``marks``: the counters at the start of a step (feedstep.py reports the differences)."""
+        tel = self.tier.telemetry
+        self.marks = dict(io=tel["read_wait_s"] + tel["write_wait_s"], first=None,
+                          kernel=self.engine.telemetry["kernel_s"], side=dict(self.side.stats))
 
     def _before_accumulate(self, grad) -> None:
         """Tensor hook before a gradient accumulates: a step still in flight may read p.grad (D2H); and
@@ -359,6 +363,13 @@ class BackwardFeed:
     def wait_idle(self) -> None:
         """Every queued bucket stepped and its upload issued."""
         self.worker.wait_idle()
+
+    def settle(self) -> None:
+        """The user is about to read or write ``opt.state`` (optim/adam.py ``state``): as torch's,
+        it shows the state after the last step() and takes in-place writes for the next one. So a
+        CPU step still running is waited for, and (NVMe) a read-ahead of the next step's state is
+        given up (Worker.park). Not on the worker itself, which commits a step into opt.state."""
+        self.worker.park()
 
     def step(self, mult: float, grad_scale, found_inf, skip: bool = False, before=None) -> dict:
         """Queue what is left of this step and return at once (schedule/feedstep.py FeedStep.step)."""

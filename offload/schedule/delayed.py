@@ -14,12 +14,18 @@ exact schedule (schedule/uploads.py). So with w_t the master weights after updat
     w_t = AdamW(w_{t-1}, g_t),   g_t computed on w_{t-1} for t <= delay_after + 1, on w_{t-2} after
 
 With ``delay_extrapolate=True`` the weights uploaded for a delayed update are predicted one step on,
-w_{t-2} + (w_{t-2} - w_{t-3}) (``HeldParams._extrapolate``: when update t-3 was delayed too; else
-w_{t-2}), so g_t is computed on that instead of w_{t-2}; the masters follow the same AdamW rule.
+w_{t-2} + (w_{t-2} - w_{t-3}) (``HeldParams._extrapolate``: where update t-3 was delayed too and
+stepped the piece; else w_{t-2}), so g_t is computed on that instead of w_{t-2}; the masters follow
+the same AdamW rule. A prediction is never taken for the weights: a piece an update does not step
+gets its true weights back when that update goes up (``HeldParams.release``).
 Anything that needs the current weights completes the pending update first (``DelayedUpdates.
 synchronize``: ``opt.synchronize()``, ``state_dict()``, ``offload.save``, ``close()``, ``add_param_group``,
-and a module's ``state_dict()`` / ``load_state_dict()``); the forward after that sees it. A skipped
-step (overflow) completes the pending update and queues none. The device schedule (schedule/device_step.py)
+and a module's ``state_dict()`` / ``load_state_dict()``); the forward after that sees it, and the
+next delayed update is not extrapolated, as after a load (a resumed run is the uninterrupted one).
+So does a ``step()`` after a parameter's state was deleted (its fresh master is read from the
+parameter); a parameter written while an update is pending is refused by ``step()``
+(``adoptable``). A skipped step (overflow) completes the pending update and queues none. The device
+schedule (schedule/device_step.py)
 uses this module through ``prepare`` and ``DelayedUpdates``; the worker (schedule/backward.py) does not
 know about it: to it, ``publish`` is an upload that needs no wait.
 Costs: host memory for one copy of the parameters in their dtype (pinned on CUDA; two to extrapolate,
@@ -29,10 +35,12 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..base.dist import is_dtensor, multi_rank
 from ..params.device import DeviceParams
+from .feedstep import WriteRaceError
 from .hooks import weak_hook
 from .uploads import Upload
 
@@ -79,6 +87,11 @@ def prepare(overlap: bool, step_during_backward, small_param_numel, engine, dela
     return (DELAY_AFTER if delay_after is None else delay_after), False
 
 
+def _key(pc) -> tuple:
+    """A piece of a bucket, by what it holds."""
+    return pc.param, pc.start, pc.n
+
+
 class HeldParams(DeviceParams):
     """DeviceParams whose new weights wait in one host buffer per bucket until ``release`` (while
     ``hold``; otherwise, in the exact steps before the delay starts, a plain ``DeviceParams``)."""
@@ -90,8 +103,14 @@ class HeldParams(DeviceParams):
         self.held: dict = {}      # bucket index -> (bucket, pieces) stepped and not uploaded yet
         self.reading: dict = {}   # (bucket index, buffer) -> event of the upload still reading that buffer
         self.hold = True          # set by DelayedUpdates.step, with no CPU step in flight
-        self.cur: dict = {}       # extrapolate: bucket index -> (buffer of its latest weights, their pieces)
-        self.pred: dict = {}      # extrapolate: bucket index -> buffer of the held weights extrapolated
+        # extrapolate: bucket index -> (the buffer of its latest weights, the keys of the pieces the
+        # last update stepped: extrapolated by the next one), the buffer of the held weights
+        # extrapolated, the pieces of those that are a prediction, and (bucket, pieces) of the
+        # predictions on the device now (their weights go up once an update did not step them)
+        self.cur: dict = {}
+        self.pred: dict = {}
+        self.ext: dict = {}
+        self.shown: dict = {}
 
     def allocate(self, layout) -> None:
         super().allocate(layout)
@@ -137,43 +156,55 @@ class HeldParams(DeviceParams):
         """(extrapolate) into the buffer of the weights before, w_{t-1}, for each piece the previous
         update stepped too: w_t + (w_t - w_{t-1}), computed in fp32 and rounded to the parameter's
         dtype; other pieces get w_t. Nothing to extrapolate from (the first delayed update, after a
-        load): the held weights are w_t."""
+        load or ``forget``): the held weights are w_t. The pieces of that buffer this update did not
+        step keep their weights: ``release`` sends them up where a prediction of them is shown."""
         bi, k = b.index, self._target(b.index)
-        keys = {(pc.param, pc.start, pc.n) for pc in pieces}
+        keys = {_key(pc) for pc in pieces}
         if bi not in self.cur:
-            self.cur[bi], self.pred[bi] = (k, keys), k
+            self.cur[bi], self.pred[bi], self.ext[bi] = (k, keys), k, []
             return
         o, before = self.cur[bi][0], self.cur[bi][1]
-        old_buf, dtypes = self._free(bi, o), self.dtypes[b.group]
+        old_buf, dtypes, ext = self._free(bi, o), self.dtypes[b.group], []
         for pc in pieces:
             dtype = dtypes[pc.param]
             new, old = self._piece(self.bufs[bi][k], pc, dtype), self._piece(old_buf, pc, dtype)
-            if (pc.param, pc.start, pc.n) in before:
+            if _key(pc) in before:
                 x = new.float()
                 old.copy_(x + (x - old.float()))
+                ext.append(pc)
             else:
                 old.copy_(new)
-        self.cur[bi], self.pred[bi] = (k, keys), o
+        self.cur[bi], self.pred[bi], self.ext[bi] = (k, keys), o, ext
 
-    def release(self, after, order, actual: bool = False) -> list:
+    def release(self, after, order, actual: bool = False, update: bool = False) -> list:
         """Upload every held bucket (after ``after``, the compute stream's event), in ``order`` first;
         returns their ``Upload`` records for the next forward's waits. With extrapolate, the weights
-        extrapolated, or (``actual``) the new weights themselves."""
-        for b, pieces in self.held.values():   # every destination first: a refusal uploads nothing
+        extrapolated, or (``actual``) the new weights themselves; and the true weights of each piece
+        whose prediction is on the device but which this update did not step (``update``: an
+        update was queued since the last release; the next one extrapolates no piece it did not
+        step). Every destination is checked first: a refusal uploads nothing."""
+        for b, pieces in list(self.held.values()) + list(self.shown.values()):
             for pc in pieces:
                 self.flat_param(b.group, pc.param)
         held, self.held = self.held, {}
+        shown, self.shown = self.shown, {}
+        if update:
+            for bi, (k, _) in list(self.cur.items()):
+                if bi not in held:
+                    self.cur[bi] = (k, frozenset())
         ups = []
-        first = [bi for bi in order if bi in held]
-        for bi in first + sorted(set(held) - set(first)):
-            b, pieces = held[bi]
-            k = (self.cur[bi][0] if actual else self.pred[bi]) if self.extrapolate else 0
-            buf, dtypes = self.bufs[bi][k], self.dtypes[b.group]
+        todo = set(held) | set(shown)
+        first = [bi for bi in order if bi in todo]
+        for bi in first + sorted(todo - set(first)):
+            b, parts = self._sources(bi, held, shown, actual)
+            dtypes = self.dtypes[b.group]
             pairs = [(self.flat_param(b.group, pc.param)[pc.start:pc.start + pc.n],
-                      self._piece(buf, pc, dtypes[pc.param])) for pc in pieces]
+                      self._piece(self.bufs[bi][k], pc, dtypes[pc.param])) for pc, k in parts]
             self.publishes += 1
             ev = self.device.copy_to_device(pairs, after)
-            self.reading[(bi, k)] = self._last_up = ev
+            for k in {k for _, k in parts}:
+                self.reading[(bi, k)] = ev
+            self._last_up = ev
             with self._events_lock:
                 self._events.append(("h2d", ev))
             self.stats["h2d_bytes"] += sum(d.numel() * d.element_size() for d, _ in pairs)
@@ -181,11 +212,31 @@ class HeldParams(DeviceParams):
             up.ev = ev
             up.issued.set()
             ups.append(up)
+            if bi in held and not actual and self.ext.get(bi):
+                self.shown[bi] = (b, self.ext[bi])
         return ups
+
+    def _sources(self, bi: int, held: dict, shown: dict, actual: bool) -> tuple:
+        """(bucket, [(piece, index of the buffer it goes up from)]) of bucket bi at a release."""
+        if bi not in held:   # not stepped by this update: its latest weights replace the prediction
+            b, pieces = shown[bi]
+            return b, [(pc, self.cur[bi][0]) for pc in pieces]
+        b, pieces = held[bi]
+        k = (self.cur[bi][0] if actual else self.pred[bi]) if self.extrapolate else 0
+        parts = [(pc, k) for pc in pieces]
+        if bi in shown:   # predicted by the update before and not stepped now: their weights are in
+            keys = {_key(pc) for pc in pieces}   # the buffer of that update (this kernel left them)
+            parts += [(pc, self.pred[bi]) for pc in shown[bi][1] if _key(pc) not in keys]
+        return b, parts
 
     def discard(self) -> None:
         """A load replaced the state: the held weights are not the loaded ones."""
-        self.held, self.cur, self.pred = {}, {}, {}
+        self.held, self.shown = {}, {}
+        self.forget()
+
+    def forget(self) -> None:
+        """The next delayed update extrapolates nothing (its weights go up as they are)."""
+        self.cur, self.pred, self.ext = {}, {}, {}
 
     def synchronize(self) -> None:
         super().synchronize()
@@ -199,29 +250,49 @@ class DelayedUpdates:
 
     def __init__(self, feed, side: HeldParams, device, after: int = 0):
         self.feed, self.side, self.device, self.after = feed, side, device, after
-        self.pending = False   # a step() queued since the last synchronize
+        self.pending = False   # an update queued and not on the device yet (no synchronize since)
+        self.update = False    # an update queued since the last release
         feed.uploads.before_read = weak_hook(self, "before_read")   # a module's state_dict / load_state_dict
 
     def step(self, run: Callable[[], dict], skip: bool = False) -> dict:
         """``run`` queues this step's CPU step (the feed's step()); before it, the pending one is
         waited for and its weights go up after this backward; the next forward waits for those.
-        Whether this update is held is decided here, between CPU steps, from the optimizer's step
-        count (the largest of its parameters'; restored by a load) before it: held from ``after`` on.
-        A skipped step queues none: the weights of the pending one go up as they are (not extrapolated)."""
-        self.feed.synchronize()   # the pending CPU step: it ran during this forward and backward
-        ups = self._release(actual=skip)
+        First the edits of ``opt.state`` are adopted and a parameter written while an update is
+        pending is refused (``feed.begin_cycle``: it held the weights without the update, not the
+        masters); a state deleted meanwhile completes the pending update first, so that its fresh
+        master is the parameter's true weight. Whether this update is held is decided then, between
+        CPU steps, from the optimizer's step count (the largest of its parameters'; restored by a
+        load): held from ``after`` on. A skipped step queues none: the weights of the pending one go
+        up as they are (not extrapolated)."""
+        feed = self.feed
+        feed.synchronize()   # the pending CPU step: it ran during this forward and backward
+        with_state = self._with_state()
+        feed.begin_cycle()
+        try:
+            if self.pending and self._with_state() < with_state:
+                self.synchronize()
+            ups = self._release(actual=skip)
+            feed.mark()   # (the release's copies belong to the step before)
+        except BaseException:
+            feed.in_cycle = False
+            raise
         self.side.hold = self.steps() >= self.after
         if not self.side.hold:   # an exact update: the feed's step starts its own uploads
-            if ups:   # (none: the step count only grows, and a load discards what was held)
-                self.feed.uploads.start(ups)
-                self.feed.uploads.wait_all()
+            self.pending = False
+            if ups:
+                feed.uploads.start(ups)
+                feed.uploads.wait_all()
             return run()
         try:
             rec = run()
-            self.pending = True
+            self.pending = self.update = not skip
             return rec
         finally:
-            self.feed.uploads.start(ups)
+            feed.uploads.start(ups)
+
+    def _with_state(self) -> int:
+        """How many parameters have state."""
+        return sum(int(np.count_nonzero(r)) for r in self.feed.engine.registry.ready)
 
     def steps(self) -> int:
         """The optimizer's step count: updates applied so far (skipped steps do not count)."""
@@ -232,22 +303,42 @@ class DelayedUpdates:
         return lambda *args, **kw: self.step(lambda: feed_step(*args, **kw), kw.get("skip", False))
 
     def _release(self, actual: bool = False) -> list:
-        if not self.side.held:
+        update, self.update = self.update, False
+        if not (self.side.held or self.side.shown or update):
             return []
-        return self.side.release(self.device.record(), self.feed.forward_order(), actual)
+        return self.side.release(self.device.record(), self.feed.forward_order(), actual, update)
 
     def synchronize(self) -> None:
-        """Complete the pending update: its CPU step done, its weights on the device."""
+        """Complete the pending update: its CPU step done, its weights on the device (those of
+        every parameter: no prediction stays there). The next delayed update is not extrapolated,
+        as after a load, so that a run resumed from a checkpoint is the uninterrupted run."""
         self.feed.synchronize()
         self.pending = False
         ups = self._release(actual=True)
         if ups:
             self.feed.uploads.start(ups)
             self.feed.uploads.wait_all()
+        self.side.forget()
+
+    def adoptable(self, written: set) -> bool:
+        """Parameters ``written`` ({(gi, i)}) since the last step() are adopted (their masters
+        re-read): True, unless an update is pending (the write went into the weights without it, and
+        it would go up over the write): then refused by name."""
+        if self.pending:
+            gi, i = min(written)
+            self.feed.stepper.reported(written)   # (synchronize() then sends the update up over it)
+            raise WriteRaceError(
+                f"offload: parameter {i} of group {gi} was written (or its .data replaced) while "
+                "an update of delay_updates=1 was pending: the write went into the weights without "
+                "that update (what the forward saw), not into the optimizer's, and the update "
+                "would go up over it. Nothing was stepped. Call optimizer.synchronize() before "
+                "writing parameters between steps (after it, write the parameter again); "
+                "docs/gpu.md, 'Delayed update'.")
+        return True
 
     def before_read(self) -> None:
         """(a module's state_dict / load_state_dict pre-hook) complete the pending update, if any."""
-        if self.pending:
+        if self.pending or self.side.shown:
             self.synchronize()
 
     def recover(self) -> None:

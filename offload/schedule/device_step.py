@@ -188,10 +188,10 @@ class DeviceStep:
 
     def reload_changed(self) -> None:
         """The user wrote parameters (e.g. model.load_state_dict, p.data.mul_ after synchronize()):
-        their masters follow."""
+        their masters follow (refused while a delay_updates=1 update is pending: delayed.py)."""
         snap = self._snapshot()
         changed = {k for k, v in snap.items() if self._versions.get(k) != v} | self._written()
-        if changed:
+        if changed and (self.delayed is None or self.delayed.adoptable(changed)):
             self.engine.reload_masters(changed)
         self._versions = snap   # (reloading reads the parameters, it does not write them)
 

@@ -182,6 +182,11 @@ class FeedStep:
                 "revert it. Call optimizer.synchronize() before writing parameters between steps (or before "
                 "model.load_state_dict); docs/gpu.md, 'Writing the weights between steps'.")
 
+    def reported(self, keys) -> None:
+        """Writes of the parameters ``keys`` ({(gi, i)}) were reported already (a delayed step()
+        refused them): the waits for their uploads do not report them again."""
+        self._race_reported |= set(keys)
+
     def _check_sent(self) -> None:
         """Gradients changed after they were sent (torch clipping / unscale_ on the device gradients)."""
         feed = self.feed

@@ -78,7 +78,7 @@ def _unchanged(reads) -> None:
 class Worker:
     """The thread and its jobs: ``("step", bucket, pieces, read, hyper, mult, after, reads, upload)``,
     ``("finish", fn)`` (run in order, after the buckets queued before it), ``("barrier", event)``,
-    ``("nudge",)`` (read ahead now); None stops it.
+    ``("nudge",)`` (read ahead now), ``("park", event, n)`` (``park``); None stops it.
 
     ``threads()``: the kernel's threads; ``failure()``: the step's failure (None: none), after which
     queued buckets are skipped; ``failed(e)``: report one; ``sent_down(gi, pieces)``: their D2H was
@@ -92,12 +92,15 @@ class Worker:
         self.threads, self.failure, self.failed = threads, failure, failed
         self.sent_down, self.stepping, self.wanted, self.trace = sent_down, stepping, wanted, trace
         self.q: "queue.Queue" = queue.Queue()
+        self.puts = 0          # jobs given by ``put`` so far
+        self.parked_at = -1    # ``puts`` when the last park was queued: no read-ahead until more
         self.thread: Optional[threading.Thread] = threading.Thread(
             target=_loop, args=(weakref.ref(self), self.q), name="offload-backward-step", daemon=True)
         self.thread.start()
         self.finalizer = weakref.finalize(self, _stop_worker, self.q, self.thread)
 
     def put(self, job) -> None:
+        self.puts += 1
         self.q.put(job)
 
     def work(self, pending: deque, staged: deque) -> bool:
@@ -149,14 +152,29 @@ class Worker:
                 return True
             if item[0] == "barrier":
                 item[1].set()
+            elif item[0] == "park":
+                self._park(*item[1:])
             elif item[0] == "finish" and self.failure() is None:
                 try:
                     item[1]()
                 except BaseException as e:
                     self.failed(e)
-        if not pending and not staged and self.failure() is None:
+        if not pending and not staged and self.failure() is None and self.parked_at != self.puts:
             self.read_ahead(blocking=False)
         return False
+
+    def _park(self, done: threading.Event, n: int) -> None:
+        """(the "park" job) What is read ahead is given up; nothing more is until the next job."""
+        try:
+            self.parked_at = n
+            tier = self.tier
+            with self.engine.lock:
+                if tier.kind == "nvme" and not tier.closed and tier.failed is None:
+                    tier.keep_reads(set())
+        except BaseException as e:
+            self.failed(e)
+        finally:
+            done.set()
 
     def read_ahead(self, blocking: bool) -> None:
         """Keep ``depth`` reads in flight for the next buckets of the expected order."""
@@ -197,6 +215,19 @@ class Worker:
             up.ev = side.publish(b, act, st, after)
         if self.trace is not None:
             self.trace.span(f"adam b{b.index}", "cpu step", (t0, t1))
+
+    def park(self) -> None:
+        """Every job queued so far done, and no state read ahead (NVMe) until the next job: the
+        state in the tier is the one after the last job, and an in-place write into it is what the
+        next step reads. Returns at once if nothing was queued since the last park, and on the
+        worker."""
+        n = self.puts
+        if self.thread is None or self.thread is threading.current_thread() or self.parked_at == n:
+            return
+        done = threading.Event()
+        self.q.put(("park", done, n))
+        if not done.wait(_WAIT_S):
+            raise TimeoutError(f"offload: the CPU worker did not finish within {_WAIT_S} s")
 
     def wait_idle(self) -> None:
         """Every queued bucket stepped and its upload issued."""
