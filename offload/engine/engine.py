@@ -84,7 +84,7 @@ class StateEngine:
         self.tracker = WriteTracker(self.local_groups)   # bf16/fp16 params written by the user between steps
         if device is not None:
             from ..params.device import DeviceParams
-            self.side = DeviceParams(self.groups, device, staging_slots)
+            self.side = DeviceParams(self.groups, device, staging_slots, self.dtypes)
         else:
             self.side = HostParams(self.groups)
         if not isinstance(depth, int) or not 1 <= depth <= 64:
@@ -239,11 +239,15 @@ class StateEngine:
                                  for i in np.flatnonzero(a & grow.unplaced(self, gi))])
         return active
 
-    def reserve(self, keys: list) -> None:
-        """Lay out the state of the parameters ``keys`` ([(gi, i)]) that have none yet (frozen at
-        construction), before a step that may need it starts; nothing changes if it cannot grow."""
-        with self.exclusive():
-            grow.lay_out_late(self, keys)
+    def reserve(self, keys: list) -> bool:
+        """Lay out the state of those of ``keys`` ([(gi, i)] with none yet: frozen at construction)
+        that are unfrozen now or have a gradient, before a step that may need it starts; nothing
+        changes if it cannot grow. True when any was laid out."""
+        late = [(gi, i) for gi, i in keys if self.groups[gi][i].requires_grad or self.groups[gi][i].grad is not None]
+        if late:
+            with self.exclusive():
+                grow.lay_out_late(self, late)
+        return bool(late)
 
     def _jobs(self, active: list, order=None) -> list:
         jobs = []
