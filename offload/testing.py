@@ -99,7 +99,7 @@ def drop_row_caches(opt) -> None:
 def bookkeeping_sizes(opt) -> dict:
     """What a device schedule keeps between steps: ``copy_events`` (copies whose times are not counted
     yet) and ``step_records`` (steps whose statistics are not settled yet); both stay bounded."""
-    return dict(copy_events=side(opt).uncounted_copies, step_records=len(device_schedule(opt).records))
+    return dict(copy_events=side(opt).uncounted_copies, step_records=len(device_schedule(opt).stats.records))
 
 
 def trace_spans(opt) -> list:

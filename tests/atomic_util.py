@@ -1,9 +1,13 @@
 """atomic_util.py: helpers of the every-step-is-atomic tests (test_atomic_*.py): deterministic
-gradients, a tiny model and one training step of it, a bitwise snapshot of parameters and
-optimizer state, and its comparison."""
+gradients, a tiny model, iterations of a model on deterministic batches, a bitwise snapshot of
+parameters and optimizer state, and its comparison, the snapshot of an uninterrupted run (once per
+mode); what a failed optimizer of device parameters refuses and allows (every_call_refused)."""
 from __future__ import annotations
 
+import pytest
 import torch
+
+import offload
 
 
 def grads(params, step: int) -> None:
@@ -30,10 +34,17 @@ def tiny_model(frozen=()) -> torch.nn.Sequential:
     return model
 
 
-def model_step(model, opt, step: int) -> None:
-    """Forward, backward (the same batch for ``step`` in every run), opt.step(), zero_grad()."""
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
-    model(x).square().mean().backward()
+def model_backward(model, s: int) -> None:
+    """Backward of the deterministic batch ``s``: 8 x 16 inputs, in the dtype of the model's first
+    parameter; the loss in fp32."""
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(s)).to(dtype)
+    model(x).float().square().mean().backward()
+
+
+def model_step(model, opt, s: int) -> None:
+    """One iteration on batch ``s``: backward, step(), zero_grad()."""
+    model_backward(model, s)
     opt.step()
     opt.zero_grad()
 
@@ -43,6 +54,17 @@ def train_model(model, opt, start: int, n: int) -> None:
     for s in range(start, start + n):
         model_step(model, opt, s)
     opt.synchronize()
+
+
+def uninterrupted(cache: dict, key, build, run) -> dict:
+    """The snapshot of an uninterrupted run, made once per ``key``: ``build()`` gives (model, opt),
+    ``run(model, opt)`` trains it; the optimizer is closed afterwards."""
+    if key not in cache:
+        model, opt = build()
+        run(model, opt)
+        cache[key] = snapshot(list(model.parameters()), opt)
+        opt.close()
+    return cache[key]
 
 
 def _copy(v):
@@ -85,3 +107,25 @@ def assert_same(a: dict, b: dict) -> None:
         _same(x, y, f"parameter {i}")
     _same(a["state"], b["state"], "state")
     assert a["coef"] == b["coef"]
+
+
+def every_call_refused(model, opt, schedule):
+    """Until a load: each call that steps or reads the state raises OptimizerFailedError (a backward
+    too where buckets are stepped during it), every time; zero_grad and synchronize, which recovery
+    may need, work; a forward and a backward that hand nothing to the optimizer work."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(99))
+    for _ in range(2):
+        if schedule == "eager":
+            with pytest.raises(offload.OptimizerFailedError, match="load the last checkpoint"):
+                model(x).square().mean().backward()
+        else:
+            model(x).square().mean().backward()
+        with pytest.raises(offload.OptimizerFailedError, match="load the last checkpoint"):
+            opt.step()
+        with pytest.raises(offload.OptimizerFailedError):
+            opt.state_dict()
+        with pytest.raises(offload.OptimizerFailedError):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+        opt.synchronize()
+        opt.zero_grad(set_to_none=False)
+        opt.zero_grad()

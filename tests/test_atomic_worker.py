@@ -21,7 +21,7 @@ import offload
 from offload import testing
 from offload.device import FakeDevice
 from offload.engine import bucket
-from atomic_util import assert_same, snapshot
+from atomic_util import assert_same, every_call_refused, train_model, snapshot, uninterrupted
 from conftest import configs
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(60)]
@@ -46,29 +46,12 @@ def build(cfg, d):
     return model, opt
 
 
-def one_step(model, opt, s):
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(s))
-    model(x).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def train(model, opt, start, n):
-    for s in range(start, start + n):
-        one_step(model, opt, s)
-    opt.synchronize()
-
-
 _REF: dict = {}
 
 
 def reference(cfg, d):
-    if cfg not in _REF:
-        model, opt = build(cfg, d)
-        train(model, opt, 0, CKPT + MORE)
-        _REF[cfg] = snapshot(list(model.parameters()), opt)
-        opt.close()
-    return _REF[cfg]
+    return uninterrupted(_REF, cfg, lambda: build(cfg, d),
+                         lambda model, opt: train_model(model, opt, 0, CKPT + MORE))
 
 
 def _counting(real, count, nth):
@@ -137,14 +120,12 @@ def test_worker_failure(stage, cfg, nth, tmp_path, opts, monkeypatch):
     ref = reference(cfg, tmp_path)
     model, opt = build(cfg, tmp_path)
     opts.append(opt)
-    train(model, opt, 0, CKPT)
+    train_model(model, opt, 0, CKPT)
     weights, sd = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     count = STAGES[stage](opt, monkeypatch, nth)
     raised = None
     try:
-        for s in range(CKPT, CKPT + MORE):
-            one_step(model, opt, s)
-        opt.synchronize()
+        train_model(model, opt, CKPT, MORE)
     except Exception as e:   # the failure surfaces at the step, the next forward/backward or synchronize()
         raised = e
     monkeypatch.undo()
@@ -156,29 +137,7 @@ def test_worker_failure(stage, cfg, nth, tmp_path, opts, monkeypatch):
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
         model.load_state_dict(weights)
-    _every_call_refused(model, opt, cfg.schedule)
+    every_call_refused(model, opt, cfg.schedule)
     opt.load_state_dict(sd)
-    train(model, opt, CKPT, MORE)
+    train_model(model, opt, CKPT, MORE)
     assert_same(snapshot(list(model.parameters()), opt), ref)
-
-
-def _every_call_refused(model, opt, schedule):
-    """Until a load: each call that steps or reads the state raises OptimizerFailedError (a backward
-    too where buckets are stepped during it), every time; zero_grad and synchronize, which recovery
-    may need, work; a forward and a backward that hand nothing to the optimizer work."""
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(99))
-    for _ in range(2):
-        if schedule == "eager":
-            with pytest.raises(offload.OptimizerFailedError, match="load the last checkpoint"):
-                model(x).square().mean().backward()
-        else:
-            model(x).square().mean().backward()
-        with pytest.raises(offload.OptimizerFailedError, match="load the last checkpoint"):
-            opt.step()
-        with pytest.raises(offload.OptimizerFailedError):
-            opt.state_dict()
-        with pytest.raises(offload.OptimizerFailedError):
-            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
-        opt.synchronize()
-        opt.zero_grad(set_to_none=False)
-        opt.zero_grad()

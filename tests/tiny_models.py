@@ -1,7 +1,8 @@
 """tiny_models.py: what several test files share: the tiny random transformers model and token dataset
 of the framework tests (transformers' Trainer, accelerate, PEFT; built locally from a fixed seed, no
-downloads), and an identity whose backward is slow (device tests that need backward slower than the
-copies, as on a GPU)."""
+downloads), and identities whose backward does something first: sleeps (device tests that need
+backward slower than the copies, as on a GPU) or anything else (raises, in the failure tests)."""
+import functools
 import time
 
 import torch
@@ -9,18 +10,23 @@ import torch
 
 def slow_backward(x, seconds: float):
     """``x`` unchanged; its backward sleeps ``seconds`` first."""
-    return _SlowBackward.apply(x, seconds)
+    return on_backward(x, functools.partial(time.sleep, seconds))
 
 
-class _SlowBackward(torch.autograd.Function):
+def on_backward(x, action):
+    """``x`` unchanged; its backward calls ``action()`` first."""
+    return _OnBackward.apply(x, action)
+
+
+class _OnBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
+    def forward(ctx, x, action):
+        ctx.action = action
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        time.sleep(ctx.seconds)
+        ctx.action()
         return g, None
 
 VOCAB = 64

@@ -84,7 +84,7 @@ class StateEngine:
         self.tracker = WriteTracker(self.local_groups)   # bf16/fp16 params written by the user between steps
         if device is not None:
             from ..params.device import DeviceParams
-            self.side = DeviceParams(self.groups, device, staging_slots)
+            self.side = DeviceParams(self.groups, device, staging_slots, self.dtypes)
         else:
             self.side = HostParams(self.groups)
         if not isinstance(depth, int) or not 1 <= depth <= 64:
@@ -171,9 +171,13 @@ class StateEngine:
         return (amsgrad is None or amsgrad == self.amsgrad) and len(params) == len(self.groups) and all(
             len(ps) == len(mine) and all(map(operator.is_, ps, mine)) for ps, mine in zip(params, self.groups))
 
-    def _check_groups(self, groups: list) -> None:
-        if not self.holds([g["params"] for g in groups], None):   # (laid out again first: a guard)
-            raise RuntimeError("a param group's 'params' list changed since the state's layout")
+    def check_groups(self, groups: list, amsgrad: bool = False) -> None:
+        """A guard: laid out for these groups (``amsgrad``: their settings too), or raise."""
+        flags = [bool(g["amsgrad"]) for g in groups] if amsgrad else None
+        if not self.holds([g["params"] for g in groups], flags):
+            raise RuntimeError("a param group's 'params' list or amsgrad changed since the last "
+                               "step: call opt.synchronize() after changing them, before the next "
+                               "backward (the state is laid out for them again there)")
 
     def collect(self, param_groups: list, keep_grads: bool = True, state=None) -> list:
         """Validate grads/params of every group (before any I/O), under ``lock``; lay out the state
@@ -205,7 +209,7 @@ class StateEngine:
 
     def _collect(self, param_groups: list, state=None) -> list:
         """collect() without the lock: per group, the bool mask of active params."""
-        self._check_groups(param_groups)
+        self.check_groups(param_groups)
         active, grads = [], []
         for gi, group in enumerate(param_groups):
             if bool(group["amsgrad"]) != self.amsgrad[gi]:
@@ -237,11 +241,15 @@ class StateEngine:
                                  for i in np.flatnonzero(a & grow.unplaced(self, gi))], state)
         return active
 
-    def reserve(self, keys: list) -> None:
-        """Lay out the state of the parameters ``keys`` ([(gi, i)]) that have none yet (frozen at
-        construction), before a step that may need it starts; nothing changes if it cannot grow."""
-        with self.exclusive():
-            grow.lay_out_late(self, keys)
+    def reserve(self, keys: list) -> bool:
+        """Lay out the state of those of ``keys`` ([(gi, i)] with none yet: frozen at construction)
+        that are unfrozen now or have a gradient, before a step that may need it starts; nothing
+        changes if it cannot grow. True when any was laid out."""
+        late = [(gi, i) for gi, i in keys if self.groups[gi][i].requires_grad or self.groups[gi][i].grad is not None]
+        if late:
+            with self.exclusive():
+                grow.lay_out_late(self, late)
+        return bool(late)
 
     def _jobs(self, active: list, order=None) -> list:
         jobs = []

@@ -18,7 +18,7 @@ __all__ = ["StepPort", "port_of"]
 class StepPort:
     groups: Callable[[], list]                        # the live param_groups
     state: Callable[[], MutableMapping]               # the live opt.state
-    hyper: Callable[[int], dict]                      # validated hyperparameters of group gi (ValueError if not)
+    hyper: Callable[[int], dict]                      # validated, finite hyperparameters of group gi (else ValueError)
     threads: Callable[[], int]                        # the optimizer's threads= (0: the pool's size)
     pending: Callable[[], float]                      # the clip coefficient left for the next step
     set_pending: Callable[[float, list], None]        # record one, tied to these parameters' gradients

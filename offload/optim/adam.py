@@ -31,7 +31,7 @@ from ..base.failstop import OptimizerFailedError, detached, failed_message
 from .engine_slot import EngineSlot
 from .rebuilding import EngineSync
 from ..state.choice import resolve_storage
-from .options import OPTIMIZER_WIDE, OPTIONS_DOC, given_gpu_options
+from .options import OPTIMIZER_WIDE, OPTIONS_DOC, constructor_args, given_gpu_options
 
 __all__ = ["Adam", "AdamW"]
 
@@ -172,6 +172,7 @@ class _AdamBase(EngineSync, Optimizer):
 
     def _check_usable(self) -> None:
         """Raise if an earlier step failed part-way (offload/base/failstop.py) and no state was loaded since."""
+        gpu.check_open(self.__dict__.get("_gpu"))   # device parameters: not after close()
         failure = self.__dict__.get("_failure")
         if failure is not None:
             raise OptimizerFailedError(failed_message("the optimizer", failure)) from failure
@@ -179,13 +180,15 @@ class _AdamBase(EngineSync, Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad; also discards a clip coefficient computed from the discarded gradients."""
         self._clip.clear()
-        if self._gpu is not None and not set_to_none:
-            self._gpu.synchronize()   # zeroing in place: not while the last step's D2H may still read them
+        if self._gpu is not None:   # (zeroing in place waits for the last step's copies)
+            self._gpu.zero_grad(set_to_none)
         super().zero_grad(set_to_none=set_to_none)
 
     def close(self) -> None:
         """Release NVMe/mmap state (waits for I/O, deletes the state file unless keep_files) and the
-        GPU-offload machinery (hooks, worker thread, a device the optimizer created). No-op otherwise."""
+        GPU-offload machinery (hooks, worker thread, a device the optimizer created); no-op
+        otherwise. Then, with device parameters, step(), synchronize(), state_dict() ... refuse
+        (docs/gpu.md)."""
         gpu.close(getattr(self, "_gpu", None), self._store)
 
     def group_hyper(self, gi: int) -> dict:
@@ -361,11 +364,6 @@ _AdamBase.step = stephooks.hooked_step(_AdamBase.step)
 del _name
 
 
-def _forward(args: dict) -> dict:
-    """A subclass constructor's arguments, as keywords for _AdamBase.__init__."""
-    return {k: v for k, v in args.items() if k not in ("self", "__class__")}
-
-
 class Adam(_AdamBase):
     __doc__ = "Adam (L2 weight decay added to the gradient), same signature and defaults as torch.optim.Adam.\n" \
         + OPTIONS_DOC
@@ -377,7 +375,7 @@ class Adam(_AdamBase):
                  bucket_mb=None, overlap=None, step_during_backward=None, max_grad_norm=None, check_overflow=None,
                  release_grads=None, trace=None, small_param_numel=None, delay_updates=None, delay_after=None,
                  delay_extrapolate=None, state=None):
-        super().__init__(**_forward(locals()))
+        super().__init__(**constructor_args(locals()))
 
 
 class AdamW(_AdamBase):
@@ -392,4 +390,4 @@ class AdamW(_AdamBase):
                  step_during_backward=None, max_grad_norm=None, check_overflow=None, release_grads=None,
                  trace=None, small_param_numel=None, delay_updates=None, delay_after=None, delay_extrapolate=None,
                  state=None):
-        super().__init__(decoupled_weight_decay=True, **_forward(locals()))
+        super().__init__(decoupled_weight_decay=True, **constructor_args(locals()))

@@ -4,11 +4,11 @@
 ``make_state_engine`` builds the one state engine (offload/engine/engine.py), any tier, and
 ``start_engine`` the device face (offload/schedule/device_step.py) over it (``restart``: over an
 engine built again). ``need``, ``no_sync``,
-``last_step_stats``, ``io_only_pass``, ``settled`` and ``close`` are the bodies of optimizer methods
-around the device face (accumulation boundary, telemetry, ``opt.state``, cleanup); they take the
-device face and the engine as arguments, so the optimizer class (optim/adam.py) only delegates.
-``start_engine`` logs the setup chosen (parameter side, state tier, moment format) as one INFO line
-on the ``offload`` logger.
+``last_step_stats``, ``io_only_pass``, ``settled``, ``check_open`` and ``close`` are the bodies of
+optimizer methods around the device face (accumulation boundary, telemetry, ``opt.state``, cleanup
+and the refusals after it); they take the device face and the engine as arguments, so the
+optimizer class (optim/adam.py) only delegates. ``start_engine`` logs the setup chosen (parameter
+side, state tier, moment format) as one INFO line on the ``offload`` logger.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from ..schedule.device_step import DeviceStep
 from ..engine.port import port_of
 from ..schedule.feedstep import WriteRaceError
 
-__all__ = ["STATE_DOC", "close", "describe", "io_only_pass", "last_step_stats", "make_state_engine",
-           "need", "no_sync", "quiesce_for_rebuild", "restart", "settled", "split_params",
-           "start_engine"]
+__all__ = ["STATE_DOC", "check_open", "close", "describe", "io_only_pass", "last_step_stats",
+           "make_state_engine", "need", "no_sync", "quiesce_for_rebuild", "restart", "settled",
+           "split_params", "start_engine"]
 
 log = logging.getLogger("offload")
 
@@ -193,6 +193,12 @@ def settled(gpu: Optional[DeviceStep], value):
     if feed is not None and not gpu.closed:
         feed.settle()
     return value
+
+
+def check_open(gpu: Optional[DeviceStep]) -> None:
+    """RuntimeError if the device face was closed (optimizers without one: their tier decides)."""
+    if gpu is not None:
+        gpu.check_open()
 
 
 def close(gpu: Optional[DeviceStep], store) -> None:

@@ -1,11 +1,11 @@
 """optim/options.py: offload's own constructor options of ``offload.Adam`` / ``offload.AdamW`` (beyond torch's):
 their documentation (appended to both classes' docstrings, so ``help()`` shows each one), which
-GPU-offload options the caller actually gave, and which options are the whole optimizer's, never a param
-group's (``OPTIMIZER_WIDE``).
+GPU-offload options the caller actually gave, which options are the whole optimizer's, never a param
+group's (``OPTIMIZER_WIDE``), and a subclass constructor's arguments as the base class takes them.
 """
 from __future__ import annotations
 
-__all__ = ["OPTIONS_DOC", "GPU_OPTION_NAMES", "OPTIMIZER_WIDE", "given_gpu_options"]
+__all__ = ["OPTIONS_DOC", "GPU_OPTION_NAMES", "OPTIMIZER_WIDE", "constructor_args", "given_gpu_options"]
 
 GPU_OPTION_NAMES = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm", "check_overflow",
                     "release_grads", "trace", "small_param_numel", "delay_updates", "delay_after",
@@ -60,3 +60,8 @@ OPTIONS_DOC = """
 def given_gpu_options(**options) -> dict:
     """The GPU-offload options the caller gave (None: not given, the mode's default applies)."""
     return {k: v for k, v in options.items() if v is not None}
+
+
+def constructor_args(args: dict) -> dict:
+    """A subclass constructor's arguments (its ``locals()``), as keywords for the base class's __init__."""
+    return {k: v for k, v in args.items() if k not in ("self", "__class__")}

@@ -11,7 +11,8 @@ from ..base.dtypes import LOW_PRECISION
 from ..base.tensors import bump_versions, check_tensor
 from ..state.layout import Shape
 
-__all__ = ["LOW_PRECISION", "frozen", "shapes_of", "check_grad", "bump_stepped", "resized"]
+__all__ = ["LOW_PRECISION", "frozen", "shapes_of", "check_device_params", "check_grad",
+           "check_param", "bump_stepped", "resized"]
 
 
 def bump_stepped(groups: Sequence[Sequence[torch.Tensor]], active: list) -> None:
@@ -53,14 +54,42 @@ def resized(gi: int, i: int, was: int, now: int, mode: str) -> RuntimeError:
         f"storage={mode!r} the state is laid out for the sizes the parameters had)")
 
 
-def check_grad(p, g, gi: int, i: int, dtype, numel: int, mode: str, device_side: bool) -> None:
-    """Clear exceptions for a parameter/gradient the layout cannot step."""
-    lp, lg = local(p), local(g)
+def check_param(p, gi: int, i: int, dtype, numel: int, mode: str, device_side: bool) -> None:
+    """Clear exceptions for a parameter the layout cannot step: another size or dtype than the
+    layout's (a model cast after the optimizer was built), and for device parameters, not
+    contiguous (the new weights would go into a temporary copy)."""
+    lp = local(p)
     if lp.numel() != numel:
         raise resized(gi, i, numel, lp.numel(), mode)
     if lp.dtype != dtype:  # the bucket layout depends on it (master section or not)
-        raise RuntimeError(f"parameter {i} of group {gi} changed dtype ({dtype} -> {lp.dtype}) since the "
-                           f"optimizer was created with storage={mode!r}")
+        raise RuntimeError(
+            f"parameter {i} of group {gi} changed dtype ({dtype} -> {lp.dtype}) since the "
+            f"optimizer was created with storage={mode!r}: its state and buffers are laid out "
+            f"for {dtype}: cast the parameters back (e.g. model.to({dtype})) before the next "
+            "step, or build a new optimizer for the cast model and load this one's state_dict() "
+            "into it")
+    if device_side and not lp.is_contiguous():
+        raise RuntimeError(
+            f"parameter {i} of group {gi} is not contiguous (strides {tuple(lp.stride())}); "
+            "offload never updates a temporary copy: make it contiguous first "
+            "(p.data = p.data.contiguous())")
+
+
+def check_device_params(groups, ready: list, dtypes: list, numels: list, mode: str) -> None:
+    """``check_param`` of every device parameter with state (``ready``: per group, a bool mask):
+    before anything reads them (masters re-read after a write) or uploads new weights into them."""
+    for gi, (ps, r, ds, ns) in enumerate(zip(groups, ready, dtypes, numels)):
+        for i, p in enumerate(ps):
+            if r[i]:
+                lp = local(p)
+                if lp.dtype != ds[i] or lp.numel() != ns[i] or not lp.is_contiguous():
+                    check_param(p, gi, i, ds[i], ns[i], mode, True)
+
+
+def check_grad(p, g, gi: int, i: int, dtype, numel: int, mode: str, device_side: bool) -> None:
+    """Clear exceptions for a parameter/gradient the layout cannot step."""
+    check_param(p, gi, i, dtype, numel, mode, device_side)
+    lp, lg = local(p), local(g)
     if device_side:
         if lg.shape != lp.shape or lg.dtype != lp.dtype:
             raise RuntimeError(f"gradient of parameter {i} of group {gi} has shape {tuple(lg.shape)} and dtype "

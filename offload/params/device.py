@@ -31,10 +31,13 @@ class Staged:
 class DeviceParams:
     device_side = True
 
-    def __init__(self, groups, device, slots: int = 2):
+    def __init__(self, groups, device, slots: int = 2, dtypes: Optional[list] = None):
         if not (isinstance(slots, int) and 1 <= slots <= 64):
             raise ValueError(f"staging_slots must be an int in [1, 64], got {slots!r}")
         self.groups = groups
+        # per group, each parameter's dtype as laid out (the engine's list, which grows with
+        # it): the staging slots are sized by it, whatever a parameter was cast to since
+        self.dtypes = [[local(p).dtype for p in ps] for ps in groups] if dtypes is None else dtypes
         self.grads = None             # this step's validated gradients, set by the engine
         self.device = device
         self.nslots = slots
@@ -103,13 +106,30 @@ class DeviceParams:
 
     def ptrs(self, b, pieces, staged: Staged) -> list:
         staged.d2h.synchronize()
-        params = self.groups[b.group]
         gbuf, obuf = self.grad_bufs[staged.slot], self.out_bufs[staged.slot]
         out = []
-        for pc in pieces:
-            code = DTYPE_CODES[local(params[pc.param]).dtype]
+        for pc in pieces:   # (the layout's dtype: a parameter cast since must not size the write)
+            code = DTYPE_CODES[self.dtypes[b.group][pc.param]]
             out.append((0, gbuf.data_ptr() + pc.boff, code, obuf.data_ptr() + pc.boff, code))
         return out
+
+    def flat_param(self, gi: int, i: int) -> torch.Tensor:
+        """Parameter i of group gi as the flat tensor an upload writes: its own memory (``.data``:
+        our own write must not look like a user's, version counter), never a temporary copy;
+        RuntimeError if it was cast or made non-contiguous since it was checked (a write racing
+        with the step)."""
+        p, laid = local(self.groups[gi][i]).data, self.dtypes[gi][i]
+        if p.dtype != laid:
+            fix = (f"changed dtype ({laid} -> {p.dtype})",
+                   f"cast the parameters back (e.g. model.to({laid}))")
+        elif not p.is_contiguous():
+            fix = (f"is not contiguous (strides {tuple(p.stride())})", "make it contiguous "
+                   "(p.data = p.data.contiguous()): offload never updates a temporary copy")
+        else:
+            return p.view(-1)
+        raise RuntimeError(f"offload: parameter {i} of group {gi} {fix[0]} while an update of it "
+                           f"was still to be uploaded: {fix[1]}. Call optimizer.synchronize() "
+                           "before changing parameters between steps")
 
     def stepped(self, active: list) -> None:
         """The step's new weights of the parameters ``active`` (per group, bool masks) are uploaded, or
@@ -123,12 +143,9 @@ class DeviceParams:
     def publish(self, b, pieces, staged: Staged, after=None):
         """H2D of the new weights from the slot (after ``after``: during backward, the compute stream's
         event recorded when the bucket's gradients were complete, so no queued kernel still reads them)."""
-        params = self.groups[b.group]
-        pairs = []
-        for pc in pieces:
-            p = local(params[pc.param])
-            # through .data: our own write must not look like a user's write (version counter)
-            pairs.append((p.data.reshape(-1)[pc.start:pc.start + pc.n], self._piece(self.out_bufs[staged.slot], pc, p.dtype)))
+        dtypes, out = self.dtypes[b.group], self.out_bufs[staged.slot]
+        pairs = [(self.flat_param(b.group, pc.param)[pc.start:pc.start + pc.n],
+                  self._piece(out, pc, dtypes[pc.param])) for pc in pieces]
         self.publishes += 1
         ev = self.device.copy_to_device(pairs, after)
         self.slot_ev[staged.slot] = ev

@@ -25,7 +25,6 @@ RAM-state GPU scheduler does). Anything that fails after a bucket was stepped ma
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
 import weakref
@@ -35,6 +34,7 @@ import numpy as np
 
 from ..base.dist import local
 from ..params.base import check_grad
+from .backwardwatch import BackwardWatch, unfinished
 from .feedstep import FeedStep
 from .frameworks import accelerate_accumulating
 from .hooks import weak_hook
@@ -64,6 +64,9 @@ class BackwardFeed:
                                    self.raise_if_failed, trace, self.stepper.unwritten)
         self.error: Optional[BaseException] = None
         self.reported = False
+        self.watch = BackwardWatch()   # backward passes that handed gradients over, not completed
+        # (a module's state_dict / load_state_dict pre-hook: after a backward that raised part-way)
+        self.uploads.settle = weak_hook(self, "settle_backward")
         self._hooks: list = []
         self._hooked = 0
         self._nb = -1
@@ -118,7 +121,7 @@ class BackwardFeed:
         self.in_cycle = False
         self.sent: dict = {}                 # (gi, i) -> (weakref to the grad, or None with release_grads; version)
         self.unsent: dict = {}               # (gi, i) -> its buckets whose D2H is not issued yet
-        self._hypers: dict = {}              # group -> hyperparameters read at its first bucket this step
+        self.hypers: dict = {}               # group -> its hyperparameters, read as the step began
         self.missing = [len(ps) for ps in self.params_of]
         self.dispatched: list = []   # queue order
         self.down = 0                # buckets of this cycle whose copies down were issued (worker)
@@ -130,28 +133,24 @@ class BackwardFeed:
         self.ahead = None            # set by the worker when a step finished: the next step's expected order
 
     # ------------------------------------------------------------------ backward (training / autograd thread)
-    def begin_cycle(self) -> None:
-        """The first gradient (or step()) of a step: the last one done, opt.state edits and parameter
-        writes adopted; the counters at its start marked."""
+    def begin_cycle(self, in_backward: bool = False) -> None:
+        """The first gradient (or step()) of a step: the last one done, opt.state edits and
+        parameter writes adopted; the counters at its start marked. What can be checked before
+        the first bucket is stepped is checked first: the parameters, and ``in_backward`` (buckets
+        are stepped as their gradients arrive) the hyperparameters of every group, read here for
+        the whole step."""
         self.raise_if_failed()
         eng = self.engine
-        groups = self.face.port.groups()
-        if not eng.holds([g["params"] for g in groups], [bool(g.get("amsgrad")) for g in groups]):
-            raise RuntimeError(
-                "a param group's 'params' list or amsgrad changed since the last step: with "
-                "parameters on a device the optimizer lays its state out for the groups again at "
-                "opt.synchronize(), step() or add_param_group(); call opt.synchronize() after "
-                "changing them, before the next backward")
+        eng.check_groups(self.face.port.groups(), amsgrad=True)   # (edited: laid out again first)
         self.wait_idle()
         self.uploads.wait_all()   # (a parameter no module's forward used)
-        # a parameter frozen at construction and unfrozen since may get its first gradient now: its
-        # state is laid out before any bucket is stepped (a full drive refuses here, unchanged)
-        late = [(gi, i) for gi, i in self.unlaid if self.engine.groups[gi][i].requires_grad
-                or self.engine.groups[gi][i].grad is not None]
-        if late:
-            self.engine.reserve(late)
-            self.maps()
+        self.face.check_params()
+        n = len(self.engine.groups) if in_backward else 0
+        hypers = {gi: self.face.port.hyper(gi) for gi in range(n)}   # (validated, finite)
+        if self.engine.reserve(self.unlaid):   # frozen at construction, unfrozen since: laid out before
+            self.maps()                         # any bucket is stepped (a full drive refuses, unchanged)
         self._reset()
+        self.hypers = hypers
         eng.begin(self.face.port.state())
         if self.face.small:   # (stepped at step(), after the buckets this backward steps)
             self.face.small.check()
@@ -177,14 +176,31 @@ class BackwardFeed:
     def _on_grad(self, gi: int, i: int, p) -> None:
         if not self.boundary or accelerate_accumulating():
             return
+        self.watch.entered()
+        try:
+            self._take(gi, i, p)
+        except BaseException as e:
+            if self.in_cycle and self.dispatched and self.error is None:
+                self.fail(e, True)   # buckets of this step were stepped: it can no longer complete
+                self.give_up_uploads()
+            raise
+
+    def _take(self, gi: int, i: int, p) -> None:
         if not self.in_cycle:
-            self.begin_cycle()
+            self.begin_cycle(in_backward=True)
         self.raise_if_failed()   # (failed in this cycle: StoreFailedError, not the 'second backward' below)
         key = (gi, i)
         if key not in self.buckets_of:
             return   # no state laid out (frozen at construction, or empty): step() handles it
         if key in self.sent:
             if self.dispatched:
+                if self.watch.others():   # an earlier backward is open: it raised part-way
+                    # (or this one runs inside it: a reentrant activation checkpoint)
+                    self.fail(RuntimeError(unfinished(
+                        "a backward raised part-way", len(self.dispatched),
+                        " (or a reentrant activation checkpoint's backward reached a parameter it "
+                        "had stepped: construct the optimizer with step_during_backward=False)")))
+                    self.raise_if_failed()
                 raise RuntimeError(
                     "offload: a second backward reached parameters whose gradients were already sent to the CPU "
                     "and stepped (step_during_backward mode). For gradient accumulation wrap the earlier backward "
@@ -224,13 +240,6 @@ class BackwardFeed:
         if self.release_grads:
             p.grad = None
 
-    def hyper(self, gi: int) -> dict:
-        h = self.face.port.hyper(gi)
-        for k in ("lr", "eps", "weight_decay", "beta1", "beta2"):
-            if not math.isfinite(h[k]):
-                raise ValueError(f"group {gi}: {k} = {h[k]} is not finite")
-        return h
-
     def dispatch(self, bi: int, mult: float, hypers: Optional[dict] = None) -> None:
         eng = self.engine
         b = eng.layout.buckets[bi]
@@ -239,9 +248,9 @@ class BackwardFeed:
         if not act:
             return
         if hypers is None:   # (during backward: once per group and step, not per bucket)
-            hypers = self._hypers
+            hypers = self.hypers
             if b.group not in hypers:
-                hypers[b.group] = self.hyper(b.group)
+                hypers[b.group] = self.face.port.hyper(b.group)
         h = hypers[b.group]
         adv, steps = self.advanced[b.group], eng.registry.counts(b.group)
         for pc in act:
@@ -285,8 +294,9 @@ class BackwardFeed:
             self.tier.check_usable()     # StoreFailedError naming the first failure
 
     def check_usable(self) -> None:
-        """StoreFailedError if the worker or the tier failed (a step failed part-way) and no state was
-        loaded since."""
+        """StoreFailedError if the worker or the tier failed (a step failed part-way, a backward
+        that stepped buckets raised) and no state was loaded since."""
+        self.settle_backward()
         self.raise_if_failed()
         self.tier.check_usable()
 
@@ -297,9 +307,31 @@ class BackwardFeed:
         self.wait_idle()
         self.uploads.abandon(self.ups)
 
+    def settle_backward(self, discarded: bool = False) -> None:
+        """Outside backward: buckets stepped during a backward that then raised part-way (or,
+        ``discarded``, whose gradients zero_grad() discards) hold part of a step that nothing can
+        complete: the optimizer fails, naming it (docs/failures.md). With nothing stepped yet, a
+        discarded step starts afresh."""
+        aborted = self.watch.aborted()
+        if not self.in_cycle or self.error is not None or not (aborted or discarded):
+            return
+        if not self.dispatched:
+            if discarded:
+                self._reset()   # (nothing was stepped: as if the backward had not run)
+            return
+        why = ("a backward raised part-way" if aborted else
+               "zero_grad() discarded the gradients of a step")
+        self.fail(RuntimeError(unfinished(why, len(self.dispatched))), True)
+        self.give_up_uploads()
+
+    def discard(self) -> None:
+        """zero_grad(): the gradients go (settle_backward)."""
+        self.settle_backward(discarded=True)
+
     def recover(self) -> None:
         """After a complete load_state_dict (which recovered the tier): a failed step's error goes, and the
         next backward or step() starts a fresh cycle."""
+        self.watch.open.clear()
         if self.error is not None:
             self.wait_idle()
             self.error, self.reported = None, False
@@ -348,6 +380,7 @@ class BackwardFeed:
     def synchronize(self) -> None:
         """Wait for the worker; a failure not reported yet is raised (later uses of the state then raise
         StoreFailedError through the tier; close() still works)."""
+        self.settle_backward()
         self.wait_idle()
         if self.error is not None and self.reported:
             self.uploads.abandon(self.ups)   # reported already: later uses raise StoreFailedError

@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..base.dist import is_dtensor, local, multi_rank
+from ..base.dist import is_dtensor, multi_rank
 from ..params.device import DeviceParams
 from .feedstep import WriteRaceError
 from .hooks import weak_hook
@@ -81,7 +81,8 @@ def prepare(overlap: bool, step_during_backward, small_param_numel, engine, dela
         raise ValueError("delay_updates=1 is not supported with several torch.distributed ranks or DTensor (FSDP2) "
                          "parameters: use delay_updates=0 (the exact schedule)")
     old = engine.side
-    engine.side = HeldParams(old.groups, old.device, old.nslots, extrapolate=bool(delay_extrapolate))
+    engine.side = HeldParams(old.groups, old.device, old.nslots, old.dtypes,
+                             extrapolate=bool(delay_extrapolate))
     engine.side.allocate(engine.layout)
     old.close()
     return (DELAY_AFTER if delay_after is None else delay_after), False
@@ -96,8 +97,8 @@ class HeldParams(DeviceParams):
     """DeviceParams whose new weights wait in one host buffer per bucket until ``release`` (while
     ``hold``; otherwise, in the exact steps before the delay starts, a plain ``DeviceParams``)."""
 
-    def __init__(self, groups, device, slots: int = 2, extrapolate: bool = False):
-        super().__init__(groups, device, slots)
+    def __init__(self, groups, device, slots: int = 2, dtypes=None, extrapolate: bool = False):
+        super().__init__(groups, device, slots, dtypes)
         self.extrapolate = extrapolate
         self.bufs: dict = {}      # bucket index -> host buffers of its weights (its staging layout; two to extrapolate)
         self.held: dict = {}      # bucket index -> (bucket, pieces) stepped and not uploaded yet
@@ -170,9 +171,9 @@ class HeldParams(DeviceParams):
             self.cur[bi], self.pred[bi], self.ext[bi] = (k, keys), k, []
             return
         o, before = self.cur[bi][0], self.cur[bi][1]
-        old_buf, params, ext = self._free(bi, o), self.groups[b.group], []
+        old_buf, dtypes, ext = self._free(bi, o), self.dtypes[b.group], []
         for pc in pieces:
-            dtype = local(params[pc.param]).dtype
+            dtype = dtypes[pc.param]
             new, old = self._piece(self.bufs[bi][k], pc, dtype), self._piece(old_buf, pc, dtype)
             if _key(pc) in before:
                 x = new.float()
@@ -188,7 +189,10 @@ class HeldParams(DeviceParams):
         extrapolated, or (``actual``) the new weights themselves; and the true weights of each piece
         whose prediction is on the device but which this update did not step (``update``: an
         update was queued since the last release; the next one extrapolates no piece it did not
-        step)."""
+        step). Every destination is checked first: a refusal uploads nothing."""
+        for b, pieces in list(self.held.values()) + list(self.shown.values()):
+            for pc in pieces:
+                self.flat_param(b.group, pc.param)
         held, self.held = self.held, {}
         shown, self.shown = self.shown, {}
         if update:
@@ -200,11 +204,9 @@ class HeldParams(DeviceParams):
         first = [bi for bi in order if bi in todo]
         for bi in first + sorted(todo - set(first)):
             b, parts = self._sources(bi, held, shown, actual)
-            params, pairs = self.groups[b.group], []
-            for pc, k in parts:   # through .data: our write must not look like a user's (version)
-                p = local(params[pc.param])
-                pairs.append((p.data.reshape(-1)[pc.start:pc.start + pc.n],
-                              self._piece(self.bufs[bi][k], pc, p.dtype)))
+            dtypes = self.dtypes[b.group]
+            pairs = [(self.flat_param(b.group, pc.param)[pc.start:pc.start + pc.n],
+                      self._piece(self.bufs[bi][k], pc, dtypes[pc.param])) for pc, k in parts]
             self.publishes += 1
             ev = self.device.copy_to_device(pairs, after)
             for k in {k for _, k in parts}:

@@ -28,8 +28,10 @@ import torch
 
 from ..base.dist import global_sumsq, in_process_group, is_dtensor, local, multi_rank, nonfinite_norm
 from ..native.adam import affinity_cpus
+from ..params.base import check_device_params
 from ..params.fingerprint import fingerprints
 from .smallparams import DeviceSideAdam
+from .stepstats import StepStats
 from ..base.trace import Trace
 from .delayed import DelayedUpdates, prepare
 from .uploads import compiled_code_in_use
@@ -86,9 +88,7 @@ class DeviceStep:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.check_overflow = bool(check_overflow)
         self.owns_device = False
-        self._nsteps = 0
-        self._last: Optional[dict] = None
-        self.records: list = []   # the latest steps' statistics until _settle takes them (it runs past 4)
+        self.stats = StepStats(engine, self.feed, self.trace)
         self._versions = self._snapshot()
         self._prints = None   # (keys, fingerprints, side.publishes then): see _take_prints
         self._dtensors = None   # any DTensor parameter (FSDP2): known at the first step
@@ -169,6 +169,23 @@ class DeviceStep:
         if self.feed is not None:
             self.feed.boundary = bool(flag)
 
+    def check_params(self) -> None:
+        """Before anything reads or writes the parameters (masters re-read, new weights
+        uploaded): every one with state here still has the dtype, size and contiguous memory its
+        state and staging are laid out for (a model cast after the optimizer was built is
+        refused, by name)."""
+        eng = self.engine
+        check_device_params(eng.groups, eng.registry.ready, eng.dtypes, eng.numels, eng.mode)
+
+    def check_open(self) -> None:
+        """RuntimeError once close() ran: the worker, the hooks and the state are gone."""
+        if self.closed:
+            raise RuntimeError(
+                "offload: the optimizer was closed: close() stopped its CPU worker, removed its "
+                "hooks and released its state, so it no longer steps, synchronizes, saves or "
+                "loads. Build a new optimizer to train on (and load into it a state_dict() or "
+                "offload.save checkpoint taken before close())")
+
     def reload_changed(self) -> None:
         """The user wrote parameters (e.g. model.load_state_dict, p.data.mul_ after synchronize()):
         their masters follow (refused while a delay_updates=1 update is pending: delayed.py)."""
@@ -188,6 +205,7 @@ class DeviceStep:
         return global_sumsq(self._grads(), lambda gs: side.grad_sumsq(gs, threads))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        self.check_open()
         if float(norm_type) != 2.0:
             raise ValueError("offload's fused clipping supports norm_type=2.0 only")
         if self.eager:
@@ -207,6 +225,7 @@ class DeviceStep:
 
     def step(self, grad_multiplier: Optional[float]) -> None:
         t0 = time.perf_counter()
+        self.check_open()
         (self.feed or self.engine.tier).check_usable()   # failed: refused before any check, any small parameter
         mult = self.port.pending() * (1.0 if grad_multiplier is None else float(grad_multiplier))
         self._step(t0, mult)
@@ -214,6 +233,8 @@ class DeviceStep:
 
     def _step(self, t0: float, mult: float) -> None:
         port = self.port
+        if self.feed is None:   # (the overlapped schedules: when the step's cycle begins)
+            self.check_params()
         if self.small:   # they are stepped first: every group's hyperparameters are checked before that
             for gi in range(len(port.groups())):
                 port.hyper(gi)
@@ -257,7 +278,7 @@ class DeviceStep:
                     for i in np.flatnonzero(a):
                         self.engine.groups[gi][i].grad = None
         self.synchronize()
-        self._record(t0, s0, stats, mult, skipped=skip, overlapped=False, done=True)
+        self.stats.record(t0, s0, stats, mult, skipped=skip, overlapped=False, done=True)
 
     def _small_step(self, mult: float):
         def run():
@@ -283,7 +304,7 @@ class DeviceStep:
                          "so the next forward does not overlap the rest of the CPU step (docs/gpu.md, Limits)")
             self.feed.uploads.wait_all()
             rec["waited_all"] = True
-        self._record(t0, rec["side0"], rec, mult, overlapped=True)
+        self.stats.record(t0, rec["side0"], rec, mult, overlapped=True)
 
     def _shared_weights(self) -> bool:
         """Are the weights read by collectives after step()? (FSDP2 shards, or several ranks.)"""
@@ -291,48 +312,9 @@ class DeviceStep:
             self._dtensors = any(is_dtensor(p) for ps in self.engine.groups for p in ps)
         return self._dtensors or multi_rank()
 
-    def _record(self, t0: float, s0: dict, stats: dict, mult: float, **extra) -> None:
-        """Stats of the step that began at t0 (s0: the side's counters then); ``stats`` is completed
-        later by the worker when the step is queued (``done``)."""
-        self._nsteps += 1
-        rec = stats if "done" in stats else dict(stats)
-        rec.update(step=self._nsteps, s0=s0, exposed0=self._exposed(), t0=t0, exposed_step=time.perf_counter() - t0,
-                   grad_multiplier=mult, **extra)
-        rec.setdefault("skipped", False)
-        if self.trace is not None:
-            self.trace.span(f"step() {self._nsteps}", "training thread", (t0, time.perf_counter()))
-        self.records.append(rec)
-        if len(self.records) > 4:   # bounded however rarely the stats are read
-            self._settle()
-
-    def _exposed(self) -> float:
-        return self.feed.uploads.exposed_s if self.feed is not None else 0.0
-
-    def _settle(self) -> None:
-        """The latest step whose CPU part is done (and whose uploads were waited for) becomes _last."""
-        side = self.engine.side
-        side.collect_times()
-        pending = self.feed is not None and self.feed.uploads.pending
-        done = [k for k, r in enumerate(self.records) if r["done"] and not (pending and k == len(self.records) - 1)]
-        if not done:
-            return
-        k = done[-1]
-        r = self.records[k]
-        nxt = self.records[k + 1] if k + 1 < len(self.records) else None
-        s1 = nxt["s0"] if nxt is not None else side.stats
-        waits = (nxt["exposed0"] if nxt is not None else self._exposed()) - r["exposed0"]
-        self._last = dict(step=r["step"], d2h_s=s1["d2h_s"] - r["s0"]["d2h_s"], kernel_s=r["kernel_s"],
-                          h2d_s=s1["h2d_s"] - r["s0"]["h2d_s"], nvme_s=r["nvme_s"],
-                          exposed_s=r["exposed_step"] + waits, d2h_bytes=s1["d2h_bytes"] - r["s0"]["d2h_bytes"],
-                          h2d_bytes=s1["h2d_bytes"] - r["s0"]["h2d_bytes"], buckets=r["buckets"],
-                          skipped=r["skipped"], grad_multiplier=r["grad_multiplier"],
-                          overlapped=r["overlapped"], waited_all=r.get("waited_all", False), complete=True)
-        if "pipeline_s" in r:
-            self._last["pipeline_s"] = r["pipeline_s"]
-        self.records = self.records[k:]
-
     # ------------------------------------------------------------------ the rest of the GPU face
     def synchronize(self) -> None:
+        self.check_open()
         if self.feed is not None:
             (self.delayed or self.feed).synchronize()   # delay_updates: completes the pending update
         self.engine.side.synchronize()
@@ -340,6 +322,7 @@ class DeviceStep:
 
     def reload_params(self) -> None:
         self.synchronize()
+        self.check_params()
         self.engine.reload_masters({(gi, i) for gi, ps in enumerate(self.engine.groups) for i in range(len(ps))})
         self._versions = self._snapshot()
 
@@ -347,9 +330,11 @@ class DeviceStep:
         """Before the engine changes shape (add_param_group): the worker idle, every upload landed, and
         what the user wrote into parameters since the last step adopted (masters follow), since
         load_state() below starts the write tracking afresh."""
+        self.check_open()
         if self.feed is not None:
             (self.delayed or self.feed).synchronize()
         self.engine.side.synchronize()
+        self.check_params()
         self.reload_changed()
         self._take_prints()   # (consumed above) a write after a failed add_param_group is still seen
 
@@ -373,11 +358,11 @@ class DeviceStep:
 
     def last_step_stats(self, wait: bool = False) -> Optional[dict]:
         """Timing of the latest step whose weights are back on the device (``wait=True``: finish the
-        latest step first)."""
-        if wait:
+        latest step first; after close() there is nothing left to finish)."""
+        if wait and not self.closed:
             self.synchronize()
-        self._settle()
-        return None if self._last is None else dict(self._last)
+        self.stats.settle()
+        return None if self.stats.last is None else dict(self.stats.last)
 
     def export_chrome_trace(self, path: str) -> int:
         trace = self.trace
@@ -389,6 +374,15 @@ class DeviceStep:
     @property
     def buckets(self) -> list:
         return self.engine.layout.buckets
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Before the optimizer's zero_grad: buckets stepped during a backward whose step the
+        gradients were for are given up (the optimizer fails, schedule/backward.py); zeroing in
+        place first waits for the last step's copies of the gradients (none after close())."""
+        if self.feed is not None and not self.closed:
+            self.feed.discard()
+        if not set_to_none and not self.closed:
+            self.synchronize()
 
     def close(self) -> None:
         self.closed = True

@@ -121,7 +121,9 @@ class FeedStep:
                     self.end_observation()
                 todo = [bi for bi in order if bi not in feed.done]
                 buckets = eng.layout.buckets
-                hypers = {gi: feed.hyper(gi) for gi in {buckets[bi].group for bi in todo}}   # all checked first
+                # all checked first; those read as backward began are kept for the whole step
+                groups = {buckets[bi].group for bi in todo}
+                hypers = {gi: feed.hypers.get(gi) or feed.face.port.hyper(gi) for gi in groups}
                 for bi in todo:
                     feed.dispatch(bi, mult, hypers)
             active = [np.zeros(len(g), dtype=bool) for g in eng.groups]

@@ -71,6 +71,7 @@ class UploadWaits:
         self._sd_hooks = weakref.WeakKeyDictionary()   # module -> its state_dict pre-hook (see note)
         self._claimed = weakref.WeakKeyDictionary()    # module -> ids of parameters it reads but does not own
         self.before_read: Optional[Callable[[], None]] = None   # delay_updates: completes the pending update
+        self.settle: Optional[Callable[[], None]] = None   # a backward raised part-way: failed
 
     def start(self, seq: list) -> None:
         """The uploads of a step, in issue order (those of earlier steps were all waited for)."""
@@ -107,7 +108,11 @@ class UploadWaits:
 
     def before_state_dict(self, module, *args) -> None:
         """(state_dict / load_state_dict pre-hook) the module's parameters' uploads first (with
-        delay_updates, the pending update too: schedule/delayed.py)."""
+        delay_updates, the pending update too: schedule/delayed.py). A backward that stepped
+        buckets and raised fails the step first (``settle``): no upload of it lands after the
+        weights are loaded."""
+        if self.settle is not None:
+            self.settle()
         if self.before_read is not None:
             self.before_read()
         if self.pending:
