@@ -1,9 +1,10 @@
-"""Device parameters (the GPU-offload path, on the fake device) under torch.distributed: 2 gloo ranks.
+"""Device parameters (the GPU-offload path, on the fake device) under torch.distributed: 2 gloo
+ranks.
 
-The scenarios live in offload/bench/ranks.py (the GPU check runs the same ones on CUDA): DDP with default
-options and with max_grad_norm, ZeroRedundancyOptimizer over DDP with and without clipping, FSDP2 per
-layer and at the root only, FSDP2 with clipping and with the overflow check, each rank against
-single-process torch.optim.AdamW on the full batch (tests/test_distributed.py's harness).
+The scenarios live in offload/bench/ranks.py (the GPU check runs the same ones on CUDA): DDP with
+default options and with max_grad_norm, ZeroRedundancyOptimizer over DDP with and without clipping,
+FSDP2 per layer and at the root only, FSDP2 with clipping and with the overflow check, each rank
+against single-process torch.optim.AdamW on the full batch (tests/test_distributed.py's harness).
 """
 import pytest
 
@@ -19,8 +20,11 @@ def _scenario(name):
     return lambda rank, outdir: ranks.SCENARIOS[name](ranks.Rig(rank))
 
 
-_fsdp2_clip, _fsdp2_overflow, _fsdp2 = _scenario("fsdp2_clip"), _scenario("fsdp2_overflow"), _scenario("fsdp2")
-_ddp, _ddp_clip, _zero1, _zero1_clip = (_scenario(n) for n in ("ddp", "ddp_clip", "zero1", "zero1_clip"))
+# the harness (test_distributed._run) runs _<name>(rank, outdir) of this module on each rank
+_ddp, _ddp_clip = _scenario("ddp"), _scenario("ddp_clip")
+_zero1, _zero1_clip = _scenario("zero1"), _scenario("zero1_clip")
+_fsdp2, _fsdp2_clip, _fsdp2_overflow = _scenario("fsdp2"), _scenario("fsdp2_clip"), \
+    _scenario("fsdp2_overflow")
 
 
 def test_fsdp2_device_clipping_uses_the_global_norm(tmp_path):

@@ -1,17 +1,18 @@
-"""bench/ranks.py: several torch.distributed ranks against one process - the tiny model, its batches
-(each rank takes its share of the full batch), the single-process torch.optim.AdamW reference on the
-full batch, and the comparison to rounding. Shared by the 2-rank gloo tests (tests/test_distributed.py,
-tests/test_device_distributed.py) and by the GPU check.
+"""bench/ranks.py: several torch.distributed ranks against one process - the tiny model, its
+batches (each rank takes its share of the full batch), the single-process torch.optim.AdamW
+reference on the full batch, and the comparison to rounding. Shared by the 2-rank gloo tests
+(tests/test_distributed.py, tests/test_device_distributed.py) and by the GPU check.
 
-The device-parameter scenarios (the GPU-offload path: CUDA parameters, or CPU tensors driven through
-the fake device; :class:`Rig`), each with and without clipping: DDP with default options (the step
-waits for DDP's averaged gradients), ZeroRedundancyOptimizer over DDP (its broadcast right after step()
-reads the new weights), FSDP2 per layer and at the root only (the root's all-gather reads every shard
-before any leaf module runs), FSDP2 with max_grad_norm, clip_grad_norm_ and the overflow check (the norm
-and the skip decision are global, not this rank's shard). Each rank compares with single-process
-torch.optim.AdamW on the full batch on the same device, to rounding (:func:`close`); DDP and ZeRO-1
-replicas must also agree bit for bit across ranks. The fake device poisons upload destinations until
-the copy lands, so a collective that reads a weight before its upload sees NaN.
+The device-parameter scenarios (the GPU-offload path: CUDA parameters, or CPU tensors driven
+through the fake device; :class:`Rig`), each with and without clipping: DDP with default options
+(the step waits for DDP's averaged gradients), ZeroRedundancyOptimizer over DDP (its broadcast
+right after step() reads the new weights), FSDP2 per layer and at the root only (the root's
+all-gather reads every shard before any leaf module runs), FSDP2 with max_grad_norm,
+clip_grad_norm_ and the overflow check (the norm and the skip decision are global, not this rank's
+shard). Each rank compares with single-process torch.optim.AdamW on the full batch on the same
+device, to rounding (:func:`close`); DDP and ZeRO-1 replicas must also agree bit for bit across
+ranks. The fake device poisons upload destinations until the copy lands, so a collective that
+reads a weight before its upload sees NaN.
 """
 import torch
 import torch.distributed as dist
@@ -69,12 +70,14 @@ def fake(rank=0):
 
 
 class Rig:
-    """Where one rank runs a scenario: CUDA parameters on this process's GPU, stepped by offload's GPU
-    mode (``offload_device`` left to its default), or CPU tensors driven through a fake device."""
+    """Where one rank runs a scenario: CUDA parameters on this process's GPU, stepped by offload's
+    GPU mode (``offload_device`` left to its default), or CPU tensors driven through a fake
+    device."""
 
     def __init__(self, rank: int, cuda: bool = False):
         self.rank, self.cuda = rank, cuda
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else \
+            torch.device("cpu")
         self.worst = 0.0     # the largest |difference| to the reference
         self._fakes = []
 
@@ -84,7 +87,8 @@ class Rig:
         if not self.cuda:
             dev = fake(self.rank)
             self._fakes.append(dev)
-        return dict(lr=1e-2, weight_decay=0.1, threads=1, bucket_mb=0.001, offload_device=dev, **opts)
+        return dict(lr=1e-2, weight_decay=0.1, threads=1, bucket_mb=0.001, offload_device=dev,
+                    **opts)
 
     def opt(self, params, **opts):
         return offload.AdamW(params, **self.options(**opts))
@@ -96,8 +100,9 @@ class Rig:
         return reference(STEPS, clip=clip, device=self.device, skip=skip)
 
     def compare(self, got, ref, what) -> None:
-        """Every tensor of ``got`` within rounding of ``ref`` (:func:`close`); ``got`` is computed in full
-        before the first assertion, so a failing rank does not leave the other in a collective."""
+        """Every tensor of ``got`` within rounding of ``ref`` (:func:`close`); ``got`` is computed
+        in full before the first assertion, so that a failing rank does not leave the other one
+        waiting in a collective."""
         got = [t.detach() for t in got]
         assert len(got) == len(ref), f"{what}: {len(got)} tensors, the reference has {len(ref)}"
         for a, b in zip(got, ref):
@@ -106,11 +111,11 @@ class Rig:
             close(a, b, f"{what} parameter {i}")
 
     def finish(self, opt) -> None:
-        """``opt`` ran in GPU mode with its state on the host; closed, then the fake devices checked."""
+        """``opt`` ran in GPU mode with its state on the host; closed, the fake devices checked."""
         assert opt.gpu_offload, "offload did not run in its GPU mode"
         for st in opt.state.values():
             ea = st.get("exp_avg")
-            where = None if ea is None else (ea.to_local() if hasattr(ea, "to_local") else ea).device.type
+            where = None if ea is None else getattr(ea, "to_local", lambda: ea)().device.type
             assert where == "cpu", f"opt.state[p]['exp_avg'] is on {where}, not on the host"
         opt.close()
         self.release()
@@ -145,9 +150,11 @@ def fsdp(rig=None, per_layer=True):
     return net
 
 
-def train(net, opt, rank, inf_at=None, inf_rank=1, clip_method=None, device="cpu", clip_model=None):
-    """STEPS steps on this rank's share of each batch; ``clip_method``: opt.clip_grad_norm_ before each
-    step (returns the norms it gave), ``clip_model``: torch.nn.utils.clip_grad_norm_ of the model."""
+def train(net, opt, rank, inf_at=None, inf_rank=1, clip_method=None, device="cpu",
+          clip_model=None):
+    """STEPS steps on this rank's share of each batch; ``clip_method``: opt.clip_grad_norm_ before
+    each step (returns the norms it gave), ``clip_model``: torch.nn.utils.clip_grad_norm_ of the
+    model."""
     norms = []
     for s in range(STEPS):
         x, y = local_batch(s, rank, device)
@@ -165,13 +172,14 @@ def train(net, opt, rank, inf_at=None, inf_rank=1, clip_method=None, device="cpu
 
 # ---------------------------------------------------------------------------- DDP and ZeRO-1
 def ddp(rig: Rig, clip=None) -> dict:
-    """DDP with default options, or with max_grad_norm (each rank holds every averaged gradient)."""
+    """DDP with default options, or with max_grad_norm (each rank holds every averaged
+    gradient)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     ref, _ = rig.reference(clip=clip)
     net = DDP(rig.model())
     opt = rig.opt(net.parameters(), **({} if clip is None else dict(max_grad_norm=clip)))
     train(net, opt, rig.rank, device=rig.device)
-    assert opt.last_step_stats(wait=True)["waited_all"]   # step() waited for every upload (several ranks)
+    assert opt.last_step_stats(wait=True)["waited_all"]   # step() waited for every upload
     opt.synchronize()
     rig.compare(net.parameters(), ref, "DDP" + (" with max_grad_norm" if clip else ""))
     replicas_agree(net.parameters(), "DDP")
@@ -182,7 +190,8 @@ def ddp(rig: Rig, clip=None) -> dict:
     except ValueError as e:
         refused = str(e)
     rig.release()
-    assert refused and "several torch.distributed ranks" in refused, f"step_during_backward=True: {refused}"
+    assert refused and "several torch.distributed ranks" in refused, \
+        f"step_during_backward=True: {refused}"
     return rig.data()
 
 
@@ -191,14 +200,14 @@ def ddp_clip(rig: Rig) -> dict:
 
 
 def zero1(rig: Rig, clip=None) -> dict:
-    """ZeroRedundancyOptimizer over DDP; ``clip``: torch.nn.utils.clip_grad_norm_ of the whole model
-    before step() (each rank's optimizer sees its partition only: docs/distributed.md)."""
+    """ZeroRedundancyOptimizer over DDP; ``clip``: torch.nn.utils.clip_grad_norm_ of the whole
+    model before step() (each rank's optimizer sees its partition only: docs/distributed.md)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
     ref, _ = rig.reference(clip=clip)
     net = DDP(rig.model())
     opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=offload.AdamW, **rig.options())
-    train(net, opt, rig.rank, device=rig.device, clip_model=clip)   # ZeRO broadcasts right after the step
+    train(net, opt, rig.rank, device=rig.device, clip_model=clip)   # broadcast right after step()
     opt.optim.synchronize()
     rig.compare(net.parameters(), ref, "ZeRO-1" + (" with clip_grad_norm_" if clip else ""))
     replicas_agree(net.parameters(), "ZeRO-1")
@@ -240,15 +249,17 @@ def fsdp2_clip(rig: Rig) -> dict:
     ref, ref_norms = rig.reference(clip=CLIP)
     for opts in (dict(max_grad_norm=CLIP), dict(max_grad_norm=CLIP, overlap=False)):
         _fsdp2_run(rig, "max_grad_norm", ref, **opts)
-    norms, _ = _fsdp2_run(rig, "clip_grad_norm_", ref, clip_method=CLIP, step_during_backward=False)
+    norms, _ = _fsdp2_run(rig, "clip_grad_norm_", ref, clip_method=CLIP,
+                          step_during_backward=False)
     for s, (a, b) in enumerate(zip(norms, ref_norms)):
-        assert abs(a - b) <= 1e-5 * b, f"step {s}: clip_grad_norm_ returned {a}, the global norm is {b}"
+        assert abs(a - b) <= 1e-5 * b, \
+            f"step {s}: clip_grad_norm_ returned {a}, the global norm is {b}"
     return rig.data(norms=norms)
 
 
 def fsdp2_overflow(rig: Rig) -> dict:
-    """An inf in rank 1's shard at step 2: every rank skips that step (one rank stepping would let the
-    shards drift apart in step count)."""
+    """An inf in rank 1's shard at step 2: every rank skips that step (one rank stepping would let
+    the shards drift apart in step count)."""
     ref, _ = rig.reference(skip={2})
     _, steps = _fsdp2_run(rig, "after a skipped step", ref, inf_at=2, check_overflow=True)
     assert steps == {STEPS - 1}, f"rank {rig.rank} step counts {steps}"
@@ -256,5 +267,5 @@ def fsdp2_overflow(rig: Rig) -> dict:
 
 
 # every scenario, in the order the GPU check runs them
-SCENARIOS = {"ddp": ddp, "ddp_clip": ddp_clip, "zero1": zero1, "zero1_clip": zero1_clip, "fsdp2": fsdp2,
-             "fsdp2_clip": fsdp2_clip, "fsdp2_overflow": fsdp2_overflow}
+SCENARIOS = {"ddp": ddp, "ddp_clip": ddp_clip, "zero1": zero1, "zero1_clip": zero1_clip,
+             "fsdp2": fsdp2, "fsdp2_clip": fsdp2_clip, "fsdp2_overflow": fsdp2_overflow}
