@@ -7,6 +7,7 @@ FSDP2 per layer and at the root only, FSDP2 with clipping and with the overflow 
 against single-process torch.optim.AdamW on the full batch (tests/test_distributed.py's harness).
 """
 import pytest
+import torch
 
 import offload
 from offload.bench import ranks
@@ -80,3 +81,31 @@ def _dtensor_state_on_host(rank, outdir):
 
 def test_fsdp2_state_is_wrapped_on_the_host(tmp_path):
     _run("dtensor_state_on_host", tmp_path, MODULE)
+
+
+# ---------------------------------------------------------------------------- ZeRO-1: a partition's norm
+def _zero1_partition_norm_refused(rank, outdir):
+    """Under ZeroRedundancyOptimizer each rank's offload.AdamW holds its partition of the parameters:
+    a norm it computes (max_grad_norm=, check_overflow=True, clip_grad_norm_) is its partition's, not
+    the model's, and each rank would clip by another coefficient (or skip other steps). Refused by
+    name; torch's clip_grad_norm_ of the whole model before step() is the way (docs/distributed.md)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rig = ranks.Rig(rank)
+    net = DDP(rig.model())
+    for opts in (dict(max_grad_norm=0.05), dict(check_overflow=True)):
+        with pytest.raises(ValueError, match="ZeroRedundancyOptimizer.*partition"):
+            ZeroRedundancyOptimizer(net.parameters(), optimizer_class=offload.AdamW, **rig.options(**opts))
+    rig.release()
+    host = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=offload.AdamW, lr=1e-2)
+    x, y = ranks.local_batch(0, rank)
+    torch.nn.functional.mse_loss(net(x), y).backward()
+    with pytest.raises(RuntimeError, match="ZeroRedundancyOptimizer.*partition"):
+        host.optim.clip_grad_norm_(0.05)
+    # (a plain offload.AdamW of the same process keeps its clip_grad_norm_)
+    plain = offload.AdamW(rig.model().parameters(), lr=1e-2)
+    assert float(plain.clip_grad_norm_(1.0)) == 0.0
+
+
+def test_zero1_partition_norm_is_refused(tmp_path):
+    _run("zero1_partition_norm_refused", tmp_path, MODULE)
