@@ -13,40 +13,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import offload
-
-WORLD = 2
-STEPS = 4
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 24),
-                               torch.nn.GELU(), torch.nn.Linear(24, 5))
-
-
-def _batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(WORLD * 4, 12, generator=g), torch.randn(WORLD * 4, 5, generator=g)
-
-
-def _reference(steps, clip=None):
-    """Single-process torch.optim.AdamW on the full batch: what every rank must reproduce."""
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    norms = []
-    for s in range(steps):
-        x, y = _batch(s)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        if clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        opt.step()
-        opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()], norms
-
-
-def _local_batch(step, rank):
-    x, y = _batch(step)
-    return x[rank::WORLD], y[rank::WORLD]
+from offload.bench.ranks import STEPS, WORLD
+from offload.bench.ranks import batch as _batch
+from offload.bench.ranks import close as _close
+from offload.bench.ranks import local_batch as _local_batch
+from offload.bench.ranks import model as _model
+from offload.bench.ranks import reference as _reference
 
 
 def _worker(rank, scenario, outdir, module=None):
@@ -79,10 +51,6 @@ def _run(scenario, tmp_path, module=None):
     for r in range(WORLD):
         verdict = (tmp_path / f"verdict{r}").read_text()
         assert verdict == "ok", f"rank {r}:\n{verdict}"
-
-
-def _close(a, b, what):
-    torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=lambda m: f"{what}: {m}")
 
 
 # ---------------------------------------------------------------------------- ZeRO-1

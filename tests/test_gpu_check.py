@@ -16,7 +16,8 @@ SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
 CHECKLIST = ["00_environment", "01_schedule_equivalence", "02_engine_claim", "03_parity_torch_adamw", "04_tiers",
              "05_moments", "06_accumulation", "07_clipping", "08_gradscaler", "09_bf16_autocast", "10_release_grads",
              "11_small_params", "12_user_writes", "13_non_owner_reads", "14_torch_compile", "15_user_stream",
-             "16_fsdp2", "17_ddp", "18_robustness", "19_delayed_updates"]
+             "16_fsdp2", "17_ddp", "18_robustness", "19_delayed_updates",
+             "20_two_ranks"]
 VERDICTS = {"PASS", "FAIL", "SKIP", "INFO"}
 
 

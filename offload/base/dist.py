@@ -8,6 +8,7 @@ into a DTensor with the same mesh and placements (:func:`like`), as torch's own 
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional, Tuple
 
 import torch
@@ -117,3 +118,29 @@ def in_process_group() -> bool:
 def multi_rank() -> bool:
     """torch.distributed is initialized with more than one rank."""
     return world()[1] > 1
+
+
+PARTITION_NORM = ("{what} under torch's ZeroRedundancyOptimizer: each rank's offload optimizer holds only its "
+                  "partition of the parameters, so the norm it computes is its partition's, not the model's, "
+                  "and every rank would clip by another coefficient (or skip other steps). Clip the whole "
+                  "model before step() instead: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) "
+                  "(docs/distributed.md)")
+
+
+def zero_partition(depth: int = 16) -> bool:
+    """Is this optimizer being built by torch's ZeroRedundancyOptimizer, for this rank's partition of
+    the parameters? (Its ``_init_local_optimizer`` is on the call stack: at construction and when a
+    param group is added.)"""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is None:
+        return False
+    cls = zero.ZeroRedundancyOptimizer
+    f = sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            return False
+        if isinstance(f.f_locals.get("self"), cls):
+            return True
+        f = f.f_back
+    return False
+

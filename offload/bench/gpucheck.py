@@ -53,6 +53,7 @@ _REGISTRY = [
     ("17_ddp", "gpucheck_dist", "check_ddp"),
     ("18_robustness", "gpucheck_dist", "check_robustness"),
     ("19_delayed_updates", "gpucheck_delayed", "check_delayed"),
+    ("20_two_ranks", "gpucheck_ranks", "check_ranks"),
     ("perf_setup", "gpucheck_perf", "perf_setup"),
     ("perf_baseline", "gpucheck_perf", "perf_baseline"),
     ("perf_torch_fused", "gpucheck_perf", "perf_torch_fused"),

@@ -96,7 +96,7 @@ _BUDGETS = {
     "09_bf16_autocast": (8, 4, 2), "10_release_grads": (8, 4, 1.5), "11_small_params": (6, 3, 1),
     "12_user_writes": (10, 6, 2), "13_non_owner_reads": (15, 6, 2), "14_torch_compile": (45, 45, None),
     "15_user_stream": (6, 1, 1), "16_fsdp2": (20, 10, 3), "17_ddp": (12, 6, 2), "18_robustness": (25, 20, 8),
-    "19_delayed_updates": (12, 6, 2),
+    "19_delayed_updates": (12, 6, 2), "20_two_ranks": (75, 60, None),
     "perf_setup": (8, 2, 1), "perf_baseline": (12, 3, 2), "perf_torch_fused": (12, 3, None),
     "perf_offload_eager": (15, 4, 3), "perf_offload_deferred_clip": (15, 4, None), "perf_offload_sync": (15, 4, None),
     "perf_offload_nvme": (45, 5, None), "perf_offload_8bit": (15, 4, None),

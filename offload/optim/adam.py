@@ -216,6 +216,7 @@ class _AdamBase(EngineSync, Optimizer):
     # ------------------------------------------------------------------ clipping (optim/clipping.py)
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        self._clip.whole_model()
         if self._gpu is not None:
             return self._gpu.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         return self._clip.clip_grad_norm_(self.param_groups, self._router, self.kernel_threads, max_norm, norm_type,

@@ -19,7 +19,7 @@ import torch
 
 from ..native import adam as _kernels
 from . import fallback
-from ..base.dist import global_sumsq, nonfinite_norm
+from ..base.dist import PARTITION_NORM, global_sumsq, nonfinite_norm, zero_partition
 from ..native.rows import get_version
 
 __all__ = ["CLIP_GRAD_NORM_DOC", "Clip", "grad_sumsq"]
@@ -44,6 +44,12 @@ class Clip:
     def __init__(self, mult: float = 1.0) -> None:
         self.mult = mult
         self._record: Optional[tuple] = None   # (params, weak refs to their gradients, gradient versions)
+        self.partition = zero_partition()   # built by ZeroRedundancyOptimizer: a partition's norm is no norm
+
+    def whole_model(self) -> None:
+        """Refuse a norm of this optimizer's parameters when they are a ZeroRedundancyOptimizer partition."""
+        if self.__dict__.get("partition"):
+            raise RuntimeError(PARTITION_NORM.format(what="clip_grad_norm_"))
 
     def forget(self) -> None:
         """Drop the tie to the gradients, keep the coefficient (a param group added, a state loaded)."""

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from ..base.dist import PARTITION_NORM, zero_partition
 from ..device import Device, resolve_device
 from ..schedule.smallparams import small_params
 from ..schedule.device_step import DeviceStep
@@ -56,6 +57,9 @@ def split_params(params, offload_device, gpu_options: dict):
     device = resolve_device(offload_device, _flat(params))
     if device is None and gpu_options:
         raise TypeError(f"{sorted(gpu_options)} only apply to GPU offload (parameters on a GPU or offload_device=...)")
+    for name in ("max_grad_norm", "check_overflow"):
+        if gpu_options.get(name) not in (None, False) and zero_partition():
+            raise ValueError(PARTITION_NORM.format(what=f"{name}={gpu_options[name]!r}"))
     return params, device, device is not None and device is not offload_device
 
 
