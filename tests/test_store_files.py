@@ -50,13 +50,35 @@ def test_file_private_preallocated_and_removed(tmp_path, cfg):
 
 
 @pytest.mark.timeout(30)
+def test_storage_errors_name_what_is_wrong(tmp_path):
+    """Each bad storage argument is named as the user wrote it: nvme_dir (which entry, its type),
+    storage (not its old name), and of nvme_dir / nvme_options the one given with storage='ram'."""
+    ps, d = make_params(), str(tmp_path)
+    path = "must be a directory path"
+    cases = [(dict(nvme_dir=""), ValueError, r"nvme_dir='' names an empty path"),
+             (dict(nvme_dir=[]), ValueError, r"nvme_dir=\[\] is empty"),
+             (dict(nvme_dir=[d, ""]), ValueError, r"nvme_dir=\[.*''\] names an empty path"),
+             (dict(nvme_dir=5), TypeError, rf"nvme_dir {path} .* got int"),
+             (dict(nvme_dir=[d, 5]), TypeError, rf"nvme_dir\[1\] {path} .* got int"),
+             (dict(nvme_dir={d}), TypeError, rf"nvme_dir {path} .* got set"),
+             (dict(storage="mmap", nvme_dir=[d, 5]), TypeError, r"nvme_dir\[1\]"),
+             (dict(storage="ram", nvme_dir=d), ValueError, r"^nvme_dir only applies to storage="),
+             (dict(storage="ram", nvme_options={"depth": 3}), ValueError, r"^nvme_options only"),
+             (dict(storage="disk"), ValueError, r"^storage must be 'ram', 'nvme' or 'mmap'")]
+    for kw, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            make_opt(ps, **kw)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.timeout(30)
 def test_constructor_validation(tmp_path):
     ps = make_params()
-    with pytest.raises(ValueError, match="state must be"):
+    with pytest.raises(ValueError, match="storage must be 'ram', 'nvme' or 'mmap', got 'disk'"):
         make_opt(ps, storage="disk")
     with pytest.raises(ValueError, match="needs nvme_dir"):
         make_opt(ps, storage="nvme")
-    with pytest.raises(ValueError, match="only apply"):
+    with pytest.raises(ValueError, match="nvme_dir only applies"):
         make_opt(ps, storage="ram", nvme_dir=tmp_path)
     with pytest.raises(FileNotFoundError):
         make_opt(ps, storage="nvme", nvme_dir=tmp_path / "missing")

@@ -116,7 +116,8 @@ class StateEngine:
         self.views = TorchViews(self.layout, self.tier, self.registry, self.groups, Handouts(),
                                 local_groups=self.local_groups, numels=self.numels, amsgrad=self.amsgrad,
                                 moment_format=self._format, device_params=device is not None, mode=mode,
-                                tracker=self.tracker, exclusive=self._exclusive)
+                                tracker=self.tracker, exclusive=self._exclusive,
+                                read_master=self.side.read_master)
 
     def lay_out(self, groups: list, first_group: int):
         """The layout of parameter lists ``groups`` (numbered from ``first_group``); excluded ones get none."""
@@ -170,22 +171,23 @@ class StateEngine:
         return (amsgrad is None or amsgrad == self.amsgrad) and len(params) == len(self.groups) and all(
             len(ps) == len(mine) and all(map(operator.is_, ps, mine)) for ps, mine in zip(params, self.groups))
 
-    def _check_groups(self, groups: list) -> None:
-        if len(groups) != len(self.groups) or not all(
-                len(g["params"]) == len(ps) and all(map(operator.is_, g["params"], ps))
-                for g, ps in zip(groups, self.groups)):
-            raise RuntimeError(f"the optimizer's parameters changed since it was created with storage={self.mode!r} "
-                               "(a param group's 'params' list was edited or replaced: the state is laid out for the "
-                               "original parameter list; add parameters with add_param_group(), or build a new "
-                               "optimizer and load_state_dict() into it)")
+    def check_groups(self, groups: list, amsgrad: bool = False) -> None:
+        """A guard: laid out for these groups (``amsgrad``: their settings too), or raise."""
+        flags = [bool(g["amsgrad"]) for g in groups] if amsgrad else None
+        if not self.holds([g["params"] for g in groups], flags):
+            raise RuntimeError("a param group's 'params' list or amsgrad changed since the last "
+                               "step: call opt.synchronize() after changing them, before the next "
+                               "backward (the state is laid out for them again there)")
 
-    def collect(self, param_groups: list, keep_grads: bool = True) -> list:
-        """Validate grads/params of every group (before any I/O), under ``lock``; lay out the state of
-        parameters that have a gradient for the first time. Returns per group the bool mask of the
-        parameters with a gradient. ``keep_grads``: the checked gradients are what the next
-        ``step(..., active=...)`` uses; False (the device worker captures its own): none is kept."""
+    def collect(self, param_groups: list, keep_grads: bool = True, state=None) -> list:
+        """Validate grads/params of every group (before any I/O), under ``lock``; lay out the state
+        of parameters that have a gradient for the first time (their entries in ``state``,
+        opt.state, if any, are their state). Returns per group the bool mask of the parameters with
+        a gradient.
+        ``keep_grads``: the checked gradients are what the next ``step(..., active=...)`` uses;
+        False (the device worker captures its own): none is kept."""
         with self.lock:
-            active = self._collect(param_groups)
+            active = self._collect(param_groups, state)
             if not keep_grads:
                 self._grads = None
             return active
@@ -205,9 +207,9 @@ class StateEngine:
             self.tracker.record(gi, np.flatnonzero(a))
         self.views.install(fresh, state)   # (the step is done: opt.state must show it, or the tier fails)
 
-    def _collect(self, param_groups: list) -> list:
+    def _collect(self, param_groups: list, state=None) -> list:
         """collect() without the lock: per group, the bool mask of active params."""
-        self._check_groups(param_groups)
+        self.check_groups(param_groups)
         active, grads = [], []
         for gi, group in enumerate(param_groups):
             if bool(group["amsgrad"]) != self.amsgrad[gi]:
@@ -236,7 +238,7 @@ class StateEngine:
                                                if g is not None], self.tier.own_memory(), self.mode)
         self._grads = grads   # the step uses exactly the tensors checked here
         grow.lay_out_late(self, [(gi, int(i)) for gi, a in enumerate(active)
-                                 for i in np.flatnonzero(a & grow.unplaced(self, gi))])
+                                 for i in np.flatnonzero(a & grow.unplaced(self, gi))], state)
         return active
 
     def reserve(self, keys: list) -> bool:
@@ -276,7 +278,7 @@ class StateEngine:
         self.tier.check_usable()
         self.views.adopt_user_state(state)
         if active is None:
-            active = self._collect(param_groups)
+            active = self._collect(param_groups, state)
             self.views.follow_shapes(state, getattr(self.side, "rows", None))
         hypers = {gi: hyper(gi) for gi, a in enumerate(active) if a.any()}   # validated before any change
         for gi, h in hypers.items():   # the native kernel refuses these too, but only after I/O has started

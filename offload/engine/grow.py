@@ -87,10 +87,12 @@ def _drop_groups(eng, gi: int) -> None:
         del eng.layout.of_param[key]
 
 
-def lay_out_late(eng, keys) -> None:
+def lay_out_late(eng, keys, state=None) -> None:
     """Parameters frozen (requires_grad=False) at construction reserved nothing; those of ``keys``
     ((gi, i), about to be stepped) that have no state laid out get it after the existing state (the
-    file grows). If the tier or the staging cannot grow, nothing changes: they still have none."""
+    file grows). If the tier or the staging cannot grow, nothing changes: they still have none.
+    ``state`` (opt.state): an entry a user gave such a parameter is its state from then on, as in
+    torch."""
     late = sorted((gi, i) for gi, i in keys if eng.numels[gi][i]
                   and not eng.layout.of_param.get((gi, i)) and (gi, i) not in eng.excluded)
     if not late:
@@ -105,6 +107,8 @@ def lay_out_late(eng, keys) -> None:
     was = {key: lay.of_param.get(key) for key in late}
     lay.extend(eng.layout_of(shapes))
     _allocate(eng, nb, nbytes, was)
+    if state is not None:
+        eng.views.adopt_user_state(state, only=set(late))
 
 
 def unplaced(eng, gi: int) -> np.ndarray:

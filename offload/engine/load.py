@@ -1,6 +1,7 @@
 """engine/load.py: writing state into the tier outside a step, bucket by bucket: ``load_state_dict``
-(``load``), re-reading fp32 masters from the parameters (``reload_masters``) and the read-change-write
-of chosen buckets both use (``rewrite_buckets``). Any failure part-way fails the tier, as in a step.
+(``load``), re-reading fp32 masters from the parameters (``reload_masters``), entries of opt.state
+taken over (``write_entries``) and the read-change-write of chosen buckets they use
+(``rewrite_buckets``). Any failure part-way fails the tier, as in a step.
 
 Functions of their inputs (layout, tier, registry, ...), called by engine/torchstate.py TorchViews under
 the engine's lock; ``read_master(gi, i, start, n, dst, ...)`` is the parameter side's (offload/params/).
@@ -15,7 +16,7 @@ from ..base.dist import local
 from ..moments import format as mformat
 from ..moments import compressed
 
-__all__ = ["load", "reload_masters", "rewrite_buckets"]
+__all__ = ["load", "reload_masters", "rewrite_buckets", "write_entries"]
 
 
 def rewrite_buckets(layout, tier, hits: dict, apply) -> None:
@@ -31,6 +32,32 @@ def rewrite_buckets(layout, tier, hits: dict, apply) -> None:
     except BaseException as e:
         tier.fail(e)
         raise
+
+
+def write_entries(layout, tier, flat: dict, packed=None, remaster=(), read_master=None) -> None:
+    """One read-change-write of every bucket holding a piece of the parameters given: fp32 sections
+    ``flat`` ({(gi, i): {key: flat tensor}}), compressed tensors ``packed`` ({(gi, i): {kernel key:
+    flat tensor}}) and, for ``remaster`` ({(gi, i)}), the master read from the parameter."""
+    packed = packed or {}
+    hits: dict = {}
+    for key in set(flat) | set(packed) | set(remaster):
+        for bi, pc in layout.of_param.get(key, []):
+            hits.setdefault(bi, []).append(pc)
+
+    def apply(b, pieces, blk):
+        f32 = blk.data[:b.nbytes].view(torch.float32)
+        for pc in pieces:
+            row = (b.group, pc.param)
+            for key, src in flat.get(row, {}).items():
+                sec = b.section(key) // 4 + pc.pos
+                f32[sec:sec + pc.n].copy_(src[pc.start:pc.start + pc.n])
+            if row in packed:
+                compressed.write_piece(b, pc, blk.data, packed[row])
+            if row in remaster:
+                sec = b.section("master_param") // 4 + pc.pos
+                read_master(b.group, pc.param, pc.start, pc.n, f32[sec:sec + pc.n])
+    if hits:
+        rewrite_buckets(layout, tier, hits, apply)
 
 
 def reload_masters(layout, tier, registry, which: set, read_master: Callable) -> None:

@@ -16,13 +16,14 @@ import numpy as np
 import torch
 
 from ..native.rows import state_rows
+from ..params.base import resized
 from ..moments import format as mformat
 from ..base.dist import like, local
 from ..base.dtypes import LOW_PRECISION, STATE_KEYS as _KEYS
 from ..moments import compressed
 from . import export
 from . import load as loader
-from .adopt import copy_in, follow_shapes, missing_entry, step_count
+from .adopt import Adoption, follow_shapes
 from ..moments.handouts import Handouts, write_moments
 from .views import param_views
 
@@ -52,23 +53,24 @@ class _StateRecords:
 class TorchViews:
     def __init__(self, layout, tier, registry, groups: list, handouts: Handouts, *, local_groups: list,
                  numels: list, amsgrad: list, moment_format: Callable[[int, int], str], device_params: bool,
-                 mode: str, tracker, exclusive: Callable):
+                 mode: str, tracker, exclusive: Callable, read_master: Callable):
         """``groups``, ``local_groups``, ``numels``, ``amsgrad``: the engine's per-group lists (they grow
         in place with add_param_group); ``device_params``: parameters on a device (every one has an fp32
         master); ``exclusive(failed_ok=False)``: the engine's lock, as a context manager."""
         self.layout, self.tier, self.registry, self.groups, self.handouts = layout, tier, registry, groups, handouts
         self.local_groups, self.numels, self.amsgrad = local_groups, numels, amsgrad
         self.moment_format, self.device_params, self.mode = moment_format, device_params, mode
-        self.tracker, self.exclusive = tracker, exclusive
+        self.tracker, self.exclusive, self.read_master = tracker, exclusive, read_master
         self.ptrs: dict = {}    # (gi, i) -> {key: data_ptr} of the views installed in opt.state
         self.recs: list = []    # per group: _StateRecords (what state_rows compares with)
+        self._placed_masks: dict = {}   # gi -> (layout size, mask): see _placed
 
     # ------------------------------------------------------------------ torch-layout views
     def install(self, fresh: list, state: dict) -> None:
         """Give ``state[p]`` its step counter and moments (views of the tier) when its state was created.
         Runs at the end of every step (both schedules): the decoded moments a caller holds take the
         step's new values here."""
-        self.handouts.refresh(self._decode_current)
+        self.handouts.refresh(self.held_current)
         if not fresh:
             return
         view, fd = self.tier.mapping()
@@ -78,26 +80,75 @@ class TorchViews:
             p = self.groups[gi][int(i)]
             st = state[p]
             st["step"] = self.registry.steps[gi][int(i)]
-            views = self._views(gi, int(i), view, fd)
+            views = self.entry_views(gi, int(i), view, fd)
             for k, v in views.items():
                 st[k] = v
             ptrs[(gi, int(i))] = {k: local(v).data_ptr() for k, v in views.items()}
             if self.moment_format(gi, int(i)) != "fp32":   # exp_avg / exp_avg_sq decoded on access
-                state[p] = self._compressed_state(gi, int(i), st)
+                state[p] = self.compressed_entry(gi, int(i), st)
 
-    def _compressed_state(self, gi: int, i: int, base: dict):
+    def compressed_entry(self, gi: int, i: int, base: dict):
+        return self.bind(compressed.CompressedState(base, None, self.moment_format(gi, i)), gi, i)
+
+    def bind(self, st, gi: int, i: int):
+        """Make the compressed-moment entry ``st`` that of parameter (gi, i) (also one moved there
+        from another parameter): it decodes (gi, i)'s moments and hands them out as (gi, i)'s."""
         def decode():
             return self._decoded(gi, i)
 
         def watch(key, t):
             self.handouts.watch(gi, i, key, t)
-        return compressed.CompressedState(base, decode, self.moment_format(gi, i), watch)
+        st.bind(decode, watch, owner=self, origin=(gi, i), stored=lambda: self.stored_entry(gi, i))
+        return st
+
+    def stored_entry(self, gi: int, i: int) -> dict:
+        """Parameter (gi, i)'s compressed moments, copied, under their saved keys
+        (``exp_avg.8bit``, ...): what its ``opt.state`` entry holds, held decoded moments' in-place
+        writes first."""
+        with self.exclusive():
+            self.handouts.adopt(self.held_current, self.rewrite_held, only=(gi, i))
+            view, _fd = self.tier.mapping()
+            fmt = self.moment_format(gi, i)
+            raw = compressed.raw(self.layout, gi, i, fmt, view)
+            return {mformat.saved_key(k, fmt): t for k, t in raw.items()}
 
     def _rewrite(self, hits: dict, apply) -> None:
         loader.rewrite_buckets(self.layout, self.tier, hits, apply)
 
-    def _write_moments(self, gi: int, i: int, new: dict, cur: dict) -> None:
+    def rewrite_moments(self, gi: int, i: int, new: dict, cur: dict) -> None:
         write_moments(self.layout, self.moment_format(gi, i), gi, i, new, cur, self._rewrite)
+
+    def entry_views(self, gi: int, i: int, view, fd) -> dict:
+        """views_of for an opt.state entry. A tensor that had to be joined by a copy (a parameter
+        split over buckets in pieces of under a page per section: a tiny host_budget) is held as
+        decoded moments are (moments/handouts.py): in-place writes into it are taken into the state
+        and it takes the state's values after each step, as a view would."""
+        copied: set = set()
+        views = self.views_of(gi, i, view, fd, copied)
+        for key in copied & set(views):
+            self.handouts.watch(gi, i, key, views[key])
+        return views
+
+    def held_current(self, gi: int, i: int) -> dict:
+        """What a held copy of parameter (gi, i)'s state holds when unwritten: its fp32 tensors and
+        its decoded compressed moments."""
+        with self.exclusive():
+            view, fd = self.tier.mapping()
+            out = self.views_of(gi, i, view, fd)
+            if self.moment_format(gi, i) != "fp32" and self.numels[gi][i]:
+                out.update(self.decode_current(gi, i, view=view))
+            return out
+
+    def rewrite_held(self, gi: int, i: int, new: dict, cur: dict) -> None:
+        """Write into the state what a caller wrote into held copies (``new``: {key: tensor};
+        ``cur``: held_current's)."""
+        packed = self.moment_format(gi, i) != "fp32"
+        moments = {k: t for k, t in new.items() if packed and k in mformat.MOMENT_KEYS}
+        if moments:
+            self.rewrite_moments(gi, i, moments, cur)
+        flat = {k: local(t).detach().reshape(-1) for k, t in new.items() if k not in moments}
+        if flat:
+            loader.write_entries(self.layout, self.tier, {(gi, i): flat})
 
     def holds_moment_copies(self) -> bool:
         """A caller holds decoded compressed moments from opt.state (moments/handouts.py)."""
@@ -110,11 +161,12 @@ class TorchViews:
         In-place writes into this parameter's held decoded moments are adopted first (as torch's
         state would show them)."""
         with self.exclusive():
-            self.handouts.adopt(self._decode_current, self._write_moments, only=(gi, i))
-            return self._decode_current(gi, i, sink, view)
+            self.handouts.adopt(self.held_current, self.rewrite_held, only=(gi, i))
+            return self.decode_current(gi, i, sink, view)
 
-    def _decode_current(self, gi: int, i: int, sink=None, view=None) -> dict:
+    def decode_current(self, gi: int, i: int, sink=None, view=None) -> dict:
         """_decoded without adopting held writes: the state as its buckets hold it."""
+        self._check_size(gi, i, local(self.groups[gi][i]))
         with self.exclusive():
             if view is None:
                 view, _fd = self.tier.mapping()   # NVMe: drains the write-backs and maps the file
@@ -132,7 +184,7 @@ class TorchViews:
         """(gi, i) -> {key: tensor} in the stored form: fp32 views (master, fp32 moments) and, for
         compressed moments, copies of the compressed tensors under ``<key>.<format>`` (offload.save)."""
         with self.exclusive():
-            self.handouts.adopt(self._decode_current, self._write_moments)   # held writes first
+            self.handouts.adopt(self.held_current, self.rewrite_held)   # held writes first
             view, fd = self.tier.mapping()
             out = {}
             for gi, params in enumerate(self.groups):
@@ -140,7 +192,7 @@ class TorchViews:
                     if not (self.registry.ready[gi][i] or self.numels[gi][i] == 0):
                         continue
                     fmt = self.moment_format(gi, i)
-                    st = self._views(gi, i, view, fd)
+                    st = self.views_of(gi, i, view, fd)
                     if fmt != "fp32" and self.numels[gi][i]:
                         shape = local(params[i]).shape
                         for k, t in compressed.raw(self.layout, gi, i, fmt, view).items():
@@ -148,66 +200,78 @@ class TorchViews:
                     out[(gi, i)] = st
             return out
 
-    def adopt_user_state(self, state: dict) -> None:
-        """What a user did to ``opt.state`` since the last step, as torch honours it: a replaced
-        ``state[p]['step']`` is adopted; a removed or emptied ``state[p]`` (``opt.state.clear()``,
-        ``del opt.state[p]``) starts that parameter afresh at step 0. A replaced moment tensor cannot be
-        adopted in place here (the moments live in the state file): it is refused by name instead of
-        being silently ignored, unless it holds exactly the state's values (a framework moving every
-        state tensor to the model's device): then the view of the state goes back in its place.
+    def adopt_user_state(self, state: dict, only=None) -> None:
+        """What a user did to ``opt.state`` since the last step, as torch honours it
+        (engine/adopt.py): a replaced ``step`` or state tensor is taken over (its values written
+        into the state, the state's view back in its place), whole entries moved between
+        parameters go with them, a removed or emptied ``state[p]`` (``opt.state.clear()``, ``del
+        opt.state[p]``) starts that parameter afresh at step 0, and the entry of a parameter
+        without state yet that holds something is its state from then on. Every changed entry is
+        read and checked before any is written.
+        ``only``: {(gi, i)}, the entries of those parameters alone (laid out late, during a step).
 
         Each parameter's entry is recorded once validated; each step only the entries that are not
         the recorded objects, or whose tensors moved (``.data = ...``), are looked at again
         (``state_rows`` of offload/native/rows.py, natively). The records go with any change the engine makes itself."""
-        ptrs, recs = self.ptrs, self.recs
+        recs = self.recs
         fast = type(state) is dict or type(state) is defaultdict   # their .get is the C lookup state_rows does
+        todo = Adoption(self)
         for gi, ps in enumerate(self.groups):
-            ready, steps = self.registry.ready[gi], self.registry.steps[gi]
+            ready = self.registry.ready[gi]
             while len(recs) <= gi:
                 recs.append(_StateRecords(len(self.groups[len(recs)])))
             rec = recs[gi]
             if len(rec.objs) != len(ps):
                 rec = recs[gi] = _StateRecords(len(ps))
-            if fast:
+            if only is not None:
+                rows = [i for g, i in only if g == gi and ready[i]]
+            elif fast:
                 rows = state_rows(state, ps, ready, rec.objs, _KEYS, rec.ptrs, _STATE_FNS, rec.hashes).tolist()
             else:
                 rows = np.flatnonzero(ready).tolist()
             for i in rows:
                 rec.objs[i] = None
+                todo.look(gi, i, state.get(ps[i]))
+            # parameters with room for state but none yet, whose entry holds something: taken over
+            idle = ~ready & self._placed(gi)
+            for i in np.flatnonzero(idle).tolist() if idle.any() else ():
                 st = state.get(ps[i])
-                if not st:
-                    ready[i] = False
-                    steps[i] = 0.0
-                    ptrs.pop((gi, i), None)
-                    self.handouts.forget(gi, i)
-                    continue
-                v = st.get("step")
-                if not (isinstance(v, torch.Tensor) and v._base is steps and v.storage_offset() == i
-                        and v.data_ptr() == steps.data_ptr() + 4 * i):
-                    steps[i] = step_count(v, f"parameter {i} of group {gi}")
-                    st["step"] = steps[i]
-                for key, ptr in list(ptrs.get((gi, i), {}).items()):
-                    t = st.get(key)
-                    if not isinstance(t, torch.Tensor):
-                        raise missing_entry(key, f"state of parameter {i} of group {gi}", t)
-                    if local(t).data_ptr() != ptr:
-                        cur = self._holding(gi, i, key, t)
-                        if cur is None and self.tier.adopts and self.moment_format(gi, i) == "fp32":
-                            cur = self._view_of(gi, i, key)   # a resident tier takes the values over
-                            copy_in(cur, t, key, f"state of parameter {i} of group {gi}", self.local_groups)
-                        if cur is not None:   # the same values elsewhere (Lightning's _optimizer_to_device)
-                            st[key] = cur
-                            ptrs[(gi, i)][key] = local(cur).data_ptr()
-                            continue
-                        raise ValueError(
-                            f"state[{key!r}] of parameter {i} of group {gi} was replaced by another tensor: with "
-                            f"storage={self.mode!r} the moments live in the state file, so a new tensor cannot be "
-                            "adopted; write into the existing one in place (e.g. opt.state[p]['exp_avg'].zero_()) "
-                            "or load a whole state with load_state_dict()")
-                self._record_state(rec, i, ps[i], st, ptrs.get((gi, i), {}))
+                if st and (only is None or (gi, i) in only):
+                    todo.look(gi, i, st, taking=True)
+        todo.check_shared()
         self.registry.check(lambda gi, i: f"parameter {i} of group {gi}")   # also written in place
-        # decoded compressed moments written in place by a caller who holds them (moments/handouts.py)
-        self.handouts.adopt(self._decode_current, self._write_moments)
+        todo.apply(state)
+        for gi, i in todo.rows:
+            st = state.get(self.groups[gi][i])
+            if st:
+                self._record_state(recs[gi], i, self.groups[gi][i], st, self.ptrs.get((gi, i), {}))
+
+    def _placed(self, gi: int) -> np.ndarray:
+        """Bool mask of group gi's parameters with room for state in the layout (cached)."""
+        key = (len(self.layout.buckets), len(self.layout.of_param), len(self.groups[gi]))
+        got = self._placed_masks.get(gi)
+        if got is None or got[0] != key:
+            of, n = self.layout.of_param, len(self.groups[gi])
+            mask = np.array([bool(of.get((gi, i))) for i in range(n)], dtype=bool)
+            got = self._placed_masks[gi] = (key, mask)
+        return got[1]
+
+    def _check_size(self, gi: int, i: int, lp) -> None:
+        if lp.numel() != self.numels[gi][i]:   # (p.data = a tensor of another size)
+            raise resized(gi, i, self.numels[gi][i], lp.numel(), self.mode)
+
+    def entry_keys(self, gi: int, i: int) -> list:
+        """The state tensors ``opt.state`` shows for parameter (gi, i) as views of its buckets."""
+        lp = local(self.groups[gi][i])
+        shown = self.has_master(gi, i) and not (self.device_params and lp.dtype == torch.float32)
+        keys = ["master_param"] if shown else []
+        if self.moment_format(gi, i) == "fp32":
+            keys += ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad[gi] else [])
+        return keys
+
+    def has_master(self, gi: int, i: int) -> bool:
+        """Parameter (gi, i)'s buckets hold an fp32 master (device parameters, bf16/fp16 ones)."""
+        return self.device_params or local(self.groups[gi][i]).dtype in LOW_PRECISION
 
     def follow_shapes(self, state: dict, rows) -> None:
         """Parameters the side revalidated this step (``rows.revalidated``) that were given another
@@ -217,19 +281,14 @@ class TorchViews:
                           lambda i, gi=gi: self.ptrs.get((gi, i), ()),
                           lambda i, gi=gi: self._forget_state(gi, i))
 
-    def _view_of(self, gi: int, i: int, key: str):
-        """The view of the state entry ``key`` of parameter (gi, i) (a fresh view object)."""
-        view, fd = self.tier.mapping()
-        return self._views(gi, i, view, fd)[key]
-
-    def _holding(self, gi: int, i: int, key: str, t):
+    def holding(self, gi: int, i: int, key: str, t):
         """The view of the state entry ``key`` of parameter (gi, i) if ``t``, which replaced it, is a copy
         of it on another device (a framework moving every state tensor to the model's device, e.g.
         Lightning's _optimizer_to_device on a GPU: the state stays in its tier and the view goes back
-        in), else None. A replacement on the state's own device is refused as before: the user may go
-        on writing into it, and it would not be the state."""
+        in), else None: a replacement on the state's own device has its values taken over (the user
+        may go on writing into it, and it would not be the state)."""
         view, fd = self.tier.mapping()
-        cur = self._views(gi, i, view, fd).get(key)
+        cur = self.entry_views(gi, i, view, fd).get(key)
         if cur is None or not _on_another_device(t, cur):
             return None
         return cur if compressed.bitwise_equal(t, cur) else None
@@ -263,17 +322,21 @@ class TorchViews:
         if gi < len(recs) and i < len(recs[gi].objs):
             recs[gi].objs[i] = None
 
-    def _views(self, gi: int, i: int, view, fd) -> dict:
+    def views_of(self, gi: int, i: int, view, fd, copied=None) -> dict:
+        """{key: tensor} of parameter (gi, i)'s fp32 state, views of the tier (``copied``: gets the
+        keys joined by a copy, engine/views.py)."""
         p = self.groups[gi][i]
         lp = local(p)
+        self._check_size(gi, i, lp)
         if lp.numel() == 0:
             keys = (["master_param"] if (self.device_params or lp.dtype in LOW_PRECISION)
                     else []) + ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad[gi] else [])
             return {k: like(p, torch.zeros(lp.shape, dtype=torch.float32)) for k in keys}
         if self.moment_format(gi, i) != "fp32":   # only the fp32 master is viewable as it is
-            out = param_views(self.tier, self.layout, gi, i, lp.shape, view, fd, only=("master_param",))
+            only = ("master_param",)
         else:
-            out = param_views(self.tier, self.layout, gi, i, lp.shape, view, fd)
+            only = None
+        out = param_views(self.tier, self.layout, gi, i, lp.shape, view, fd, only, copied)
         if self.device_params and lp.dtype == torch.float32:
             out.pop("master_param", None)   # torch's layout: an fp32 parameter is its own master
         return {k: like(p, v) for k, v in out.items()}
@@ -284,13 +347,13 @@ class TorchViews:
             view, fd = self.tier.mapping()
             st = {"step": self.registry.steps[gi][i]}
             if self.registry.ready[gi][i]:
-                views = self._views(gi, i, view, fd)
+                views = self.entry_views(gi, i, view, fd)
                 st.update(views)
                 # what load_state_dict installs in opt.state: a later replacement is detected against it
                 self.ptrs[(gi, i)] = {k: local(v).data_ptr() for k, v in views.items()}
                 self._forget_state(gi, i)
                 if self.moment_format(gi, i) != "fp32" and self.numels[gi][i]:
-                    return self._compressed_state(gi, i, st)
+                    return self.compressed_entry(gi, i, st)
             return st
 
     def state_tensors(self) -> dict:
@@ -300,7 +363,7 @@ class TorchViews:
             return self._state_tensors()
 
     def _state_tensors(self) -> dict:
-        self.handouts.adopt(self._decode_current, self._write_moments)   # held writes first
+        self.handouts.adopt(self.held_current, self.rewrite_held)   # held writes first
         view, fd = self.tier.mapping()
         out = {}
         have = [(gi, i) for gi, params in enumerate(self.groups) for i in range(len(params))
@@ -310,9 +373,9 @@ class TorchViews:
         sink = export.DecodedSink(getattr(self.tier, "directory", None),   # None: the RAM tier
                                   2 * sum(self.numels[gi][i] for gi, i in packed)) if packed else None
         for gi, i in have:
-            out[(gi, i)] = self._views(gi, i, view, fd)
+            out[(gi, i)] = self.views_of(gi, i, view, fd)
             if (gi, i) in packed:   # torch's fp32 layout
-                out[(gi, i)].update(self._decode_current(gi, i, sink, view))
+                out[(gi, i)].update(self.decode_current(gi, i, sink, view))
         return out
 
     def drop_records(self) -> None:

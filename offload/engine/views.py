@@ -53,12 +53,14 @@ def _joined(fd, spans: list, total: int) -> torch.Tensor:
     return base[:total]   # the view holds `region`; freeing it unmaps every part
 
 
-def param_views(tier, layout, gi: int, i: int, shape, mapping, fd: Optional[int], only=None) -> dict:
+def param_views(tier, layout, gi: int, i: int, shape, mapping, fd: Optional[int], only=None,
+                copied: Optional[set] = None) -> dict:
     """{key: fp32 tensor shaped like the parameter} for parameter ``i`` of group ``gi``.
 
     ``mapping``: uint8 tensor over the whole state (a file mapping or the RAM arena view function);
     ``fd``: the file (for split parameters; a function offset -> (fd, offset) for several drives),
-    None for the RAM tier.
+    None for the RAM tier. ``copied``: gets the keys whose tensors had to be joined by a copy (not
+    views: pieces of under a page per section).
     """
     entries = layout.of_param.get((gi, i), [])
     out = {}
@@ -88,5 +90,7 @@ def param_views(tier, layout, gi: int, i: int, shape, mapping, fd: Optional[int]
                 b = layout.buckets[bi]
                 parts.append(mapping(b.offset + b.section(key) + pc.pos * size, pc.n * size))
             raw = torch.cat(parts)
+            if copied is not None:
+                copied.add(key)
         out[key] = raw.view(torch.float32).view(shape)
     return out

@@ -113,12 +113,36 @@ class CompressedState(MutableMapping):
     device do that): the state stays where it is.
     """
 
-    def __init__(self, base: dict, decode: Callable[[], Dict[str, torch.Tensor]], fmt: str,
-                 watch: Optional[Callable[[str, torch.Tensor], None]] = None):
+    def __init__(self, base: dict, decode: Optional[Callable[[], Dict[str, torch.Tensor]]],
+                 fmt: str, watch: Optional[Callable[[str, torch.Tensor], None]] = None):
         self._d = dict(base)
-        self._decode = decode
-        self._watch = watch
         self.moments = fmt
+        self.bind(decode, watch)
+
+    def bind(self, decode, watch=None, owner=None, origin=None, stored=None) -> None:
+        """Whose moments this entry holds: ``decode()`` reads them, ``watch`` hears of each one
+        handed out, ``stored()`` gives copies of them compressed (``{'<key>.<format>': tensor}``,
+        as offload.save writes them); ``owner`` and ``origin`` say which state engine and parameter
+        (an entry moved to another parameter in ``opt.state`` is bound to it by the engine:
+        engine/adopt.py)."""
+        self._decode, self._watch, self._stored = decode, watch, stored
+        self.owner, self.origin = owner, origin
+
+    def stored(self) -> Dict[str, torch.Tensor]:
+        """The compressed moments, copied, under their saved keys (``exp_avg.8bit``, ...)."""
+        return self._stored()
+
+    def detach(self, shape) -> None:
+        """Hold copies of the moments from here on: the parameter left the state engine (removed
+        from its param group) and keeps this entry, as torch's state keeps it, for its return."""
+        frozen = self.stored()
+        raw = {mformat.parse_saved_key(k)[0]: t for k, t in frozen.items()}
+        fmt = self.moments
+
+        def decode():
+            m, v = mformat.decode(raw, fmt)
+            return {"exp_avg": m.view(shape), "exp_avg_sq": v.view(shape)}
+        self.bind(decode, stored=lambda: {k: t.clone() for k, t in frozen.items()})
 
     def plain(self) -> dict:
         """The entries that need no decoding (step, master_param, user additions)."""

@@ -8,6 +8,10 @@ torch's live state tensors for as long as the caller holds one:
   like any state the format stores, as ``load_state_dict`` would);
 * after each step it holds the new moments.
 
+The same holds for the fp32 state tensors of ``opt.state`` that cannot be views of the tier (a
+parameter split over buckets in pieces of under a page per section, with a tiny ``host_budget``):
+they are copies, held here so that they behave as views (engine/torchstate.py ``entry_views``).
+
 Held tensors are found through weak references, so this costs nothing when none is alive (the usual
 case: a moment read and dropped). While one is held, a GPU-offload step that overlaps the next forward
 (stepping during backward) waits for its last bucket before ``step()`` returns, so that the refresh on
@@ -52,6 +56,23 @@ class Handouts:
             for key in [k for k in self._held if k[:2] == (gi, i)]:
                 del self._held[key]
 
+    def remap(self, moved: dict, replaced) -> None:
+        """Whole entries moved between parameters (``moved``: {to (gi, i): from (gj, j)}): what
+        each handed out goes with it, as torch's tensors go with their dict; what the entries of
+        ``moved``'s keys and of ``replaced`` handed out before is no parameter's state now."""
+        if not moved and not replaced:
+            return
+        with self._mu:
+            gone = set(moved) | set(replaced)
+            dest = {src: dst for dst, src in moved.items()}
+            held = {}
+            for (gi, i, key), refs in self._held.items():
+                if (gi, i) in dest:
+                    held[dest[(gi, i)] + (key,)] = refs
+                elif (gi, i) not in gone:
+                    held[(gi, i, key)] = refs
+            self._held = held
+
     def any_alive(self) -> bool:
         return bool(self._held) and bool(self._alive())
 
@@ -93,10 +114,11 @@ class Handouts:
                                      f"{tuple(local(bad[0]).shape)}; the parameter has shape "
                                      f"{tuple(local(cur[key]).shape)}")
                 if any(not bitwise_equal(t, changed[0]) for t in changed[1:]):
-                    raise ValueError(f"state[{key!r}] of parameter {i} of group {gi}: {len(changed)} tensors "
-                                     "read from opt.state were written in place with different values; with "
-                                     "compressed moments each read is its own copy, so the state cannot take both "
-                                     "(write one of them, or load a state with load_state_dict())")
+                    raise ValueError(
+                        f"state[{key!r}] of parameter {i} of group {gi}: {len(changed)} tensors "
+                        "read from opt.state were written in place with different values; each "
+                        "read is its own copy here, so the state cannot take both (write one of "
+                        "them, or load a state with load_state_dict())")
                 new[key] = changed[0]
             if new:
                 write(gi, i, new, cur)

@@ -8,8 +8,10 @@ keeps torch's constructor signature, defaults, validation messages and ``state_d
 straight into the parameter in the same pass. Parameters the kernel cannot take but torch steps (float64,
 complex, non-contiguous, listed twice) go through torch's Adam code, state in RAM (offload/optim/fallback.py).
 
-The class derives from ``torch.optim.Optimizer`` only and holds parts, which its methods call in a few
-lines each: ``_store``, the state engine of every mode (engine/engine.py), built by ``_slot`` (optim/engine_slot.py);
+The class derives from ``torch.optim.Optimizer`` (and optim/rebuilding.py's ``EngineSync``, which
+keeps ``_store`` laid out for the param groups as they are) and holds parts, which its methods call
+in a few lines each: ``_store``, the state engine of every mode (engine/engine.py), built by
+``_slot`` (optim/engine_slot.py);
 ``_gpu``, the device face of GPU offload (schedule/device_step.py, else None; optim/gpu.py); ``_clip``, the pending
 clip coefficient (optim/clipping.py); ``_router``, which parameters torch's code steps (optim/fallback.py); and
 optim/torch_state.py's functions. This file holds the constructor, param groups, pickling and step dispatch.
@@ -23,10 +25,11 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
 
 from . import fallback, gpu, stephooks, torch_state as sdict
-from .checks import _check_hyper, check_group, check_options, check_threads, group_hyper, param_name
+from .checks import _check_hyper, check_group, check_options, check_threads, group_hyper
 from .clipping import CLIP_GRAD_NORM_DOC, Clip
 from ..base.failstop import OptimizerFailedError, detached, failed_message
 from .engine_slot import EngineSlot
+from .rebuilding import EngineSync
 from ..state.choice import resolve_storage
 from .options import OPTIMIZER_WIDE, OPTIONS_DOC, constructor_args, given_gpu_options
 
@@ -39,7 +42,7 @@ _GROUP_KEYS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False
 _OWN_KEYS = dict(_threads=None, _store=None, _gpu=None, moments="fp32", moments_min_size=4096)
 
 
-class _AdamBase(Optimizer):
+class _AdamBase(EngineSync, Optimizer):
     def __init__(self, params, lr, betas, eps, weight_decay, amsgrad, *, foreach, maximize, capturable, differentiable,
                  fused, decoupled_weight_decay, threads, storage, nvme_dir, host_budget, keep_files, nvme_options,
                  offload_device, moments, moments_min_size, state, **gpu_options):
@@ -79,7 +82,9 @@ class _AdamBase(Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's add_param_group (named parameters, duplicate warning, its checks and messages),
         then offload's own checks of every parameter; the group is not added if one fails.
-        With NVMe/mmap state the new group is laid out after the existing state (the file grows)."""
+        With NVMe/mmap state the new group is laid out after the existing state (the file grows);
+        where other groups' params lists were edited (a parameter moved here) the state engine is
+        built again, every entry of opt.state kept (offload/engine/rebuild.py)."""
         self._check_usable()
         store = getattr(self, "_store", None)
         n = len(self.param_groups)
@@ -92,28 +97,16 @@ class _AdamBase(Optimizer):
             check_group(self.param_groups[n], n, OPTIMIZER_WIDE, self._wide,
                         getattr(self, "moments", "fp32"), self._slot.device is not None)
             self._clip.forget()
-            if store is not None:  # the new group is laid out after the existing state (a file grows)
-                native = self._slot.groups(self.param_groups, self._router)
+            native = self._slot.groups(self.param_groups, self._router)
+            if store is not None and not self._slot.stale(store, native[:n], False):
                 store.add_group(native[n]["params"], self.param_groups[n]["amsgrad"])
+            elif store is not None:
+                self.state.update(self._rebuild_engine(native, self.state))
         except BaseException:
             del self.param_groups[n:]
             raise
         if store is not None and self._gpu is not None:
             self._gpu.load_state()
-
-    def _sync_engine(self, native: Optional[list] = None, stepping: bool = False) -> None:
-        """Make the engine hold the param groups as they are (optim/engine_slot.py)."""
-        native = self._slot.groups(self.param_groups, self._router) if native is None else native
-        if self._slot.stale(self._store, native, stepping):
-            self.state.update(self._rebuild_engine(native, self.state))
-
-    def _rebuild_engine(self, native: list, state) -> dict:
-        """A new engine for ``native`` holding ``state`` (raises before any change): the state's views."""
-        engine, views = self._slot.rebuild(native, state, lambda gi, i: param_name(self.param_groups, gi, i))
-        old, self._store = self._store, engine
-        if old is not None:
-            old.close()
-        return views
 
     # ------------------------------------------------------------------ pickling, deepcopy, a loaded state
     def __setstate__(self, state: dict) -> None:
@@ -131,7 +124,7 @@ class _AdamBase(Optimizer):
             self.__dict__.setdefault(k, v)
         self._clip.forget()   # (load_state_dict: the coefficient stays, tied to no gradients)
         self._failure = None   # a loaded state (load_state_dict, offload.load) is the way back after a failure
-        if self._store is None and self._slot.rebuildable:   # unpickled or deep-copied: the engine from opt.state
+        if self._store is None and self._slot.picklable:   # unpickled, deep-copied: from opt.state
             self._sync_engine()
 
     def __getstate__(self):
@@ -158,6 +151,7 @@ class _AdamBase(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._gpu is not None:
+            self._sync_engine(self.param_groups, stepping=True)
             self._gpu.step(grad_multiplier)
             return loss
         mult = self._clip.multiplier(grad_multiplier)
@@ -296,8 +290,7 @@ class _AdamBase(Optimizer):
         new_state, groups = sdict.map_saved(self.param_groups, state_dict, host=self._slot.device is None)
         self.synchronize()
         sdict.install(new_state, self.param_groups, self._router.split(groups)[0], self._store,
-                      self._engine_index,
-                      self._rebuild_engine if self._slot.rebuildable else None)
+                      self._engine_index, self._rebuild_engine)
         self.__setstate__({"state": new_state, "param_groups": groups})
         if self._gpu is not None:
             self._gpu.load_state(loaded=True)
@@ -315,9 +308,11 @@ class _AdamBase(Optimizer):
             self._gpu.set_accumulation_boundary(flag)
 
     def synchronize(self) -> None:
-        """Wait until the last step is fully applied and the new weights are on the device."""
+        """Wait until the last step is fully applied and the new weights are on the device (and lay
+        the state out again for param groups changed since: they keep their opt.state entries)."""
         if self._gpu is not None:
             self._gpu.synchronize()
+            self._sync_engine(stepping=True)
 
     def reload_params(self) -> None:
         """Re-read the fp32 master weights from the device parameters after changing them in place."""

@@ -131,10 +131,14 @@ def check_options(params, lr, betas, eps, weight_decay, amsgrad, foreach, captur
                             "of tensors in sets will change between runs. Please use a list instead.")
     # NVMe/mmap state (offload/state/)
     if state not in ("ram", "nvme", "mmap"):
-        raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {state!r}")
-    if state == "ram" and (nvme_dir is not None or set(nvme_options or ()) - {"staging_slots"}):
-        raise ValueError("nvme_dir/nvme_options only apply to storage='nvme' or storage='mmap' (with storage='ram', "
-                         "nvme_options={'staging_slots': n} sizes the staging ring of device parameters)")
+        raise ValueError(f"storage must be 'ram', 'nvme' or 'mmap', got {state!r}")
+    given = [k for k, v in (("nvme_dir", nvme_dir is not None),
+                            ("nvme_options", set(nvme_options or ()) - {"staging_slots"})) if v]
+    if state == "ram" and given:
+        ring = (" (with storage='ram', nvme_options={'staging_slots': n} sizes the staging ring "
+                "of device parameters)") if "nvme_options" in given else ""
+        raise ValueError(f"{' and '.join(given)} only appl{'y' if len(given) > 1 else 'ies'} to "
+                         f"storage='nvme' or storage='mmap'{ring}")
     moments = _check_moments(moments, moments_min_size, amsgrad, params)   # compressed moments (docs/moments.md)
     if capturable:
         raise ValueError("capturable=True is not supported by offload (the step runs on the CPU)")
@@ -147,14 +151,19 @@ def check_options(params, lr, betas, eps, weight_decay, amsgrad, foreach, captur
     return params, moments
 
 
+def check_amsgrad(group: dict, gi: int, moments: str) -> None:
+    """amsgrad=True is refused with compressed moments (a group added, or switched on later)."""
+    if moments != "fp32" and group.get("amsgrad"):
+        raise ValueError(f"param group {gi}: amsgrad=True with moments={moments!r}: compressed "
+                         "moments have no max_exp_avg_sq; use moments='fp32' for amsgrad")
+
+
 def check_group(group: dict, gi: int, names, settings: dict, moments: str, gpu: bool) -> None:
     """offload's checks of param group ``gi`` (``names``/``settings``: see _check_group_options): its
     options, then every parameter (those torch's code steps excepted: offload/optim/fallback.py)."""
     from . import fallback
     _check_group_options(group, f"param group {gi}", names, settings)
-    if moments != "fp32" and group.get("amsgrad"):
-        raise ValueError(f"param group {gi}: amsgrad=True with moments={moments!r}: compressed moments "
-                         "have no max_exp_avg_sq; use moments='fp32' for amsgrad")
+    check_amsgrad(group, gi, moments)
     params = group["params"]
     pnames = group.get("param_names")
     for i, p in enumerate(params):

@@ -2,8 +2,9 @@
 state engine (offload/engine/engine.py, ``opt._store``) is built: the constructor's storage arguments, the
 device of GPU offload (or None), which param groups the engine holds (host parameters without those torch's
 code steps, offload/optim/fallback.py; device parameters all), and when and how it is built again from
-``opt.state`` (offload/engine/rebuild.py): where a group's params list changed, for the one configuration
-that can (host parameters, fp32 moments in RAM), which is also the one that pickles.
+``opt.state`` (offload/engine/rebuild.py): where a group's params list or amsgrad changed, in every
+configuration, and when an optimizer is unpickled (host parameters, fp32 moments in RAM: the one
+configuration that pickles).
 """
 from __future__ import annotations
 
@@ -39,13 +40,14 @@ class EngineSlot:
                         gpu_options=gpu_options), device, state, moments)
 
     @property
-    def rebuildable(self) -> bool:
-        """Host parameters with fp32 moments in RAM: the engine can be built again from opt.state."""
+    def picklable(self) -> bool:
+        """Host parameters with fp32 moments in RAM: the optimizer pickles (its engine is built
+        again from opt.state when it is unpickled)."""
         return self.mode == "ram" and self.moments == "fp32" and self.device is None
 
     def check_picklable(self) -> None:
         """TypeError naming what keeps an optimizer with this (built) engine from being pickled or deep-copied."""
-        if not self.rebuildable:
+        if not self.picklable:
             what = ("NVMe/mmap state" if self.mode != "ram" else
                     "parameters on a device (GPU offload)" if self.device is not None else "compressed moments")
             raise TypeError(f"an optimizer with {what} cannot be pickled or deep-copied; use state_dict() / "
@@ -68,11 +70,12 @@ class EngineSlot:
                                  gpu_options=a["gpu_options"])
 
     def stale(self, engine, native: list, stepping: bool) -> bool:
-        """``engine`` must be built again for ``native`` (None, or a group's params list, or, ``stepping``,
-        amsgrad changed, where the configuration allows; else the engine refuses by name at its next use)."""
-        return engine is None or (self.rebuildable and not fits(engine, native, stepping))
+        """``engine`` must be built again for ``native`` (None, or a group's params list changed,
+        or, ``stepping``, its amsgrad)."""
+        return engine is None or not fits(engine, native, stepping)
 
-    def rebuild(self, native: list, state, names: Callable[[int, int], str]) -> tuple:
+    def rebuild(self, native: list, state, names: Callable[[int, int], str], old=None) -> tuple:
         """(a new engine for ``native`` holding ``state``, {parameter: its new opt.state entry}); raises
-        before any change (offload/engine/rebuild.py)."""
-        return rebuild(lambda: self.make(native), native, state, names)
+        before any change (offload/engine/rebuild.py). ``old``: the engine it replaces, or None."""
+        held = [p for ps in old.groups for p in ps] if old is not None else ()
+        return rebuild(lambda: self.make(native), native, state, names, held)

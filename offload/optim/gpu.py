@@ -2,7 +2,8 @@
 
 ``split_params`` decides the mode from where the parameters are (or an explicit ``offload_device=``),
 ``make_state_engine`` builds the one state engine (offload/engine/engine.py), any tier, and
-``start_engine`` the device face (offload/schedule/device_step.py) over it. ``need``, ``no_sync``,
+``start_engine`` the device face (offload/schedule/device_step.py) over it (``restart``: over an
+engine built again). ``need``, ``no_sync``,
 ``last_step_stats``, ``io_only_pass``, ``settled``, ``check_open`` and ``close`` are the bodies of
 optimizer methods around the device face (accumulation boundary, telemetry, ``opt.state``, cleanup
 and the refusals after it); they take the device face and the engine as arguments, so the
@@ -26,7 +27,8 @@ from ..engine.port import port_of
 from ..schedule.feedstep import WriteRaceError
 
 __all__ = ["STATE_DOC", "check_open", "close", "describe", "io_only_pass", "last_step_stats",
-           "make_state_engine", "need", "no_sync", "settled", "split_params", "start_engine"]
+           "make_state_engine", "need", "no_sync", "quiesce_for_rebuild", "restart", "settled",
+           "split_params", "start_engine"]
 
 log = logging.getLogger("offload")
 
@@ -114,6 +116,32 @@ def start_engine(opt, device: Optional[Device], gpu_options: dict, store=None, o
     engine.owns_device = owns_device
     log.info(describe(opt, device, store, engine))
     return engine
+
+
+def quiesce_for_rebuild(face: Optional[DeviceStep]) -> None:
+    """Before the state engine is built again for edited param groups: the device face idle (its
+    quiesce); refused between a backward and its step(), whose gradients went to the CPU for the
+    groups as they were."""
+    if face is None:
+        return
+    if face.feed is not None and face.feed.in_cycle:
+        raise RuntimeError(
+            "a param group's 'params' list or amsgrad was changed after backward() and before "
+            "step(): with parameters on a device their gradients go to the CPU during backward, "
+            "for the groups as they were. Change param groups between step() and the next "
+            "forward (undo the change to take this step)")
+    face.quiesce()
+
+
+def restart(face: Optional[DeviceStep], opt, engine, gpu_options: dict) -> Optional[DeviceStep]:
+    """The device face over ``engine``, a state engine built again for edited param groups, in
+    place of ``face`` (None without a device): its hooks, CPU worker and staging ring go; the
+    device stays."""
+    if face is None:
+        return None
+    owns, face.owns_device = face.owns_device, False
+    face.close()
+    return start_engine(opt, face.device, gpu_options, engine, owns)
 
 
 def need(gpu: Optional[DeviceStep], what: str) -> DeviceStep:

@@ -12,7 +12,7 @@ from ..base.tensors import bump_versions, check_tensor
 from ..state.layout import Shape
 
 __all__ = ["LOW_PRECISION", "frozen", "shapes_of", "check_device_params", "check_grad",
-           "check_param", "bump_stepped"]
+           "check_param", "bump_stepped", "resized"]
 
 
 def bump_stepped(groups: Sequence[Sequence[torch.Tensor]], active: list) -> None:
@@ -45,14 +45,22 @@ def shapes_of(groups: Sequence[Sequence[torch.Tensor]], device_side: bool, first
     return out
 
 
+def resized(gi: int, i: int, was: int, now: int, mode: str) -> RuntimeError:
+    """The error for a parameter laid out for ``was`` elements that has ``now``."""
+    return RuntimeError(
+        f"parameter {i} of group {gi} has {now} elements, but its optimizer state was made for "
+        f"{was} (it changed size since, e.g. p.data = a tensor of another shape): give it back a "
+        f"tensor of {was} elements, or build a new optimizer for the resized parameters (with "
+        f"storage={mode!r} the state is laid out for the sizes the parameters had)")
+
+
 def check_param(p, gi: int, i: int, dtype, numel: int, mode: str, device_side: bool) -> None:
     """Clear exceptions for a parameter the layout cannot step: another size or dtype than the
     layout's (a model cast after the optimizer was built), and for device parameters, not
     contiguous (the new weights would go into a temporary copy)."""
     lp = local(p)
     if lp.numel() != numel:
-        raise RuntimeError(f"parameter {i} of group {gi} changed size ({numel} -> {lp.numel()} "
-                           f"elements) since the optimizer was created with storage={mode!r}")
+        raise resized(gi, i, numel, lp.numel(), mode)
     if lp.dtype != dtype:  # the bucket layout depends on it (master section or not)
         raise RuntimeError(
             f"parameter {i} of group {gi} changed dtype ({dtype} -> {lp.dtype}) since the "

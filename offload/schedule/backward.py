@@ -140,6 +140,8 @@ class BackwardFeed:
         are stepped as their gradients arrive) the hyperparameters of every group, read here for
         the whole step."""
         self.raise_if_failed()
+        eng = self.engine
+        eng.check_groups(self.face.port.groups(), amsgrad=True)   # (edited: laid out again first)
         self.wait_idle()
         self.uploads.wait_all()   # (a parameter no module's forward used)
         self.face.check_params()
@@ -149,7 +151,6 @@ class BackwardFeed:
             self.maps()                         # any bucket is stepped (a full drive refuses, unchanged)
         self._reset()
         self.hypers = hypers
-        eng = self.engine
         eng.begin(self.face.port.state())
         if self.face.small:   # (stepped at step(), after the buckets this backward steps)
             self.face.small.check()

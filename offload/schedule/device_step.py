@@ -245,7 +245,7 @@ class DeviceStep:
             return self._queued(t0, self.feed.step(mult, gs, found_inf, before=self._small_step(mult)), mult)
         skip = found_inf is not None and float(found_inf) > 0
         if self.feed is None:
-            active = self.engine.collect(port.groups())   # validation first: nothing changes on error
+            active = self.engine.collect(port.groups(), state=port.state())   # checks first
         # (GradScaler checked for inf/NaN already when it hands found_inf over: no second pass for that)
         if not skip and (self.max_grad_norm is not None or (self.check_overflow and found_inf is None)):
             total = self._sumsq()

@@ -101,7 +101,8 @@ class FeedStep:
             if any(eng.groups[gi][i].grad is not None for gi, i in feed.unlaid):
                 feed.wait_idle()   # the layout grows (tier, staging ring): nothing may be in flight
                 feed.raise_if_failed()
-            eng.collect(port.groups(), keep_grads=False)   # validates the other gradients; lays out late ones
+            # validates the other gradients; lays out late ones (with the entries they have)
+            eng.collect(port.groups(), keep_grads=False, state=port.state())
             feed.maps()
             feed.grads += [[None] * len(g) for g in eng.groups[len(feed.grads):]]
             feed.advanced += [np.zeros(len(g), dtype=bool) for g in eng.groups[len(feed.advanced):]]

@@ -20,4 +20,4 @@ def make_tier(kind: str, **kw) -> StateTier:
     if kind == "mmap":
         from .mmap import MmapTier
         return MmapTier(**{k: v for k, v in kw.items() if k in ("nvme_dir", "keep", "budget")})
-    raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {kind!r}")
+    raise ValueError(f"storage must be 'ram', 'nvme' or 'mmap', got {kind!r}")

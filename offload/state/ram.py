@@ -16,7 +16,6 @@ __all__ = ["RamTier"]
 class RamTier(StateTier):
     kind = "ram"
     resident = True
-    adopts = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -46,25 +46,33 @@ def make_private_dir(parent: str) -> str:
     return tempfile.mkdtemp(prefix=_PREFIX, dir=parent)
 
 
+def _path(d, what: str) -> str:
+    """``d`` as a str path; a TypeError naming ``what`` (nvme_dir or an entry) if it is not one."""
+    try:
+        p = os.fspath(d)
+    except TypeError:
+        raise TypeError(f"{what} must be a directory path (str, bytes or os.PathLike; several "
+                        f"drives: a list or tuple of them), got {type(d).__name__}") from None
+    return os.fsdecode(p) if isinstance(p, bytes) else p
+
+
 def parse_dirs(nvme_dir) -> List[Optional[str]]:
     """The drives ``nvme_dir`` names: a str or path (one directory; a str that is not an existing
     directory and holds commas is a comma-separated list), or a list/tuple of them. ``[None]`` for None."""
     if nvme_dir is None:
         return [None]
     if isinstance(nvme_dir, (list, tuple)):
-        dirs = [os.fspath(d) for d in nvme_dir]
+        dirs = [_path(d, f"nvme_dir[{k}]") for k, d in enumerate(nvme_dir)]
     else:
-        one = os.fspath(nvme_dir)
-        if isinstance(one, bytes):
-            one = os.fsdecode(one)
+        one = _path(nvme_dir, "nvme_dir")
         if "," in one and not os.path.isdir(one):
             dirs = [d.strip() for d in one.split(",")]
         else:
             dirs = [one]
-    dirs = [os.fsdecode(d) if isinstance(d, bytes) else d for d in dirs]
     if not dirs or any(not d for d in dirs):
-        raise ValueError(f"nvme_dir={nvme_dir!r} names an empty directory: give one or more existing "
-                         "directories (a list, or one comma-separated string)")
+        what = "names an empty path" if dirs else "is empty"
+        raise ValueError(f"nvme_dir={nvme_dir!r} {what}: give one or more existing directories (a "
+                         "list, or one comma-separated string)")
     seen = {}
     for d in dirs:
         key = os.path.realpath(d)

@@ -37,7 +37,6 @@ class Block:
 class StateTier:
     kind = "abstract"
     resident = False
-    adopts = False   # a replaced opt.state tensor is copied in (resident RAM) rather than refused
 
     def __init__(self) -> None:
         self.failed: Optional[BaseException] = None

@@ -1,0 +1,39 @@
+"""optim/rebuilding.py: ``EngineSync``, the part of offload.Adam/AdamW (optim/adam.py) that
+keeps its state engine (``_store``) laid out for the param groups as they are: where a group's
+params list (or, at a step, its amsgrad) changed, the engine is built again holding what
+``opt.state`` holds (optim/engine_slot.py, offload/engine/rebuild.py); with device parameters the
+device face is made again over it (optim/gpu.py restart).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from . import gpu
+from .checks import check_amsgrad, param_name
+
+__all__ = ["EngineSync"]
+
+
+class EngineSync:
+    def _sync_engine(self, native: Optional[list] = None, stepping: bool = False) -> None:
+        """Make the engine hold the param groups as they are (optim/engine_slot.py)."""
+        native = self._slot.groups(self.param_groups, self._router) if native is None else native
+        if self._slot.stale(self._store, native, stepping):
+            for gi, g in enumerate(native):   # (amsgrad switched on: refused before any change)
+                check_amsgrad(g, gi, self.moments)
+            self.state.update(self._rebuild_engine(native, self.state))
+            if self._gpu is not None:
+                self._gpu.load_state()
+
+    def _rebuild_engine(self, native: list, state) -> dict:
+        """A new engine for ``native`` holding ``state`` (raises before any change): the state's
+        views. With device parameters the last step lands first and the device face is made again
+        over the new engine (optim/gpu.py restart)."""
+        gpu.quiesce_for_rebuild(self._gpu)
+        names = lambda gi, i: param_name(self.param_groups, gi, i)   # noqa: E731
+        engine, views = self._slot.rebuild(native, state, names, self._store)
+        old, self._store = self._store, engine
+        self._gpu = gpu.restart(self._gpu, self, engine, self._slot.args["gpu_options"])
+        if old is not None:
+            old.close()
+        return views
