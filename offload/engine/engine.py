@@ -11,7 +11,6 @@ schedule (schedule/device_step.py, schedule/backward.py) steps buckets itself, t
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import operator
@@ -34,27 +33,10 @@ from ..base.units import parse_size
 from . import grow, pipeline
 from ..moments.handouts import Handouts
 from .registry import Registry
+from .exclusive import check_process as _check_process, exclusive as _exclusive
 from .torchstate import TorchViews
 
 __all__ = ["StateEngine"]
-
-
-@contextlib.contextmanager
-def _exclusive(lock, pid: int, tier, mode: str, failed_ok: bool = False):
-    """StateEngine.exclusive, as a function of what it reads (TorchViews holds it without the engine)."""
-    _check_process(pid, mode)
-    with lock:
-        if not (failed_ok and tier.failed is not None and not tier.closed):
-            tier.check_usable()
-        yield
-
-
-def _check_process(pid: int, mode: str) -> None:
-    if os.getpid() != pid:
-        raise RuntimeError(
-            f"the {mode} optimizer state of process {pid} cannot be used after fork() (this is "
-            f"process {os.getpid()}): its state file, mapping and I/O threads belong to the parent. Create "
-            "the optimizer in the child (or start it with the 'spawn' method)")
 
 
 def _moment_format(numels: list, moments: str, min_size: int, gi: int, i: int) -> str:
