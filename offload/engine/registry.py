@@ -85,6 +85,22 @@ class Registry:
         for gi in valid:   # a valid count one step on is still valid
             self._valid[gi] = (self.steps[gi], self.steps[gi]._version)
 
+    def advance_all(self, groups: Sequence[int]) -> None:
+        """advance() with every parameter of the (non-empty) groups ``groups`` active, every count
+        valid (:meth:`valid`): the planned step (engine/fastpath.py)."""
+        one, steps = np.float32(1), self.steps
+        for gi in groups:
+            s = self.counts(gi)
+            s += one
+        bump_versions([steps[gi] for gi in groups])
+        for gi in groups:
+            t = steps[gi]
+            self._valid[gi] = (t, t._version)
+
+    def valid(self) -> bool:
+        """Every group's step counts found valid by :meth:`check` and not written since."""
+        return all(self._checked(gi, t) for gi, t in enumerate(self.steps))
+
     def check(self, where: Callable[[int, int], str]) -> None:
         """Every step count is one the kernel takes (:func:`count_error`); a ValueError naming the
         first that is not (``where(gi, i)``: its parameter), before anything is stepped."""

@@ -19,7 +19,7 @@ import torch
 from ..native.adam import COL_G, COL_GD, COL_M, COL_N, COL_OD, COL_OUT, COL_P, COL_STEP, COL_V, COL_VMAX, TASK_COLS
 from ..state.layout import piece_columns
 
-__all__ = ["bucket_rows", "kernel_for"]
+__all__ = ["bucket_rows", "kernel_for", "step_columns"]
 
 
 def bucket_rows(b, pieces: Sequence, base: int, ptrs, steps: Sequence[int]) -> np.ndarray:
@@ -86,6 +86,14 @@ def kernel_for(b):
         return step_table
     from ..native.moments import step_moment_table
     return step_moment_table
+
+
+def step_columns(b) -> tuple:
+    """(step count column, gradient address column) of bucket ``b``'s rows."""
+    if b.moments == "fp32":
+        return COL_STEP, COL_G
+    c = _moment_cols(b.moments)
+    return c["step"], c["g"]
 
 
 @lru_cache(maxsize=None)

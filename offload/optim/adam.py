@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
 
 from . import fallback, gpu, stephooks, torch_state as sdict
-from .checks import _check_hyper, check_group, check_options, check_threads, group_hyper
+from .checks import HyperCache, _check_hyper, check_group, check_options, check_threads
 from .clipping import CLIP_GRAD_NORM_DOC, Clip
 from ..base.failstop import OptimizerFailedError, detached, failed_message
 from .engine_slot import EngineSlot
@@ -64,6 +64,7 @@ class _AdamBase(EngineSync, Optimizer):
                         fused=fused, decoupled_weight_decay=decoupled_weight_decay)
         self._threads = threads
         self._clip = Clip()
+        self._hyper = HyperCache()   # checked hyperparameters per group, while unchanged
         self._failure = None   # set when a step failed part-way (offload/base/failstop.py)
         # float64/complex/strided/duplicate params: torch's code, state in RAM (optim/fallback.py)
         self._router = fallback.Router(elsewhere=fallback.elsewhere(state, moments, offload_device))
@@ -120,6 +121,7 @@ class _AdamBase(EngineSync, Optimizer):
             self.__dict__.setdefault(k, v)
         # (load_state_dict keeps its own parts: the router's split and what it logged, the clip coefficient)
         for k, v in dict(_clip=Clip(), _router=fallback.Router(), _slot=EngineSlot(moments=self.moments),
+                         _hyper=HyperCache(),
                          _wide=dict(moments=self.moments, moments_min_size=self.moments_min_size)).items():
             self.__dict__.setdefault(k, v)
         self._clip.forget()   # (load_state_dict: the coefficient stays, tied to no gradients)
@@ -156,11 +158,14 @@ class _AdamBase(EngineSync, Optimizer):
             return loss
         mult = self._clip.multiplier(grad_multiplier)
         native, fb = self._router.split(self.param_groups)  # fb: stepped by torch's code (offload/optim/fallback.py)
-        for group, _ in fb:
-            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        fallback.check(self.state, fb, self.param_groups)
-        self._sync_engine(native, stepping=True)
-        self._store.step(native, self.group_hyper, self.state, mult, self.kernel_threads)
+        store = self._store   # its plan: the step as the last one ran (engine/fastpath.py)
+        if fb or store is None or not store.step_planned(native, self.group_hyper, self.state,
+                                                         mult, self.kernel_threads):
+            for group, _ in fb:
+                _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            fallback.check(self.state, fb, self.param_groups)
+            self._sync_engine(native, stepping=True)
+            self._store.step(native, self.group_hyper, self.state, mult, self.kernel_threads)
         self._clip.clear()
         try:
             if fb:
@@ -194,8 +199,8 @@ class _AdamBase(EngineSync, Optimizer):
     def group_hyper(self, gi: int) -> dict:
         """The validated hyperparameters of param group ``gi`` as the kernels take them (lr, beta1,
         beta2, eps, weight_decay, decoupled, amsgrad, maximize); raises ValueError on a bad value."""
-        return group_hyper(self.param_groups[gi], len(self.defaults) + 1, OPTIMIZER_WIDE, self._wide,
-                           self._decoupled)
+        return self._hyper.get(gi, self.param_groups[gi], len(self.defaults) + 1, OPTIMIZER_WIDE,
+                               self._wide, self._decoupled)
 
     @property
     def kernel_threads(self) -> int:
