@@ -139,7 +139,7 @@ class _AdamBase(EngineSync, Optimizer):
         return d
 
     # ------------------------------------------------------------------ step
-    @torch.no_grad()
+    @stephooks.grad_off
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_multiplier: Optional[float] = None):
         """Perform one optimization step.
 
