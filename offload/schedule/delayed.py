@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..base.dist import is_dtensor, multi_rank
-from ..params.device import DeviceParams
+from ..params.device import DeviceParams, piece
 from .feedstep import WriteRaceError
 from .hooks import weak_hook
 from .uploads import Upload
@@ -174,7 +174,7 @@ class HeldParams(DeviceParams):
         old_buf, dtypes, ext = self._free(bi, o), self.dtypes[b.group], []
         for pc in pieces:
             dtype = dtypes[pc.param]
-            new, old = self._piece(self.bufs[bi][k], pc, dtype), self._piece(old_buf, pc, dtype)
+            new, old = piece(self.bufs[bi][k], pc, dtype), piece(old_buf, pc, dtype)
             if _key(pc) in before:
                 x = new.float()
                 old.copy_(x + (x - old.float()))
@@ -206,7 +206,7 @@ class HeldParams(DeviceParams):
             b, parts = self._sources(bi, held, shown, actual)
             dtypes = self.dtypes[b.group]
             pairs = [(self.flat_param(b.group, pc.param)[pc.start:pc.start + pc.n],
-                      self._piece(self.bufs[bi][k], pc, dtypes[pc.param])) for pc, k in parts]
+                      piece(self.bufs[bi][k], pc, dtypes[pc.param])) for pc, k in parts]
             self.publishes += 1
             ev = self.device.copy_to_device(pairs, after)
             for k in {k for _, k in parts}:
