@@ -1,13 +1,16 @@
 """state/choice.py: which storage the user asked for: ``storage="ram"|"nvme"|"mmap"``, its old name ``state``
 (still accepted, with a DeprecationWarning), and the default when neither is given ("nvme" when only
-``nvme_dir`` says where, else "ram"). Read by the optimizer's constructor and by ``offload.plan()``.
+``nvme_dir`` says where, else "ram"), and what a storage accepts (:func:`check_storage`). Read by
+the optimizer's constructor and by ``offload.plan()``, so that both refuse the same settings.
 """
 from __future__ import annotations
 
 import warnings
 from typing import Optional
 
-__all__ = ["resolve_state", "resolve_storage"]
+__all__ = ["resolve_state", "resolve_storage", "check_storage", "STORAGES"]
+
+STORAGES = ("ram", "nvme", "mmap")
 
 
 def resolve_state(state: Optional[str], nvme_dir) -> str:
@@ -28,3 +31,14 @@ def resolve_storage(storage: Optional[str], state: Optional[str], nvme_dir, *, s
                              "old name)")
         storage = state
     return resolve_state(storage, nvme_dir)
+
+
+def check_storage(storage, nvme_dir, nvme_options=None) -> None:
+    """Refuse what ``storage`` cannot take: an unknown name; ``nvme_dir`` (or NVMe tuning beyond
+    ``staging_slots``) with RAM state."""
+    if storage not in STORAGES:
+        raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {storage!r}")
+    if storage == "ram" and (nvme_dir is not None or set(nvme_options or ()) - {"staging_slots"}):
+        raise ValueError("nvme_dir/nvme_options only apply to storage='nvme' or storage='mmap' "
+                         "(with storage='ram', nvme_options={'staging_slots': n} sizes the "
+                         "staging ring of device parameters)")
