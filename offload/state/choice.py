@@ -35,10 +35,13 @@ def resolve_storage(storage: Optional[str], state: Optional[str], nvme_dir, *, s
 
 def check_storage(storage, nvme_dir, nvme_options=None) -> None:
     """Refuse what ``storage`` cannot take: an unknown name; ``nvme_dir`` (or NVMe tuning beyond
-    ``staging_slots``) with RAM state."""
+    ``staging_slots``) with RAM state; several drives for mmap state (one mapped file)."""
     if storage not in STORAGES:
         raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {storage!r}")
     if storage == "ram" and (nvme_dir is not None or set(nvme_options or ()) - {"staging_slots"}):
         raise ValueError("nvme_dir/nvme_options only apply to storage='nvme' or storage='mmap' "
                          "(with storage='ram', nvme_options={'staging_slots': n} sizes the "
                          "staging ring of device parameters)")
+    if storage == "mmap":
+        from .drives import check_one
+        check_one(nvme_dir, "mmap")

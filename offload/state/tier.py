@@ -160,8 +160,14 @@ def check_budget(kind: str, state_cap: Optional[int], depth: int, staging_slots:
                  host_budget) -> None:
     """NVMe state needs room for one 4 KiB bucket in each of its ``depth + 2`` slots (and the
     staging slots of device parameters, ``staging_slots``: 0 for host parameters); ``state_cap``
-    from :func:`split_budget` with the same arguments."""
+    from :func:`split_budget` with the same arguments. The message names the smallest budget
+    that :func:`split_budget` accepts."""
     if kind == "nvme" and state_cap < ALIGN:
-        n = depth + 2 + 2 * staging_slots
-        raise ValueError(f"host_budget={host_budget!r} is too small: need at least {n} buffers of "
-                         f"{ALIGN} bytes ({n * ALIGN} bytes)")
+        need = int(ALIGN * (depth + 2 + 2 * staging_slots / 3))
+        while split_budget(kind, need, depth, staging_slots)[0] < ALIGN:
+            need += 1
+        staging = (f" and 2/3 of one for each of {staging_slots} staging slots"
+                   if staging_slots else "")
+        raise ValueError(f"host_budget={host_budget!r} is too small: NVMe state needs at least "
+                         f"{need} bytes (a {ALIGN}-byte buffer for each of its {depth + 2} slots"
+                         f"{staging})")
