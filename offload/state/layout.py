@@ -39,8 +39,8 @@ import numpy as np
 
 from ..base.memory import ALIGN, round_up
 
-__all__ = ["Shape", "Piece", "Bucket", "Layout", "build_layout", "stagger_gap", "piece_columns", "section_keys", "entries", "unit", "round_up",
-           "ELEM", "ALIGN"]
+__all__ = ["Shape", "Piece", "Bucket", "Layout", "build_layout", "stagger_gap", "piece_columns",
+           "section_keys", "entries", "unit", "round_up", "ELEM", "ALIGN"]
 
 ELEM = 16          # pieces start on 16-element (64-byte) boundaries inside a section
 _PAGE_ELEMS = ALIGN // 4   # ALIGN: buckets start (and end) on 4 KiB
@@ -174,6 +174,26 @@ def stagger_gap(cap: int) -> int:
     return 16400 if cap >= (1 << 18) else ELEM
 
 
+def _limits(s: Shape, amsgrad: bool, max_state_bytes: Optional[int]) -> Tuple[int, Optional[int]]:
+    """(piece granularity, most elements of ``s`` a bucket holds: None for unbounded buckets)."""
+    u = unit(s.moments)
+    if not max_state_bytes:
+        return u, None
+    per = _per_elem_state(s.master, amsgrad, s.moments)
+    cap_max = int(max_state_bytes // per) // u * u
+    if cap_max < u:
+        raise ValueError(f"a state bucket of {max_state_bytes} bytes cannot hold one {u}-element "
+                         f"piece ({int(u * per)} bytes): raise host_budget")
+    return u, cap_max
+
+
+def _split_step(cap_max: int) -> int:
+    """Elements per piece of a parameter too large for one bucket: whole pages of every section
+    (a budget too small for one page per section: 16-element pieces, views then join by
+    copying)."""
+    return cap_max // _PAGE_ELEMS * _PAGE_ELEMS or cap_max
+
+
 def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_bytes: Optional[int] = None,
                  max_param_bytes: Optional[int] = None, align: int = ALIGN, first_bucket: int = 0,
                  stagger: bool = False) -> Layout:
@@ -210,12 +230,7 @@ def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_
             continue
         ams = bool(amsgrad[s.group])
         mf = s.moments
-        u = unit(mf)
-        per = _per_elem_state(s.master, ams, mf)
-        cap_max = (int(max_state_bytes // per) // u * u) if max_state_bytes else None
-        if cap_max is not None and cap_max < u:
-            raise ValueError(f"a state bucket of {max_state_bytes} bytes cannot hold one {u}-element piece "
-                             f"({int(u * per)} bytes): raise host_budget")
+        u, cap_max = _limits(s, ams, max_state_bytes)
         key = (s.group, s.master) if mf == "fp32" else (s.group, s.master, mf)
         need_cap = round_up(s.numel, u)
         need_stage = round_up(s.numel * s.itemsize, 64)
@@ -235,8 +250,7 @@ def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_
         # larger than a bucket: whole pages per section, one bucket per piece
         close(b)
         open_b.pop(key, None)
-        # (a budget too small for one page per section: 16-element pieces, views then join by copying)
-        step = cap_max // _PAGE_ELEMS * _PAGE_ELEMS or cap_max
+        step = _split_step(cap_max)
         punit = _PAGE_ELEMS if step % _PAGE_ELEMS == 0 else u
         start = 0
         while start < s.numel:
