@@ -32,6 +32,7 @@ bucketing (RAM == NVMe == mmap bitwise, any ``host_budget``).
 from __future__ import annotations
 
 import operator
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -39,8 +40,8 @@ import numpy as np
 
 from ..base.memory import ALIGN, round_up
 
-__all__ = ["Shape", "Piece", "Bucket", "Layout", "build_layout", "stagger_gap", "piece_columns",
-           "section_keys", "entries", "unit", "round_up", "ELEM", "ALIGN"]
+__all__ = ["Shape", "Piece", "Bucket", "Layout", "build_layout", "split_buckets", "stagger_gap",
+           "piece_columns", "section_keys", "entries", "unit", "round_up", "ELEM", "ALIGN"]
 
 ELEM = 16          # pieces start on 16-element (64-byte) boundaries inside a section
 _PAGE_ELEMS = ALIGN // 4   # ALIGN: buckets start (and end) on 4 KiB
@@ -159,6 +160,7 @@ class Layout:
         return self
 
 
+@lru_cache(maxsize=None)
 def _per_elem_state(master: bool, amsgrad: bool, moments: str = "fp32") -> float:
     u = unit(moments)
     return sum(entries(moments, k, u) * size for k, size in section_keys(master, amsgrad, moments)) / u
@@ -192,6 +194,19 @@ def _split_step(cap_max: int) -> int:
     (a budget too small for one page per section: 16-element pieces, views then join by
     copying)."""
     return cap_max // _PAGE_ELEMS * _PAGE_ELEMS or cap_max
+
+
+def split_buckets(shapes: Sequence[Shape], *, amsgrad: Sequence[bool],
+                  max_state_bytes: Optional[int]) -> int:
+    """The buckets :func:`build_layout` gives to parameters too large for one bucket (one per
+    piece), counted without laying them out: the other parameters take at most one bucket each."""
+    n = 0
+    for s in shapes:
+        if s.active and s.numel:
+            u, cap_max = _limits(s, bool(amsgrad[s.group]), max_state_bytes)
+            if cap_max is not None and round_up(s.numel, u) > cap_max:
+                n += -(-s.numel // _split_step(cap_max))
+    return n
 
 
 def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_bytes: Optional[int] = None,
