@@ -25,11 +25,11 @@ import torch
 
 from ..base.dist import local
 from ..params.guards import WriteTracker, check_overlaps, refresh_master
-from ..state.layout import ALIGN, build_layout, piece_columns
+from ..state.layout import build_layout, piece_columns
 from ..params.base import shapes_of
 from ..params import ParamSide, side_maker
 from ..state import make_tier
-from ..state.tier import split_budget
+from ..state.tier import check_budget, check_depth, split_budget
 from ..base.units import parse_size
 from . import grow, pipeline
 from ..moments.handouts import Handouts
@@ -85,17 +85,13 @@ class StateEngine:
         self.tracker.dtypes = self.dtypes
         # where the parameters are (params/side.py), fixed for the engine's life
         self.side: ParamSide = side(self.groups, self.dtypes)
-        if not isinstance(depth, int) or not 1 <= depth <= 64:
-            raise ValueError(f"depth (buckets read ahead) must be an int in [1, 64], got {depth!r}")
+        check_depth(depth)
         if mode == "nvme":   # depth reads ahead per drive: every drive has reads in flight (docs/nvme.md)
             from ..state.drives import parse_dirs
             self.depth = depth = min(64, depth * len(parse_dirs(nvme_dir)))
-        slots = self.side.staging_slots
-        self.state_cap, self.stage_cap = split_budget(mode, self.budget, depth, slots)
-        if mode == "nvme" and self.state_cap < ALIGN:
-            n = depth + 2 + 2 * slots
-            raise ValueError(f"host_budget={host_budget!r} is too small: need at least {n} buffers of "
-                             f"{ALIGN} bytes ({n * ALIGN} bytes)")
+        nstage = self.side.staging_slots
+        self.state_cap, self.stage_cap = split_budget(mode, self.budget, depth, nstage)
+        check_budget(mode, self.state_cap, depth, nstage, host_budget)
         self.stage_cap = self.side.stage_cap(self.stage_cap, bucket_bytes)
         self.layout = self.lay_out(self.groups, 0)
         self.registry = Registry([len(g) for g in self.groups])

@@ -20,7 +20,9 @@ import torch
 
 from ..native.moments import MOMENT_BLOCK, MOMENT_FORMATS, decode_moments, moment_state
 
-__all__ = ["FORMATS", "BLOCK", "CODE_VERSIONS", "check_moments", "sections", "per_block", "saved_key", "parse_saved_key",
+__all__ = ["FORMATS", "BLOCK", "CODE_VERSIONS", "check_moments", "check_min_size", "check_amsgrad",
+           "sections",
+           "per_block", "saved_key", "parse_saved_key",
            "spec", "encode", "decode", "check_values", "keys_of", "MOMENT_KEYS"]
 
 FORMATS = ("fp32",) + tuple(MOMENT_FORMATS)
@@ -37,6 +39,20 @@ def check_moments(moments) -> str:
     if not isinstance(moments, str) or moments not in FORMATS:
         raise ValueError(f"moments must be one of {', '.join(repr(f) for f in FORMATS)}, got {moments!r}")
     return moments
+
+
+def check_amsgrad(moments: str, amsgrad: bool) -> None:
+    """amsgrad keeps max_exp_avg_sq, which only fp32 moments have."""
+    if moments != "fp32" and amsgrad:
+        raise ValueError(f"amsgrad=True is not supported with moments={moments!r} (compressed "
+                         "moments keep no max_exp_avg_sq); use moments='fp32' for amsgrad")
+
+
+def check_min_size(min_size) -> int:
+    """``moments_min_size=``: the smallest tensor (elements) that keeps compressed moments."""
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+        raise ValueError(f"moments_min_size must be an int >= 0, got {min_size!r}")
+    return min_size
 
 
 @lru_cache(maxsize=None)

@@ -18,6 +18,7 @@ import torch
 
 from ..base.dist import local
 from ..native.adam import DTYPE_CODES
+from ..state.tier import check_staging_slots
 from .base import bump_stepped, check_grad
 from .guards import check_overlaps
 from .side import ParamSide
@@ -41,8 +42,7 @@ class DeviceParams(ParamSide):
     all_masters = True   # the kernel writes the new weights into a slot: every piece's master is state
 
     def __init__(self, groups, device, slots: int = 2, dtypes: Optional[list] = None):
-        if not (isinstance(slots, int) and 1 <= slots <= 64):
-            raise ValueError(f"staging_slots must be an int in [1, 64], got {slots!r}")
+        check_staging_slots(slots)
         super().__init__(groups)
         # per group, each parameter's dtype as laid out (the engine's list, which grows with
         # it): the staging slots are sized by it, whatever a parameter was cast to since
