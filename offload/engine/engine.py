@@ -83,8 +83,7 @@ class StateEngine:
         self.lock = threading.RLock()
         self.tracker = WriteTracker(self.local_groups)   # bf16/fp16 params written by the user between steps
         self.tracker.dtypes = self.dtypes
-        # where the parameters are (params/side.py), fixed for the engine's life
-        self.side: ParamSide = side(self.groups, self.dtypes)
+        self._side: ParamSide = side(self.groups, self.dtypes)   # fixed for the engine's life: ``side``
         check_depth(depth)
         if mode == "nvme":   # depth reads ahead per drive: every drive has reads in flight (docs/nvme.md)
             from ..state.drives import parse_dirs
@@ -151,6 +150,11 @@ class StateEngine:
     @property
     def closed(self) -> bool:
         return self.tier.closed
+
+    @property
+    def side(self) -> ParamSide:
+        """Where the parameters are (params/side.py), built with the engine; never replaced."""
+        return self._side
 
     def __getattr__(self, name):   # path, directory, engine, arena, file, slot_bytes ... of the tier
         if name in ("tier", "__setstate__") or name.startswith("__"):

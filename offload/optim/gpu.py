@@ -22,6 +22,7 @@ import torch
 from ..base.dist import PARTITION_NORM, zero_partition
 from ..device import Device, resolve_device
 from ..schedule.smallparams import small_params
+from ..schedule.delayed import held_side
 from ..schedule.device_step import DeviceStep
 from ..engine.port import port_of
 from ..params import side_maker
@@ -70,7 +71,8 @@ def make_state_engine(param_groups: list, state: str, *, nvme_dir, host_budget, 
     moments, or device parameters with any tier (their small parameters excluded: stepped on the device)."""
     from ..engine.engine import StateEngine
     opts = dict(nvme_options or {})
-    slots = opts.pop("staging_slots", 3)
+    held = held_side(gpu_options.get("delay_updates", 0), gpu_options.get("delay_extrapolate"))
+    side = side_maker(device, opts.pop("staging_slots", 3), held)   # (params/__init__.py)
     if device is not None:
         mb = gpu_options.get("bucket_mb", 32.0)
         if isinstance(mb, bool) or not (isinstance(mb, (int, float)) and mb > 0):
@@ -81,7 +83,7 @@ def make_state_engine(param_groups: list, state: str, *, nvme_dir, host_budget, 
         opts["exclude"] = small_params(param_groups, gpu_options.get("small_param_numel", 0))
     amsgrad = [bool(g.get("amsgrad", False)) for g in param_groups]
     return StateEngine([g["params"] for g in param_groups], amsgrad, mode=state, nvme_dir=nvme_dir,
-                       host_budget=host_budget, keep=keep, side=side_maker(device, slots), **opts)
+                       host_budget=host_budget, keep=keep, side=side, **opts)
 
 
 _HOST_STATS = dict(step=0, d2h_s=0.0, kernel_s=0.0, h2d_s=0.0, nvme_s=0.0, exposed_s=0.0, d2h_bytes=0, h2d_bytes=0,

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ParamSide"]
+__all__ = ["ParamSide", "SideOver"]
 
 
 class ParamSide:
@@ -132,3 +132,97 @@ class ParamSide:
     def close(self) -> None:
         """Copies done, buffers released."""
 
+
+
+class SideOver(ParamSide):
+    """A side that passes every call to the side ``inner``: the base of a side that changes a few
+    of them and keeps the rest (schedule/delayed.py HeldParams: the new weights held back)."""
+
+    def __init__(self, inner: ParamSide) -> None:   # (no state of its own: inner's is the side's)
+        self.inner = inner
+
+    groups = property(lambda self: self.inner.groups)
+    stats = property(lambda self: self.inner.stats)
+    publishes = property(lambda self: self.inner.publishes)
+    staging_slots = property(lambda self: self.inner.staging_slots)
+    all_masters = property(lambda self: self.inner.all_masters)
+    uncounted_copies = property(lambda self: self.inner.uncounted_copies)
+
+    @property
+    def grads(self):
+        return self.inner.grads
+
+    @grads.setter
+    def grads(self, grads) -> None:
+        self.inner.grads = grads
+
+    @property
+    def trace(self):
+        return self.inner.trace
+
+    @trace.setter
+    def trace(self, trace) -> None:
+        self.inner.trace = trace
+
+    def extend(self, groups) -> None:
+        self.inner.extend(groups)
+
+    def allocate(self, layout) -> None:
+        self.inner.allocate(layout)
+
+    def drop_buckets(self, buckets) -> None:
+        self.inner.drop_buckets(buckets)
+
+    def stage_cap(self, budget_cap, bucket_bytes):
+        return self.inner.stage_cap(budget_cap, bucket_bytes)
+
+    def collect(self, groups, local_groups, dtypes, numels, own, mode: str) -> tuple:
+        return self.inner.collect(groups, local_groups, dtypes, numels, own, mode)
+
+    def revalidated(self) -> list:
+        return self.inner.revalidated()
+
+    def user_writes(self, tracker, ready) -> set:
+        return self.inner.user_writes(tracker, ready)
+
+    def begin(self) -> None:
+        self.inner.begin()
+
+    def arrive(self, b, pieces, after=None):
+        return self.inner.arrive(b, pieces, after)
+
+    def next_slot_free(self) -> bool:
+        return self.inner.next_slot_free()
+
+    def ptrs(self, b, pieces, staged) -> list:
+        return self.inner.ptrs(b, pieces, staged)
+
+    def read_master(self, gi, i, start, n, dst, changed_only=False, after=None) -> None:
+        self.inner.read_master(gi, i, start, n, dst, changed_only, after)
+
+    def publish(self, b, pieces, staged, after=None):
+        return self.inner.publish(b, pieces, staged, after)
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+    def stepped(self, active: list) -> None:
+        self.inner.stepped(active)
+
+    def grad_sumsq(self, grads, threads: int) -> float:
+        return self.inner.grad_sumsq(grads, threads)
+
+    def flat_param(self, gi: int, i: int) -> torch.Tensor:
+        return self.inner.flat_param(gi, i)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    def collect_times(self) -> None:
+        self.inner.collect_times()
+
+    def info(self, layout) -> dict:
+        return self.inner.info(layout)
+
+    def close(self) -> None:
+        self.inner.close()
