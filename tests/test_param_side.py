@@ -1,6 +1,6 @@
-# test_param_side.py: the parameter side (offload/params/side.py) is one object, built with the state
-# engine and kept for its life: the delayed update's HeldParams is built then, over the device side,
-# never swapped in afterwards (one staging ring allocated, not two).
+# test_param_side.py: the parameter side (offload/params/side.py) is one object, built with the
+# state engine and kept for its life: the delayed update's HeldParams is built then, over the
+# device side, never swapped in afterwards (one staging ring allocated, not two).
 import pytest
 import torch
 
@@ -59,8 +59,8 @@ def test_the_side_is_fixed_for_the_engine_life(kind, tmp_path):
     """The engine's side is one object from construction on (steps, add_param_group, a load); it
     cannot be replaced."""
     ps = _params()
-    kw = {"host": {}, "device": dict(offload_device=CpuDevice(), bucket_mb=0.001),
-          "delayed": dict(offload_device=CpuDevice(), bucket_mb=0.001, delay_updates=1, delay_after=1)}[kind]
+    dev = dict(offload_device=CpuDevice(), bucket_mb=0.001)
+    kw = {"host": {}, "device": dev, "delayed": dict(dev, delay_updates=1, delay_after=1)}[kind]
     opt = offload.AdamW(ps[:2], lr=1e-2, **kw)
     eng = testing.state_engine(opt)
     side = testing.side(opt)

@@ -83,7 +83,7 @@ class StateEngine:
         self.lock = threading.RLock()
         self.tracker = WriteTracker(self.local_groups)   # bf16/fp16 params written by the user between steps
         self.tracker.dtypes = self.dtypes
-        self._side: ParamSide = side(self.groups, self.dtypes)   # fixed for the engine's life: ``side``
+        self._side: ParamSide = side(self.groups, self.dtypes)   # for the engine's life: ``side``
         check_depth(depth)
         if mode == "nvme":   # depth reads ahead per drive: every drive has reads in flight (docs/nvme.md)
             from ..state.drives import parse_dirs
@@ -106,7 +106,8 @@ class StateEngine:
         self._exclusive = functools.partial(_exclusive, self.lock, self._pid, self.tier, mode)
         self.views = TorchViews(self.layout, self.tier, self.registry, self.groups, Handouts(),
                                 local_groups=self.local_groups, numels=self.numels, amsgrad=self.amsgrad,
-                                moment_format=self._format, all_masters=self.side.all_masters, mode=mode,
+                                moment_format=self._format, all_masters=self.side.all_masters,
+                                mode=mode,
                                 tracker=self.tracker, exclusive=self._exclusive,
                                 read_master=self.side.read_master)
 
@@ -271,7 +272,8 @@ class StateEngine:
             self.registry.advance(active)
             self.side.begin()
             pipeline.run(jobs, tier=self.tier, side=self.side, registry=self.registry, hyper=hypers.__getitem__,
-                         mult=mult, threads=threads, depth=self.depth, ahead=self.side.staging_slots,
+                         mult=mult, threads=threads, depth=self.depth,
+                         ahead=self.side.staging_slots,
                          timing=self.telemetry, resync=resync and self._resync(resync))
             self.side.stepped(active)   # host: the kernel wrote them through their addresses (versions up)
             fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~self.registry.ready[gi])]

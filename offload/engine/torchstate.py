@@ -52,11 +52,11 @@ class _StateRecords:
 
 class TorchViews:
     def __init__(self, layout, tier, registry, groups: list, handouts: Handouts, *, local_groups: list,
-                 numels: list, amsgrad: list, moment_format: Callable[[int, int], str], all_masters: bool,
+                 numels: list, amsgrad: list, moment_format: Callable, all_masters: bool,
                  mode: str, tracker, exclusive: Callable, read_master: Callable):
         """``groups``, ``local_groups``, ``numels``, ``amsgrad``: the engine's per-group lists (they grow
         in place with add_param_group); ``all_masters``: every parameter has an fp32 master (device
-        parameters: params/side.py); ``exclusive(failed_ok=False)``: the engine's lock, as a context manager."""
+        parameters: params/side.py); ``exclusive(failed_ok=False)``: the engine's lock."""
         self.layout, self.tier, self.registry, self.groups, self.handouts = layout, tier, registry, groups, handouts
         self.local_groups, self.numels, self.amsgrad = local_groups, numels, amsgrad
         self.moment_format, self.all_masters, self.mode = moment_format, all_masters, mode
@@ -274,8 +274,8 @@ class TorchViews:
         return self.all_masters or local(self.groups[gi][i]).dtype in LOW_PRECISION
 
     def follow_shapes(self, state: dict, revalidated) -> None:
-        """Parameters the side revalidated this step (``revalidated``: (group, rows)) that were given
-        another shape: their state views follow (engine/adopt.py)."""
+        """Parameters the side revalidated this step (``revalidated``: (group, rows)) that were
+        given another shape: their views follow (engine/adopt.py)."""
         for gi, idx in revalidated:
             follow_shapes(self.groups[gi], idx, self.registry.ready[gi], state,
                           lambda i, gi=gi: self.ptrs.get((gi, i), ()),

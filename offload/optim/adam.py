@@ -11,9 +11,9 @@ complex, non-contiguous, listed twice) go through torch's Adam code, state in RA
 The class derives from ``torch.optim.Optimizer`` (and optim/rebuilding.py's ``EngineSync``, which
 keeps ``_store`` laid out for the param groups as they are) and holds parts, which its methods call
 in a few lines each: ``_store``, the state engine of every mode (engine/engine.py), built by
-``_slot`` (optim/engine_slot.py);
-``_face``, where the parameters are (optim/faces.py: host memory, or a device with its schedule); ``_clip``, the pending
-clip coefficient (optim/clipping.py); ``_router``, which parameters torch's code steps (optim/fallback.py); and
+``_slot`` (optim/engine_slot.py); ``_face``, where the parameters are (optim/faces.py: host memory,
+or a device and its schedule); ``_clip``, the pending clip coefficient (optim/clipping.py);
+``_router``, which parameters torch's code steps (optim/fallback.py); and
 optim/torch_state.py's functions. This file holds the constructor, param groups, pickling and step dispatch.
 """
 from __future__ import annotations
@@ -78,13 +78,14 @@ class _AdamBase(EngineSync, Optimizer):
         super().__init__(params, defaults)
         self._store = self._slot.make(self._slot.groups(self.param_groups, self._router))
         self._face = self._start_face(device, gpu_options, owns_device, log=True)
-        if self._face.amp_scaling:   # GradScaler hands us grad_scale / found_inf instead of unscaling
+        if self._face.amp_scaling:   # GradScaler hands us grad_scale / found_inf: no unscaling
             self._step_supports_amp_scaling = True
 
     def _start_face(self, device, gpu_options: dict, owns_device: bool = False, log: bool = False):
         """Where the parameters are (optim/faces.py start), over the engine ``_store``."""
-        return faces.start(port_of(self), device, gpu_options, self._store, owns_device, lay_out=self._sync_engine,
-                           clip=self._clip, router=self._router, fail=self._fail, decoupled=self._decoupled,
+        return faces.start(port_of(self), device, gpu_options, self._store, owns_device,
+                           lay_out=self._sync_engine, clip=self._clip, router=self._router,
+                           fail=self._fail, decoupled=self._decoupled,
                            describe=functools.partial(gpu.describe, self) if log else None)
 
     def _fail(self, exc: BaseException) -> None:
@@ -178,7 +179,7 @@ class _AdamBase(EngineSync, Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad; also discards a clip coefficient computed from the discarded gradients."""
         self._clip.clear()
-        self._face.zero_grad(set_to_none)   # (device: zeroing in place waits for the last step's copies)
+        self._face.zero_grad(set_to_none)   # (device: zeroing in place waits for the last copies)
         super().zero_grad(set_to_none=set_to_none)
 
     def close(self) -> None:
@@ -285,7 +286,8 @@ class _AdamBase(EngineSync, Optimizer):
         checked before anything is replaced."""
         state_dict = sdict.pre_hooks(self, state_dict)
         self._sync_engine()   # (a group's params list edited: the engine is laid out for the groups as they are)
-        new_state, groups = sdict.map_saved(self.param_groups, state_dict, host=not self._slot.on_device)
+        host = not self._slot.on_device
+        new_state, groups = sdict.map_saved(self.param_groups, state_dict, host=host)
         self.synchronize()
         sdict.install(new_state, self.param_groups, self._router.split(groups)[0], self._store,
                       self._engine_index, self._rebuild_engine)
@@ -293,7 +295,7 @@ class _AdamBase(EngineSync, Optimizer):
         self._face.load_state(loaded=True)
         sdict.post_hooks(self)
 
-    # ------------------------------------------------------------------ GPU offload (optim/faces.py)
+    # ------------------------------------------------------------ GPU offload (optim/faces.py)
     def no_sync(self):
         """Backward passes inside this block only accumulate gradients on the device (no transfer);
         the first backward outside it is the accumulation boundary. No-op in CPU mode."""
@@ -350,7 +352,7 @@ class _AdamBase(EngineSync, Optimizer):
 
 
 def _settled(face, state: dict) -> dict:
-    """``state`` (opt.state) once no step still writes it (``face``: None in torch's constructor)."""
+    """``state`` (opt.state) once no step writes it (``face``: None in torch's constructor)."""
     if face is not None:
         face.settle()
     return state

@@ -54,7 +54,8 @@ class EngineSlot:
         """TypeError naming what keeps an optimizer with this (built) engine from being pickled or deep-copied."""
         if not self.picklable:
             what = ("NVMe/mmap state" if self.mode != "ram" else
-                    "parameters on a device (GPU offload)" if self.on_device else "compressed moments")
+                    "parameters on a device (GPU offload)" if self.on_device else
+                    "compressed moments")
             raise TypeError(f"an optimizer with {what} cannot be pickled or deep-copied; use state_dict() / "
                             "load_state_dict()")
 

@@ -1,6 +1,6 @@
-"""optim/faces.py: the optimizer's one object for where its parameters are: ``StepFace``, the interface,
-``HostFace`` (parameters on the CPU) and ``DeviceFace`` (GPU offload: the device schedule,
-schedule/device_step.py), and ``start``, the one factory that chooses between them.
+"""optim/faces.py: the optimizer's one object for where its parameters are: ``StepFace``, the
+interface, ``HostFace`` (parameters on the CPU) and ``DeviceFace`` (GPU offload: the device
+schedule, schedule/device_step.py), and ``start``, the one factory that chooses between them.
 
 ``offload.Adam/AdamW`` (optim/adam.py) hold one face, ``_face``, made by ``start`` once the state
 engine exists (unpickled: before it is built from opt.state), for the optimizer's whole life; its
@@ -27,10 +27,12 @@ from ..schedule.feedstep import WriteRaceError
 __all__ = ["DeviceFace", "HostFace", "StepFace", "start"]
 
 log = logging.getLogger("offload")
+_ONLY = "{} is only available in GPU-offload mode (parameters on a GPU)"
 
 # last_step_stats() of host parameters: the device schedule's keys, the copies at 0
-_HOST_STATS = dict(step=0, d2h_s=0.0, kernel_s=0.0, h2d_s=0.0, nvme_s=0.0, exposed_s=0.0, d2h_bytes=0, h2d_bytes=0,
-                   buckets=0, skipped=False, grad_multiplier=1.0, overlapped=False, waited_all=False, complete=True)
+_HOST_STATS = dict(step=0, d2h_s=0.0, kernel_s=0.0, h2d_s=0.0, nvme_s=0.0, exposed_s=0.0,
+                   d2h_bytes=0, h2d_bytes=0, buckets=0, skipped=False, grad_multiplier=1.0,
+                   overlapped=False, waited_all=False, complete=True)
 
 
 class StepFace:
@@ -38,24 +40,26 @@ class StepFace:
     whose steps are done when step() returns (nothing in flight, nothing to wait for)."""
     on_device = False            # the optimizer's ``gpu_offload``
     steps_during_backward = False
-    amp_scaling = False          # GradScaler hands step() grad_scale / found_inf instead of unscaling
+    amp_scaling = False          # GradScaler hands step() grad_scale / found_inf: no unscaling
     schedule: Optional[DeviceStep] = None   # the device schedule, if any
-    engine = None                # the state engine it steps (engine/engine.py), the optimizer's ``_store``
+    engine = None                # the state engine it steps (engine/engine.py): ``_store``
 
     def description(self) -> str:
         """Where the parameters are stepped (the optimizer's INFO line)."""
         raise NotImplementedError
 
     def step(self, grad_multiplier: Optional[float]) -> None:
-        """The optimizer's step() after its closure: checks first (a refused step changes nothing)."""
+        """The optimizer's step() after its closure: checks first (a refused step changes
+        nothing)."""
         raise NotImplementedError
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool):
-        """The optimizer's clip_grad_norm_ (optim/clipping.py: the coefficient the next step applies)."""
+        """The optimizer's clip_grad_norm_ (optim/clipping.py: the coefficient the next step
+        applies)."""
         raise NotImplementedError
 
     def check_open(self) -> None:
-        """RuntimeError where the optimizer may no longer step, synchronize, save or load (closed)."""
+        """RuntimeError where the optimizer may no longer step, synchronize, save or load."""
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Before torch's zero_grad: nothing may still read the gradients."""
@@ -68,7 +72,7 @@ class StepFace:
         """Before ``opt.state`` is read: no step still writes it."""
 
     def quiesce(self) -> None:
-        """Before add_param_group grows the engine: nothing in flight, the user's writes adopted."""
+        """Before add_param_group grows the engine: nothing in flight, user writes adopted."""
 
     def before_rebuild(self) -> None:
         """Before the engine is built again for edited param groups (raises to refuse it)."""
@@ -85,13 +89,14 @@ class StepFace:
         return contextlib.nullcontext()
 
     def set_accumulation_boundary(self, flag: bool) -> None:
-        """False: the following backward passes only accumulate; True: the next one sends gradients."""
+        """False: the following backward passes only accumulate; True: the next one sends
+        gradients."""
 
     def reload_params(self) -> None:
-        raise RuntimeError("reload_params is only available in GPU-offload mode (parameters on a GPU)")
+        raise RuntimeError(_ONLY.format("reload_params"))
 
     def export_chrome_trace(self, path: str) -> int:
-        raise RuntimeError("export_chrome_trace is only available in GPU-offload mode (parameters on a GPU)")
+        raise RuntimeError(_ONLY.format("export_chrome_trace"))
 
     def last_step_stats(self, wait: bool) -> Optional[dict]:
         """The latest finished step's timings and bytes (optim/adam.py last_step_stats)."""
@@ -111,8 +116,8 @@ class HostFace(StepFace):
     """Parameters on the CPU: step() checks the parameters torch's code steps (``router``), lays
     the engine out, steps the others in the engine, then those in torch's code."""
 
-    def __init__(self, port, lay_out: Callable, clip, router, fail: Callable[[BaseException], None],
-                 decoupled: Optional[bool], engine=None):
+    def __init__(self, port, lay_out: Callable, clip, router, fail: Callable, decoupled,
+                 engine=None):
         self.port, self.lay_out, self.clip, self.router = port, lay_out, clip, router
         self.fail, self.decoupled, self.engine = fail, decoupled, engine
 
@@ -122,7 +127,7 @@ class HostFace(StepFace):
     def step(self, grad_multiplier: Optional[float]) -> None:
         port = self.port
         mult = self.clip.multiplier(grad_multiplier)
-        native, fb = self.router.split(port.groups())   # fb: stepped by torch's code (optim/fallback.py)
+        native, fb = self.router.split(port.groups())   # fb: torch's code steps them (fallback.py)
         for group, _ in fb:
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         fallback.check(port.state(), fb, port.groups())
@@ -137,7 +142,8 @@ class HostFace(StepFace):
             raise
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool):
-        return self.clip.clip_grad_norm_(self.port.groups(), self.router, self.port.threads(), max_norm,
+        port = self.port
+        return self.clip.clip_grad_norm_(port.groups(), self.router, port.threads(), max_norm,
                                          norm_type, error_if_nonfinite)
 
 
@@ -190,9 +196,9 @@ class DeviceFace(StepFace):
         if feed is not None and feed.in_cycle:
             raise RuntimeError(
                 "a param group's 'params' list or amsgrad was changed after backward() and before "
-                "step(): with parameters on a device their gradients go to the CPU during backward, "
-                "for the groups as they were. Change param groups between step() and the next "
-                "forward (undo the change to take this step)")
+                "step(): with parameters on a device their gradients go to the CPU during "
+                "backward, for the groups as they were. Change param groups between step() and "
+                "the next forward (undo the change to take this step)")
         self.schedule.quiesce()
 
     def restart(self, engine) -> None:
@@ -232,8 +238,8 @@ class DeviceFace(StepFace):
             self.schedule.close()
 
 
-def start(port, device, gpu_options: dict, engine, owns_device: bool = False, *, lay_out: Callable, clip,
-          router, fail: Callable, decoupled, describe: Optional[Callable[[str, object], str]]) -> StepFace:
+def start(port, device, gpu_options: dict, engine, owns_device: bool = False, *, lay_out: Callable,
+          clip, router, fail: Callable, decoupled, describe: Optional[Callable]) -> StepFace:
     """The face of parameters on ``device`` (None: host memory) over the state ``engine`` (None:
     built later, ``restart``); ``owns_device``: the face closes the device. Logs at INFO
     ``describe(where the parameters are stepped, engine)`` (None: nothing), and again for each
@@ -245,7 +251,7 @@ def start(port, device, gpu_options: dict, engine, owns_device: bool = False, *,
         return face
 
     def make(eng, owns: bool) -> DeviceStep:
-        sched = DeviceStep(port, eng, device, **gpu_options)   # buckets stream through a staging ring
+        sched = DeviceStep(port, eng, device, **gpu_options)   # buckets stream through staging
         sched.owns_device = owns
         if describe is not None:
             log.info(describe(_on_device(sched), eng))
@@ -254,5 +260,6 @@ def start(port, device, gpu_options: dict, engine, owns_device: bool = False, *,
 
 
 def _on_device(sched: DeviceStep) -> str:
-    return (f"parameters on device {sched.device.name} (GPU offload: gradients are copied to host memory, "
-            f"the CPU steps them{' during backward' if sched.eager else ''}, the new weights are copied back)")
+    return (f"parameters on device {sched.device.name} (GPU offload: gradients are copied to host "
+            f"memory, the CPU steps them{' during backward' if sched.eager else ''}, the new "
+            "weights are copied back)")

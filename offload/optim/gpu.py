@@ -74,8 +74,8 @@ def make_state_engine(param_groups: list, state: str, *, nvme_dir, host_budget, 
 
 
 def describe(opt, side: str, store) -> str:
-    """One line: where the parameters are stepped (``side``, optim/faces.py), where the state lives,
-    the moment format."""
+    """One line: where the parameters are stepped (``side``, optim/faces.py), where the state
+    lives, the moment format."""
     n = sum(len(g["params"]) for g in opt.param_groups)
     tier = getattr(store, "tier", None)
     mode = getattr(store, "mode", "ram")

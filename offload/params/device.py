@@ -33,13 +33,13 @@ class Staged:
 
 
 def piece(buf: torch.Tensor, pc, dtype) -> torch.Tensor:
-    """Piece ``pc``'s part of a staging buffer ``buf`` (its bucket's staging layout), as ``dtype``."""
+    """Piece ``pc``'s part of a staging buffer ``buf`` (its bucket's layout), as ``dtype``."""
     return buf[pc.boff:pc.boff + pc.n * pc.itemsize].view(dtype)
 
 
 class DeviceParams(ParamSide):
     """The parameter side of device tensors (params/side.py: what each method does)."""
-    all_masters = True   # the kernel writes the new weights into a slot: every piece's master is state
+    all_masters = True   # the kernel writes new weights into a slot: each piece's master is state
 
     def __init__(self, groups, device, slots: int = 2, dtypes: Optional[list] = None):
         check_staging_slots(slots)
@@ -80,8 +80,9 @@ class DeviceParams(ParamSide):
                 gs[i] = local(g)
             active.append(a)
             grads.append(gs)
-        check_overlaps(local_groups, [(gi, i, g) for gi, gs in enumerate(grads) for i, g in enumerate(gs)
-                                      if g is not None], own, mode)
+        given = [(gi, i, g) for gi, gs in enumerate(grads) for i, g in enumerate(gs)
+                 if g is not None]
+        check_overlaps(local_groups, given, own, mode)
         return active, grads
 
     def allocate(self, layout) -> None:
@@ -116,7 +117,8 @@ class DeviceParams(ParamSide):
         pairs = []
         for pc in pieces:
             g = self.grads[b.group][pc.param]
-            pairs.append((piece(self.grad_bufs[s], pc, g.dtype), g.reshape(-1)[pc.start:pc.start + pc.n]))
+            pairs.append((piece(self.grad_bufs[s], pc, g.dtype),
+                          g.reshape(-1)[pc.start:pc.start + pc.n]))
         ev = self.device.copy_to_host(pairs, self._after if after is None else after)
         with self._events_lock:
             self._events.append(("d2h", ev))
@@ -176,8 +178,8 @@ class DeviceParams(ParamSide):
 
     def upload(self, pairs: list, after=None):
         """H2D of ``pairs`` ((parameter part, host source)) after ``after``, counted as an upload
-        (``publishes``, ``stats``, ``collect_times``); ``finish`` makes the compute stream wait for the
-        last one. Returns its event."""
+        (``publishes``, ``stats``, ``collect_times``); ``finish`` makes the compute stream wait for
+        the last one. Returns its event."""
         self.publishes += 1
         ev = self.device.copy_to_device(pairs, after)
         self._last_up = ev
@@ -252,8 +254,9 @@ class DeviceParams(ParamSide):
         return float(torch.stack(norms).double().square().sum().item())
 
     def info(self, layout) -> dict:
+        per_bucket = [sum(pc.n * pc.itemsize for pc in b.pieces) for b in layout.buckets]
         return dict(staging_slots=self.nslots, staging_bytes=self.pinned_bytes,
-                    bucket_param_bytes=[sum(pc.n * pc.itemsize for pc in b.pieces) for b in layout.buckets])
+                    bucket_param_bytes=per_bucket)
 
     def close(self) -> None:
         try:

@@ -68,8 +68,8 @@ class HostParams(ParamSide):
         if self.rows is not None:
             self.rows.bumped(active)
 
-    def read_master(self, gi: int, i: int, start: int, n: int, dst: torch.Tensor, changed_only: bool = False,
-                    after=None) -> None:
+    def read_master(self, gi: int, i: int, start: int, n: int, dst: torch.Tensor,
+                    changed_only: bool = False, after=None) -> None:
         # (host bf16/fp16 parameters: the kernel adopts user writes element by element anyway)
         dst.copy_(local(self.groups[gi][i]).detach().reshape(-1)[start:start + n])
 

@@ -2,10 +2,11 @@
 
 A side is where the parameters and their gradients live, as the step sees them: the state engine
 (engine/engine.py) holds one, built at construction by ``side_maker`` (params/__init__.py), and
-never asks which one it has. Host parameters (params/host.py ``HostParams``) are read and written in place by the kernel;
-device parameters (params/device.py ``DeviceParams``) stream through a ring of staging slots: the
-gradients go down (``arrive``), the new weights go up (``publish``). A new side implements every
-method below; those with a body here are right for a side without staging (nothing is copied).
+never asks which one it has. Host parameters (params/host.py ``HostParams``) are read and written
+in place by the kernel; device parameters (params/device.py ``DeviceParams``) stream through a ring
+of staging slots: the gradients go down (``arrive``), the new weights go up (``publish``). A new
+side implements every method below; those with a body here are right for a side without staging
+(nothing is copied).
 
 The engine calls, per step: ``collect`` (validate parameters and gradients), ``user_writes``,
 ``begin``, then per bucket (engine/pipeline.py, the device worker of schedule/backward.py)
@@ -24,14 +25,14 @@ __all__ = ["ParamSide", "SideOver"]
 
 
 class ParamSide:
-    staging_slots = 0    # staging slots of the ring (0: the kernel reads and writes the parameters)
-    all_masters = False  # True: every parameter's fp32 master is a state section (else bf16/fp16 only)
+    staging_slots = 0    # slots of the staging ring (0: the kernel reads and writes parameters)
+    all_masters = False  # every parameter's fp32 master is a state section (False: bf16/fp16 only)
 
     def __init__(self, groups) -> None:
         self.groups = groups   # the engine's list of parameter lists (grows with it: ``extend``)
         self.grads = None      # this step's validated gradients (per group), set by the engine
         self.stats = dict(d2h_s=0.0, h2d_s=0.0, d2h_bytes=0, h2d_bytes=0)   # copies so far
-        self.publishes = 0     # uploads issued so far (fingerprints older than the last one are stale)
+        self.publishes = 0     # uploads so far (fingerprints of the weights before are stale)
         self.trace = None      # offload.base.trace.Trace: copy spans (trace=True)
 
     # --- the shape of the engine
@@ -148,21 +149,8 @@ class SideOver(ParamSide):
     all_masters = property(lambda self: self.inner.all_masters)
     uncounted_copies = property(lambda self: self.inner.uncounted_copies)
 
-    @property
-    def grads(self):
-        return self.inner.grads
-
-    @grads.setter
-    def grads(self, grads) -> None:
-        self.inner.grads = grads
-
-    @property
-    def trace(self):
-        return self.inner.trace
-
-    @trace.setter
-    def trace(self, trace) -> None:
-        self.inner.trace = trace
+    grads = property(lambda self: self.inner.grads, lambda s, g: setattr(s.inner, "grads", g))
+    trace = property(lambda self: self.inner.trace, lambda s, t: setattr(s.inner, "trace", t))
 
     def extend(self, groups) -> None:
         self.inner.extend(groups)

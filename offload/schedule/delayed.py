@@ -52,7 +52,7 @@ DELAY_AFTER = 50   # exact steps before the delay starts, by default (bench/dela
 
 
 def _delay(delay_updates):
-    """``delay_updates`` as the int it stands for (bools are ints), or None if it is none of 0, 1."""
+    """``delay_updates`` as the int it stands for (bools are ints); None if neither 0 nor 1."""
     if isinstance(delay_updates, bool):
         delay_updates = int(delay_updates)
     return delay_updates if isinstance(delay_updates, int) and delay_updates in (0, 1) else None
@@ -69,13 +69,14 @@ def held_side(delay_updates=0, delay_extrapolate=None):
 
 def prepare(overlap: bool, step_during_backward, small_param_numel, engine, delay_updates=0,
             delay_after=None, delay_extrapolate=None) -> tuple:
-    """Validate ``delay_updates`` and ``delay_after`` against the other options (nothing changes on
-    error; with a delay, the engine's side was built a ``HeldParams``: ``held_side``). Returns (None
-    (exact) or the number of exact steps before the delay, step_during_backward: False with a
-    delay, which steps the buckets after backward)."""
+    """Validate ``delay_updates`` and ``delay_after`` against the other options (nothing changes
+    on error; with a delay, the engine's side was built a ``HeldParams``: ``held_side``). Returns
+    (None (exact) or the number of exact steps before the delay, step_during_backward: False with
+    a delay, which steps the buckets after backward)."""
     given, delay_updates = delay_updates, _delay(delay_updates)
     if delay_updates is None:
-        raise ValueError(f"delay_updates must be 0 (exact) or 1 (one step of delay), got {given!r}")
+        raise ValueError("delay_updates must be 0 (exact) or 1 (one step of delay), "
+                         f"got {given!r}")
     if delay_after is not None and (isinstance(delay_after, bool) or not isinstance(delay_after, int)
                                     or delay_after < 0):
         raise ValueError(f"delay_after must be a number of steps >= 0, got {delay_after!r}")
@@ -105,9 +106,9 @@ def _key(pc) -> tuple:
 
 
 class HeldParams(SideOver):
-    """The side of device parameters ``inner`` (params/device.py), whose new weights wait in one host
-    buffer per bucket until ``release`` (while ``hold``; otherwise, in the exact steps before the
-    delay starts, every call is ``inner``'s)."""
+    """The side of device parameters ``inner`` (params/device.py), whose new weights wait in one
+    host buffer per bucket until ``release`` (while ``hold``; otherwise, in the exact steps before
+    the delay starts, every call is ``inner``'s)."""
 
     def __init__(self, inner: DeviceParams, extrapolate: bool = False):
         super().__init__(inner)
@@ -142,7 +143,8 @@ class HeldParams(SideOver):
 
     @property
     def pinned_bytes(self) -> int:
-        return self.inner.pinned_bytes + sum(buf.numel() for bufs in self.bufs.values() for buf in bufs)
+        held = sum(buf.numel() for bufs in self.bufs.values() for buf in bufs)
+        return self.inner.pinned_bytes + held
 
     def info(self, layout) -> dict:
         return dict(self.inner.info(layout), staging_bytes=self.pinned_bytes)
@@ -269,7 +271,8 @@ class DelayedUpdates:
 
     def __init__(self, feed, side: HeldParams, device, after: int = 0):
         if not isinstance(side, HeldParams):   # (the side is fixed when the engine is built)
-            raise TypeError("delay_updates=1 needs a state engine built with the side of held_side()")
+            raise TypeError("delay_updates=1 needs a state engine built with the side of "
+                            "held_side()")
         self.feed, self.side, self.device, self.after = feed, side, device, after
         self.pending = False   # an update queued and not on the device yet (no synchronize since)
         self.update = False    # an update queued since the last release
