@@ -2,8 +2,8 @@
 # host-specific architecture flag. kernels_<isa>.cpp files get that ISA's flags and nothing else
 # does; the best ISA the CPU supports is chosen at import (csrc/cpu_features.cpp).
 import os
-import platform
 import re
+import sysconfig
 from glob import glob
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
@@ -33,8 +33,9 @@ ARCH_ALIASES = {"amd64": "x86_64", "i386": "x86_64", "i686": "x86_64", "x86": "x
 
 
 def target_arch(machine=None):
-    """The ISA_FLAGS key of a machine name (default: this one's); scalar-only ones: the name."""
-    m = (machine or platform.machine()).lower()
+    """The ISA_FLAGS key of a machine name; scalar-only ones: the name. Default: the platform the
+    build is for (sysconfig's, which a cross build sets through _PYTHON_HOST_PLATFORM)."""
+    m = (machine or sysconfig.get_platform().rsplit("-", 1)[-1]).lower()
     return ARCH_ALIASES.get(m, m)
 
 

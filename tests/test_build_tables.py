@@ -70,8 +70,12 @@ def test_isa_flags_go_to_their_kernel_file_only(tables):
     assert not any(a.startswith(("-march=native", "-mcpu=native")) for a in tables["COMPILE_ARGS"])
 
 
-def test_target_arch_names(tables):
+def test_target_arch_names(tables, monkeypatch):
     arch = tables["target_arch"]
+    monkeypatch.setenv("_PYTHON_HOST_PLATFORM", "linux-aarch64")  # a cross build's target
+    assert arch() == "aarch64"
+    monkeypatch.setenv("_PYTHON_HOST_PLATFORM", "linux-x86_64")
+    assert arch() == "x86_64"
     assert [arch(m) for m in ("x86_64", "AMD64", "aarch64", "arm64", "riscv64")] == [
         "x86_64",
         "x86_64",
