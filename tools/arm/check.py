@@ -16,11 +16,13 @@
 
 Exit 0 when all of it passes, 1 when anything fails. When the packages cannot be had (not root, no
 apt-get, no registry), it prints a loud SKIPPED banner and exits 0, or 1 with ``--require`` (or
-   OFFLOAD_ARM_CHECK=require). ``--full``: also torch's aarch64 CPU wheel and offload itself in
-   that CPython, training a small model on every ISA against torch's AdamW
-   (tools/arm/train_check.py; minutes, not a CI step). ``--count``: instructions per element of
-   each loop instead (the qemu plugin tools/arm/insn_plugin.c; docs/benchmarks.md). ``--jobs N``:
-   parallel compiles and runs."""
+OFFLOAD_ARM_CHECK=require).
+
+``--full`` (minutes, not a CI step) adds setup.py's own build_ext run as for an aarch64 host (the
+module pip would build there; smoke.py on it), and torch's aarch64 CPU wheel with offload itself in
+that CPython: a small model trained on every ISA against torch's AdamW (tools/arm/train_check.py).
+``--count``: instructions per element of each loop instead (the qemu plugin
+tools/arm/insn_plugin.c; docs/benchmarks.md). ``--jobs N``: parallel compiles and runs."""
 
 from __future__ import annotations
 
@@ -182,6 +184,48 @@ def run_driver(cpu: str, expect: str, full: str, fallback: str) -> tuple:
     )
 
 
+def setuptools_build(version: str) -> str:
+    """offload._C built by setup.py's own build_ext as for an aarch64 host (the platform set
+    through _PYTHON_HOST_PLATFORM, the compilers through CC/CXX/LDSHARED, the aarch64 headers
+    first): what pip install runs there. Returns the module's path (named for aarch64)."""
+    inc = os.path.join(WORK, "pyheaders", "usr", "include")
+    flags = f"-I{inc}/python{version} -I{inc}"
+    env = dict(
+        os.environ,
+        _PYTHON_HOST_PLATFORM="linux-aarch64",
+        CC="aarch64-linux-gnu-gcc",
+        CXX=CXX,
+        LDSHARED=f"{CXX} -shared",
+        LDCXXSHARED=f"{CXX} -shared",
+        CFLAGS=flags,
+        CPPFLAGS=flags,
+        LDFLAGS="",
+    )
+    out = os.path.join(WORK, "setuptools")
+    r = sh(
+        [
+            sys.executable,
+            "setup.py",
+            "-q",
+            "build_ext",
+            "--build-lib",
+            out,
+            "--build-temp",
+            os.path.join(out, "tmp"),
+        ],
+        env=env,
+        cwd=ROOT,
+    )
+    found = glob.glob(os.path.join(out, "offload", "_C.*.so"))
+    if r.returncode or not found:
+        raise RuntimeError(
+            f"setup.py build_ext for aarch64 failed:\n{(r.stdout + r.stderr)[-4000:]}"
+        )
+    dest = os.path.join(out, f"_C.cpython-{version.replace('.', '')}-aarch64-linux-gnu.so")
+    shutil.copy(found[0], dest)
+    return dest
+
+
 def python_runs(ext: str, version: str, full: bool, skipped: list) -> list:
     """[(cpu, script args, PYTHONPATH)] of the aarch64 CPython stages (Skip if CPython or numpy
     cannot be had; torch for `full` not had: its runs left out, said in `skipped`)."""
@@ -191,14 +235,14 @@ def python_runs(ext: str, version: str, full: bool, skipped: list) -> list:
         (cpu, ["tools/arm/smoke.py", ext], [numpy]) for cpu in ("max,sve=off", "max,sve-max-vq=2")
     ]
     if full:
+        built = setuptools_build(version)
+        runs += [("max,sve-max-vq=4", ["tools/arm/smoke.py", built], [numpy])]
         try:
             torch = pip_site("torch", version, "torch==2.13.0", "numpy", index=TORCH_CPU_INDEX)
         except Skip as e:
             skipped.append(f"the training run in aarch64 CPython: {e}")
             return runs
-        pkg = os.path.dirname(
-            os.path.dirname(ext)
-        )  # offload's sources beside the cross-built module
+        pkg = os.path.dirname(os.path.dirname(ext))  # offload's sources beside the module
         shutil.copytree(
             os.path.join(ROOT, "offload"),
             os.path.join(pkg, "offload"),
@@ -210,79 +254,6 @@ def python_runs(ext: str, version: str, full: bool, skipped: list) -> list:
             for cpu in ("max,sve-max-vq=1", "max,sve-max-vq=4")
         ]
     return runs
-
-
-# (loop of tools/arm/insn_count.cpp, bytes it moves per element: every stream read, and written
-# where it is) for --count; the tables and the qemu CPU each runs on
-COUNT_LOOPS = [
-    ("fp32", 28),
-    ("fp32-out", 32),
-    ("bf16", 28),
-    ("bf16-param", 30),
-    ("f16", 28),
-    ("mom-bf16", 20),
-    ("mom-bf16-bf16", 20),
-    ("mom-8bit", 16),
-    ("mom-8bit-bf16", 16),
-    ("sumsq", 4),
-    ("sumsq-bf16", 2),
-]
-COUNT_TABLES = {
-    "scalar": "max,sve=off",
-    "neon": "max,sve=off",
-    "sve128": "max,sve-max-vq=1",
-    "sve256": "max,sve-max-vq=2",
-    "sve512": "max,sve-max-vq=4",
-}
-
-
-def count_insns(jobs: int) -> None:
-    """Prints, per loop and table, the instructions per element (docs/benchmarks.md): the count of
-    a run over 2^18 elements less that of one over 2^16, over the difference."""
-    plugin = os.path.join(WORK, "insn_plugin.so")
-    r = sh(
-        [
-            "gcc",
-            "-shared",
-            "-fPIC",
-            "-O2",
-            "-o",
-            plugin,
-            os.path.join(ROOT, "tools/arm/insn_plugin.c"),
-        ]
-    )
-    if r.returncode:
-        raise RuntimeError(f"building the qemu plugin failed:\n{r.stderr}")
-    n1, n2 = 1 << 16, 1 << 18
-
-    def one(job):
-        table, loop, n = job
-        r = sh(
-            [
-                QEMU,
-                "-plugin",
-                plugin,
-                "-cpu",
-                COUNT_TABLES[table],
-                os.path.join(WORK, "insn_count"),
-                table,
-                loop,
-                str(n),
-            ]
-        )
-        found = re.search(r"insns (\d+)", r.stderr)
-        if r.returncode or not found:
-            raise RuntimeError(f"counting {table} {loop}: {r.stdout} {r.stderr}")
-        return int(found.group(1))
-
-    jobs_list = [(t, lp, n) for lp, _ in COUNT_LOOPS for t in COUNT_TABLES for n in (n1, n2)]
-    with cf.ThreadPoolExecutor(jobs) as ex:
-        counts = dict(zip(jobs_list, ex.map(one, jobs_list)))
-    print("| loop | bytes/element | " + " | ".join(COUNT_TABLES) + " |")
-    print("|---|---" + "|---" * len(COUNT_TABLES) + "|")
-    for loop, nbytes in COUNT_LOOPS:
-        per = [(counts[(t, loop, n2)] - counts[(t, loop, n1)]) / (n2 - n1) for t in COUNT_TABLES]
-        print(f"| {loop} | {nbytes} | " + " | ".join(f"{x:.2f}" for x in per) + " |")
 
 
 def main(argv=None) -> int:
@@ -311,6 +282,8 @@ def main(argv=None) -> int:
             skipped.append(f"the Python extension's cross-build and its import: {e}")
         ext, built = build(args.jobs, headers, count=args.count), True
         if args.count:
+            from count import count_insns
+
             count_insns(args.jobs)
             return 0
         if ext:
