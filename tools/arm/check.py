@@ -12,7 +12,8 @@
    checks which ISA the dispatch chose (at 128 and 384 bits NEON, else the SVE build of the
    length).
 4. Imports the cross-built module in aarch64 CPython under qemu (tools/arm/smoke.py: its Python
-   entries on every ISA against the reference), with SVE off and at 256 bits.
+   entries on every ISA against the reference, and the file I/O engine), with SVE off and at 256
+   bits.
 
 Exit 0 when all of it passes, 1 when anything fails. When the packages cannot be had (not root, no
 apt-get, no registry), it prints a loud SKIPPED banner and exits 0, or 1 with ``--require`` (or

@@ -3,9 +3,11 @@ under qemu; numpy only, no torch). Usage: python smoke.py PATH_TO_C_MODULE. The 
 names its ISAs, and its Python entries give on every ISA it offers, over three threads, the bits of
 the scalar reference: _adam_step (fp32 gradients; bf16 gradients with a bf16 copy and amsgrad),
 _adam_step_moments (bf16 and 8-bit moments, two steps), _grad_sumsq (a finite sum near numpy's; inf
-for an infinite gradient). Prints one line; exit 1 on any difference."""
+for an infinite gradient); and the file I/O engine writes and reads back 1 MiB (O_DIRECT where the
+filesystem takes it) in a file beside the module. Prints one line; exit 1 on any difference."""
 
 import importlib.util
+import os
 import sys
 
 import numpy as np
@@ -82,6 +84,32 @@ def same(a, b):
     return all(x is None or x.tobytes() == y.tobytes() for x, y in zip(a, b))
 
 
+def aio_roundtrip(C, path):
+    """(whether 1 MiB written through AioEngine reads back the same, whether with O_DIRECT)"""
+    align = int(C.AIO_DIRECT_ALIGN)
+
+    def aligned(n):
+        raw = np.zeros(n + align, np.uint8)
+        off = (-raw.ctypes.data) % align
+        return raw[off : off + n]
+
+    src, dst = aligned(1 << 20), aligned(1 << 20)
+    src[:] = np.random.default_rng(7).integers(0, 256, src.size, dtype=np.uint8)
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(path, flags | os.O_DIRECT, 0o600)
+    except OSError:  # (a filesystem without O_DIRECT)
+        fd = os.open(path, flags, 0o600)
+    f, eng = C.AioFile(fd, -1), C.AioEngine(4, 1 << 18)
+    try:
+        wrote = eng.wait(eng.submit(1, f, src))
+        read = eng.wait(eng.submit(0, f, dst))
+    finally:
+        f.close()
+        os.remove(path)
+    return wrote[1] == 0 and read[1] == 0 and src.tobytes() == dst.tobytes(), f.direct
+
+
 def main():
     C = load(sys.argv[1])
     C.set_num_threads(3)
@@ -110,10 +138,19 @@ def main():
             else [f"{isa} sumsq {got} {want} {inf}"]
         )
     C.set_isa("auto")
+    io_ok, direct = aio_roundtrip(
+        C, os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), "aio.tmp")
+    )
+    if not io_ok:
+        bad.append("the file I/O engine's write and read back")
     print(
         f"offload._C in CPython {sys.version.split()[0]}: ISAs {', '.join(isas)}, "
         f"chosen {C.get_isa()}; "
-        + (f"DIFFERENT: {'; '.join(bad)}" if bad else "every entry equals the reference")
+        + (
+            f"DIFFERENT: {'; '.join(bad)}"
+            if bad
+            else f"every entry equals the reference; I/O {'O_DIRECT' if direct else 'buffered'} ok"
+        )
     )
     return 1 if bad else 0
 
