@@ -4,10 +4,10 @@
 // bandwidth probes) is compared byte for byte with the scalar reference (adam_reference*.cpp; for
 // the sum of squares its order written out for the table's lane count; the probes against the
 // scalar table) on random inputs with edge values, lengths that are not multiples of any vector
-// width and misaligned starts. Usage: driver --expect ISA --full T1,T2 [--fallback T3,...]: ISA is
-// the table the dispatch must choose; --full tables get every case; --fallback tables (SVE builds
-// for another vector length, which hand each call to NEON) a share of them. Exit 1 on any
-// difference.
+// width and misaligned starts. Usage: driver --expect ISA --full T1,T2 [--share T3,...]: ISA is
+// the table the dispatch must choose; --full tables get every case; --share tables a quarter of
+// the update cases (SVE builds for another vector length, which hand each call to NEON; the
+// scalar build, which the dispatch never chooses on aarch64). Exit 1 on any difference.
 #include <sys/prctl.h>
 
 #include <cstdio>
@@ -326,10 +326,10 @@ std::vector<std::string> split(const std::string& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string expect, full, fallback;
+  std::string expect, full, share;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
-    (a == "--expect" ? expect : a == "--full" ? full : fallback) = argv[i + 1];
+    (a == "--expect" ? expect : a == "--full" ? full : share) = argv[i + 1];
   }
   std::string avail;
   for (const std::string& s : available_isas()) avail += (avail.empty() ? "" : ",") + s;
@@ -349,13 +349,13 @@ int main(int argc, char** argv) {
       rep.fail(std::string("set_isa('") + name + "') accepted wrongly");
   }
   set_isa("auto");
-  for (const std::string& t : split(full + "," + fallback))
+  for (const std::string& t : split(full + "," + share))
     if (!t.empty() && !table(t)) {
       std::fprintf(stderr, "no kernel table '%s'\n", t.c_str());
       return 2;
     }
   for (const std::string& t : split(full)) run_table(*table(t), 1);
-  for (const std::string& t : split(fallback)) run_table(*table(t), 4);
+  for (const std::string& t : split(share)) run_table(*table(t), 4);
   multi_case();
   std::printf("%lld cases, %lld mismatches\n", static_cast<long long>(rep.cases),
               static_cast<long long>(rep.failures));
