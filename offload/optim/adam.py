@@ -18,9 +18,8 @@ optim/torch_state.py's functions. This file holds the constructor, param groups,
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
-
 import functools
+from typing import Any, Callable, Optional
 
 import torch
 from torch.optim import Optimizer

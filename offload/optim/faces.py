@@ -126,17 +126,18 @@ class HostFace(StepFace):
 
     def step(self, grad_multiplier: Optional[float]) -> None:
         port = self.port
+        groups, state = port.groups(), port.state()
         mult = self.clip.multiplier(grad_multiplier)
-        native, fb = self.router.split(port.groups())   # fb: torch's code steps them (fallback.py)
+        native, fb = self.router.split(groups)   # fb: torch's code steps them (optim/fallback.py)
         for group, _ in fb:
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        fallback.check(port.state(), fb, port.groups())
+        fallback.check(state, fb, groups)
         self.lay_out(native, stepping=True)   # (self.engine: the engine built again, if it was)
-        self.engine.step(native, port.hyper, port.state(), mult, port.threads())
+        self.engine.step(native, port.hyper, state, mult, port.threads())
         self.clip.clear()
         try:
             if fb:
-                fallback.step(port.state(), fb, mult, self.decoupled)
+                fallback.step(state, fb, mult, self.decoupled)
         except BaseException as e:
             self.fail(e)   # the engine's parameters are stepped: refuse to continue from here
             raise
