@@ -44,6 +44,12 @@ def device_schedule(opt) -> Optional[object]:
     return opt._face.schedule
 
 
+def keep_on_device(opt, params) -> None:
+    """Keep the Adam state of ``params`` on the device from now on, as ``gpu_state=`` decides after
+    the first steps (schedule/split.py): what the split does, at a split the test chooses."""
+    opt._face.keep_state_on_device(list(params))
+
+
 def device(opt):
     """The offload.device.Device the device schedule copies through."""
     sched = device_schedule(opt)

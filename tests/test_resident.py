@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from offload.engine.port import StepPort
-from offload.schedule.resident import ResidentAdam, choose, resident_bytes
+from offload.base.overlap import choose
+from offload.schedule.resident import ResidentAdam, resident_bytes
 
 
 def _port(groups, state):

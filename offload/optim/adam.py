@@ -85,6 +85,7 @@ class _AdamBase(EngineSync, Optimizer):
         return faces.start(port_of(self), device, gpu_options, self._store, owns_device,
                            lay_out=self._sync_engine, clip=self._clip, router=self._router,
                            fail=self._fail, decoupled=self._decoupled,
+                           keep_on_device=self._slot.keep_on_device,
                            describe=functools.partial(gpu.describe, self) if log else None)
 
     def _fail(self, exc: BaseException) -> None:
@@ -377,7 +378,7 @@ class Adam(_AdamBase):
                  keep_files=False, nvme_options=None, offload_device=None, moments="fp32", moments_min_size=4096,
                  bucket_mb=None, overlap=None, step_during_backward=None, max_grad_norm=None, check_overflow=None,
                  release_grads=None, trace=None, small_param_numel=None, delay_updates=None, delay_after=None,
-                 delay_extrapolate=None, state=None):
+                 delay_extrapolate=None, gpu_state=None, state=None):
         super().__init__(**constructor_args(locals()))
 
 
@@ -392,5 +393,5 @@ class AdamW(_AdamBase):
                  offload_device=None, moments="fp32", moments_min_size=4096, bucket_mb=None, overlap=None,
                  step_during_backward=None, max_grad_norm=None, check_overflow=None, release_grads=None,
                  trace=None, small_param_numel=None, delay_updates=None, delay_after=None, delay_extrapolate=None,
-                 state=None):
+                 gpu_state=None, state=None):
         super().__init__(decoupled_weight_decay=True, **constructor_args(locals()))

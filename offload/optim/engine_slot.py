@@ -69,19 +69,33 @@ class EngineSlot:
         return fallback.engine_index(param_groups, self.groups(param_groups, router))
 
     def make(self, groups: list):
-        """An empty state engine for ``groups`` (as :meth:`groups` returns them)."""
+        """An empty state engine for ``groups`` (as :meth:`groups` returns them), without the parameters
+        whose state stays on the device (``resident``)."""
         a = self.args
-        return make_state_engine(groups, a["state"], nvme_dir=a["nvme_dir"], host_budget=a["host_budget"],
-                                 keep=a["keep"], nvme_options=a["nvme_options"], device=self.device,
-                                 gpu_options=a["gpu_options"])
+        engine = make_state_engine(groups, a["state"], nvme_dir=a["nvme_dir"], host_budget=a["host_budget"],
+                                   keep=a["keep"], nvme_options=a["nvme_options"], device=self.device,
+                                   gpu_options=a["gpu_options"], resident=self.resident)
+        engine.resident_version = self.resident_version
+        return engine
+
+    def keep_on_device(self, params: list) -> None:
+        """From the next time the engine is laid out, the state of ``params`` stays on the device
+        (schedule/split.py): the engine is built again without them."""
+        self.__dict__["resident"] = list(params)
+        self.__dict__["resident_version"] = self.resident_version + 1
+
+    resident = property(lambda self: self.__dict__.get("resident", ()))
+    resident_version = property(lambda self: self.__dict__.get("resident_version", 0))
 
     def stale(self, engine, native: list, stepping: bool) -> bool:
         """``engine`` must be built again for ``native`` (None, or a group's params list changed,
-        or, ``stepping``, its amsgrad)."""
-        return engine is None or not fits(engine, native, stepping)
+        or, ``stepping``, its amsgrad; or the parameters kept on the device changed)."""
+        return (engine is None or not fits(engine, native, stepping)
+                or getattr(engine, "resident_version", 0) != self.resident_version)
 
     def rebuild(self, native: list, state, names: Callable[[int, int], str], old=None) -> tuple:
         """(a new engine for ``native`` holding ``state``, {parameter: its new opt.state entry}); raises
         before any change (offload/engine/rebuild.py). ``old``: the engine it replaces, or None."""
-        held = [p for ps in old.groups for p in ps] if old is not None else ()
+        held = [p for gi, ps in enumerate(old.groups) for i, p in enumerate(ps)
+                if (gi, i) not in old.excluded] if old is not None else ()   # (state in its tier)
         return rebuild(lambda: self.make(native), native, state, names, held)

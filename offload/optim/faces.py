@@ -23,6 +23,8 @@ from . import fallback
 from .checks import _check_hyper
 from ..schedule.device_step import DeviceStep
 from ..schedule.feedstep import WriteRaceError
+from ..schedule.resident import resident_for
+from ..schedule.split import Split
 
 __all__ = ["DeviceFace", "HostFace", "StepFace", "start"]
 
@@ -95,6 +97,10 @@ class StepFace:
     def reload_params(self) -> None:
         raise RuntimeError(_ONLY.format("reload_params"))
 
+    def keep_state_on_device(self, params: list) -> None:
+        """The state of ``params`` stays on the device from now on (schedule/split.py decides it)."""
+        raise RuntimeError(_ONLY.format("gpu_state"))
+
     def export_chrome_trace(self, path: str) -> int:
         raise RuntimeError(_ONLY.format("export_chrome_trace"))
 
@@ -154,9 +160,12 @@ class DeviceFace(StepFace):
     on_device = True
     amp_scaling = True
 
-    def __init__(self, lay_out: Callable, make: Callable, engine, owns_device: bool):
-        self.lay_out, self.make = lay_out, make
+    def __init__(self, lay_out: Callable, make: Callable, engine, owns_device: bool,
+                 keep_on_device: Callable[[list], None]):
+        self.lay_out, self.make, self.keep_on_device = lay_out, make, keep_on_device
         self.schedule: DeviceStep = make(engine, owns_device)
+        opt = self.schedule.gpu_state   # (schedule/split.py: "auto", bytes, or 0)
+        self.split = Split(opt, self.schedule.device) if opt else None
 
     engine = property(lambda self: self.schedule.engine)
     steps_during_backward = property(lambda self: bool(self.schedule.eager))
@@ -167,6 +176,35 @@ class DeviceFace(StepFace):
     def step(self, grad_multiplier: Optional[float]) -> None:
         self.lay_out(stepping=True)   # (self.schedule: one over the engine built again, if it was)
         self.schedule.step(grad_multiplier)
+        if self.split is not None:
+            self.rebalance(self.split.after_step(self.schedule))
+
+    def keep_state_on_device(self, params: list) -> None:
+        if self.split is None:
+            raise RuntimeError("gpu_state=0 (or a configuration it turns itself off in): no split")
+        self.rebalance(params)
+
+    def rebalance(self, params: Optional[list]) -> None:
+        """The state of ``params`` stays on the device from now on (None: no change): it is moved
+        there, and the engine built again without them. If that fails (device memory), nothing
+        changes and the split stays as it was (a warning says why)."""
+        if params is None:
+            return
+        sched = self.schedule
+        sched.synchronize()
+        try:   # their state to the device first: nothing has changed where it does not fit
+            moved = resident_for(sched.port, params)
+        except Exception as e:   # noqa: BLE001 (device memory)
+            self.split.option = 0
+            warnings.warn(f"offload: the state of {len(params)} parameters could not stay on the device "
+                          f"({type(e).__name__}: {e}); it stays in host memory", RuntimeWarning)
+            return
+        sched.resident = moved   # (restart hands it to the schedule made over the engine built again)
+        self.keep_on_device(params)
+        self.lay_out(stepping=True)   # the engine built again without them (optim/rebuilding.py)
+        self.split.applied(params)
+        log.info("offload: the Adam state of %d parameters (%.2f GB of device memory) stays on the device, "
+                 "stepped there; the CPU steps the rest", len(params), self.split.info["gpu_state_bytes"] / 1e9)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool):
         return self.schedule.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
@@ -203,11 +241,12 @@ class DeviceFace(StepFace):
         self.schedule.quiesce()
 
     def restart(self, engine) -> None:
-        """Its hooks, CPU worker and staging ring go; the device stays."""
+        """Its hooks, CPU worker and staging ring go; the device stays, and so does the state kept
+        there for the parameters that stay (schedule/resident.py)."""
         old = self.schedule
         owns, old.owns_device = old.owns_device, False
         old.close()
-        self.schedule = self.make(engine, owns)
+        self.schedule = self.make(engine, owns, old.resident)
 
     def load_state(self, loaded: bool = False) -> None:
         self.schedule.load_state(loaded)
@@ -225,7 +264,10 @@ class DeviceFace(StepFace):
         return self.schedule.export_chrome_trace(path)
 
     def last_step_stats(self, wait: bool) -> Optional[dict]:
-        return self.schedule.last_step_stats(wait)
+        st = self.schedule.last_step_stats(wait)
+        if st is not None and self.split is not None:
+            st.update(self.split.stats())
+        return st
 
     def close(self) -> None:
         """The last step lands first; a write race is reported, not raised (close() is cleanup)."""
@@ -240,7 +282,8 @@ class DeviceFace(StepFace):
 
 
 def start(port, device, gpu_options: dict, engine, owns_device: bool = False, *, lay_out: Callable,
-          clip, router, fail: Callable, decoupled, describe: Optional[Callable]) -> StepFace:
+          clip, router, fail: Callable, decoupled, describe: Optional[Callable],
+          keep_on_device: Optional[Callable] = None) -> StepFace:
     """The face of parameters on ``device`` (None: host memory) over the state ``engine`` (None:
     built later, ``restart``); ``owns_device``: the face closes the device. Logs at INFO
     ``describe(where the parameters are stepped, engine)`` (None: nothing), and again for each
@@ -251,13 +294,13 @@ def start(port, device, gpu_options: dict, engine, owns_device: bool = False, *,
             log.info(describe(face.description(), engine))
         return face
 
-    def make(eng, owns: bool) -> DeviceStep:
-        sched = DeviceStep(port, eng, device, **gpu_options)   # buckets stream through staging
+    def make(eng, owns: bool, resident=None) -> DeviceStep:
+        sched = DeviceStep(port, eng, device, resident=resident, **gpu_options)   # (staging ring)
         sched.owns_device = owns
         if describe is not None:
             log.info(describe(_on_device(sched), eng))
         return sched
-    return DeviceFace(lay_out, make, engine, owns_device)
+    return DeviceFace(lay_out, make, engine, owns_device, keep_on_device)
 
 
 def _on_device(sched: DeviceStep) -> str:

@@ -53,9 +53,10 @@ def split_params(params, offload_device, gpu_options: dict):
 
 
 def make_state_engine(param_groups: list, state: str, *, nvme_dir, host_budget, keep: bool, nvme_options,
-                      device: Optional[Device], gpu_options: dict):
+                      device: Optional[Device], gpu_options: dict, resident=()):
     """The state engine (offload/engine/engine.py): host parameters with NVMe/mmap state or compressed
-    moments, or device parameters with any tier (their small parameters excluded: stepped on the device)."""
+    moments, or device parameters with any tier (their small parameters and ``resident``, those whose
+    state stays on the device, excluded: stepped there, schedule/resident.py)."""
     from ..engine.engine import StateEngine
     opts = dict(nvme_options or {})
     held = held_side(gpu_options.get("delay_updates", 0), gpu_options.get("delay_extrapolate"))
@@ -67,7 +68,9 @@ def make_state_engine(param_groups: list, state: str, *, nvme_dir, host_budget, 
         if int(float(mb) * 2 ** 20) < 1:   # (0 bytes would read as no limit: one bucket for everything)
             raise ValueError(f"bucket_mb={mb!r} is under one byte: bucket_mb counts MiB (2**20 bytes)")
         opts.setdefault("bucket_bytes", int(float(mb) * 2 ** 20))
-        opts["exclude"] = small_params(param_groups, gpu_options.get("small_param_numel", 0))
+        opts["exclude"] = small_params(param_groups, gpu_options.get("small_param_numel", 0)) | {
+            (gi, i) for gi, g in enumerate(param_groups) for i, p in enumerate(g["params"])
+            if any(p is q for q in resident)}
     amsgrad = [bool(g.get("amsgrad", False)) for g in param_groups]
     return StateEngine([g["params"] for g in param_groups], amsgrad, mode=state, nvme_dir=nvme_dir,
                        host_budget=host_budget, keep=keep, side=side, **opts)

@@ -152,8 +152,8 @@ class BackwardFeed:
         self._reset()
         self.hypers = hypers
         eng.begin(self.face.port.state())
-        if self.face.small:   # (stepped at step(), after the buckets this backward steps)
-            self.face.small.check()
+        if self.face.on_device:   # (stepped at step(), after the buckets this backward steps)
+            self.face.on_device.check()
         self.face.reload_changed()
         self.side.grads = self.grads
         self.mark()
