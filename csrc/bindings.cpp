@@ -26,6 +26,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <cstddef>
 #include <stdexcept>
 #include <vector>
 
@@ -67,6 +68,11 @@ AdamHyper hyper(double lr, double beta1, double beta2, double eps, double wd, bo
   return AdamHyper{lr, beta1, beta2, eps, wd, grad_multiplier, decoupled, amsgrad, maximize};
 }
 
+// The column of a task-table field: rows are structs of 8-byte fields (pointers and int64).
+constexpr int64_t column(std::size_t offset) {
+  return static_cast<int64_t>(offset / sizeof(int64_t));
+}
+
 int check_threads(int threads) {
   if (threads < 0 || threads > 1024) throw std::invalid_argument("threads must be in [0, 1024] (0 = pool size)");
   return threads == 0 ? pool_size() : threads;
@@ -84,6 +90,19 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(PyExc_ValueError, e.what());
     }
   });
+
+  // columns of the fp32-moment task table (AdamTask, common.h), for offload/native/adam.py
+  m.attr("TASK_COLS") = kTaskCols;
+  m.attr("COL_P") = column(offsetof(AdamTask, p));
+  m.attr("COL_M") = column(offsetof(AdamTask, m));
+  m.attr("COL_V") = column(offsetof(AdamTask, v));
+  m.attr("COL_VMAX") = column(offsetof(AdamTask, vmax));
+  m.attr("COL_G") = column(offsetof(AdamTask, g));
+  m.attr("COL_OUT") = column(offsetof(AdamTask, out));
+  m.attr("COL_N") = column(offsetof(AdamTask, n));
+  m.attr("COL_STEP") = column(offsetof(AdamTask, step));
+  m.attr("COL_GD") = column(offsetof(AdamTask, gdtype));
+  m.attr("COL_OD") = column(offsetof(AdamTask, odtype));
 
   m.def("available_isas", &available_isas, "ISAs this CPU supports, best last.");
   m.def("get_isa", [] { return std::string(active_kernels().name); }, "ISA of the kernels in use.");
@@ -114,7 +133,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("weight_decay"), py::arg("decoupled"), py::arg("amsgrad"), py::arg("maximize"),
       py::arg("grad_multiplier"), py::arg("threads") = 0, py::arg("reference") = false,
       "Adam/AdamW update of every tensor in an int64 table with rows "
-      "(p, m, v, vmax, g, out, n, step, gdtype, odtype). Internal: use offload._kernels.");
+      "(p, m, v, vmax, g, out, n, step, gdtype, odtype): columns COL_*. Internal: use "
+      "offload.kernels.adam_step.");
 
   register_rows(m);  // csrc/rows.cpp: the optimizer's per-step row check (collect_rows)
 
@@ -171,7 +191,7 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("ptr"), py::arg("nbytes"),
       "Position-weighted sum (int64) of the 32-bit words at [ptr, ptr + nbytes): see "
-      "offload/params/fingerprint.py. Raw address: called only from offload/_kernels.py.");
+      "offload/params/fingerprint.py. Raw address: called only from offload/native/adam.py.");
 
   m.def(
       "_debug_hold_pool_lock",

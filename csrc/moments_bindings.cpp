@@ -5,6 +5,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <cstddef>
 #include <stdexcept>
 #include <string>
 
@@ -14,8 +15,32 @@
 namespace py = pybind11;
 using namespace offload;
 
+namespace {
+// The column of a field of AdamQTask (8-byte fields: pointers and int64). Its own name: this file
+// shares one translation unit with bindings.cpp (python_module.cpp).
+constexpr int64_t moment_column(std::size_t offset) {
+  return static_cast<int64_t>(offset / sizeof(int64_t));
+}
+}  // namespace
+
 void register_moments(py::module_& m) {
+  // columns of the compressed-moment task table (AdamQTask, moments.h), for native/moments.py
   m.attr("MOMENT_TASK_COLS") = kQTaskCols;
+  m.attr("MOMENT_COL_P") = moment_column(offsetof(AdamQTask, p));
+  m.attr("MOMENT_COL_M") = moment_column(offsetof(AdamQTask, m));
+  m.attr("MOMENT_COL_V") = moment_column(offsetof(AdamQTask, v));
+  m.attr("MOMENT_COL_M_SCALE") = moment_column(offsetof(AdamQTask, m_scale));
+  m.attr("MOMENT_COL_V_SCALE") = moment_column(offsetof(AdamQTask, v_scale));
+  m.attr("MOMENT_COL_G") = moment_column(offsetof(AdamQTask, g));
+  m.attr("MOMENT_COL_OUT") = moment_column(offsetof(AdamQTask, out));
+  m.attr("MOMENT_COL_N") = moment_column(offsetof(AdamQTask, n));
+  m.attr("MOMENT_COL_STEP") = moment_column(offsetof(AdamQTask, step));
+  m.attr("MOMENT_COL_GD") = moment_column(offsetof(AdamQTask, gdtype));
+  m.attr("MOMENT_COL_OD") = moment_column(offsetof(AdamQTask, odtype));
+  m.attr("MOMENT_COL_FMT") = moment_column(offsetof(AdamQTask, mfmt));
+  // the codes of the mfmt column (MomentFormat, moments.h) and the 8-bit format's block
+  m.attr("MOMENT_CODE_BF16") = static_cast<int64_t>(kMomBF16);
+  m.attr("MOMENT_CODE_8BIT") = static_cast<int64_t>(kMom8);
   m.attr("MOMENT_BLOCK") = kQBlock;
   m.def(
       "_adam_step_moments",
