@@ -10,13 +10,13 @@ import shutil
 import torch
 
 from .base.units import human as _fmt, parse_size
+from .moments.format import moment_format
 
 __all__ = ["hf_config_model", "bandwidths_of", "suggest_setup"]
 
 
 # cheapest first: compressed moments in RAM (faster than fp32 moments), then the state on NVMe
 _CANDIDATES = (("ram", "bf16"), ("ram", "8bit"), ("nvme", "fp32"), ("nvme", "bf16"), ("nvme", "8bit"))
-_MOMENT_BYTES = {"fp32": 8, "bf16": 4, "8bit": 2}   # m and v per parameter, block scales left out
 
 
 def suggest_setup(plan, model_or_params, args: dict, chosen: tuple, mp) -> str:
@@ -35,15 +35,18 @@ def suggest_setup(plan, model_or_params, args: dict, chosen: tuple, mp) -> str:
     except OSError:
         disk = None
     for state, moments in _CANDIDATES:
-        if (state, moments) == chosen or (moments != "fp32" and mp.config["amsgrad"]):
+        fmt = moment_format(moments)
+        if (state, moments) == chosen or (fmt.compressed and mp.config["amsgrad"]):
             continue
-        # the fp32 master (or parameter) + the moments: no smaller a file, no layout built for it
-        if state == "nvme" and disk is not None and mp.config["params"] * (4 + _MOMENT_BYTES[moments]) > disk:
+        # the fp32 master (or parameter) + the moments (block scales left out): no smaller a file,
+        # no layout built for it
+        need = mp.config["params"] * (4 + fmt.bytes_per_element)
+        if state == "nvme" and disk is not None and need > disk:
             continue
         alt = plan(model_or_params, storage=state, moments=moments, amsgrad=mp.config["amsgrad"], suggest=False, **args)
         if False not in alt.fits().values():
             kw = "" if state == "ram" else f"storage=\"nvme\", nvme_dir=..., host_budget=\"{_fmt(parse_size(args['host_budget']))}\""
-            kw = ", ".join(x for x in (kw, f"moments=\"{moments}\"" if moments != "fp32" else "") if x)
+            kw = ", ".join(x for x in (kw, f'moments="{moments}"' if fmt.compressed else "") if x)
             return (f"{kw} fits (host {_fmt(alt.total('host'))}" + (f", nvme {_fmt(alt.total('nvme'))}" if state != "ram"
                     else "") + "): docs/moments.md, docs/nvme.md")
     return "no setup of state location and moment format fits this machine"
