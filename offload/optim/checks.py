@@ -47,10 +47,10 @@ _F32_MAX = float(torch.finfo(torch.float32).max)
 
 def _check_moments(moments, min_size, amsgrad, params) -> str:
     """``moments=`` and ``moments_min_size=`` of the constructor."""
-    mformat.check_moments(moments)
+    fmt = mformat.moment_format(mformat.check_moments(moments))
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"moments_min_size must be an int >= 0, got {min_size!r}")
-    if moments != "fp32":
+    if fmt.compressed:
         if amsgrad or any(isinstance(g, dict) and g.get("amsgrad") for g in params):
             raise ValueError(f"amsgrad=True is not supported with moments={moments!r} (compressed moments keep no "
                              "max_exp_avg_sq); use moments='fp32' for amsgrad")
@@ -153,7 +153,7 @@ def check_options(params, lr, betas, eps, weight_decay, amsgrad, foreach, captur
 
 def check_amsgrad(group: dict, gi: int, moments: str) -> None:
     """amsgrad=True is refused with compressed moments (a group added, or switched on later)."""
-    if moments != "fp32" and group.get("amsgrad"):
+    if group.get("amsgrad") and mformat.moment_format(moments).compressed:
         raise ValueError(f"param group {gi}: amsgrad=True with moments={moments!r}: compressed "
                          "moments have no max_exp_avg_sq; use moments='fp32' for amsgrad")
 

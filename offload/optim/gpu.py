@@ -24,6 +24,7 @@ from ..device import Device, resolve_device
 from ..schedule.smallparams import small_params
 from ..schedule.device_step import DeviceStep
 from ..engine.port import port_of
+from ..moments.format import moment_format
 from ..schedule.feedstep import WriteRaceError
 
 __all__ = ["STATE_DOC", "check_open", "close", "describe", "io_only_pass", "last_step_stats",
@@ -102,7 +103,7 @@ def describe(opt, device: Optional[Device], store, engine=None) -> str:
     else:
         where = "optimizer state in host RAM"
     moments = getattr(opt, "moments", "fp32")
-    fmt = ("fp32 Adam moments" if moments == "fp32" else
+    fmt = ("fp32 Adam moments" if not moment_format(moments).compressed else
            f"{moments} Adam moments (fp32 for tensors under {getattr(opt, 'moments_min_size', 4096)} elements)")
     return f"offload.{type(opt).__name__} with {n} parameter{'s' if n != 1 else ''}: {side}; {where}; {fmt}"
 
