@@ -2,8 +2,10 @@
 
 Each format declares its tensors (sections) and the columns of its kernel's task table: both are
 checked here against the native layer itself (``moment_state``, ``adam_table`` / ``moment_table``),
-so a change of the kernel's format or row struct fails here by name.
+so a change of the kernel's format or row struct fails here by name. And outside the factory
+module no code compares a moment format's name: it asks the format object (the last test).
 """
+import ast
 import copy
 import pathlib
 import pickle
@@ -96,3 +98,48 @@ def test_for_size_and_amsgrad():
     with pytest.raises(ValueError, match="amsgrad=True is not supported with moments='8bit'"):
         q8.state_sections(True)
 
+
+# ---- no moment format chosen by its name outside the factory
+FACTORY = "offload/moments/format.py"
+# (path, comparison) -> why it is not a moment format's name; this list may only shrink
+NOT_MOMENT_FORMATS = {
+    ("offload/bench/kernel.py", "case.key not in ('flat', 'multi', 'bf16')"):
+        "bench case keys: 'bf16' is the case of bf16 parameters, a parameter dtype",
+}
+_OPS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn, ast.Is, ast.IsNot)
+
+
+def _names(node) -> set:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*map(_names, node.elts))
+    return set()
+
+
+def moment_name_comparisons(root: pathlib.Path) -> list:
+    """[(path, line, comparison)] of the comparisons with a moment format's name (a string
+    constant, or a literal collection holding one) in offload/, outside the factory module."""
+    out = []
+    for path in sorted((root / "offload").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel == FACTORY:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if not isinstance(node, ast.Compare) or not any(isinstance(o, _OPS) for o in node.ops):
+                continue
+            if set(FORMATS) & set().union(*map(_names, [node.left, *node.comparators])):
+                out.append((rel, node.lineno, ast.unparse(node)))
+    return out
+
+
+def test_no_moment_format_is_compared_by_name():
+    """Code asks the format object (``fmt.compressed``, ``fmt.kernel``, ``fmt.columns``, ...),
+    never ``moments == "fp32"``. A parameter dtype's name that reads like a format ("bf16") goes in
+    NOT_MOMENT_FORMATS with the reason; dtype names are looked up in tables, not compared."""
+    found = moment_name_comparisons(ROOT)
+    new = [f"{p}:{ln}: {expr}" for p, ln, expr in found if (p, expr) not in NOT_MOMENT_FORMATS]
+    stale = set(NOT_MOMENT_FORMATS) - {(p, expr) for p, _, expr in found}
+    assert not new, ("moment formats compared by name (ask the MomentFormat of "
+                     "offload/moments/format.py instead):\n  " + "\n  ".join(new))
+    assert not stale, f"NOT_MOMENT_FORMATS entries no longer found (delete them): {sorted(stale)}"
