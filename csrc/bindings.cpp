@@ -107,7 +107,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("available_isas", &available_isas, "ISAs this CPU supports, best last.");
   m.def("get_isa", [] { return std::string(active_kernels().name); }, "ISA of the kernels in use.");
   m.def("set_isa", &set_isa, py::arg("name"),
-        "Force an ISA ('scalar', 'avx2', 'avx512' or 'auto'); ValueError if unsupported.");
+        "Force an ISA ('scalar', 'avx2', 'avx512', 'neon', 'sve128', 'sve256', 'sve512' or 'auto'); "
+        "ValueError if unsupported.");
   m.def("set_stream_prefetch", &set_stream_prefetch, py::arg("mode"),
         "Software prefetch in the fp32 update loop: 'on', 'off' or 'auto' (by CPU vendor).");
   m.def("get_stream_prefetch", [] { return py::make_tuple(stream_prefetch_mode(), stream_prefetch()); },

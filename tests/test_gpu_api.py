@@ -41,6 +41,9 @@ def test_options_are_validated():
         offload.AdamW(model.parameters(), offload_device=FakeDevice(), step_during_backward=True, max_grad_norm=1.0)
     with pytest.raises(RuntimeError, match="only available in GPU-offload mode"):
         offload.AdamW(model.parameters()).reload_params()
+    # a bucket under one byte would read as "no bucket limit": one bucket for the whole model
+    with pytest.raises(ValueError, match=r"bucket_mb=1e-07 is under one byte"):
+        offload.AdamW(model.parameters(), offload_device=FakeDevice(), bucket_mb=1e-7)
 
 
 def test_last_step_stats_in_every_mode(tmp_path):

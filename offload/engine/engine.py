@@ -25,11 +25,11 @@ import torch
 
 from ..base.dist import local
 from ..params.guards import WriteTracker, check_overlaps, refresh_master
-from ..state.layout import ALIGN, build_layout, piece_columns
+from ..state.layout import build_layout, piece_columns
 from ..params.base import check_grad, shapes_of
 from ..params.host import HostParams
 from ..state import make_tier
-from ..state.tier import split_budget
+from ..state.tier import check_budget, check_depth, split_budget
 from ..base.units import parse_size
 from . import grow, pipeline
 from ..moments.format import MomentFormat, moment_format
@@ -88,17 +88,13 @@ class StateEngine:
             self.side = DeviceParams(self.groups, device, staging_slots, self.dtypes)
         else:
             self.side = HostParams(self.groups)
-        if not isinstance(depth, int) or not 1 <= depth <= 64:
-            raise ValueError(f"depth (buckets read ahead) must be an int in [1, 64], got {depth!r}")
+        check_depth(depth)
         if mode == "nvme":   # depth reads ahead per drive: every drive has reads in flight (docs/nvme.md)
             from ..state.drives import parse_dirs
             self.depth = depth = min(64, depth * len(parse_dirs(nvme_dir)))
-        self.state_cap, self.stage_cap = split_budget(mode, self.budget, depth,
-                                                      staging_slots if device is not None else 0)
-        if mode == "nvme" and self.state_cap < ALIGN:
-            n = depth + 2 + (2 * staging_slots if device is not None else 0)
-            raise ValueError(f"host_budget={host_budget!r} is too small: need at least {n} buffers of "
-                             f"{ALIGN} bytes ({n * ALIGN} bytes)")
+        nstage = staging_slots if device is not None else 0
+        self.state_cap, self.stage_cap = split_budget(mode, self.budget, depth, nstage)
+        check_budget(mode, self.state_cap, depth, nstage, host_budget)
         if device is not None and bucket_bytes:
             self.stage_cap = min(self.stage_cap or bucket_bytes, bucket_bytes)
         self.layout = self.lay_out(self.groups, 0)

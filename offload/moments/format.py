@@ -36,7 +36,8 @@ from ..native import adam as _fp32_kernel
 from ..native import moments as _kernel
 
 __all__ = ["MomentFormat", "Section", "Columns", "moment_format", "FORMATS", "FP32", "BLOCK",
-           "CODE_VERSIONS", "MOMENT_KEYS", "check_moments", "parse_saved_key"]
+           "CODE_VERSIONS", "MOMENT_KEYS", "check_moments", "check_min_size", "check_amsgrad",
+           "parse_saved_key"]
 
 BLOCK = _kernel.MOMENT_BLOCK
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
@@ -314,6 +315,21 @@ def check_moments(moments) -> str:
         raise ValueError(f"moments must be one of {', '.join(map(repr, FORMATS))}, "
                          f"got {moments!r}")
     return moments
+
+
+def check_amsgrad(moments, amsgrad: bool) -> None:
+    """amsgrad keeps max_exp_avg_sq, which only fp32 moments have (``moments``: a name or format)."""
+    fmt = moment_format(moments)
+    if amsgrad and fmt.compressed:
+        raise ValueError(f"amsgrad=True is not supported with moments={fmt.name!r} (compressed "
+                         "moments keep no max_exp_avg_sq); use moments='fp32' for amsgrad")
+
+
+def check_min_size(min_size) -> int:
+    """``moments_min_size=``: the smallest tensor (elements) that keeps compressed moments."""
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+        raise ValueError(f"moments_min_size must be an int >= 0, got {min_size!r}")
+    return min_size
 
 
 def parse_saved_key(key) -> Optional[Tuple[str, str]]:

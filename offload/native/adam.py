@@ -202,7 +202,8 @@ def get_isa() -> str:
 
 
 def set_isa(name: str) -> None:
-    """Force the kernels to an ISA: 'scalar', 'avx2', 'avx512' or 'auto'."""
+    """Force the kernels to an ISA: 'scalar', 'avx2', 'avx512' (x86-64), 'neon', 'sve128', 'sve256',
+    'sve512' (aarch64: the SVE one of the CPU's vector length) or 'auto'."""
     _C.set_isa(name)
 
 

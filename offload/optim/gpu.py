@@ -74,6 +74,8 @@ def make_state_engine(param_groups: list, state: str, *, nvme_dir, host_budget, 
         mb = gpu_options.get("bucket_mb", 32.0)
         if isinstance(mb, bool) or not (isinstance(mb, (int, float)) and mb > 0):
             raise ValueError(f"bucket_mb must be a positive number, got {mb!r}")
+        if int(float(mb) * 2 ** 20) < 1:   # (0 bytes would read as no limit: one bucket for everything)
+            raise ValueError(f"bucket_mb={mb!r} is under one byte: bucket_mb counts MiB (2**20 bytes)")
         opts.setdefault("bucket_bytes", int(float(mb) * 2 ** 20))
         opts["exclude"] = small_params(param_groups, gpu_options.get("small_param_numel", 0))
     amsgrad = [bool(g.get("amsgrad", False)) for g in param_groups]

@@ -17,6 +17,7 @@ import torch
 
 from ..base.dist import local
 from ..native.adam import DTYPE_CODES
+from ..state.tier import check_staging_slots
 from .base import bump_stepped
 
 __all__ = ["DeviceParams"]
@@ -32,8 +33,7 @@ class DeviceParams:
     device_side = True
 
     def __init__(self, groups, device, slots: int = 2, dtypes: Optional[list] = None):
-        if not (isinstance(slots, int) and 1 <= slots <= 64):
-            raise ValueError(f"staging_slots must be an int in [1, 64], got {slots!r}")
+        check_staging_slots(slots)
         self.groups = groups
         # per group, each parameter's dtype as laid out (the engine's list, which grows with
         # it): the staging slots are sized by it, whatever a parameter was cast to since

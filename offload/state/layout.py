@@ -32,6 +32,7 @@ bitwise, any ``host_budget``).
 from __future__ import annotations
 
 import operator
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -40,9 +41,8 @@ import numpy as np
 from ..base.memory import ALIGN, round_up
 from ..moments.format import FP32, MomentFormat
 
-__all__ = ["Shape", "Piece", "Bucket", "Layout", "build_layout", "stagger_gap", "piece_columns",
-           "section_keys", "unit", "round_up",
-           "ELEM", "ALIGN"]
+__all__ = ["Shape", "Piece", "Bucket", "Layout", "build_layout", "split_buckets", "stagger_gap",
+           "piece_columns", "section_keys", "unit", "round_up", "ELEM", "ALIGN"]
 
 ELEM = 16          # pieces start on 16-element (64-byte) boundaries inside a section
 _PAGE_ELEMS = ALIGN // 4   # ALIGN: buckets start (and end) on 4 KiB
@@ -149,6 +149,7 @@ class Layout:
         return self
 
 
+@lru_cache(maxsize=None)
 def _per_elem_state(master: bool, amsgrad: bool, moments: MomentFormat = FP32) -> float:
     u = unit(moments)
     keys = section_keys(master, amsgrad, moments)
@@ -163,6 +164,39 @@ def stagger_gap(cap: int) -> int:
     250 ms instead of 134 ms). 64 KiB + 64 B breaks that; small buckets fit the caches, and one
     cache line of gap is enough there."""
     return 16400 if cap >= (1 << 18) else ELEM
+
+
+def _limits(s: Shape, amsgrad: bool, max_state_bytes: Optional[int]) -> Tuple[int, Optional[int]]:
+    """(piece granularity, most elements of ``s`` a bucket holds: None for unbounded buckets)."""
+    u = unit(s.moments)
+    if not max_state_bytes:
+        return u, None
+    per = _per_elem_state(s.master, amsgrad, s.moments)
+    cap_max = int(max_state_bytes // per) // u * u
+    if cap_max < u:
+        raise ValueError(f"a state bucket of {max_state_bytes} bytes cannot hold one {u}-element "
+                         f"piece ({int(u * per)} bytes): raise host_budget")
+    return u, cap_max
+
+
+def _split_step(cap_max: int) -> int:
+    """Elements per piece of a parameter too large for one bucket: whole pages of every section
+    (a budget too small for one page per section: 16-element pieces, views then join by
+    copying)."""
+    return cap_max // _PAGE_ELEMS * _PAGE_ELEMS or cap_max
+
+
+def split_buckets(shapes: Sequence[Shape], *, amsgrad: Sequence[bool],
+                  max_state_bytes: Optional[int]) -> int:
+    """The buckets :func:`build_layout` gives to parameters too large for one bucket (one per
+    piece), counted without laying them out: the other parameters take at most one bucket each."""
+    n = 0
+    for s in shapes:
+        if s.active and s.numel:
+            u, cap_max = _limits(s, bool(amsgrad[s.group]), max_state_bytes)
+            if cap_max is not None and round_up(s.numel, u) > cap_max:
+                n += -(-s.numel // _split_step(cap_max))
+    return n
 
 
 def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_bytes: Optional[int] = None,
@@ -201,12 +235,7 @@ def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_
             continue
         ams = bool(amsgrad[s.group])
         mf = s.moments
-        u = unit(mf)
-        per = _per_elem_state(s.master, ams, mf)
-        cap_max = (int(max_state_bytes // per) // u * u) if max_state_bytes else None
-        if cap_max is not None and cap_max < u:
-            raise ValueError(f"a state bucket of {max_state_bytes} bytes cannot hold one {u}-element piece "
-                             f"({int(u * per)} bytes): raise host_budget")
+        u, cap_max = _limits(s, ams, max_state_bytes)
         key = (s.group, s.master, mf)
         need_cap = round_up(s.numel, u)
         need_stage = round_up(s.numel * s.itemsize, 64)
@@ -226,8 +255,7 @@ def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_
         # larger than a bucket: whole pages per section, one bucket per piece
         close(b)
         open_b.pop(key, None)
-        # (a budget too small for one page per section: 16-element pieces, views then join by copying)
-        step = cap_max // _PAGE_ELEMS * _PAGE_ELEMS or cap_max
+        step = _split_step(cap_max)
         punit = _PAGE_ELEMS if step % _PAGE_ELEMS == 0 else u
         start = 0
         while start < s.numel:
