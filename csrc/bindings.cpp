@@ -27,7 +27,10 @@
 #include <pybind11/stl.h>
 
 #include <cstddef>
+#include <initializer_list>
 #include <stdexcept>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "adam.h"
@@ -46,6 +49,15 @@ using namespace offload;
 void register_aio(py::module_& m);  // csrc/aio_bindings.cpp (NVMe state I/O engine)
 void register_moments(py::module_& m);  // csrc/moments_bindings.cpp (compressed moments)
 void register_rows(py::module_& m);  // csrc/rows.cpp (the optimizer's per-step row check)
+
+// Module attributes <prefix><name>: the column of each field of a task-table row, whose struct is
+// 8-byte fields (pointers and int64): its byte offset / 8. The Python side builds its int64
+// tables by these (offload/native/adam.py, offload/native/moments.py).
+void export_columns(py::module_& m, const std::string& prefix,
+                    std::initializer_list<std::pair<const char*, std::size_t>> fields) {
+  for (const auto& f : fields)
+    m.attr(py::str(prefix + f.first)) = static_cast<int64_t>(f.second / sizeof(int64_t));
+}
 
 namespace {
 
@@ -68,11 +80,6 @@ AdamHyper hyper(double lr, double beta1, double beta2, double eps, double wd, bo
   return AdamHyper{lr, beta1, beta2, eps, wd, grad_multiplier, decoupled, amsgrad, maximize};
 }
 
-// The column of a task-table field: rows are structs of 8-byte fields (pointers and int64).
-constexpr int64_t column(std::size_t offset) {
-  return static_cast<int64_t>(offset / sizeof(int64_t));
-}
-
 int check_threads(int threads) {
   if (threads < 0 || threads > 1024) throw std::invalid_argument("threads must be in [0, 1024] (0 = pool size)");
   return threads == 0 ? pool_size() : threads;
@@ -91,18 +98,15 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
-  // columns of the fp32-moment task table (AdamTask, common.h), for offload/native/adam.py
+  // the fp32-moment task table (AdamTask, common.h)
+  static_assert(sizeof(AdamTask) == kTaskCols * sizeof(int64_t), "table row layout");
   m.attr("TASK_COLS") = kTaskCols;
-  m.attr("COL_P") = column(offsetof(AdamTask, p));
-  m.attr("COL_M") = column(offsetof(AdamTask, m));
-  m.attr("COL_V") = column(offsetof(AdamTask, v));
-  m.attr("COL_VMAX") = column(offsetof(AdamTask, vmax));
-  m.attr("COL_G") = column(offsetof(AdamTask, g));
-  m.attr("COL_OUT") = column(offsetof(AdamTask, out));
-  m.attr("COL_N") = column(offsetof(AdamTask, n));
-  m.attr("COL_STEP") = column(offsetof(AdamTask, step));
-  m.attr("COL_GD") = column(offsetof(AdamTask, gdtype));
-  m.attr("COL_OD") = column(offsetof(AdamTask, odtype));
+  export_columns(m, "COL_",
+                 {{"P", offsetof(AdamTask, p)}, {"M", offsetof(AdamTask, m)},
+                  {"V", offsetof(AdamTask, v)}, {"VMAX", offsetof(AdamTask, vmax)},
+                  {"G", offsetof(AdamTask, g)}, {"OUT", offsetof(AdamTask, out)},
+                  {"N", offsetof(AdamTask, n)}, {"STEP", offsetof(AdamTask, step)},
+                  {"GD", offsetof(AdamTask, gdtype)}, {"OD", offsetof(AdamTask, odtype)}});
 
   m.def("available_isas", &available_isas, "ISAs this CPU supports, best last.");
   m.def("get_isa", [] { return std::string(active_kernels().name); }, "ISA of the kernels in use.");

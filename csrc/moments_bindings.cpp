@@ -6,8 +6,10 @@
 #include <pybind11/pybind11.h>
 
 #include <cstddef>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "moments.h"
 #include "threadpool.h"
@@ -15,29 +17,21 @@
 namespace py = pybind11;
 using namespace offload;
 
-namespace {
-// The column of a field of AdamQTask (8-byte fields: pointers and int64). Its own name: this file
-// shares one translation unit with bindings.cpp (python_module.cpp).
-constexpr int64_t moment_column(std::size_t offset) {
-  return static_cast<int64_t>(offset / sizeof(int64_t));
-}
-}  // namespace
+// (csrc/bindings.cpp) module attributes <prefix><name>: the column of each field of a table row
+void export_columns(py::module_& m, const std::string& prefix,
+                    std::initializer_list<std::pair<const char*, std::size_t>> fields);
 
 void register_moments(py::module_& m) {
-  // columns of the compressed-moment task table (AdamQTask, moments.h), for native/moments.py
+  // the compressed-moment task table (AdamQTask, moments.h), for offload/native/moments.py
+  static_assert(sizeof(AdamQTask) == kQTaskCols * sizeof(int64_t), "table row layout");
   m.attr("MOMENT_TASK_COLS") = kQTaskCols;
-  m.attr("MOMENT_COL_P") = moment_column(offsetof(AdamQTask, p));
-  m.attr("MOMENT_COL_M") = moment_column(offsetof(AdamQTask, m));
-  m.attr("MOMENT_COL_V") = moment_column(offsetof(AdamQTask, v));
-  m.attr("MOMENT_COL_M_SCALE") = moment_column(offsetof(AdamQTask, m_scale));
-  m.attr("MOMENT_COL_V_SCALE") = moment_column(offsetof(AdamQTask, v_scale));
-  m.attr("MOMENT_COL_G") = moment_column(offsetof(AdamQTask, g));
-  m.attr("MOMENT_COL_OUT") = moment_column(offsetof(AdamQTask, out));
-  m.attr("MOMENT_COL_N") = moment_column(offsetof(AdamQTask, n));
-  m.attr("MOMENT_COL_STEP") = moment_column(offsetof(AdamQTask, step));
-  m.attr("MOMENT_COL_GD") = moment_column(offsetof(AdamQTask, gdtype));
-  m.attr("MOMENT_COL_OD") = moment_column(offsetof(AdamQTask, odtype));
-  m.attr("MOMENT_COL_FMT") = moment_column(offsetof(AdamQTask, mfmt));
+  export_columns(m, "MOMENT_COL_",
+                 {{"P", offsetof(AdamQTask, p)}, {"M", offsetof(AdamQTask, m)},
+                  {"V", offsetof(AdamQTask, v)}, {"M_SCALE", offsetof(AdamQTask, m_scale)},
+                  {"V_SCALE", offsetof(AdamQTask, v_scale)}, {"G", offsetof(AdamQTask, g)},
+                  {"OUT", offsetof(AdamQTask, out)}, {"N", offsetof(AdamQTask, n)},
+                  {"STEP", offsetof(AdamQTask, step)}, {"GD", offsetof(AdamQTask, gdtype)},
+                  {"OD", offsetof(AdamQTask, odtype)}, {"FMT", offsetof(AdamQTask, mfmt)}});
   // the codes of the mfmt column (MomentFormat, moments.h) and the 8-bit format's block
   m.attr("MOMENT_CODE_BF16") = static_cast<int64_t>(kMomBF16);
   m.attr("MOMENT_CODE_8BIT") = static_cast<int64_t>(kMom8);
