@@ -99,10 +99,9 @@ class MomentFormat:
 
     # ---- what is stored
     def state_sections(self, amsgrad: bool) -> Tuple[Section, ...]:
-        """The sections a bucket stores besides the fp32 master, in storage order."""
-        if amsgrad:
-            raise ValueError(f"amsgrad=True is not supported with moments={self.name!r}: it keeps "
-                             "no max_exp_avg_sq; use moments='fp32' for amsgrad")
+        """The sections a bucket stores besides the fp32 master, in storage order. A compressed
+        format keeps no max_exp_avg_sq: amsgrad with it is refused before anything is laid out
+        (check_amsgrad)."""
         return self.sections
 
     def per_block(self, key: str) -> bool:
