@@ -35,6 +35,7 @@ import torch
 
 from .. import AdamW
 from ..moments.format import FORMATS
+from ..plan_args import DTYPES
 from ..store import parse_size
 from .common import Progress, remove_dirs, scratch_dirs, verdict, write_json
 
@@ -77,7 +78,7 @@ def _split(n: int, tensors: int) -> list:
 
 def measure(args, moments: str = "fp32") -> dict:
     n = int(float(args.params))
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = DTYPES[args.dtype]   # a parameter dtype's name
     budget = parse_size(args.budget)
     # never the current directory (the state file is GBs); one new directory per drive, removed at the end
     work = scratch_dirs(args.dir, "offload-step-bench-")
