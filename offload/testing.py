@@ -18,7 +18,7 @@ __all__ = ["state_engine", "row_records", "tier", "side", "device_schedule", "de
 
 def state_engine(opt) -> Optional[object]:
     """The state engine (offload/engine/engine.py) that runs the optimizer's steps, in every mode."""
-    return opt._store
+    return opt._face.engine
 
 
 def row_records(opt) -> list:
@@ -35,13 +35,13 @@ def tier(opt):
 
 
 def side(opt):
-    """Where the parameters live (offload/params/): HostParams or DeviceParams."""
+    """Where the parameters live (offload/params/): HostParams, DeviceParams or HeldParams."""
     return _engine(opt).side
 
 
 def device_schedule(opt) -> Optional[object]:
     """The device schedule (offload/schedule/device_step.py) of device parameters, else None."""
-    return opt._gpu
+    return opt._face.schedule
 
 
 def device(opt):

@@ -52,14 +52,14 @@ class _StateRecords:
 
 class TorchViews:
     def __init__(self, layout, tier, registry, groups: list, handouts: Handouts, *, local_groups: list,
-                 numels: list, amsgrad: list, moment_format: Callable, device_params: bool,
+                 numels: list, amsgrad: list, moment_format: Callable, all_masters: bool,
                  mode: str, tracker, exclusive: Callable, read_master: Callable):
         """``groups``, ``local_groups``, ``numels``, ``amsgrad``: the engine's per-group lists (they grow
-        in place with add_param_group); ``device_params``: parameters on a device (every one has an fp32
-        master); ``exclusive(failed_ok=False)``: the engine's lock, as a context manager."""
+        in place with add_param_group); ``all_masters``: every parameter has an fp32 master (device
+        parameters: params/side.py); ``exclusive(failed_ok=False)``: the engine's lock."""
         self.layout, self.tier, self.registry, self.groups, self.handouts = layout, tier, registry, groups, handouts
         self.local_groups, self.numels, self.amsgrad = local_groups, numels, amsgrad
-        self.moment_format, self.device_params, self.mode = moment_format, device_params, mode
+        self.moment_format, self.all_masters, self.mode = moment_format, all_masters, mode
         self.tracker, self.exclusive, self.read_master = tracker, exclusive, read_master
         self.ptrs: dict = {}    # (gi, i) -> {key: data_ptr} of the views installed in opt.state
         self.recs: list = []    # per group: _StateRecords (what state_rows compares with)
@@ -263,7 +263,7 @@ class TorchViews:
     def entry_keys(self, gi: int, i: int) -> list:
         """The state tensors ``opt.state`` shows for parameter (gi, i) as views of its buckets."""
         lp = local(self.groups[gi][i])
-        shown = self.has_master(gi, i) and not (self.device_params and lp.dtype == torch.float32)
+        shown = self.has_master(gi, i) and not (self.all_masters and lp.dtype == torch.float32)
         keys = ["master_param"] if shown else []
         if not self.moment_format(gi, i).compressed:
             keys += ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad[gi] else [])
@@ -271,12 +271,12 @@ class TorchViews:
 
     def has_master(self, gi: int, i: int) -> bool:
         """Parameter (gi, i)'s buckets hold an fp32 master (device parameters, bf16/fp16 ones)."""
-        return self.device_params or local(self.groups[gi][i]).dtype in LOW_PRECISION
+        return self.all_masters or local(self.groups[gi][i]).dtype in LOW_PRECISION
 
-    def follow_shapes(self, state: dict, rows) -> None:
-        """Parameters the side revalidated this step (``rows.revalidated``) that were given another
-        shape: their state views follow (engine/adopt.py)."""
-        for gi, idx in getattr(rows, "revalidated", ()):
+    def follow_shapes(self, state: dict, revalidated) -> None:
+        """Parameters the side revalidated this step (``revalidated``: (group, rows)) that were
+        given another shape: their views follow (engine/adopt.py)."""
+        for gi, idx in revalidated:
             follow_shapes(self.groups[gi], idx, self.registry.ready[gi], state,
                           lambda i, gi=gi: self.ptrs.get((gi, i), ()),
                           lambda i, gi=gi: self._forget_state(gi, i))
@@ -329,7 +329,7 @@ class TorchViews:
         lp = local(p)
         self._check_size(gi, i, lp)
         if lp.numel() == 0:
-            keys = (["master_param"] if (self.device_params or lp.dtype in LOW_PRECISION)
+            keys = (["master_param"] if (self.all_masters or lp.dtype in LOW_PRECISION)
                     else []) + ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad[gi] else [])
             return {k: like(p, torch.zeros(lp.shape, dtype=torch.float32)) for k in keys}
         if self.moment_format(gi, i).compressed:   # only the fp32 master is viewable as it is
@@ -337,7 +337,7 @@ class TorchViews:
         else:
             only = None
         out = param_views(self.tier, self.layout, gi, i, lp.shape, view, fd, only, copied)
-        if self.device_params and lp.dtype == torch.float32:
+        if self.all_masters and lp.dtype == torch.float32:
             out.pop("master_param", None)   # torch's layout: an fp32 parameter is its own master
         return {k: like(p, v) for k, v in out.items()}
 

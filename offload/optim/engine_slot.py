@@ -41,24 +41,30 @@ class EngineSlot:
                         gpu_options=gpu_options), device, state, moments)
 
     @property
+    def on_device(self) -> bool:
+        """The parameters are on a device (GPU offload), stepped through a device schedule."""
+        return self.device is not None
+
+    @property
     def picklable(self) -> bool:
         """Host parameters with fp32 moments in RAM: the optimizer pickles (its engine is built
         again from opt.state when it is unpickled)."""
         compressed = moment_format(self.moments).compressed
-        return self.mode == "ram" and not compressed and self.device is None
+        return self.mode == "ram" and not compressed and not self.on_device
 
     def check_picklable(self) -> None:
         """TypeError naming what keeps an optimizer with this (built) engine from being pickled or deep-copied."""
         if not self.picklable:
             what = ("NVMe/mmap state" if self.mode != "ram" else
-                    "parameters on a device (GPU offload)" if self.device is not None else "compressed moments")
+                    "parameters on a device (GPU offload)" if self.on_device else
+                    "compressed moments")
             raise TypeError(f"an optimizer with {what} cannot be pickled or deep-copied; use state_dict() / "
                             "load_state_dict()")
 
     def groups(self, param_groups: list, router) -> list:
         """The param groups as the state engine holds them: host parameters without those torch's code
         steps (``router``: offload/optim/fallback.py; their state stays in host RAM), device parameters all."""
-        return param_groups if self.device is not None else router.split(param_groups)[0]
+        return param_groups if self.on_device else router.split(param_groups)[0]
 
     def index(self, param_groups: list, router) -> dict:
         """{(group, position in the engine's list of :meth:`groups`): index in torch's state_dict numbering}."""

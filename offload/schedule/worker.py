@@ -120,7 +120,7 @@ class Worker:
             except queue.Empty:
                 break
         side = self.side
-        nslots = side.nslots
+        nslots = side.staging_slots
         # a bucket is staged (its gradients copied down) while a slot is free; one whose slot still
         # uploads the weights of an earlier bucket waits until the buckets already staged are stepped
         while (pending and pending[0] is not None and pending[0][0] == "step" and len(staged) < nslots
