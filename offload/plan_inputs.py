@@ -41,7 +41,7 @@ def suggest_setup(plan, model_or_params, args: dict, chosen: tuple, mp) -> str:
         if (state, moments) == chosen or (fmt.compressed and mp.config["amsgrad"]):
             continue
         # this rank's moments alone, a lower bound of the state: a setup they do not fit is skipped
-        least = mp.config["state_params"] * fmt.bytes_per_element   # m and v, block scales left out
+        least = mp.config["state_params"] * fmt.bytes_per_element   # m, v; block scales left out
         host = mp.capacity.get("host")
         if (state == "nvme" and disk is not None and least > disk) or (
                 state == "ram" and host is not None and fixed + least > host):

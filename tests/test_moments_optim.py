@@ -116,7 +116,7 @@ def test_close_to_torch_adamw(fmt, tol):
 
 
 def test_encode_inverts_decode():
-    """A format's encode is the kernel's encoder: the kernel's bytes again from the decoded values."""
+    """A format's encode is the kernel's encoder: the kernel's bytes again from decoded values."""
     torch.manual_seed(4)
     for fmt in FMTS:
         p = torch.randn(N)

@@ -368,7 +368,7 @@ class TorchViews:
         out = {}
         have = [(gi, i) for gi, params in enumerate(self.groups) for i in range(len(params))
                 if self.registry.ready[gi][i] or self.numels[gi][i] == 0]
-        packed = {(gi, i) for gi, i in have if self.moment_format(gi, i).compressed}   # (numel > 0)
+        packed = {(gi, i) for gi, i in have if self.moment_format(gi, i).compressed}   # numel > 0
         # compressed moments in a disk tier: decoded into file-backed memory, not 8 B/param of RAM
         sink = export.DecodedSink(getattr(self.tier, "directory", None),   # None: the RAM tier
                                   2 * sum(self.numels[gi][i] for gi, i in packed)) if packed else None

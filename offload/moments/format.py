@@ -317,7 +317,7 @@ def check_moments(moments) -> str:
 
 
 def check_amsgrad(moments, amsgrad: bool) -> None:
-    """amsgrad keeps max_exp_avg_sq, which only fp32 moments have (``moments``: a name or format)."""
+    """amsgrad keeps max_exp_avg_sq, which only fp32 moments have (``moments``: name or format)."""
     fmt = moment_format(moments)
     if amsgrad and fmt.compressed:
         raise ValueError(f"amsgrad=True is not supported with moments={fmt.name!r} (compressed "
