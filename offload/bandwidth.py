@@ -27,6 +27,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from .base.dtypes import LOW_PRECISION
+from .moments.format import moment_format
 
 __all__ = ["Bandwidths", "pass_bytes", "measure", "measure_kernel", "measure_disk", "measure_pcie", "from_json"]
 
@@ -87,16 +88,14 @@ class Bandwidths:
         return cls(**figures).checked()
 
 
-def pass_bytes(moments: str = "fp32", grad_bytes: int = 4, out_bytes: int = 0, amsgrad: bool = False,
+def pass_bytes(moments="fp32", grad_bytes: int = 4, out_bytes: int = 0, amsgrad: bool = False,
                numel: Optional[int] = None) -> float:
     """Bytes one Adam pass must move per parameter: the fp32 master (or fp32 parameter) read and written,
     the gradient read, the low-precision weight written (``out_bytes``: 2 for bf16/fp16 parameters, 0 for
     fp32), the moments read and written (fp32 16, bf16 8, 8-bit 4 + the per-256-element fp32 scales),
-    and max_exp_avg_sq (8) with amsgrad. fp32 parameters with fp32 gradients: 28 B."""
-    if moments == "8bit":
-        mom = 4 + (16 * (-(-numel // 256)) / numel if numel else 16 / 256)
-    else:
-        mom = {"fp32": 16, "bf16": 8}[moments]
+    and max_exp_avg_sq (8) with amsgrad. fp32 parameters with fp32 gradients: 28 B. ``moments``: a
+    format's name or the format (offload/moments/format.py)."""
+    mom = 2 * moment_format(moments).moment_bytes(numel)
     return 8 + grad_bytes + out_bytes + mom + (8 if amsgrad else 0)
 
 
@@ -239,11 +238,16 @@ def measure(*, param_dtype=torch.float32, moments: str = "fp32", amsgrad: bool =
     return bw
 
 
+def _cases_of(moments) -> str:
+    """The ``bench kernel`` cases that measure the kernel of a moment format."""
+    return "moments" if moment_format(moments).compressed else "flat,bf16"
+
+
 def _kernel_from(js: dict, path: str, moments: str, low: bool, threads: Optional[int]) -> Optional[tuple]:
     """(bytes/s, label) of the matching kernel record: offload.AdamW.step of the flat case (fp32
     moments), or the compressed-moment kernel call of that format."""
     recs = [r if isinstance(r, dict) else {} for r in js.get("results", [])]
-    if moments == "fp32":
+    if not moment_format(moments).compressed:   # measured by the fp32 kernel's cases
         prefix = "bf16 grad+out, flat" if low else "fp32 flat"
         cand = [i for i, r in enumerate(recs) if r.get("impl") == "offload.AdamW.step"
                 and str(r.get("case", "")).startswith(prefix)]
@@ -293,7 +297,7 @@ def from_json(paths: Union[str, Iterable[str]], *, moments: str = "fp32", param_
             if got is None:
                 raise ValueError(f"{path}: no kernel record for moments={moments!r} with "
                                  f"{'bf16' if low else 'fp32'} parameters; run python -m offload.bench kernel "
-                                 f"--cases {'flat,bf16' if moments == 'fp32' else 'moments'} --json {path}")
+                                 f"--cases {_cases_of(moments)} --json {path}")
             bw.kernel, bw.sources["kernel"] = got
         else:
             raise ValueError(f"{path}: not a JSON of python -m offload.bench kernel or io (--json PATH)")

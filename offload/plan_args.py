@@ -24,6 +24,8 @@ __all__ = ["DTYPES", "MAX_COUNT", "MAX_TENSORS", "MAX_BUCKETS", "count", "dtype"
            "flag", "at_least", "activation", "threads", "budget", "dirs", "storage", "moments",
            "bandwidths", "inventory", "check_buckets"]
 
+# the names of parameter and gradient dtypes (param_dtype=, grad_dtype=, the benches' --dtype): not
+# moment formats, whose names overlap ("fp32", "bf16") but which are objects (moments/format.py)
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 _DTYPE_SET = frozenset(DTYPES.values())

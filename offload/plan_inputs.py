@@ -11,6 +11,7 @@ import shutil
 import torch
 
 from .base.units import human as _fmt, parse_size
+from .moments.format import moment_format
 from .plan_args import MAX_COUNT, dirs as _dirs
 
 __all__ = ["hf_config_model", "config_file", "read_config", "bandwidths_of", "suggest_setup"]
@@ -18,7 +19,6 @@ __all__ = ["hf_config_model", "config_file", "read_config", "bandwidths_of", "su
 
 # cheapest first: compressed moments in RAM (faster than fp32 moments), then the state on NVMe
 _CANDIDATES = (("ram", "bf16"), ("ram", "8bit"), ("nvme", "fp32"), ("nvme", "bf16"), ("nvme", "8bit"))
-_MOMENT_BYTES = {"fp32": 8, "bf16": 4, "8bit": 2}   # m and v per parameter, block scales left out
 
 
 def suggest_setup(plan, model_or_params, args: dict, chosen: tuple, mp) -> str:
@@ -37,10 +37,11 @@ def suggest_setup(plan, model_or_params, args: dict, chosen: tuple, mp) -> str:
     except OSError:
         disk = None
     for state, moments in _CANDIDATES:
-        if (state, moments) == chosen or (moments != "fp32" and mp.config["amsgrad"]):
+        fmt = moment_format(moments)
+        if (state, moments) == chosen or (fmt.compressed and mp.config["amsgrad"]):
             continue
         # this rank's moments alone, a lower bound of the state: a setup they do not fit is skipped
-        least = mp.config["state_params"] * _MOMENT_BYTES[moments]
+        least = mp.config["state_params"] * fmt.bytes_per_element   # m, v; block scales left out
         host = mp.capacity.get("host")
         if (state == "nvme" and disk is not None and least > disk) or (
                 state == "ram" and host is not None and fixed + least > host):
@@ -54,7 +55,7 @@ def suggest_setup(plan, model_or_params, args: dict, chosen: tuple, mp) -> str:
         if False not in alt.fits().values():
             budget = _fmt(parse_size(args["host_budget"]))
             kw = "" if state == "ram" else f'storage="nvme", nvme_dir=..., host_budget="{budget}"'
-            mom = f'moments="{moments}"' if moments != "fp32" else ""
+            mom = f'moments="{moments}"' if fmt.compressed else ""
             kw = ", ".join(x for x in (kw, mom) if x)
             nvme = f", nvme {_fmt(alt.total('nvme'))}" if state != "ram" else ""
             return (f"{kw} fits (host {_fmt(alt.total('host'))}{nvme}): docs/moments.md, "

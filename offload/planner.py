@@ -28,6 +28,7 @@ from typing import Iterable, List, Optional, Union
 import torch
 
 from .base.dtypes import LOW_PRECISION as _LOW
+from .moments.format import moment_format
 from .state.layout import ALIGN, Shape, build_layout, split_buckets
 from .state.tier import check_budget, check_depth, check_staging_slots, split_budget
 from .base.units import human
@@ -177,6 +178,7 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     dirs = A.dirs(nvme_dir) if state != "ram" else [None]
     activation_bytes = A.activation(activation_bytes)
     A.moments(moments, moments_min_size, amsgrad)
+    fmt = moment_format(moments)
     bandwidths = A.bandwidths(bandwidths)
     A.threads(threads)
     if isinstance(model_or_params, (str, os.PathLike)):
@@ -199,9 +201,8 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     on_gpu = device == "cuda"
     # the engine's own layout (offload/state/layout.py) over this rank's shards: what it allocates, exactly
     ranked = ((per_rank(n, shard), dt, active) for n, dt, active in inv)
-    least = max(moments_min_size, 1)   # smaller tensors keep fp32 moments
     shapes = [Shape(0, i, k, dt.itemsize, master=on_gpu or dt in _LOW, active=active,
-                    moments=moments if moments != "fp32" and k >= least else "fp32")
+                    moments=fmt.for_size(k, moments_min_size))   # fp32 for smaller tensors
               for i, (k, dt, active) in enumerate(ranked)]
     per_drive = depth
     depth = min(64, depth * len(dirs)) if state == "nvme" else depth   # as the engine does
@@ -216,7 +217,7 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     lay = build_layout(shapes, amsgrad=[amsgrad], max_state_bytes=state_cap, max_param_bytes=stage_cap,
                        stagger=state == "ram")
     master = sum(b.cap * 4 for b in lay.buckets if b.master)
-    engine_ram = state == "ram" and moments != "fp32"   # compressed moments in the RAM tier
+    engine_ram = state == "ram" and fmt.compressed   # compressed moments in the RAM tier
 
     rows: List[Row] = []
     warnings: List[str] = []
@@ -227,7 +228,7 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
         rows.append(Row(compute, "activations (your estimate)", activation_bytes))
     rows.append(Row("host", "optimizer state: step counters", steps))
     if engine_ram:
-        _compressed_rows(rows, lay, moments, moments_min_size, "host", "optimizer state")
+        _compressed_rows(rows, lay, fmt, moments_min_size, "host", "optimizer state")
         if on_gpu:
             ring = 2 * staging_slots * max(64, lay.max_stage_bytes)
             rows.append(Row("host", f"pinned staging ring ({staging_slots} slots of grads + weights)", ring))
@@ -241,8 +242,9 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
         if master:
             rows.append(Row("host", "optimizer state: fp32 master weights (bf16/fp16 params)", master))
     else:
-        if moments != "fp32":
-            _compressed_rows(rows, lay, moments, moments_min_size, "nvme", f"optimizer state file ({state})")
+        if fmt.compressed:
+            _compressed_rows(rows, lay, fmt, moments_min_size, "nvme",
+                             f"optimizer state file ({state})")
         else:
             rows.append(Row("nvme", f"optimizer state file ({state}: m, v" + (", vmax" if amsgrad else "")
                             + (", fp32 master" if master else "") + "; 4 KiB-aligned buckets)",
@@ -321,14 +323,16 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     return mp
 
 
-def _compressed_rows(rows: list, lay, moments: str, min_size: int, place: str, prefix: str) -> None:
-    """State rows of a layout with compressed-moment buckets; they add up to ``lay.nbytes`` (what
-    the RAM tier allocates / the state file holds)."""
-    comp = sum(b.state_bytes - (b.cap * 4 if b.master else 0) for b in lay.buckets if b.moments != "fp32")
-    plain = sum(b.state_bytes - (b.cap * 4 if b.master else 0) for b in lay.buckets if b.moments == "fp32")
+def _compressed_rows(rows: list, lay, fmt, min_size: int, place: str, prefix: str) -> None:
+    """State rows of a layout with compressed-moment buckets (format ``fmt``); they add up to
+    ``lay.nbytes`` (what the RAM tier allocates / the state file holds)."""
+    def moments(b):   # the bucket's state without its fp32 master
+        return b.state_bytes - (b.cap * 4 if b.master else 0)
+    comp = sum(moments(b) for b in lay.buckets if b.moments is fmt)
+    plain = sum(moments(b) for b in lay.buckets if b.moments is not fmt)
     master = sum(b.cap * 4 for b in lay.buckets if b.master)
-    scales = ", per-block fp32 scales" if moments == "8bit" else ""
-    rows.append(Row(place, f"{prefix}: {moments} exp_avg, exp_avg_sq{scales}", comp))
+    scales = ", per-block fp32 scales" if any(s.per_block for s in fmt.sections) else ""
+    rows.append(Row(place, f"{prefix}: {fmt.name} exp_avg, exp_avg_sq{scales}", comp))
     if plain:
         rows.append(Row(place, f"{prefix}: fp32 exp_avg, exp_avg_sq (tensors < {min_size} elements)", plain))
     if master:

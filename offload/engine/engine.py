@@ -32,6 +32,7 @@ from ..state import make_tier
 from ..state.tier import check_budget, check_depth, split_budget
 from ..base.units import parse_size
 from . import grow, pipeline
+from ..moments.format import MomentFormat, moment_format
 from ..moments.handouts import Handouts
 from .registry import Registry
 from .torchstate import TorchViews
@@ -57,8 +58,8 @@ def _check_process(pid: int, mode: str) -> None:
             "the optimizer in the child (or start it with the 'spawn' method)")
 
 
-def _moment_format(numels: list, moments: str, min_size: int, gi: int, i: int) -> str:
-    return moments if numels[gi][i] >= max(min_size, 1) else "fp32"
+def _moment_format(numels: list, moments: MomentFormat, min_size: int, gi: int, i: int):
+    return moments.for_size(numels[gi][i], min_size)
 
 
 class StateEngine:
@@ -69,7 +70,7 @@ class StateEngine:
                  moments: str = "fp32", moments_min_size: int = 4096, exclude=()):
         self.mode = mode
         self.excluded = set(exclude)   # (gi, i) stepped elsewhere (device-side small params): no state here
-        self.moments, self.moments_min_size = moments, int(moments_min_size)   # (offload/moments/format.py)
+        self.moments, self.moments_min_size = moment_format(moments), int(moments_min_size)
         self.budget = parse_size(host_budget)
         self.depth = depth
         self.groups = [list(g) for g in groups]
@@ -120,17 +121,16 @@ class StateEngine:
         return self.layout_of(shapes)
 
     def layout_of(self, shapes: list):
-        """The layout of ``shapes`` (offload/state/layout.py Shape) with this engine's budgets; compressed
-        moments for parameters of at least ``moments_min_size`` elements, fp32 below."""
-        if self.moments != "fp32":
-            from dataclasses import replace
-            shapes = [replace(s, moments=self.moments) if s.numel and s.numel >= self.moments_min_size else s
-                      for s in shapes]
+        """The layout of ``shapes`` (offload/state/layout.py Shape) with this engine's budgets; its
+        moment format for parameters of at least ``moments_min_size`` elements, fp32 below."""
+        from dataclasses import replace
+        fmt, least = self.moments, self.moments_min_size
+        shapes = [replace(s, moments=fmt.for_size(s.numel, least)) for s in shapes]
         return build_layout(shapes, amsgrad=self.amsgrad, max_state_bytes=self.state_cap,
                             max_param_bytes=self.stage_cap, stagger=self.mode == "ram")
 
-    def moment_format(self, gi: int, i: int) -> str:
-        """How parameter ``i`` of group ``gi`` stores its moments ("fp32", "bf16" or "8bit")."""
+    def moment_format(self, gi: int, i: int) -> MomentFormat:
+        """How parameter ``i`` of group ``gi`` stores its moments (offload/moments/format.py)."""
         return self._format(gi, i)
 
     # ------------------------------------------------------------------ shape of the engine

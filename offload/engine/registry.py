@@ -56,16 +56,12 @@ class Registry:
             if r[pc.param]:
                 continue
             for key, _size in b.keys:
-                if b.moments != "fp32" and key != "master_param":   # compressed: all-zero bytes are zero state
+                if key == "master_param":
+                    sec = b.section(key) // 4 + pc.pos
+                    read_master(b.group, pc.param, pc.start, pc.n, f32[sec:sec + pc.n])
+                else:   # every moment format's zero state is all-zero bytes
                     off, nb = b.span(key, pc)
                     data[off:off + nb].zero_()
-                    continue
-                sec = b.section(key) // 4 + pc.pos
-                dst = f32[sec:sec + pc.n]
-                if key == "master_param":
-                    read_master(b.group, pc.param, pc.start, pc.n, dst)
-                else:
-                    dst.zero_()
 
     def advance(self, active: Sequence[np.ndarray]) -> None:
         """One more step for the parameters ``active`` (per group, bool masks). Through numpy (the

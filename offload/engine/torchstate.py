@@ -84,7 +84,7 @@ class TorchViews:
             for k, v in views.items():
                 st[k] = v
             ptrs[(gi, int(i))] = {k: local(v).data_ptr() for k, v in views.items()}
-            if self.moment_format(gi, int(i)) != "fp32":   # exp_avg / exp_avg_sq decoded on access
+            if self.moment_format(gi, int(i)).compressed:   # moments decoded on access
                 state[p] = self.compressed_entry(gi, int(i), st)
 
     def compressed_entry(self, gi: int, i: int, base: dict):
@@ -110,7 +110,7 @@ class TorchViews:
             view, _fd = self.tier.mapping()
             fmt = self.moment_format(gi, i)
             raw = compressed.raw(self.layout, gi, i, fmt, view)
-            return {mformat.saved_key(k, fmt): t for k, t in raw.items()}
+            return {fmt.saved_key(k): t for k, t in raw.items()}
 
     def _rewrite(self, hits: dict, apply) -> None:
         loader.rewrite_buckets(self.layout, self.tier, hits, apply)
@@ -135,14 +135,14 @@ class TorchViews:
         with self.exclusive():
             view, fd = self.tier.mapping()
             out = self.views_of(gi, i, view, fd)
-            if self.moment_format(gi, i) != "fp32" and self.numels[gi][i]:
+            if self.moment_format(gi, i).compressed and self.numels[gi][i]:
                 out.update(self.decode_current(gi, i, view=view))
             return out
 
     def rewrite_held(self, gi: int, i: int, new: dict, cur: dict) -> None:
         """Write into the state what a caller wrote into held copies (``new``: {key: tensor};
         ``cur``: held_current's)."""
-        packed = self.moment_format(gi, i) != "fp32"
+        packed = self.moment_format(gi, i).compressed
         moments = {k: t for k, t in new.items() if packed and k in mformat.MOMENT_KEYS}
         if moments:
             self.rewrite_moments(gi, i, moments, cur)
@@ -173,7 +173,7 @@ class TorchViews:
             fmt = self.moment_format(gi, i)
             raw = compressed.raw(self.layout, gi, i, fmt, view)
             if sink is None:
-                m, v = mformat.decode(raw, fmt)
+                m, v = fmt.decode(raw)
             else:
                 m, v = export.decode_into(raw, fmt, self.numels[gi][i], sink)
         p = self.groups[gi][i]
@@ -193,10 +193,10 @@ class TorchViews:
                         continue
                     fmt = self.moment_format(gi, i)
                     st = self.views_of(gi, i, view, fd)
-                    if fmt != "fp32" and self.numels[gi][i]:
+                    if fmt.compressed and self.numels[gi][i]:
                         shape = local(params[i]).shape
                         for k, t in compressed.raw(self.layout, gi, i, fmt, view).items():
-                            st[mformat.saved_key(k, fmt)] = t.view(shape) if not mformat.per_block(fmt, k) else t
+                            st[fmt.saved_key(k)] = t.view(shape) if not fmt.per_block(k) else t
                     out[(gi, i)] = st
             return out
 
@@ -265,7 +265,7 @@ class TorchViews:
         lp = local(self.groups[gi][i])
         shown = self.has_master(gi, i) and not (self.all_masters and lp.dtype == torch.float32)
         keys = ["master_param"] if shown else []
-        if self.moment_format(gi, i) == "fp32":
+        if not self.moment_format(gi, i).compressed:
             keys += ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad[gi] else [])
         return keys
 
@@ -332,7 +332,7 @@ class TorchViews:
             keys = (["master_param"] if (self.all_masters or lp.dtype in LOW_PRECISION)
                     else []) + ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad[gi] else [])
             return {k: like(p, torch.zeros(lp.shape, dtype=torch.float32)) for k in keys}
-        if self.moment_format(gi, i) != "fp32":   # only the fp32 master is viewable as it is
+        if self.moment_format(gi, i).compressed:   # only the fp32 master is viewable as it is
             only = ("master_param",)
         else:
             only = None
@@ -352,7 +352,7 @@ class TorchViews:
                 # what load_state_dict installs in opt.state: a later replacement is detected against it
                 self.ptrs[(gi, i)] = {k: local(v).data_ptr() for k, v in views.items()}
                 self._forget_state(gi, i)
-                if self.moment_format(gi, i) != "fp32" and self.numels[gi][i]:
+                if self.moment_format(gi, i).compressed and self.numels[gi][i]:
                     return self.compressed_entry(gi, i, st)
             return st
 
@@ -368,7 +368,7 @@ class TorchViews:
         out = {}
         have = [(gi, i) for gi, params in enumerate(self.groups) for i in range(len(params))
                 if self.registry.ready[gi][i] or self.numels[gi][i] == 0]
-        packed = {(gi, i) for gi, i in have if self.moment_format(gi, i) != "fp32" and self.numels[gi][i]}
+        packed = {(gi, i) for gi, i in have if self.moment_format(gi, i).compressed}   # numel > 0
         # compressed moments in a disk tier: decoded into file-backed memory, not 8 B/param of RAM
         sink = export.DecodedSink(getattr(self.tier, "directory", None),   # None: the RAM tier
                                   2 * sum(self.numels[gi][i] for gi, i in packed)) if packed else None

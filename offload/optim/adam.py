@@ -32,6 +32,7 @@ from ..base.failstop import OptimizerFailedError, detached, failed_message
 from .engine_slot import EngineSlot
 from ..engine.port import port_of
 from .rebuilding import EngineSync
+from ..moments.format import moment_format
 from ..state.choice import resolve_storage
 from .options import OPTIMIZER_WIDE, OPTIONS_DOC, constructor_args, given_gpu_options
 
@@ -272,7 +273,8 @@ class _AdamBase(EngineSync, Optimizer):
         """``offload.save``'s extension point (offload/checkpoint/adapter.py): with compressed moments
         the checkpoint stores them compressed (``exp_avg.8bit``, scales, ...), so it resumes bitwise.
         None otherwise: the checkpoint then goes through ``state_dict()`` as for any optimizer."""
-        return None if getattr(self, "moments", "fp32") == "fp32" else self._checkpoint_tensors
+        compressed = moment_format(getattr(self, "moments", "fp32")).compressed
+        return self._checkpoint_tensors if compressed else None
 
     def _checkpoint_tensors(self, create_from):
         if create_from is not None:  # never asked: this state loads through load_state_dict (loads_itself)

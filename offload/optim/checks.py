@@ -50,9 +50,8 @@ def _check_moments(moments, min_size, amsgrad, params) -> str:
     """``moments=`` and ``moments_min_size=`` of the constructor."""
     mformat.check_moments(moments)
     mformat.check_min_size(min_size)
-    if moments != "fp32":
-        groups = any(isinstance(g, dict) and g.get("amsgrad") for g in params)
-        mformat.check_amsgrad(moments, amsgrad or groups)
+    groups = any(isinstance(g, dict) and g.get("amsgrad") for g in params)
+    mformat.check_amsgrad(moments, amsgrad or groups)
     return moments
 
 
@@ -143,7 +142,7 @@ def check_options(params, lr, betas, eps, weight_decay, amsgrad, foreach, captur
 
 def check_amsgrad(group: dict, gi: int, moments: str) -> None:
     """amsgrad=True is refused with compressed moments (a group added, or switched on later)."""
-    if moments != "fp32" and group.get("amsgrad"):
+    if group.get("amsgrad") and mformat.moment_format(moments).compressed:
         raise ValueError(f"param group {gi}: amsgrad=True with moments={moments!r}: compressed "
                          "moments have no max_exp_avg_sq; use moments='fp32' for amsgrad")
 

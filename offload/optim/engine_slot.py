@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from . import fallback
+from ..moments.format import moment_format
 from .gpu import make_state_engine
 from ..engine.rebuild import fits, rebuild
 
@@ -34,7 +35,7 @@ class EngineSlot:
         if state == "ram" and nvme_options and device is None:
             raise ValueError("nvme_options={'staging_slots': ...} with storage='ram' only applies to device parameters")
         opts = dict(nvme_options or {})
-        if moments != "fp32":
+        if moment_format(moments).compressed:
             opts.update(moments=moments, moments_min_size=moments_min_size)
         return cls(dict(state=state, nvme_dir=nvme_dir, host_budget=host_budget, keep=keep_files, nvme_options=opts,
                         gpu_options=gpu_options), device, state, moments)
@@ -48,7 +49,8 @@ class EngineSlot:
     def picklable(self) -> bool:
         """Host parameters with fp32 moments in RAM: the optimizer pickles (its engine is built
         again from opt.state when it is unpickled)."""
-        return self.mode == "ram" and self.moments == "fp32" and not self.on_device
+        compressed = moment_format(self.moments).compressed
+        return self.mode == "ram" and not compressed and not self.on_device
 
     def check_picklable(self) -> None:
         """TypeError naming what keeps an optimizer with this (built) engine from being pickled or deep-copied."""

@@ -32,6 +32,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from ..base.dist import is_dtensor, local
 from ..base.dtypes import NATIVE_DTYPES as _NATIVE_DTYPES
 from ..base.torchadam import check_state
+from ..moments.format import moment_format
 from ..params.guards import SharedMemoryError, extent
 
 __all__ = ["FALLBACK_DTYPES", "RAM_WARN_BYTES", "elsewhere", "reason", "Router", "check", "step", "grad_sumsq", "cast_state",
@@ -48,7 +49,8 @@ def elsewhere(state: str, moments: str) -> Optional[str]:
     never stepped here, but refused by name: for them it is never read.)"""
     if state != "ram":
         return f"the state file (storage={state!r})"
-    return f"compressed moments (moments={moments!r})" if moments != "fp32" else None
+    compressed = moment_format(moments).compressed
+    return f"compressed moments (moments={moments!r})" if compressed else None
 
 
 def reason(p: torch.Tensor) -> Optional[str]:

@@ -15,6 +15,7 @@ import torch
 
 from ..base.dist import PARTITION_NORM, zero_partition
 from ..device import Device, resolve_device
+from ..moments.format import moment_format
 from ..params import side_maker
 from ..schedule.delayed import held_side
 from ..schedule.smallparams import small_params
@@ -92,7 +93,7 @@ def describe(opt, side: str, store) -> str:
     else:
         where = "optimizer state in host RAM"
     moments = getattr(opt, "moments", "fp32")
-    fmt = ("fp32 Adam moments" if moments == "fp32" else
+    fmt = ("fp32 Adam moments" if not moment_format(moments).compressed else
            f"{moments} Adam moments (fp32 for tensors under {getattr(opt, 'moments_min_size', 4096)} elements)")
     return f"offload.{type(opt).__name__} with {n} parameter{'s' if n != 1 else ''}: {side}; {where}; {fmt}"
 

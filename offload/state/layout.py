@@ -19,15 +19,15 @@ Rules:
   * a parameter that fits in one bucket is never split; a larger one is cut into pieces of whole
     4 KiB pages per section, each in a bucket of its own (so a split parameter's section pieces
     are page-aligned and can be mapped side by side as one tensor).
-Sections are described by (key, element bytes), so a section of another dtype (e.g. compressed
-moments plus a scales section) only needs a new entry in :func:`section_keys`.
+Sections are described by (key, element bytes), as the moment format gives them.
 
-Compressed moments (``Shape.moments`` "bf16" / "8bit"): a bucket holds parameters of one
-moment format; its sections are ``[master_param |]`` followed by the format's tensors as
-``offload/moments/format.py`` describes them (e.g. ``exp_avg`` int8, ``exp_avg_sq`` uint8 and one fp32
-scale per 256-element block each). Pieces of such a bucket start on a block boundary, and a
-split parameter is cut on block boundaries, so the kernel's blocks are the same whatever the
-bucketing (RAM == NVMe == mmap bitwise, any ``host_budget``).
+Moment formats (``Shape.moments``, a MomentFormat of offload/moments/format.py): a bucket holds
+parameters of one format; its sections are ``[master_param |]`` followed by the format's
+``state_sections`` (fp32: ``exp_avg | exp_avg_sq [| max_exp_avg_sq]``; 8bit: ``exp_avg`` int8,
+``exp_avg_sq`` uint8 and one fp32 scale per 256-element block each). Pieces start on a multiple
+of the format's ``block`` (a whole block for compressed moments), and a split parameter is cut on
+block boundaries, so the kernel's blocks are the same whatever the bucketing (RAM == NVMe == mmap
+bitwise, any ``host_budget``).
 """
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..base.memory import ALIGN, round_up
+from ..moments.format import FP32, MomentFormat
 
 __all__ = ["Shape", "Piece", "Bucket", "Layout", "build_layout", "split_buckets", "stagger_gap",
-           "piece_columns", "section_keys", "entries", "unit", "round_up", "ELEM", "ALIGN"]
+           "piece_columns", "section_keys", "unit", "round_up", "ELEM", "ALIGN"]
 
 ELEM = 16          # pieces start on 16-element (64-byte) boundaries inside a section
 _PAGE_ELEMS = ALIGN // 4   # ALIGN: buckets start (and end) on 4 KiB
@@ -56,7 +57,7 @@ class Shape:
     itemsize: int         # bytes per element of the parameter (and its gradient)
     master: bool          # needs an fp32 master section
     active: bool = True   # requires_grad: only active parameters get state
-    moments: str = "fp32"  # storage of exp_avg / exp_avg_sq: "fp32" | "bf16" | "8bit"
+    moments: MomentFormat = FP32  # how exp_avg / exp_avg_sq are stored (moments/format.py)
 
 
 @dataclass(frozen=True)
@@ -69,30 +70,17 @@ class Piece:
     itemsize: int
 
 
-def section_keys(master: bool, amsgrad: bool, moments: str = "fp32") -> Tuple[Tuple[str, int], ...]:
-    """(state key, bytes per entry) of a bucket's sections, in storage order. For compressed
-    moments some sections have one entry per block, not per element (:func:`entries`)."""
-    if moments != "fp32":
-        from ..moments.format import sections
-        return ((("master_param", 4),) if master else ()) + tuple((k, size) for k, size, _ in sections(moments))
-    keys = ((("master_param", 4),) if master else ()) + (("exp_avg", 4), ("exp_avg_sq", 4))
-    return keys + ((("max_exp_avg_sq", 4),) if amsgrad else ())
+def section_keys(master: bool, amsgrad: bool,
+                 moments: MomentFormat = FP32) -> Tuple[Tuple[str, int], ...]:
+    """(state key, bytes per entry) of a bucket's sections, in storage order. Some sections of a
+    format may have one entry per block, not per element (the format's ``entries``)."""
+    return ((("master_param", 4),) if master else ()) + tuple(
+        (s.key, s.size) for s in moments.state_sections(amsgrad))
 
 
-def entries(moments: str, key: str, n: int) -> int:
-    """Entries of section ``key`` for ``n`` elements (n, or its blocks for a per-block section)."""
-    if moments == "fp32" or key == "master_param":
-        return n
-    from ..moments.format import nentries
-    return nentries(moments, key, n)
-
-
-def unit(moments: str) -> int:
-    """Element granularity of pieces: 16 (64 bytes of fp32), a whole block for compressed moments."""
-    if moments == "fp32":
-        return ELEM
-    from ..moments.format import BLOCK
-    return round_up(BLOCK, ELEM)
+def unit(moments: MomentFormat) -> int:
+    """Element granularity of pieces: 16 (64 bytes of fp32), or the format's block if larger."""
+    return round_up(moments.block, ELEM)
 
 
 @dataclass
@@ -106,7 +94,7 @@ class Bucket:
     nbytes: int = 0                   # ALIGN-aligned state bytes
     stage_bytes: int = 0              # staging bytes (64-byte aligned pieces in the param dtype)
     pieces: List[Piece] = field(default_factory=list)
-    moments: str = "fp32"             # moment format of every piece in this bucket
+    moments: MomentFormat = FP32      # moment format of every piece in this bucket
     gap: int = 0                      # fp32 elements left after each section (stagger, below)
 
     @property
@@ -119,18 +107,19 @@ class Bucket:
         for k, size in self.keys:
             if k == key:
                 return off
-            off += entries(self.moments, k, self.cap) * size + 4 * self.gap
+            off += self.moments.entries(k, self.cap) * size + 4 * self.gap
         raise KeyError(key)
 
     def span(self, key: str, pc: "Piece") -> Tuple[int, int]:
         """(byte offset inside the bucket, bytes) of piece ``pc``'s part of section ``key``."""
         size = dict(self.keys)[key]
-        return (self.section(key) + entries(self.moments, key, pc.pos) * size,
-                entries(self.moments, key, pc.n) * size)
+        return (self.section(key) + self.moments.entries(key, pc.pos) * size,
+                self.moments.entries(key, pc.n) * size)
 
     @property
     def state_bytes(self) -> int:
-        return sum(entries(self.moments, k, self.cap) * size + 4 * self.gap for k, size in self.keys)
+        entries = self.moments.entries
+        return sum(entries(k, self.cap) * size + 4 * self.gap for k, size in self.keys)
 
 
 @dataclass
@@ -161,9 +150,10 @@ class Layout:
 
 
 @lru_cache(maxsize=None)
-def _per_elem_state(master: bool, amsgrad: bool, moments: str = "fp32") -> float:
+def _per_elem_state(master: bool, amsgrad: bool, moments: MomentFormat = FP32) -> float:
     u = unit(moments)
-    return sum(entries(moments, k, u) * size for k, size in section_keys(master, amsgrad, moments)) / u
+    keys = section_keys(master, amsgrad, moments)
+    return sum(moments.entries(k, u) * size for k, size in keys) / u
 
 
 def stagger_gap(cap: int) -> int:
@@ -223,7 +213,7 @@ def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_
         nonlocal offset
         if b is None or not b.pieces:
             return
-        if stagger and b.moments == "fp32":
+        if stagger and b.moments.stagger:
             b.gap = stagger_gap(b.cap)
         b.nbytes = round_up(b.state_bytes, align)
         b.offset = offset
@@ -246,7 +236,7 @@ def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_
         ams = bool(amsgrad[s.group])
         mf = s.moments
         u, cap_max = _limits(s, ams, max_state_bytes)
-        key = (s.group, s.master) if mf == "fp32" else (s.group, s.master, mf)
+        key = (s.group, s.master, mf)
         need_cap = round_up(s.numel, u)
         need_stage = round_up(s.numel * s.itemsize, 64)
         b = open_b.get(key)
