@@ -104,6 +104,33 @@ def activation(x) -> Optional[int]:
     return int(x)
 
 
+def seconds(x, what: str) -> Optional[float]:
+    """``backward_s``, ``forward_s``: None, or a finite number of seconds >= 0."""
+    if x is None:
+        return None
+    msg = f"{what} must be a number of seconds >= 0, got {x!r}"
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(msg)
+    if not 0 <= x < math.inf:
+        raise ValueError(msg)
+    return float(x)
+
+
+def gpu_state(x):
+    """``gpu_state``: "auto", or bytes >= 0 (an int or a size string), as the optimizer takes it."""
+    if x == "auto":
+        return x
+    if x == 0 and type(x) is int:
+        return 0
+    msg = f"gpu_state must be 'auto', a size such as '8GiB' or 0, got {x!r}"
+    if isinstance(x, bool) or not isinstance(x, (int, str)):
+        raise TypeError(msg)
+    try:
+        return parse_size(x)
+    except ValueError:
+        raise ValueError(msg) from None
+
+
 def threads(x) -> Optional[int]:
     """The optimizer's ``threads=`` (its rule, offload/optim/checks.py)."""
     if x is not None and not (isinstance(x, int) and 1 <= x <= 1024):

@@ -129,6 +129,7 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
          nvme_dir=None, activation_bytes: Optional[int] = None,
          verbose: bool = False, moments: str = "fp32", moments_min_size: int = 4096,
          bandwidths=None, threads: Optional[int] = None, suggest: bool = True,
+         backward_s: Optional[float] = None, forward_s: Optional[float] = None, gpu_state="auto",
          state: Optional[str] = None, nvme_path=None) -> MemoryPlan:
     """Bytes each place will hold for this configuration, and whether it fits this machine.
 
@@ -149,7 +150,10 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     (a few seconds here: kernel, the state directory, PCIe), saved ``bench kernel``/``bench io`` JSON
     (a path, a list or comma-separated), or an ``offload.bandwidth.Bandwidths``/dict of bytes/s;
     ``threads``: the optimizer's ``threads=``. ``suggest``: name the first setup that fits when this
-    one does not (``suggestion``).
+    one does not (``suggestion``). ``backward_s`` (with ``bandwidths`` and parameters on a GPU): the
+    measured backward, to predict the iteration (``forward_s`` + backward + what of the CPU step stays
+    exposed) with the state ``gpu_state`` lets stay on the GPU, as the optimizer's ``gpu_state=``
+    ("auto": the GPU's free memory less this plan's GPU bytes and a margin) and with none.
     Every argument is checked before anything is computed (offload/plan_args.py): a value the
     planner cannot use raises ValueError (TypeError for one of the wrong kind) naming it, in one
     line.
@@ -169,6 +173,8 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     for name, value in (("amsgrad", amsgrad), ("verbose", verbose), ("suggest", suggest)):
         A.flag(value, name)
     A.at_least(world_size, "world_size", 1)
+    backward_s, forward_s = A.seconds(backward_s, "backward_s"), A.seconds(forward_s, "forward_s")
+    gpu_state = A.gpu_state(gpu_state)
     if sharding not in ("none", "zero1", "fsdp"):
         raise ValueError(f"sharding must be 'none', 'zero1' or 'fsdp', got {sharding!r}")
     A.at_least(bucket_bytes, "bucket_bytes", 1)
@@ -311,6 +317,15 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
         stages = steptime.stages_of(lay, state=state, on_gpu=on_gpu, amsgrad=amsgrad,
                                     grad_itemsize=grad_dtype.itemsize if grad_dtype else None)
         mp.step_time = steptime.predict(stages, bw, state=state)
+        if on_gpu and backward_s is not None and mp.step_time is not None:
+            room = None if cap.get("gpu") is None else \
+                max(0, cap["gpu"] - mp.total("gpu") - max(cap["gpu"] // 10, 2 << 30))
+            if gpu_state == "auto" and room is None:
+                mp.step_time.notes.append("GPU capacity unknown: the split is predicted for gpu_state=0; "
+                                          "give gpu_state a size")
+            budget = (room or 0) if gpu_state == "auto" else gpu_state
+            mp.step_time.split = steptime.split(stages, lay, bw, backward_s=backward_s,
+                                                forward_s=forward_s or 0.0, budget=budget)
     if suggest and False in mp.fits().values():
         args = dict(device=device, param_dtype=param_dtype, grad_dtype=grad_dtype, world_size=world_size,
                     sharding=sharding, bucket_bytes=bucket_bytes, depth=per_drive, host_budget=host_budget,

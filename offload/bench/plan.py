@@ -75,6 +75,15 @@ def _number(unit: str, positive: bool):
     return parse
 
 
+def _gpu_state(text: str):
+    """--gpu-state: auto, 0 or a size."""
+    from ..plan_args import gpu_state
+    try:
+        return gpu_state("auto" if text == "auto" else 0 if text.strip() == "0" else text)
+    except (TypeError, ValueError) as e:
+        raise _Bad(str(e)) from None
+
+
 def _paths(text: str) -> str:
     if not any(p.strip() for p in text.split(",")):
         raise _Bad(f"{text!r} names no file (give python -m offload.bench kernel/io --json "
@@ -108,7 +117,10 @@ def _plan(args, bandwidths):
                 bucket_bytes=int(args.bucket_mb * (1 << 20)), depth=args.depth, host_budget=args.host_budget,
                 nvme_dir=args.nvme_dir, staging_slots=args.staging_slots, moments=args.moments,
                 moments_min_size=args.moments_min_size, bandwidths=bandwidths, threads=args.threads,
-                activation_bytes=int(args.activations_gb * (1 << 30)) if args.activations_gb else None)
+                activation_bytes=int(args.activations_gb * (1 << 30)) if args.activations_gb else None,
+                backward_s=None if args.backward_ms is None else args.backward_ms / 1e3,
+                forward_s=None if args.forward_ms is None else args.forward_ms / 1e3,
+                gpu_state=args.gpu_state)
 
 
 def run(args) -> int:
@@ -175,5 +187,13 @@ def add_parser(subparsers) -> None:
                     "--json files (comma-separated) instead of measuring")
     sp.add_argument("--activations-gb", type=_number("GiB", False), default=None,
                     help="your activation memory estimate")
+    sp.add_argument("--backward-ms", type=_number("milliseconds", False), default=None,
+                    help="with --time or --from-json and --device cuda: your measured backward, to predict the "
+                    "iteration with the state --gpu-state lets stay on the GPU (and with none)")
+    sp.add_argument("--forward-ms", type=_number("milliseconds", False), default=None,
+                    help="your measured forward (added to the predicted iteration)")
+    sp.add_argument("--gpu-state", default="auto", type=_gpu_state,
+                    help="the optimizer's gpu_state=: auto (default: the GPU's free memory less the plan's GPU "
+                    "bytes and a margin), a size such as 8GiB, or 0")
     sp.add_argument("--json", default=None, help="also write the plan as JSON")
     sp.set_defaults(func=run, error=_one_line_errors(sp))
