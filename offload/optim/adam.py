@@ -28,6 +28,7 @@ from torch.optim.optimizer import _to_scalar
 from . import faces, fallback, gpu, stephooks, torch_state as sdict
 from .checks import check_group, check_options, check_threads, group_hyper
 from .clipping import CLIP_GRAD_NORM_DOC, Clip
+from ..checkpoint.adapter import CheckpointPort
 from ..base.failstop import OptimizerFailedError, detached, failed_message
 from .engine_slot import EngineSlot
 from ..engine.port import port_of
@@ -342,15 +343,14 @@ class _AdamBase(EngineSync, Optimizer):
         """True when the parameters live on a device (GPU offload)."""
         return self._face.on_device
 
-    @property
-    def loads_state_itself(self) -> bool:
-        """True when the state must be loaded through load_state_dict (NVMe/mmap state, GPU offload),
-        not by writing into the tensors of ``opt.state``."""
-        return getattr(self, "_store", None) is not None
-
-    def checkpoint_keepalive(self):
-        """What a background save must hold so that the state views it reads stay mapped (or None)."""
-        return getattr(self, "_store", None)
+    def checkpoint_port(self) -> CheckpointPort:
+        """What offload.save / offload.load use of this optimizer beyond torch's API (its state is
+        loaded through load_state_dict; the engine stays mapped while a background save reads it)."""
+        store = lambda: getattr(self, "_store", None)   # noqa: E731
+        return CheckpointPort(
+            keepalive=store, loads_itself=lambda: store() is not None, on_device=lambda: self.gpu_offload,
+            pending=lambda: self.pending_grad_multiplier, set_pending=self.set_pending_grad_multiplier,
+            tensors=self.checkpoint_tensors, scalars=self.checkpoint_state)
 
 
 def _settled(face, state: dict) -> dict:
