@@ -81,6 +81,18 @@ class Registry:
         for gi in valid:   # a valid count one step on is still valid
             self._valid[gi] = (self.steps[gi], self.steps[gi]._version)
 
+    def advance_params(self, gi: int, idx: Sequence[int]) -> None:
+        """One more step for parameters ``idx`` of group ``gi`` (the device schedule, bucket by bucket
+        as backward delivers them): the same additions and version counters as :meth:`advance`."""
+        if not len(idx):
+            return
+        t = self.steps[gi]
+        valid = self._checked(gi, t)
+        self.counts(gi)[np.asarray(idx, dtype=np.int64)] += np.float32(1)
+        bump_versions([t])
+        if valid:   # a valid count one step on is still valid
+            self._valid[gi] = (t, t._version)
+
     def check(self, where: Callable[[int, int], str]) -> None:
         """Every step count is one the kernel takes (:func:`count_error`); a ValueError naming the
         first that is not (``where(gi, i)``: its parameter), before anything is stepped."""

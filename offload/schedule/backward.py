@@ -252,11 +252,10 @@ class BackwardFeed:
             if b.group not in hypers:
                 hypers[b.group] = self.face.port.hyper(b.group)
         h = hypers[b.group]
-        adv, steps = self.advanced[b.group], eng.registry.counts(b.group)
-        for pc in act:
-            if not adv[pc.param]:
-                adv[pc.param] = True
-                steps[pc.param] += 1
+        adv = self.advanced[b.group]
+        first = sorted({pc.param for pc in act if not adv[pc.param]})
+        adv[first] = True
+        eng.registry.advance_params(b.group, first)
         if not self.dispatched:
             self.marks["first"] = time.perf_counter()   # the optimizer's part of the step starts here
         self.dispatched.append(bi)
