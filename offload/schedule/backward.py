@@ -39,7 +39,7 @@ from .feedstep import FeedStep
 from .frameworks import accelerate_accumulating
 from .hooks import weak_hook
 from .uploads import Upload, UploadWaits
-from .worker import Worker
+from .worker import StepJob, Worker
 
 __all__ = ["BackwardFeed", "HELD_BUCKETS"]
 
@@ -264,7 +264,7 @@ class BackwardFeed:
         self.ups.append(up)
         gr = self.grads[b.group]
         reads = [(b.group, pc.param, gr[pc.param], gr[pc.param]._version) for pc in act]   # see _unchanged
-        self.worker.put(("step", b, act, eng.registry.has_state(b), h, mult, self.device.record(), reads, up))
+        self.worker.put(StepJob(b, act, eng.registry.has_state(b), h, mult, self.device.record(), reads, up))
 
     def _sent_down(self, gi: int, pieces) -> None:
         """The D2H of these pieces was issued: a gradient whose last bucket this was is no longer held
