@@ -26,7 +26,11 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <cstddef>
+#include <initializer_list>
 #include <stdexcept>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "adam.h"
@@ -45,6 +49,15 @@ using namespace offload;
 void register_aio(py::module_& m);  // csrc/aio_bindings.cpp (NVMe state I/O engine)
 void register_moments(py::module_& m);  // csrc/moments_bindings.cpp (compressed moments)
 void register_rows(py::module_& m);  // csrc/rows.cpp (the optimizer's per-step row check)
+
+// Module attributes <prefix><name>: the column of each field of a task-table row, whose struct is
+// 8-byte fields (pointers and int64): its byte offset / 8. The Python side builds its int64
+// tables by these (offload/native/adam.py, offload/native/moments.py).
+void export_columns(py::module_& m, const std::string& prefix,
+                    std::initializer_list<std::pair<const char*, std::size_t>> fields) {
+  for (const auto& f : fields)
+    m.attr(py::str(prefix + f.first)) = static_cast<int64_t>(f.second / sizeof(int64_t));
+}
 
 namespace {
 
@@ -85,10 +98,21 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
+  // the fp32-moment task table (AdamTask, common.h)
+  static_assert(sizeof(AdamTask) == kTaskCols * sizeof(int64_t), "table row layout");
+  m.attr("TASK_COLS") = kTaskCols;
+  export_columns(m, "COL_",
+                 {{"P", offsetof(AdamTask, p)}, {"M", offsetof(AdamTask, m)},
+                  {"V", offsetof(AdamTask, v)}, {"VMAX", offsetof(AdamTask, vmax)},
+                  {"G", offsetof(AdamTask, g)}, {"OUT", offsetof(AdamTask, out)},
+                  {"N", offsetof(AdamTask, n)}, {"STEP", offsetof(AdamTask, step)},
+                  {"GD", offsetof(AdamTask, gdtype)}, {"OD", offsetof(AdamTask, odtype)}});
+
   m.def("available_isas", &available_isas, "ISAs this CPU supports, best last.");
   m.def("get_isa", [] { return std::string(active_kernels().name); }, "ISA of the kernels in use.");
   m.def("set_isa", &set_isa, py::arg("name"),
-        "Force an ISA ('scalar', 'avx2', 'avx512' or 'auto'); ValueError if unsupported.");
+        "Force an ISA ('scalar', 'avx2', 'avx512', 'neon', 'sve128', 'sve256', 'sve512' or 'auto'); "
+        "ValueError if unsupported.");
   m.def("set_stream_prefetch", &set_stream_prefetch, py::arg("mode"),
         "Software prefetch in the fp32 update loop: 'on', 'off' or 'auto' (by CPU vendor).");
   m.def("get_stream_prefetch", [] { return py::make_tuple(stream_prefetch_mode(), stream_prefetch()); },
@@ -114,7 +138,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("weight_decay"), py::arg("decoupled"), py::arg("amsgrad"), py::arg("maximize"),
       py::arg("grad_multiplier"), py::arg("threads") = 0, py::arg("reference") = false,
       "Adam/AdamW update of every tensor in an int64 table with rows "
-      "(p, m, v, vmax, g, out, n, step, gdtype, odtype). Internal: use offload._kernels.");
+      "(p, m, v, vmax, g, out, n, step, gdtype, odtype): columns COL_*. Internal: use "
+      "offload.kernels.adam_step.");
 
   register_rows(m);  // csrc/rows.cpp: the optimizer's per-step row check (collect_rows)
 
@@ -171,7 +196,7 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("ptr"), py::arg("nbytes"),
       "Position-weighted sum (int64) of the 32-bit words at [ptr, ptr + nbytes): see "
-      "offload/params/fingerprint.py. Raw address: called only from offload/_kernels.py.");
+      "offload/params/fingerprint.py. Raw address: called only from offload/native/adam.py.");
 
   m.def(
       "_debug_hold_pool_lock",

@@ -28,6 +28,11 @@ struct IsaKernels {
 extern const IsaKernels kernels_scalar;
 extern const IsaKernels kernels_avx2;
 extern const IsaKernels kernels_avx512;
+// aarch64 (compiled there only): NEON, and SVE for one vector length each (kernels_sve.h)
+extern const IsaKernels kernels_neon;
+extern const IsaKernels kernels_sve128;
+extern const IsaKernels kernels_sve256;
+extern const IsaKernels kernels_sve512;
 
 // ISAs this CPU (and OS) supports, best last: always starts with "scalar".
 std::vector<std::string> available_isas();

@@ -125,7 +125,7 @@ static OFFLOAD_QINLINE void q_pipelined_groups(int64_t i, int64_t groups, Dec de
   for (int64_t k = 0; k < groups; ++k, i += kQGroup) {
     const bool more = k + 1 < groups;
     const bool next_flag = more && gate(i + kQGroup);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int u = 0; u < GV; ++u) {
       pf(i, u);
       if (u + 1 < GV || more) {

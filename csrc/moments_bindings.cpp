@@ -5,8 +5,11 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <cstddef>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "moments.h"
 #include "threadpool.h"
@@ -14,8 +17,24 @@
 namespace py = pybind11;
 using namespace offload;
 
+// (csrc/bindings.cpp) module attributes <prefix><name>: the column of each field of a table row
+void export_columns(py::module_& m, const std::string& prefix,
+                    std::initializer_list<std::pair<const char*, std::size_t>> fields);
+
 void register_moments(py::module_& m) {
+  // the compressed-moment task table (AdamQTask, moments.h), for offload/native/moments.py
+  static_assert(sizeof(AdamQTask) == kQTaskCols * sizeof(int64_t), "table row layout");
   m.attr("MOMENT_TASK_COLS") = kQTaskCols;
+  export_columns(m, "MOMENT_COL_",
+                 {{"P", offsetof(AdamQTask, p)}, {"M", offsetof(AdamQTask, m)},
+                  {"V", offsetof(AdamQTask, v)}, {"M_SCALE", offsetof(AdamQTask, m_scale)},
+                  {"V_SCALE", offsetof(AdamQTask, v_scale)}, {"G", offsetof(AdamQTask, g)},
+                  {"OUT", offsetof(AdamQTask, out)}, {"N", offsetof(AdamQTask, n)},
+                  {"STEP", offsetof(AdamQTask, step)}, {"GD", offsetof(AdamQTask, gdtype)},
+                  {"OD", offsetof(AdamQTask, odtype)}, {"FMT", offsetof(AdamQTask, mfmt)}});
+  // the codes of the mfmt column (MomentFormat, moments.h) and the 8-bit format's block
+  m.attr("MOMENT_CODE_BF16") = static_cast<int64_t>(kMomBF16);
+  m.attr("MOMENT_CODE_8BIT") = static_cast<int64_t>(kMom8);
   m.attr("MOMENT_BLOCK") = kQBlock;
   m.def(
       "_adam_step_moments",

@@ -1,8 +1,8 @@
 // simd.h: the tiny vector vocabulary the kernels are written in, one struct per instruction
-// set. Each struct offers the same static functions, so the Adam and grad-stats loops in
-// kernels_impl.h are written once and instantiated per ISA. Every operation is a single
-// IEEE-754 operation (no FMA contraction: the build passes -ffp-contract=off), so a lane of
-// any ISA computes bit-for-bit what the scalar code computes.
+// set (the aarch64 ones in simd_arm.h). Each struct offers the same static functions, so the
+// Adam and grad-stats loops in kernels_impl.h are written once and instantiated per ISA. Every
+// operation is a single IEEE-754 operation (no FMA contraction: the build passes
+// -ffp-contract=off), so a lane of any ISA computes bit-for-bit what the scalar code computes.
 #pragma once
 #include "common.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -282,3 +282,5 @@ struct Avx512ISA {
 
 }  // namespace
 }  // namespace offload
+
+#include "simd_arm.h"  // NeonISA, SveISA (aarch64 translation units only)

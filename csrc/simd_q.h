@@ -127,3 +127,5 @@ struct QOps<Avx512ISA> {
 #endif
 
 }  // namespace offload
+
+#include "simd_q_arm.h"  // QOps of NeonISA and SveISA

@@ -16,6 +16,7 @@ Several directories (several drives) are measured each alone, once per filesyste
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -26,10 +27,12 @@ from typing import Iterable, Optional, Union
 import torch
 
 from .base.dtypes import LOW_PRECISION
+from .moments.format import moment_format
 
 __all__ = ["Bandwidths", "pass_bytes", "measure", "measure_kernel", "measure_disk", "measure_pcie", "from_json"]
 
 GB = 1e9
+FIGURES = ("kernel", "read", "write", "mixed", "h2d", "d2h")
 PROBE_PARAMS = 16 << 20   # 16M parameters: state + grads + weights ~ 5x a 48 MiB L3
 
 
@@ -55,7 +58,7 @@ class Bandwidths:
     def merged(self, other: "Bandwidths") -> "Bandwidths":
         """These figures, with the gaps filled from ``other``."""
         out = Bandwidths(sources=dict(other.sources))
-        for k in ("kernel", "read", "write", "mixed", "h2d", "d2h"):
+        for k in FIGURES:
             mine = getattr(self, k)
             setattr(out, k, mine if mine is not None else getattr(other, k))
             if mine is not None and k in self.sources:
@@ -65,17 +68,34 @@ class Bandwidths:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def checked(self) -> "Bandwidths":
+        """These figures, each refused by name unless a positive finite number (or None)."""
+        for k in FIGURES:
+            v = getattr(self, k)
+            if v is not None and not _positive(v, (int, float)):
+                raise ValueError(f"bandwidth {k} must be a positive number of bytes/s (or None), "
+                                 f"got {v!r}")
+        return self
 
-def pass_bytes(moments: str = "fp32", grad_bytes: int = 4, out_bytes: int = 0, amsgrad: bool = False,
+    @classmethod
+    def of(cls, figures: dict) -> "Bandwidths":
+        """From a dict of figures (bytes/s): an unknown name is refused, and so is a value that is
+        not a positive number."""
+        unknown = sorted(str(k) for k in figures if k not in FIGURES + ("sources",))
+        if unknown:
+            raise TypeError(f"bandwidths has no figure {unknown[0]!r} (it has "
+                            f"{', '.join(FIGURES)})")
+        return cls(**figures).checked()
+
+
+def pass_bytes(moments="fp32", grad_bytes: int = 4, out_bytes: int = 0, amsgrad: bool = False,
                numel: Optional[int] = None) -> float:
     """Bytes one Adam pass must move per parameter: the fp32 master (or fp32 parameter) read and written,
     the gradient read, the low-precision weight written (``out_bytes``: 2 for bf16/fp16 parameters, 0 for
     fp32), the moments read and written (fp32 16, bf16 8, 8-bit 4 + the per-256-element fp32 scales),
-    and max_exp_avg_sq (8) with amsgrad. fp32 parameters with fp32 gradients: 28 B."""
-    if moments == "8bit":
-        mom = 4 + (16 * (-(-numel // 256)) / numel if numel else 16 / 256)
-    else:
-        mom = {"fp32": 16, "bf16": 8}[moments]
+    and max_exp_avg_sq (8) with amsgrad. fp32 parameters with fp32 gradients: 28 B. ``moments``: a
+    format's name or the format (offload/moments/format.py)."""
+    mom = 2 * moment_format(moments).moment_bytes(numel)
     return 8 + grad_bytes + out_bytes + mom + (8 if amsgrad else 0)
 
 
@@ -218,18 +238,33 @@ def measure(*, param_dtype=torch.float32, moments: str = "fp32", amsgrad: bool =
     return bw
 
 
+def _cases_of(moments) -> str:
+    """The ``bench kernel`` cases that measure the kernel of a moment format."""
+    return "moments" if moment_format(moments).compressed else "flat,bf16"
+
+
 def _kernel_from(js: dict, path: str, moments: str, low: bool, threads: Optional[int]) -> Optional[tuple]:
     """(bytes/s, label) of the matching kernel record: offload.AdamW.step of the flat case (fp32
     moments), or the compressed-moment kernel call of that format."""
-    recs = js.get("results", [])
-    if moments == "fp32":
+    recs = [r if isinstance(r, dict) else {} for r in js.get("results", [])]
+    if not moment_format(moments).compressed:   # measured by the fp32 kernel's cases
         prefix = "bf16 grad+out, flat" if low else "fp32 flat"
-        cand = [r for r in recs if r.get("impl") == "offload.AdamW.step" and str(r.get("case", "")).startswith(prefix)]
+        cand = [i for i, r in enumerate(recs) if r.get("impl") == "offload.AdamW.step"
+                and str(r.get("case", "")).startswith(prefix)]
     else:
         want = f"{moments} moments, {'bf16 grad+out' if low else 'fp32 grad'}"
-        cand = [r for r in recs if r.get("case") == "moments" and r.get("impl") == want]
+        cand = [i for i, r in enumerate(recs)
+                if r.get("case") == "moments" and r.get("impl") == want]
     if not cand:
         return None
+    for i in cand:   # the figures used below: a hand-edited or truncated file is refused by name
+        for key, kind in (("params", int), ("seconds", (int, float)), ("threads", int)):
+            v = recs[i].get(key)
+            if not _positive(v, kind):
+                raise ValueError(f"{path}: kernel record {i} ({recs[i].get('case')}, "
+                                 f"{recs[i].get('impl')}): {key} must be a positive number, "
+                                 f"got {v!r}")
+    cand = [recs[i] for i in cand]
     same = [r for r in cand if threads and r.get("threads") == threads]
     r = same[0] if same else max(cand, key=lambda r: r.get("threads", 0))
     bpp = pass_bytes(moments, 2 if low else 4, 2 if low else 0, False, r["params"])
@@ -242,15 +277,15 @@ def from_json(paths: Union[str, Iterable[str]], *, moments: str = "fp32", param_
     comma-separated). Kernel: the record matching the format and thread count (else the most threads);
     io: our engine's medians (several drives: all at once)."""
     if isinstance(paths, (str, os.PathLike)):
-        paths = [p for p in str(paths).split(",") if p]
+        paths = [p for p in os.fspath(paths).split(",") if p]
     low = param_dtype in LOW_PRECISION
     bw = Bandwidths()
     for path in paths:
-        with open(path) as f:
-            js = json.load(f)
+        js = _load(path)
         if js.get("bench") == "io":
-            ours = js.get("aggregate") or js.get("results", {}).get("ours") or {}
-            if "read" not in ours or "write" not in ours:
+            res = js.get("results")
+            ours = js.get("aggregate") or (res.get("ours") if isinstance(res, dict) else 0) or {}
+            if not isinstance(ours, dict) or "read" not in ours or "write" not in ours:
                 raise ValueError(f"{path}: an io benchmark JSON without our engine's read/write figures")
             bw.read, bw.write, bw.mixed = ours["read"], ours["write"], ours.get("mixed")
             for k in ("read", "write", "mixed"):
@@ -262,8 +297,31 @@ def from_json(paths: Union[str, Iterable[str]], *, moments: str = "fp32", param_
             if got is None:
                 raise ValueError(f"{path}: no kernel record for moments={moments!r} with "
                                  f"{'bf16' if low else 'fp32'} parameters; run python -m offload.bench kernel "
-                                 f"--cases {'flat,bf16' if moments == 'fp32' else 'moments'} --json {path}")
+                                 f"--cases {_cases_of(moments)} --json {path}")
             bw.kernel, bw.sources["kernel"] = got
         else:
             raise ValueError(f"{path}: not a JSON of python -m offload.bench kernel or io (--json PATH)")
-    return bw
+    try:
+        return bw.checked()
+    except ValueError as e:
+        raise ValueError(f"{', '.join(map(str, paths))}: {e}") from None
+
+
+def _load(path) -> dict:
+    """The JSON object in ``path``: a file that is not JSON, or holds no object, is refused."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"a bandwidth JSON is named by a path, got {path!r}")
+    with open(path) as f:
+        try:
+            js = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:   # json.JSONDecodeError is a ValueError
+            raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(js, dict):
+        raise ValueError(f"{path}: not a JSON of python -m offload.bench kernel or io "
+                         "(--json PATH)")
+    return js
+
+
+def _positive(v, kind) -> bool:
+    """``v`` is a finite number > 0 of ``kind`` (not a bool)."""
+    return not isinstance(v, bool) and isinstance(v, kind) and 0 < v < math.inf

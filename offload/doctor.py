@@ -31,7 +31,7 @@ __all__ = ["KEYS", "report", "format_report", "main"]
 KEYS = ("offload", "python", "torch", "os", "cpu", "memory", "cuda", "transparent_hugepages", "env", "dir",
         "problems")
 _CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
-              "avx512_fp16", "amx_bf16", "asimd", "sve")
+              "avx512_fp16", "amx_bf16", "asimd", "sve", "sve2")
 _ENV = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF")
 _SPEED_CHUNK = 4 << 20          # bytes per transfer of the speed test
 _SPEED_MAX = 512 << 20          # never more than this, nor a quarter of the free space

@@ -28,20 +28,14 @@ from typing import Iterable, List, Optional, Union
 import torch
 
 from .base.dtypes import LOW_PRECISION as _LOW
-from .state.layout import ALIGN, Shape, build_layout
-from .state.drives import parse_dirs
-from .state.tier import split_budget
-from .base.units import human, parse_size
+from .moments.format import moment_format
+from .state.layout import ALIGN, Shape, build_layout, split_buckets
+from .state.tier import check_budget, check_depth, check_staging_slots, split_budget
+from .base.units import human
 
 __all__ = ["plan", "MemoryPlan"]
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
 STEP_BYTES = 4  # one fp32 step counter per parameter tensor
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def host_memory() -> dict:
@@ -128,27 +122,6 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _inventory(model_or_params, param_dtype):
-    """[(numel, dtype)] per parameter tensor, from a module, an iterable of tensors, or a count."""
-    if isinstance(model_or_params, (int, float)):
-        dt = param_dtype or torch.float32
-        return [(int(model_or_params), dt, True)]
-    if isinstance(model_or_params, torch.nn.Module):
-        params = list(model_or_params.parameters())
-    else:
-        params = []
-        for item in model_or_params:
-            params.extend(item["params"] if isinstance(item, dict) else [item])
-    seen, inv = set(), []
-    for p in params:
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        frozen = isinstance(p, torch.nn.Parameter) and not p.requires_grad   # no state (layout.py)
-        inv.append((p.numel(), param_dtype or p.dtype, not frozen))
-    return inv
-
-
 def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Optional[str] = None,
          param_dtype=None, grad_dtype=None, storage: Optional[str] = None, amsgrad: bool = False,
          world_size: int = 1, sharding: str = "none", bucket_bytes: int = 32 << 20, depth: int = 2,
@@ -156,6 +129,7 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
          nvme_dir=None, activation_bytes: Optional[int] = None,
          verbose: bool = False, moments: str = "fp32", moments_min_size: int = 4096,
          bandwidths=None, threads: Optional[int] = None, suggest: bool = True,
+         backward_s: Optional[float] = None, forward_s: Optional[float] = None, gpu_state="auto",
          state: Optional[str] = None, nvme_path=None) -> MemoryPlan:
     """Bytes each place will hold for this configuration, and whether it fits this machine.
 
@@ -176,37 +150,47 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     (a few seconds here: kernel, the state directory, PCIe), saved ``bench kernel``/``bench io`` JSON
     (a path, a list or comma-separated), or an ``offload.bandwidth.Bandwidths``/dict of bytes/s;
     ``threads``: the optimizer's ``threads=``. ``suggest``: name the first setup that fits when this
-    one does not (``suggestion``).
+    one does not (``suggestion``). ``backward_s`` (with ``bandwidths`` and parameters on a GPU): the
+    measured backward, to predict the iteration (``forward_s`` + backward + what of the CPU step stays
+    exposed) with the state ``gpu_state`` lets stay on the GPU, as the optimizer's ``gpu_state=``
+    ("auto": the GPU's free memory less this plan's GPU bytes and a margin) and with none.
+    Every argument is checked before anything is computed (offload/plan_args.py): a value the
+    planner cannot use raises ValueError (TypeError for one of the wrong kind) naming it, in one
+    line.
     """
-    from .moments.format import check_moments
+    from . import plan_args as A
     from .state.choice import resolve_storage
-    check_moments(moments)
     if nvme_path is not None:
         import warnings
         warnings.warn("plan(nvme_path=...) is deprecated: the argument is now called nvme_dir, as the optimizer's",
                       DeprecationWarning, stacklevel=2)
         nvme_dir = nvme_dir if nvme_dir is not None else nvme_path
-    nvme_path = nvme_dir
-    state = resolve_storage(storage, state, nvme_dir, stacklevel=3)
+    # every argument, refused by name in one line before anything is computed
+    state = A.storage(resolve_storage(storage, state, nvme_dir, stacklevel=3), nvme_dir)
+    device = A.device(device)
+    param_dtype = A.dtype(param_dtype, "param_dtype")
+    grad_dtype = A.dtype(grad_dtype, "grad_dtype")
+    for name, value in (("amsgrad", amsgrad), ("verbose", verbose), ("suggest", suggest)):
+        A.flag(value, name)
+    A.at_least(world_size, "world_size", 1)
+    backward_s, forward_s = A.seconds(backward_s, "backward_s"), A.seconds(forward_s, "forward_s")
+    gpu_state = A.gpu_state(gpu_state)
+    if sharding not in ("none", "zero1", "fsdp"):
+        raise ValueError(f"sharding must be 'none', 'zero1' or 'fsdp', got {sharding!r}")
+    A.at_least(bucket_bytes, "bucket_bytes", 1)
+    check_depth(depth)
+    check_staging_slots(staging_slots)
+    budget = A.budget(host_budget)
+    dirs = A.dirs(nvme_dir) if state != "ram" else [None]
+    activation_bytes = A.activation(activation_bytes)
+    A.moments(moments, moments_min_size, amsgrad)
+    fmt = moment_format(moments)
+    bandwidths = A.bandwidths(bandwidths)
+    A.threads(threads)
     if isinstance(model_or_params, (str, os.PathLike)):
         from .plan_inputs import hf_config_model
         model_or_params = hf_config_model(model_or_params)
-    if moments != "fp32" and amsgrad:
-        raise ValueError(f"amsgrad=True is not supported with moments={moments!r}: use moments='fp32' for amsgrad")
-    if state not in ("ram", "nvme", "mmap"):
-        raise ValueError(f"state must be 'ram', 'nvme' or 'mmap', got {state!r}")
-    if sharding not in ("none", "zero1", "fsdp"):
-        raise ValueError(f"sharding must be 'none', 'zero1' or 'fsdp', got {sharding!r}")
-    if world_size < 1 or depth < 1 or bucket_bytes < 1:
-        raise ValueError("world_size, depth and bucket_bytes must be >= 1")
-    if isinstance(param_dtype, str):
-        param_dtype = _DTYPES[param_dtype.lower()]
-    if isinstance(grad_dtype, str):
-        grad_dtype = _DTYPES[grad_dtype.lower()]
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device).type
-    inv = _inventory(model_or_params, param_dtype)
+    inv = A.inventory(model_or_params, param_dtype)
     shard = world_size if sharding != "none" else 1
     wshard = world_size if sharding == "fsdp" else 1
 
@@ -214,41 +198,43 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
         return -(-n // k)
 
     numel = sum(n for n, _, _ in inv)
-    weights = sum(per_rank(n, wshard) * _size(dt) for n, dt, _ in inv)
-    grads = sum(per_rank(n, wshard) * _size(grad_dtype or dt) for n, dt, _ in inv)
+    weights = sum(per_rank(n, wshard) * dt.itemsize for n, dt, _ in inv)
+    grads = sum(per_rank(n, wshard) * (grad_dtype or dt).itemsize for n, dt, _ in inv)
+    dtypes = {dt for _, dt, _ in inv}
+    wnames, gnames = _dtype_names(dtypes, None), _dtype_names(dtypes, grad_dtype)
     steps = STEP_BYTES * (len(inv) if shard == 1 else -(-len(inv) // shard))
     state_what = f"optimizer state: fp32 exp_avg, exp_avg_sq{', max_exp_avg_sq' if amsgrad else ''}"
     on_gpu = device == "cuda"
     # the engine's own layout (offload/state/layout.py) over this rank's shards: what it allocates, exactly
-    shapes = [Shape(0, i, per_rank(n, shard), _size(dt), master=on_gpu or dt in _LOW, active=active,
-                    moments=moments if moments != "fp32" and per_rank(n, shard) and per_rank(n, shard) >= moments_min_size
-                    else "fp32")
-              for i, (n, dt, active) in enumerate(inv)]
-    budget = parse_size(host_budget)
-    dirs = parse_dirs(nvme_path) if state == "nvme" and nvme_path is not None else [nvme_path]
+    ranked = ((per_rank(n, shard), dt, active) for n, dt, active in inv)
+    shapes = [Shape(0, i, k, dt.itemsize, master=on_gpu or dt in _LOW, active=active,
+                    moments=fmt.for_size(k, moments_min_size))   # fp32 for smaller tensors
+              for i, (k, dt, active) in enumerate(ranked)]
     per_drive = depth
     depth = min(64, depth * len(dirs)) if state == "nvme" else depth   # as the engine does
     nstage = staging_slots if on_gpu else 0
     state_cap, stage_cap = split_budget(state, budget, depth, nstage)
+    check_budget(state, state_cap, depth, nstage, host_budget)
     if on_gpu:
         stage_cap = min(stage_cap or bucket_bytes, bucket_bytes)
-    if state == "nvme" and state_cap < ALIGN:
-        raise ValueError(f"host_budget={host_budget!r} is too small: need at least {depth + 2} buffers of {ALIGN} bytes")
+    if state_cap is not None:   # the buckets of tensors cut into pieces, counted before laid out
+        pieces = split_buckets(shapes, amsgrad=[amsgrad], max_state_bytes=state_cap)
+        A.check_buckets(pieces, budget, host_budget, state_cap)
     lay = build_layout(shapes, amsgrad=[amsgrad], max_state_bytes=state_cap, max_param_bytes=stage_cap,
                        stagger=state == "ram")
     master = sum(b.cap * 4 for b in lay.buckets if b.master)
-    engine_ram = state == "ram" and moments != "fp32"   # compressed moments in the RAM tier
+    engine_ram = state == "ram" and fmt.compressed   # compressed moments in the RAM tier
 
     rows: List[Row] = []
     warnings: List[str] = []
     compute = "gpu" if on_gpu else "host"
-    rows.append(Row(compute, f"weights ({_dtype_names(inv, None)})", weights))
-    rows.append(Row(compute, f"gradients ({_dtype_names(inv, grad_dtype)})", grads))
+    rows.append(Row(compute, f"weights ({wnames})", weights))
+    rows.append(Row(compute, f"gradients ({gnames})", grads))
     if activation_bytes:
-        rows.append(Row(compute, "activations (your estimate)", int(activation_bytes)))
+        rows.append(Row(compute, "activations (your estimate)", activation_bytes))
     rows.append(Row("host", "optimizer state: step counters", steps))
     if engine_ram:
-        _compressed_rows(rows, lay, moments, moments_min_size, "host", "optimizer state")
+        _compressed_rows(rows, lay, fmt, moments_min_size, "host", "optimizer state")
         if on_gpu:
             ring = 2 * staging_slots * max(64, lay.max_stage_bytes)
             rows.append(Row("host", f"pinned staging ring ({staging_slots} slots of grads + weights)", ring))
@@ -262,8 +248,9 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
         if master:
             rows.append(Row("host", "optimizer state: fp32 master weights (bf16/fp16 params)", master))
     else:
-        if moments != "fp32":
-            _compressed_rows(rows, lay, moments, moments_min_size, "nvme", f"optimizer state file ({state})")
+        if fmt.compressed:
+            _compressed_rows(rows, lay, fmt, moments_min_size, "nvme",
+                             f"optimizer state file ({state})")
         else:
             rows.append(Row("nvme", f"optimizer state file ({state}: m, v" + (", vmax" if amsgrad else "")
                             + (", fp32 master" if master else "") + "; 4 KiB-aligned buckets)",
@@ -289,16 +276,20 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     drives = []
     if state != "ram":
         frees = {}
+        on_drive = [0] * len(dirs)   # buckets round-robin over the drives
+        for b in lay.buckets:
+            on_drive[b.index % len(dirs)] += b.nbytes
         for i, d in enumerate(dirs):
             path = d or os.getcwd()
             try:
                 free, dev = shutil.disk_usage(path).free, os.stat(path).st_dev
                 frees[dev] = free
-            except OSError:
+            except OSError as e:
                 free = None
                 frees[("?", i)] = None
+                warnings.append(f"nvme_dir {path}: {e.strerror or e}: its free space is unknown")
             if len(dirs) > 1:
-                mine = max(ALIGN, sum(b.nbytes for b in lay.buckets if b.index % len(dirs) == i))
+                mine = max(ALIGN, on_drive[i])
                 drives.append(dict(dir=path, bytes=mine, free=free))
                 if free is not None and mine > free:
                     warnings.append(f"drive {path} needs {human(mine, 2)} but has {human(free, 2)} available")
@@ -308,11 +299,12 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
                     f"({human(weights + grads, 2)} here{'' if activation_bytes else ' + activations, not counted'})")
     if device == "cuda" and sharding == "fsdp":
         warnings.append("FSDP also needs room for the largest all-gathered (unsharded) layer, not counted")
-    mp = MemoryPlan(config=dict(params=numel, tensors=len(inv), param_dtype=_dtype_names(inv, None),
-                                grad_dtype=_dtype_names(inv, grad_dtype), device=device, state=state,
+    mp = MemoryPlan(config=dict(params=numel, tensors=len(inv), param_dtype=wnames,
+                                grad_dtype=gnames, device=device, state=state,
                                 amsgrad=amsgrad, world_size=world_size, sharding=sharding, moments=moments,
                                 bucket_bytes=bucket_bytes, depth=depth, depth_per_drive=per_drive,
-                                drives=len(dirs)),
+                                drives=len(dirs),
+                                state_params=sum(s.numel for s in shapes if s.active)),
                     rows=rows, capacity=cap, warnings=warnings, drives=drives)
     for place, ok in mp.fits().items():
         if ok is False:
@@ -323,8 +315,17 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
         bw = bandwidths_of(bandwidths, inv, moments, amsgrad, threads, dirs if state == "nvme" else None,
                          lay.max_bucket_bytes, per_drive, on_gpu, lay.nbytes)
         stages = steptime.stages_of(lay, state=state, on_gpu=on_gpu, amsgrad=amsgrad,
-                                    grad_itemsize=_size(grad_dtype) if grad_dtype else None)
+                                    grad_itemsize=grad_dtype.itemsize if grad_dtype else None)
         mp.step_time = steptime.predict(stages, bw, state=state)
+        if on_gpu and backward_s is not None and mp.step_time is not None:
+            room = None if cap.get("gpu") is None else \
+                max(0, cap["gpu"] - mp.total("gpu") - max(cap["gpu"] // 10, 2 << 30))
+            if gpu_state == "auto" and room is None:
+                mp.step_time.notes.append("GPU capacity unknown: the split is predicted for gpu_state=0; "
+                                          "give gpu_state a size")
+            budget = (room or 0) if gpu_state == "auto" else gpu_state
+            mp.step_time.split = steptime.split(stages, lay, bw, backward_s=backward_s,
+                                                forward_s=forward_s or 0.0, budget=budget)
     if suggest and False in mp.fits().values():
         args = dict(device=device, param_dtype=param_dtype, grad_dtype=grad_dtype, world_size=world_size,
                     sharding=sharding, bucket_bytes=bucket_bytes, depth=per_drive, host_budget=host_budget,
@@ -337,14 +338,16 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     return mp
 
 
-def _compressed_rows(rows: list, lay, moments: str, min_size: int, place: str, prefix: str) -> None:
-    """State rows of a layout with compressed-moment buckets; they add up to ``lay.nbytes`` (what
-    the RAM tier allocates / the state file holds)."""
-    comp = sum(b.state_bytes - (b.cap * 4 if b.master else 0) for b in lay.buckets if b.moments != "fp32")
-    plain = sum(b.state_bytes - (b.cap * 4 if b.master else 0) for b in lay.buckets if b.moments == "fp32")
+def _compressed_rows(rows: list, lay, fmt, min_size: int, place: str, prefix: str) -> None:
+    """State rows of a layout with compressed-moment buckets (format ``fmt``); they add up to
+    ``lay.nbytes`` (what the RAM tier allocates / the state file holds)."""
+    def moments(b):   # the bucket's state without its fp32 master
+        return b.state_bytes - (b.cap * 4 if b.master else 0)
+    comp = sum(moments(b) for b in lay.buckets if b.moments is fmt)
+    plain = sum(moments(b) for b in lay.buckets if b.moments is not fmt)
     master = sum(b.cap * 4 for b in lay.buckets if b.master)
-    scales = ", per-block fp32 scales" if moments == "8bit" else ""
-    rows.append(Row(place, f"{prefix}: {moments} exp_avg, exp_avg_sq{scales}", comp))
+    scales = ", per-block fp32 scales" if any(s.per_block for s in fmt.sections) else ""
+    rows.append(Row(place, f"{prefix}: {fmt.name} exp_avg, exp_avg_sq{scales}", comp))
     if plain:
         rows.append(Row(place, f"{prefix}: fp32 exp_avg, exp_avg_sq (tensors < {min_size} elements)", plain))
     if master:
@@ -352,6 +355,6 @@ def _compressed_rows(rows: list, lay, moments: str, min_size: int, place: str, p
     rows.append(Row(place, f"{prefix}: 4 KiB bucket alignment", max(ALIGN, lay.nbytes) - comp - plain - master))
 
 
-def _dtype_names(inv, override) -> str:
-    names = sorted({str(override or dt).replace("torch.", "") for _, dt, _ in inv})
+def _dtype_names(dtypes, override) -> str:
+    names = sorted({str(override or dt).replace("torch.", "") for dt in dtypes})
     return "/".join(names)

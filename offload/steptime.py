@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from .bandwidth import Bandwidths, pass_bytes
+from .base.overlap import choose, cpu_end
 
-__all__ = ["StepTime", "Stage", "pipeline_seconds", "predict", "stages_of"]
+__all__ = ["StepTime", "Stage", "pipeline_seconds", "predict", "split", "stages_of"]
 
 
 @dataclass
@@ -43,16 +44,25 @@ class StepTime:
     buckets: int
     sources: dict = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    split: Optional[dict] = None   # the iteration with state kept on the GPU (gpu_state=): :func:`split`
 
     def to_dict(self) -> dict:
         return dict(seconds=self.seconds, parts=self.parts, bottleneck=self.bottleneck, buckets=self.buckets,
-                    sources=self.sources, notes=self.notes)
+                    sources=self.sources, notes=self.notes, split=self.split)
 
     def __str__(self) -> str:
         alone = ", ".join(f"{k.replace('_s', '')} {v:.3f} s" for k, v in self.parts.items() if v)
         lines = [f"predicted step  {self.seconds:.3f} s  ({self.buckets} bucket{'s' * (self.buckets != 1)}; "
                  f"bound by {self.bottleneck}; alone: {alone})"]
         lines += [f"  {k:<7} {v}" for k, v in self.sources.items()]
+        sp = self.split
+        if sp is not None:
+            lines.append(f"predicted iteration  {sp['iteration_s']:.3f} s with {sp['gpu_buckets']} of "
+                         f"{self.buckets} buckets' state on the GPU ({sp['gpu_bytes'] / 1e9:.2f} GB of "
+                         f"{sp['budget'] / 1e9:.2f} GB; CPU step exposed {sp['exposed_s']:.3f} s), "
+                         f"{sp['host_only_s']:.3f} s with every state on the host (exposed "
+                         f"{sp['host_only_exposed_s']:.3f} s): forward {sp['forward_s']:.3f} s + backward "
+                         f"{sp['backward_s']:.3f} s + exposed")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -141,3 +151,31 @@ def stages_of(layout, *, state: str, on_gpu: bool, grad_itemsize: Optional[int],
     if state == "ram" and not on_gpu:
         return [Stage(kernel=sum(s.kernel for s in stages))]
     return stages
+
+
+def split(stages: List[Stage], layout, bw: Bandwidths, *, backward_s: float, forward_s: float, budget: int) -> dict:
+    """The iteration of device parameters with the buckets backward reaches last keeping their state on
+    the GPU (``gpu_state=``; schedule/split.py decides it by the same rule, base/overlap.py): gradients
+    arrive in backward's order (the reverse of the layout), spread over ``backward_s`` by size; the CPU
+    takes each bucket's pipeline slot (kernel, or its copies where longer); what it has not done when
+    backward ends is exposed. ``budget``: the GPU bytes the state may take."""
+    kbw = _need(bw.kernel, "kernel")
+    d2h, h2d = bw.d2h or 0.0, bw.h2d or 0.0
+    order = list(range(len(stages)))[::-1]
+    elems = [sum(pc.n for pc in layout.buckets[k].pieces) for k in order]
+    gpu = [sum(pc.n * (16 if pc.itemsize < 4 else 12) for pc in layout.buckets[k].pieces) for k in order]
+    cpu = [max(stages[k].kernel / kbw, stages[k].d2h / d2h if d2h else 0.0, stages[k].h2d / h2d if h2d else 0.0)
+           for k in order]
+    total = sum(elems) or 1
+    arrive, seen = [], 0
+    for n in elems:
+        arrive.append(backward_s * seen / total)
+        seen += n
+    k = choose(elems, arrive, cpu, backward_s, gpu, budget)
+    n = len(order)
+    exposed = max(0.0, cpu_end(arrive[:n - k], cpu[:n - k]) - backward_s)
+    host = max(0.0, cpu_end(arrive, cpu) - backward_s)
+    return dict(gpu_buckets=k, gpu_bytes=sum(gpu[n - k:]), budget=budget, exposed_s=exposed,
+                iteration_s=forward_s + backward_s + exposed, host_only_exposed_s=host,
+                host_only_s=forward_s + backward_s + host, forward_s=forward_s, backward_s=backward_s)
+

@@ -19,7 +19,7 @@ __all__ = ["state_engine", "row_records", "tier", "side", "device_schedule", "de
 
 def state_engine(opt) -> Optional[object]:
     """The state engine (offload/engine/engine.py) that runs the optimizer's steps, in every mode."""
-    return opt._store
+    return opt._face.engine
 
 
 def row_records(opt) -> list:
@@ -36,13 +36,19 @@ def tier(opt):
 
 
 def side(opt):
-    """Where the parameters live (offload/params/): HostParams or DeviceParams."""
+    """Where the parameters live (offload/params/): HostParams, DeviceParams or HeldParams."""
     return _engine(opt).side
 
 
 def device_schedule(opt) -> Optional[object]:
     """The device schedule (offload/schedule/device_step.py) of device parameters, else None."""
-    return opt._gpu
+    return opt._face.schedule
+
+
+def keep_on_device(opt, params) -> None:
+    """Keep the Adam state of ``params`` on the device from now on, as ``gpu_state=`` decides after
+    the first steps (schedule/split.py): what the split does, at a split the test chooses."""
+    opt._face.keep_state_on_device(list(params))
 
 
 def device(opt):

@@ -2,7 +2,8 @@
 # one torch thread per xdist worker, and for the modules whose fake devices and CPU workers run threads of their own;
 # dynamo's frame counter cleared after each test (see no_compiled_frames_after_the_test); optimizers
 # closed after the test (opts); a filesystem that refuses O_DIRECT (no_o_direct); the configurations
-# tests run over (Config, configs(): side x tier x moments x schedule) and make_opt, which builds one.
+# tests run over (Config, configs(): side x tier x moments x schedule) and make_opt, which builds
+# one; patch_kernels, the kernel call of every bucket wrapped.
 import dataclasses
 import errno
 import os
@@ -192,6 +193,15 @@ def configs(sides=SIDES, tiers=TIERS, moments=MOMENTS, schedules=("eager",), cov
     elif cover != "all":
         raise ValueError(f"cover={cover!r}: 'pairs', 'all' or 'listed'")
     return [pytest.param(c, id=c.id, marks=marks) for c in rows]
+
+
+def patch_kernels(monkeypatch, wrap) -> None:
+    """Replace the kernel entry of every moment format, the native call of the one bucket body
+    (offload/engine/bucket.py), by ``wrap(real entry)``."""
+    from offload.moments.format import FORMATS, moment_format
+    for name in FORMATS:
+        fmt = moment_format(name)
+        monkeypatch.setattr(fmt, "kernel", wrap(fmt.kernel))
 
 
 @pytest.fixture

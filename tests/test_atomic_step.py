@@ -13,7 +13,7 @@ import offload
 from offload.native import aio
 from offload import testing
 from offload.base.failstop import OptimizerFailedError
-from offload.engine import bucket
+from offload.moments.format import moment_format
 from atomic_util import assert_same, grads, snapshot, train
 from conftest import configs
 
@@ -171,8 +171,8 @@ ENGINE_STAGES = {
     "registry.advance (step counters)": _store_stage("registry", "advance"),
     "registry.init_fresh": _store_stage("registry", "init_fresh"),
     "registry.commit": _store_stage("registry", "commit"),
-    "kernel (fp32 buckets)": lambda opt: (bucket, "step_table"),
-    "kernel (compressed buckets)": lambda opt: (bucket, "kernel_for"),
+    "kernel (fp32 buckets)": lambda opt: (moment_format("fp32"), "kernel"),
+    "kernel (compressed buckets)": lambda opt: (moment_format(opt.moments), "kernel"),
     "opt.state views": _store_stage("views", "install"),
     "torch's code (fallback parameters)": lambda opt: (offload.optim.fallback, "_torch_adam"),
 }

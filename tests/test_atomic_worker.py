@@ -20,9 +20,8 @@ import torch.nn as nn
 import offload
 from offload import testing
 from offload.device import FakeDevice
-from offload.engine import bucket
 from atomic_util import assert_same, every_call_refused, train_model, snapshot, uninterrupted
-from conftest import configs
+from conftest import configs, patch_kernels
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(60)]
 FAKE = [row.values[0] for row in configs(sides=("fake",), cover="all")]   # the nine tier x moments rows, in order
@@ -64,11 +63,9 @@ def _counting(real, count, nth):
 
 
 def _kernel(opt, monkeypatch, nth):
-    """The native kernel call of offload/engine/bucket.py:step_bucket (fp32: step_table; 8-bit: kernel_for(b))."""
+    """The native kernel call of offload/engine/bucket.py:step_bucket (its format's kernel)."""
     count = [0]
-    monkeypatch.setattr(bucket, "step_table", _counting(bucket.step_table, count, nth))
-    real_for = bucket.kernel_for
-    monkeypatch.setattr(bucket, "kernel_for", lambda b: _counting(real_for(b), count, nth))
+    patch_kernels(monkeypatch, lambda real: _counting(real, count, nth))
     return count
 
 

@@ -59,3 +59,22 @@ def test_the_steps_own_bump_is_not_a_user_write(schedule):
         return out
     for a, b in zip(run(True), run(False)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_step_counts_move_their_version_as_torchs_do(schedule):
+    """torch's ``state_steps`` advance in place (``step += 1``), so ``opt.state[p]['step']._version`` moves
+    at every step; offload's step counts do the same in every schedule (one place advances them)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    opt = _opt([w], schedule)
+    seen = []
+    for _ in range(3):
+        (torch.randn(8, 64) @ w).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        opt.synchronize()
+        step = opt.state[w]["step"]
+        seen.append((float(step), step._version))
+    assert [s for s, _ in seen] == [1.0, 2.0, 3.0]
+    assert seen[0][1] < seen[1][1] < seen[2][1], seen

@@ -103,11 +103,13 @@ def _row(name, ms, loss0=1.0, **kw):
 def test_targets_read_the_rows_of_one_size():
     res = [_row("baseline", 100.0, fwd_ms=30.0, bwd_ms=70.0, host_growth_gb=0.1),
            _row("offload", 105.0, cpu_step_ms=90.0, gpu_peak_gb=5.0),
+           _row("offload_host", 105.0, cpu_step_ms=90.0, gpu_peak_gb=4.0),
            _row("offload_delayed", 110.0, cpu_step_ms=90.0),
            _row("deepspeed_zero2", 300.0, gpu_peak_gb=6.0),
            _row("torchao", 140.0, gpu_peak_gb=4.0, loss0=1.5)]
     lines = gpu_table.targets(res)
-    assert "350m: PASS offload 105.0 ms <= forward 30.0 + max(backward 70.0, CPU step 90.0) + 10 % = 132.0 ms" in lines
+    assert "350m: PASS offload_host 105.0 ms <= forward 30.0 + max(backward 70.0, CPU step 90.0) + 10 % = 132.0 ms" \
+        in lines
     assert "350m: PASS offload 105.0 ms <= 1.10x forward + backward (110.0 ms)" in lines
     assert any(x.startswith("350m: MISS offload_delayed 110.0 ms <= 1.05x") for x in lines)
     assert "350m: PASS offload 2.86x faster than deepspeed_zero2 (target >= 1.5x), GPU peak 5.0 vs 6.0 GB" in lines

@@ -10,6 +10,7 @@ import offload
 import offload.device as devices
 from offload.device import CudaDevice, FakeDevice
 from offload.store import StoreFailedError
+from conftest import patch_kernels
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,14 +61,14 @@ def test_explicit_cuda_device_must_match_the_parameters():
 
 
 def _threads_used(monkeypatch, dev, **opts):
-    import offload.engine.bucket as bucket
     seen = []
-    real = bucket.step_table
 
-    def spy(table, hyper, mult, threads):
-        seen.append(threads)
-        return real(table, hyper, mult, threads)
-    monkeypatch.setattr(bucket, "step_table", spy)
+    def spy(real):
+        def call(table, hyper, mult, threads):
+            seen.append(threads)
+            return real(table, hyper, mult, threads)
+        return call
+    patch_kernels(monkeypatch, spy)
     model = nn.Linear(16, 16)
     opt = offload.AdamW(model.parameters(), offload_device=dev, **opts)
     model(torch.randn(2, 16)).sum().backward()

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import offload
-from offload.engine import bucket
+from conftest import patch_kernels
 from pipeline_util import HeldUploads
 from tiny_models import slow_backward
 
@@ -46,9 +46,7 @@ def _fail_second_kernel(monkeypatch):
             return real(*a, **k)
         return failing
 
-    monkeypatch.setattr(bucket, "step_table", wrap(bucket.step_table))
-    real_for = bucket.kernel_for
-    monkeypatch.setattr(bucket, "kernel_for", lambda b: wrap(real_for(b)))
+    patch_kernels(monkeypatch, wrap)
     return count
 
 

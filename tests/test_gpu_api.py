@@ -12,6 +12,7 @@ import torch
 import offload
 from offload.bench.gpt import random_batch
 from offload.device import FakeDevice
+from conftest import patch_kernels
 from pipeline_util import CFG, _trace_spans, make_net, ours, train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
@@ -40,6 +41,9 @@ def test_options_are_validated():
         offload.AdamW(model.parameters(), offload_device=FakeDevice(), step_during_backward=True, max_grad_norm=1.0)
     with pytest.raises(RuntimeError, match="only available in GPU-offload mode"):
         offload.AdamW(model.parameters()).reload_params()
+    # a bucket under one byte would read as "no bucket limit": one bucket for the whole model
+    with pytest.raises(ValueError, match=r"bucket_mb=1e-07 is under one byte"):
+        offload.AdamW(model.parameters(), offload_device=FakeDevice(), bucket_mb=1e-7)
 
 
 def test_last_step_stats_in_every_mode(tmp_path):
@@ -63,12 +67,11 @@ def test_last_step_stats_in_every_mode(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_worker_failure_surfaces_instead_of_hanging(monkeypatch):
-    from offload.engine import bucket
     model = make_net(torch.float32)
     opt = ours()(model)
     def boom(*a, **k):
         raise ValueError("injected kernel failure")
-    monkeypatch.setattr(bucket, "step_table", boom)  # the kernel call of the worker's bucket body
+    patch_kernels(monkeypatch, lambda real: boom)  # the kernel call of the worker's bucket body
     idx, tgt = random_batch(CFG, 2, "cpu", torch.Generator().manual_seed(5))
     with pytest.raises(RuntimeError, match="injected kernel failure"):
         model(idx, tgt, use_aux=True).backward()

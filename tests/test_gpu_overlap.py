@@ -17,9 +17,9 @@ import torch.nn as nn
 import offload
 from offload.bench.gpt import random_batch
 from offload.device import FakeDevice
-from offload.engine import bucket
 from offload.testing import bookkeeping_sizes, device, trace_spans
 from tiny_models import slow_backward
+from conftest import patch_kernels
 from pipeline_util import HeldUploads, CFG, _trace_spans, assert_same, cpu_mode, make_net, ours, train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")   # (conftest.py)
@@ -109,8 +109,7 @@ def test_worker_steps_staged_buckets_while_an_upload_is_held(monkeypatch):
     """A bucket whose staging slot still uploads an earlier bucket's weights waits; the buckets already
     staged are stepped meanwhile (the worker does not block on the slot first)."""
     kernels = []
-    real = bucket.step_table
-    monkeypatch.setattr(bucket, "step_table", lambda *a, **k: (kernels.append(1), real(*a, **k))[1])
+    patch_kernels(monkeypatch, lambda real: lambda *a, **k: (kernels.append(1), real(*a, **k))[1])
 
     def run(dev):
         torch.manual_seed(0)

@@ -73,13 +73,21 @@ def test_tensor_api_rejects_bad_tensors():
 
 def test_isa_selection():
     assert kernels.available_isas()[0] == "scalar"
-    with pytest.raises(ValueError):
+    known = ("scalar", "avx2", "avx512", "neon", "sve128", "sve256", "sve512")
+    assert set(kernels.available_isas()) <= set(known)
+    with pytest.raises(ValueError, match="expected scalar, avx2, avx512, neon, sve128, sve256, sve512 or auto"):
         kernels.set_isa("sse9")
     prev = kernels.get_isa()
     try:
         for name in kernels.available_isas():
             kernels.set_isa(name)
             assert kernels.get_isa() == name
+        # a known ISA this CPU lacks (another architecture's, another SVE length) is refused by name
+        # and changes nothing
+        for name in sorted(set(known) - set(kernels.available_isas())):
+            with pytest.raises(ValueError, match=f"ISA '{name}' is not supported by this CPU"):
+                kernels.set_isa(name)
+            assert kernels.get_isa() == kernels.available_isas()[-1]
     finally:
         kernels.set_isa(prev)
 

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from offload.state.layout import ALIGN, ELEM, Shape, build_layout
+from offload.moments.format import moment_format
+from offload.state.layout import ALIGN, ELEM, Shape, build_layout, split_buckets
 
 
 def _check(lay, shapes, max_state=None, max_param=None):
@@ -106,3 +107,20 @@ def test_tier_reads_out_of_order_on_demand(tmp_path, kind):
         assert (view(b.offset, b.nbytes) == 100 + k).all()
     tier.close()
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("budget", [None, 64 << 10, 1 << 20, 4096])
+def test_split_buckets_counts_the_pieces_build_layout_makes(budget):
+    """split_buckets (the planner's bound, computed without a layout) is the number of buckets
+    build_layout gives to the parameters it cuts into pieces (every piece a bucket of its own)."""
+    q8, bf16 = moment_format("8bit"), moment_format("bf16")
+    shapes = [Shape(0, 0, 10, 4, False), Shape(0, 1, 100_000, 2, True),
+              Shape(0, 2, 7, 4, False, active=False),
+              Shape(0, 3, 70_001, 4, False, moments=q8), Shape(0, 4, 0, 4, False),
+              Shape(1, 0, 300_000, 4, False),
+              Shape(1, 1, 5000, 2, True, moments=bf16)]
+    for ams in ([False, False], [True, False]):
+        lay = build_layout(shapes, amsgrad=ams, max_state_bytes=budget)
+        pieces = sum(len(v) for v in lay.of_param.values() if len(v) > 1)
+        assert split_buckets(shapes, amsgrad=ams, max_state_bytes=budget) == pieces
+        assert (pieces > 0) == (budget is not None)

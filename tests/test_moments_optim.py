@@ -49,7 +49,8 @@ def test_step_is_the_kernel_bitwise(fmt, dtype, cls, wd, maximize):
     assert torch.equal(p, ref)
     raw = testing.raw_state(opt, p)
     for k, t in st.items():
-        assert torch.equal(raw[offload.moments.format.saved_key(k, fmt)].reshape(-1), t), k
+        key = offload.moments.format.moment_format(fmt).saved_key(k)
+        assert torch.equal(raw[key].reshape(-1), t), k
     # opt.state: torch's keys, fp32 decoded moments shaped like the parameter
     s = opt.state[p]
     m, v = kernels.decode_moments(st["exp_avg"], st["exp_avg_sq"], fmt, st.get("exp_avg_scale"),
@@ -115,7 +116,7 @@ def test_close_to_torch_adamw(fmt, tol):
 
 
 def test_encode_inverts_decode():
-    """offload.moments.format.encode is the kernel's encoder: it reproduces the kernel's bytes from their decoded values."""
+    """A format's encode is the kernel's encoder: the kernel's bytes again from decoded values."""
     torch.manual_seed(4)
     for fmt in FMTS:
         p = torch.randn(N)
@@ -123,8 +124,9 @@ def test_encode_inverts_decode():
         _run(opt, [p], 4)
         raw = {offload.moments.format.parse_saved_key(k)[0]: v.reshape(-1)
                for k, v in testing.raw_state(opt, p).items() if offload.moments.format.parse_saved_key(k)}
-        m, v = offload.moments.format.decode(raw, fmt)
-        again = offload.moments.format.encode(m, v, fmt)
+        f = offload.moments.format.moment_format(fmt)
+        m, v = f.decode(raw)
+        again = f.encode(m, v)
         assert set(again) == set(raw)
         for k in raw:
             assert torch.equal(again[k], raw[k]), (fmt, k)

@@ -165,7 +165,8 @@ def _quantize_state(opt, fmt):
     from offload.moments import format as mformat
     for st in opt.state.values():
         m, v = st["exp_avg"], st["exp_avg_sq"]
-        dm, dv = mformat.decode(mformat.encode(m.reshape(-1), v.reshape(-1), fmt), fmt)
+        f = mformat.moment_format(fmt)
+        dm, dv = f.decode(f.encode(m.reshape(-1), v.reshape(-1)))
         m.copy_(dm.view_as(m))
         v.copy_(dv.view_as(v))
 

@@ -128,8 +128,9 @@ def test_cli_from_json_and_old_flag(tmp_path, capsys):
     assert st["seconds"] == pytest.approx(4e6 * 28 / ((1 << 20) * 28 / 0.01))
     assert bench_main(["plan", "--params", "1M", "--device", "cpu", "--state", "nvme", "--nvme-path",
                        str(tmp_path)]) == 0           # the old spelling of --nvme-dir still works
-    with pytest.raises(SystemExit, match="no config.json"):
+    with pytest.raises(SystemExit) as e:
         bench_main(["plan", "--hf-config", str(tmp_path / "nothing")])
+    assert e.value.code == 2 and "no config.json" in capsys.readouterr().err
 
 
 def test_suggests_the_first_setup_that_fits(monkeypatch):
@@ -148,6 +149,20 @@ def test_suggests_the_first_setup_that_fits(monkeypatch):
     assert "the weights and gradients alone need" in offload.plan(50 * n, device="cpu").suggestion
 
 
+def test_suggests_fp32_state_on_nvme_when_it_fits_the_disk(monkeypatch):
+    """fp32 parameters on the CPU have no master: their state file is 8 bytes a parameter, and a
+    disk that holds it gets fp32 moments on NVMe, not compressed ones."""
+    import collections
+    import shutil
+    gib = 1 << 30
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(planner, "host_memory", lambda: {"MemAvailable": 9 * gib})
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100 * gib, 91 * gib, 9 * gib))
+    p = offload.plan(gib, device="cpu", param_dtype="fp32", host_budget="256MiB")
+    assert p.fits()["host"] is False   # weights + grads 8 GiB, + fp32 moments 8 GiB in RAM
+    assert p.suggestion.startswith('storage="nvme"') and "moments=" not in p.suggestion
+
+
 def test_plan_from_a_hugging_face_config(tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100, n_positions=32)
@@ -159,3 +174,30 @@ def test_plan_from_a_hugging_face_config(tmp_path):
         assert p.config["params"] == want and p.config["tensors"] == len(list(model.parameters()))
     rc = bench_main(["plan", "--hf-config", str(tmp_path), "--device", "cpu"])
     assert rc == 0
+
+
+def test_the_iteration_with_state_kept_on_the_gpu():
+    """gpu_state= in the planner: the fewest trailing buckets that end the CPU's part inside backward, within
+    the budget (the optimizer's rule, base/overlap.py), and the iteration with them and with none."""
+    import torch
+    from offload.bench.gpt import GPT, PRESETS
+    with torch.device("meta"):
+        model = GPT(PRESETS["350m"]).bfloat16()
+    bw = dict(kernel=110e9, d2h=50e9, h2d=50e9)
+    got = {}
+    for gs in (0, "1GiB", "2GiB", "64GiB"):
+        p = offload.plan(model, device="cuda", bandwidths=bw, backward_s=0.042, forward_s=0.021, gpu_state=gs)
+        got[gs] = sp = p.step_time.split
+        assert sp["host_only_s"] == pytest.approx(0.063 + sp["host_only_exposed_s"])
+        assert sp["gpu_bytes"] <= sp["budget"] and sp["iteration_s"] <= sp["host_only_s"]
+    assert got[0]["gpu_buckets"] == 0 and got[0]["iteration_s"] == got[0]["host_only_s"] > 0.063
+    assert 0 < got["1GiB"]["gpu_buckets"] < got["2GiB"]["gpu_buckets"] <= got["64GiB"]["gpu_buckets"]
+    assert got["64GiB"]["exposed_s"] == 0 and got["64GiB"]["iteration_s"] == pytest.approx(0.063)
+    assert got["64GiB"]["gpu_bytes"] < 64 << 30   # the fewest that hide it, not all that fit
+    text = str(p.step_time)
+    assert "predicted iteration  0.063 s with" in text and "with every state on the host" in text
+    for bad, err in ((dict(backward_s=-1.0), "backward_s must be a number of seconds >= 0"),
+                     (dict(forward_s=float("nan")), "forward_s must be a number of seconds >= 0"),
+                     (dict(gpu_state="lots"), "gpu_state must be 'auto', a size")):
+        with pytest.raises(ValueError, match=err):
+            offload.plan(model, device="cuda", bandwidths=bw, **{"backward_s": 0.04, **bad})

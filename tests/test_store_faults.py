@@ -109,15 +109,15 @@ LIFETIME_SCRIPT = """
         opt = make(mode)
         sdir = offload.testing.state_dir(opt)
         inside, events, errors = threading.Event(), [], []
-        from offload.engine import bucket   # the one bucket body: its kernel call
-        real = bucket.step_table
+        from offload.moments.format import FP32   # the kernel of the bucket body (fp32 moments)
+        real = FP32.kernel
         def slow_kernel(*a, **k):
             if not inside.is_set():
                 inside.set()
                 time.sleep(0.3)
             real(*a, **k)
             events.append("kernel")
-        bucket.step_table = slow_kernel
+        FP32.kernel = slow_kernel
         def stepper():
             try:
                 opt.step()
@@ -130,7 +130,7 @@ LIFETIME_SCRIPT = """
         opt.close()
         events.append("closed")
         t.join()
-        bucket.step_table = real
+        FP32.kernel = real
         # close() waited for the whole step: every kernel call came before it ("step done" is appended by
         # the stepper after opt.step() returned, which may race with the main thread's "closed")
         assert errors == [] and "step done" in events, (mode, errors, events)

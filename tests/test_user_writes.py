@@ -129,12 +129,11 @@ def _q_state(n, dt, fmt, seed):
 
 
 def _q_step(s, fmt, reference, threads):
-    from offload.native.moments import moment_table, step_moment_table
-    from offload.engine.table import _moment_cols
+    from offload.native.moments import MOMENT_COLS, moment_table, step_moment_table
     master, g, out, st = s
     kw = dict(m_scales=[st["exp_avg_scale"]], v_scales=[st["exp_avg_sq_scale"]]) if fmt == "8bit" else {}
     t = moment_table([master], [g], [st["exp_avg"]], [st["exp_avg_sq"]], [1], fmt=fmt, outs=[out], **kw)
-    t[:, _moment_cols(fmt)["odtype"]] = OUT_USER_PARAM[out.dtype]
+    t[:, MOMENT_COLS["od"]] = OUT_USER_PARAM[out.dtype]
     step_moment_table(t, H, 1.0, threads, reference)
 
 

@@ -32,7 +32,10 @@ def main(argv=None) -> int:
     parser = build_parser()
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["kernel"] + argv
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    error = getattr(args, "error", None) or parser.error   # a subcommand may report its own errors
+    if extra:
+        error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -40,7 +43,7 @@ def main(argv=None) -> int:
         path = getattr(args, flag, None)
         problem = output_path_problem(path) if path else None
         if problem:
-            parser.error(f"--{flag} {path}: {problem}")
+            error(f"--{flag} {path}: {problem}")
     return int(args.func(args) or 0)
 
 

@@ -29,8 +29,9 @@ import torch
 import offload
 
 from .common import Progress, cpu_model, format_table, machine_info, median, write_json
-from .fidelity_optim import CONTENDERS, Skip, compressed_fraction, implementation, make_optimizer, read_moments, \
-    set_lr
+from .fidelity_optim import BASELINE, CONTENDERS, Skip, compressed_fraction, implementation, \
+    make_optimizer, read_moments, set_lr
+from ..moments.format import FORMATS
 from .gpt import GPT, PRESETS, GPTConfig, param_groups
 
 __all__ = ["Size", "SIZES", "MarkovStream", "run", "add_parser", "TARGETS"]
@@ -188,7 +189,7 @@ def run(size: Size, contenders, *, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay
             try:
                 r.train_step(idx, tgt, lr)
             except Exception as e:  # a peer that constructs but cannot step on this CPU
-                if step > 0 or r.name in ("torch", "fp32", "bf16", "8bit"):
+                if step > 0 or r.name == "torch" or r.name in FORMATS:   # torch, offload
                     raise
                 skipped[r.name] = f"step failed on this machine ({type(e).__name__}: {str(e).splitlines()[0][:100]})"
                 runs.remove(r)
@@ -201,7 +202,7 @@ def run(size: Size, contenders, *, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay
 
 
 def summarize(runs, skipped, size, floor, checkpoints, hyper) -> dict:
-    ref = next((r for r in runs if r.name == "fp32"), None)
+    ref = next((r for r in runs if r.name == BASELINE), None)
     rows = []
     for r in runs:
         last = sum(r.losses[-LAST:]) / LAST
@@ -216,7 +217,7 @@ def summarize(runs, skipped, size, floor, checkpoints, hyper) -> dict:
             e["m_vs_own_exact"] = rel_l2(r.moments[n], r.shadow_at[n], 0)
             e["v_vs_own_exact"] = rel_l2(r.moments[n], r.shadow_at[n], 1)
         rows.append(row)
-    base = next((row for row in rows if row["name"] == "fp32"), None)
+    base = next((row for row in rows if row["name"] == BASELINE), None)
     targets = []
     for row in rows:
         if base is not None:
@@ -271,7 +272,7 @@ def plot(path: str, out: dict) -> None:
         print("--plot needs matplotlib (pip install 'offload[bench]')")
         return
     fig, (ax, dx) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw=dict(height_ratios=[3, 2]))
-    base = next((r["losses"] for r in out["rows"] if r["name"] == "fp32"), None)
+    base = next((r["losses"] for r in out["rows"] if r["name"] == BASELINE), None)
 
     def smooth(ls, w):
         return [sum(ls[max(0, i - w + 1):i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(ls))]

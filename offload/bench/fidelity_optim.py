@@ -17,6 +17,7 @@ import torch
 
 import offload
 from offload import kernels
+from offload.moments.format import FORMATS, moment_format
 
 __all__ = ["Skip", "KernelMomentsAdamW", "CONTENDERS", "make_optimizer", "read_moments", "set_lr", "StochasticBf16AdamW",
            "offload_has_moments", "compressed_fraction", "implementation"]
@@ -76,7 +77,7 @@ class KernelMomentsAdamW(torch.optim.Optimizer):
                 st["step"] += 1
                 (comp if self.compressed(p) else plain).append((p, st))
             if comp:
-                q8 = self.fmt == "8bit"
+                q8 = "exp_avg_scale" in comp[0][1]   # a format with per-block scales
                 kernels.adam_step_moments(
                     [p.view(-1) for p, _ in comp], [p.grad.contiguous().view(-1) for p, _ in comp],
                     [s["exp_avg"] for _, s in comp], [s["exp_avg_sq"] for _, s in comp],
@@ -174,7 +175,7 @@ def _torch(groups, h):
 def _offload(fmt):
     def make(groups, h):
         kw = dict(lr=h["lr"], betas=h["betas"], eps=h["eps"], weight_decay=h["weight_decay"])
-        if fmt == "fp32":
+        if not moment_format(fmt).compressed:
             return offload.AdamW(groups, **kw)
         if offload_has_moments():
             return offload.AdamW(groups, moments=fmt, **kw)
@@ -198,7 +199,7 @@ def _bnb(groups, h):
     return AdamW8bit(groups, lr=h["lr"], betas=h["betas"], eps=h["eps"], weight_decay=h["weight_decay"])
 
 
-# name -> (factory, moments format label, what it is)
+# name -> (factory, moments format label, what it is); offload's own are named after their format
 CONTENDERS = {
     "torch": (_torch, "fp32", "torch.optim.AdamW (reference)"),
     "fp32": (_offload("fp32"), "fp32", "offload.AdamW, fp32 moments"),
@@ -209,6 +210,7 @@ CONTENDERS = {
     "torchao": (_torchao, "8bit", "torchao.optim.AdamW8bit"),
     "bnb": (_bnb, "8bit", "bitsandbytes.optim.AdamW8bit"),
 }
+BASELINE = "fp32"   # the contender every other one is compared with: offload.AdamW, fp32 moments
 
 
 def make_optimizer(name: str, groups, hyper: dict):
@@ -225,7 +227,8 @@ def make_optimizer(name: str, groups, hyper: dict):
 def implementation(name: str, opt) -> str:
     if isinstance(opt, KernelMomentsAdamW):
         return "kernel stand-in (KernelMomentsAdamW: offload.kernels.adam_step_moments)"
-    return CONTENDERS[name][2] + (" (moments=)" if name in ("bf16", "8bit") else "")
+    compressed = name in FORMATS and moment_format(name).compressed
+    return CONTENDERS[name][2] + (" (moments=)" if compressed else "")
 
 
 def compressed_fraction(opt, params):
@@ -236,7 +239,7 @@ def compressed_fraction(opt, params):
     if isinstance(opt, torch.optim.AdamW):
         return 0.0
     if isinstance(opt, offload.AdamW):  # its documented rule: tensors under moments_min_size keep fp32 moments
-        if getattr(opt, "moments", "fp32") == "fp32":
+        if not moment_format(getattr(opt, "moments", "fp32")).compressed:
             return 0.0
         return sum(p.numel() for p in params if p.numel() >= max(1, opt.moments_min_size)) / total
     n = 0

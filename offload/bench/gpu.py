@@ -26,13 +26,13 @@ QUESTION = ("How long is a training iteration of a GPT on one GPU with its Adam 
             "and with each peer, against forward + backward alone?")
 
 # (size, row) in the order they run; the budget cuts the tail
-PRIORITY = [("350m", r) for r in ("baseline", "offload", "offload_clip", "offload_delayed", "deepspeed_zero2",
-                                  "torchao", "torch_fused")] + \
+PRIORITY = [("350m", r) for r in ("baseline", "offload", "offload_clip", "offload_host", "offload_delayed",
+                                  "deepspeed_zero2", "torchao", "torch_fused")] + \
            [("4b", r) for r in ("baseline", "offload", "deepspeed_zero2", "torchao", "torch_fused")] + \
            [("350m", r) for r in ("fsdp2_torch", "fsdp2_offload", "offload_8bit", "deepspeed_twinflow",
                                   "deepspeed_zenflow")] + \
-           [("4b", r) for r in ("offload_clip", "offload_delayed", "offload_8bit", "fsdp2_torch", "fsdp2_offload",
-                                "deepspeed_twinflow", "deepspeed_zenflow")]
+           [("4b", r) for r in ("offload_clip", "offload_host", "offload_delayed", "offload_8bit", "fsdp2_torch",
+                                "fsdp2_offload", "deepspeed_twinflow", "deepspeed_zenflow")]
 BATCH = {"350m": 16, "4b": 8, "tiny": 2, "small": 4}
 ITERS = {"350m": (3, 8), "4b": (2, 4), "tiny": (1, 3), "small": (1, 3)}   # warm-up, timed
 ROW_TIMEOUT = {"350m": 150, "4b": 300, "tiny": 120, "small": 120}

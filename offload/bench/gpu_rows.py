@@ -167,7 +167,10 @@ def our_rows() -> list:
         Row("baseline", "forward + backward alone", _baseline),
         Row("torch_fused", "torch AdamW(fused) on the GPU, fp32 master", _torch_fused,
             note="fp32 master and moments on the GPU (18 B/param at the step)"),
-        Row("offload", "offload.AdamW, stepped during backward", offload_row(), offload=True),
+        Row("offload", "offload.AdamW, stepped during backward", offload_row(), offload=True,
+            note="gpu_state='auto': spare GPU memory holds the state of the first layers"),
+        Row("offload_host", "offload.AdamW, every state on the host", offload_row(gpu_state=0), offload=True,
+            note="gpu_state=0"),
         Row("offload_clip", "offload.AdamW, max_grad_norm=1.0", offload_row(max_grad_norm=1.0), offload=True),
         # delayed from the second update on (delay_after=1), so that every timed iteration is a delayed one
         Row("offload_delayed", "offload.AdamW, delay_updates=1", offload_row(delay_updates=1, delay_after=1),

@@ -157,13 +157,10 @@ def check_robustness(ctx: Ctx, res: Result) -> None:
     opt.step()
     opt.zero_grad()
     opt.synchronize()
-    from offload.native import adam as _kernels
-    orig = _kernels.step_table
-    hits = [m for name, m in list(sys.modules.items())
-            if name.startswith("offload") and m is not None and getattr(m, "step_table", None) is orig]
-    for m in hits:   # every module that imported the native step entry point
-        ctx.patch(m, "step_table", boom)
-    res.data["patched_modules"] = [m.__name__ for m in hits]
+    from offload.moments.format import FORMATS, moment_format
+    for name in FORMATS:   # the kernel entry of every moment format: the bucket body's native call
+        ctx.patch(moment_format(name), "kernel", boom)
+    res.data["patched_kernels"] = list(FORMATS)
     raised, dt = None, None
     try:
         mlp_loss(model, data[1]).backward()

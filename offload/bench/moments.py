@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from offload.moments.format import FORMATS, MOMENT_KEYS, moment_format
 from offload.native import adam as kernels  # table-level entries (step_table, moment_table) are internal
 from offload.native import moments as native_moments
 
@@ -18,12 +19,13 @@ from .common import format_table, median, paired_ratio, time_warm
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, amsgrad=False,
              maximize=False)
+TARGETS = {"bf16": 1.25, "8bit": 1.5}   # the speedup over fp32 moments each format aims at
 
 
-def true_bytes(fmt: str, lowp: bool, n: int) -> float:
+def true_bytes(fmt, lowp: bool, n: int) -> float:
     """Bytes a single pass must move per parameter (reads + writes)."""
     g_out = (2 + 2) if lowp else 4  # bf16 grad read + bf16 weight written, or fp32 grad read
-    mom = {"fp32": 16, "bf16": 8, "8bit": 4 + 16 * (-(-n // 256)) / n}[fmt]  # m, v read + written (+ scales)
+    mom = 2 * moment_format(fmt).moment_bytes(n)  # m, v read + written (+ scales)
     return 8 + g_out + mom  # + fp32 master read and written
 
 
@@ -42,13 +44,15 @@ def _carve(specs: list) -> list:
     return out
 
 
-def _streams(n: int, fmt: str, lowp: bool) -> list:
-    """The buffers of one contender: p, g, m, v (+ out with bf16 grads) (+ the two 8-bit scales)."""
+def _streams(n: int, fmt, lowp: bool) -> list:
+    """The buffers of one contender: p, g, m, v (+ out with bf16 grads) (+ the format's other
+    tensors, such as the two 8-bit scales)."""
     gd = torch.bfloat16 if lowp else torch.float32
-    md, vd = {"fp32": (torch.float32,) * 2, "bf16": (torch.bfloat16,) * 2, "8bit": (torch.int8, torch.uint8)}[fmt]
-    specs = [(n, torch.float32), (n, gd), (n, md), (n, vd)] + ([(n, torch.bfloat16)] if lowp else [])
-    if fmt == "8bit":
-        specs += [(-(-n // 256), torch.float32)] * 2
+    fmt = moment_format(fmt)
+    moments = [s for s in fmt.sections if s.key in MOMENT_KEYS]
+    rest = [s for s in fmt.sections if s.key not in MOMENT_KEYS]
+    specs = [(n, torch.float32), (n, gd)] + [(n, s.dtype) for s in moments] + (
+        [(n, torch.bfloat16)] if lowp else []) + [(fmt.entries(s.key, n), s.dtype) for s in rest]
     return _carve(specs)
 
 
@@ -64,19 +68,20 @@ def probe_regions(n: int) -> list:
     return [arena[k * stride // 4:k * stride // 4 + n] for k in range(5)]
 
 
-def region_streams(regions: list, n: int, fmt: str, lowp: bool) -> list:
-    """The streams p, g, m, v (+ out with bf16 gradients) of one format as views of probe_regions."""
+def region_streams(regions: list, n: int, fmt, lowp: bool) -> list:
+    """The streams p, g, m, v (+ out with bf16 gradients) of one format as views of probe_regions
+    (m and v both in exp_avg's dtype: the probe takes one moment dtype)."""
     gd = torch.bfloat16 if lowp else torch.float32
-    md = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.int8}[fmt]
+    md = moment_format(fmt).sections[0].dtype   # exp_avg's
     dts = [torch.float32, gd, md, md] + ([torch.bfloat16] if lowp else [])
     return [r.view(dt)[:n] for r, dt in zip(regions, dts)]
 
 
-def _label(fmt: str, lowp: bool) -> str:
-    return f"{fmt} moments, {'bf16 grad+out' if lowp else 'fp32 grad'}"
+def _label(fmt, lowp: bool) -> str:
+    return f"{moment_format(fmt).name} moments, {'bf16 grad+out' if lowp else 'fp32 grad'}"
 
 
-def _probe_name(fmt: str, lowp: bool) -> str:
+def _probe_name(fmt, lowp: bool) -> str:
     return f"probe: {_label(fmt, lowp)} streams"
 
 
@@ -103,7 +108,8 @@ def _format_probes(n: int, fmt: str, lowp: bool, threads: int, regions: list) ->
 
 
 class _Contender:
-    def __init__(self, n: int, fmt: str, lowp: bool, threads: int):
+    def __init__(self, n: int, fmt, lowp: bool, threads: int):
+        fmt = moment_format(fmt)
         self.fmt, self.lowp, self.threads, self.n = fmt, lowp, threads, n
         self.name = _label(fmt, lowp)
         gen = torch.Generator().manual_seed(0)
@@ -113,7 +119,7 @@ class _Contender:
         self.g.copy_(torch.randn(n, generator=gen) * 1e-2)
         self.out = bufs[4] if lowp else None
         outs = [self.out] if lowp else None
-        if fmt == "fp32":
+        if not fmt.compressed:   # the fp32 kernel's table
             self.m, self.v = bufs[2], bufs[3]
             kernels.adam_step([self.p], [self.g], [self.m], [self.v], None, [1], outs=outs, **{
                 k: v for k, v in HYPER.items() if k != "amsgrad"})
@@ -122,20 +128,16 @@ class _Contender:
                              self.out.data_ptr() if lowp else 0, n, 10, kernels.DTYPE_CODES[self.g.dtype],
                              kernels.DTYPE_CODES[torch.bfloat16] if lowp else 0)
         else:
-            self.st = {"exp_avg": bufs[2], "exp_avg_sq": bufs[3]}
-            if fmt == "8bit":
-                self.st["exp_avg_scale"], self.st["exp_avg_sq_scale"] = bufs[-2], bufs[-1]
-            q8 = fmt == "8bit"
+            rest = [s.key for s in fmt.sections if s.key not in MOMENT_KEYS]
+            tail = bufs[len(bufs) - len(rest):]   # the format's other tensors, last (_streams)
+            st = self.st = dict(zip(MOMENT_KEYS + tuple(rest), bufs[2:4] + tail))
+            scales = [[st[k]] if k in st else None for k in ("exp_avg_scale", "exp_avg_sq_scale")]
             self.table = native_moments.moment_table(
-                [self.p], [self.g], [self.st["exp_avg"]], [self.st["exp_avg_sq"]], [10], fmt=fmt, outs=outs,
-                m_scales=[self.st["exp_avg_scale"]] if q8 else None,
-                v_scales=[self.st["exp_avg_sq_scale"]] if q8 else None)
+                [self.p], [self.g], [st["exp_avg"]], [st["exp_avg_sq"]], [10], fmt=fmt.name,
+                outs=outs, m_scales=scales[0], v_scales=scales[1])
 
     def step(self) -> None:
-        if self.fmt == "fp32":
-            kernels.step_table(self.table, HYPER, 1.0, self.threads)
-        else:
-            native_moments.step_moment_table(self.table, HYPER, 1.0, self.threads)
+        self.fmt.kernel(self.table, HYPER, 1.0, self.threads)
 
 
 def run(n: int, thread_counts: list, reps: int, probe_modes, progress) -> tuple:
@@ -144,7 +146,7 @@ def run(n: int, thread_counts: list, reps: int, probe_modes, progress) -> tuple:
     the fp32 streams' ceiling candidates (kernel_cases.probe_modes), whose fastest, round by round, is
     the "% probe" column's 100 %."""
     rows, records, summary = [], [], []
-    combos = [(fmt, lowp) for lowp in (False, True) for fmt in ("fp32", "bf16", "8bit")]
+    combos = [(fmt, lowp) for lowp in (False, True) for fmt in FORMATS]
     contenders = [_Contender(n, fmt, lowp, thread_counts[0]) for fmt, lowp in combos]
     regions = probe_regions(n)
     fprobes = {(fmt, lowp): _format_probes(n, fmt, lowp, thread_counts[0], regions) for fmt, lowp in combos}
@@ -180,8 +182,8 @@ def run(n: int, thread_counts: list, reps: int, probe_modes, progress) -> tuple:
             records.append(dict(case="moments", threads=t, impl=c.name, seconds=sec, params=n, bytes_per_param=b,
                                 pct_of_probe=pr / sec * 100, pct_of_own_probe=own_pct,
                                 speedup_vs_fp32_moments=speedup, probe_speedup_vs_fp32_streams=ceiling))
-            if c.fmt != "fp32":
-                target = 1.5 if c.fmt == "8bit" else 1.25
+            target = TARGETS.get(c.fmt.name)
+            if target is not None:
                 line = (f"{'PASS' if speedup >= target else 'MISS'}  [moments] {c.name}, {t} thr: "
                         f">= {target}x the fp32-moment step: {speedup:.2f}x ({own_pct:.0f}% of its own "
                         f"streams' probe; that probe is {ceiling:.2f}x the fp32 streams' probe)")

@@ -28,6 +28,7 @@ import weakref
 
 import torch
 
+from ..plan_args import DTYPES
 from .common import Progress, remove_dirs, scratch_dirs, verdict
 from .gpt import GPT, PRESETS, GPTConfig, param_groups, random_batch
 
@@ -200,7 +201,7 @@ def run(args) -> dict:
     cfg = PRESETS[args.preset if args.preset else ("125m" if device.type == "cuda" else "small")]
     if args.seq:
         cfg = GPTConfig(**{**cfg.__dict__, "seq": args.seq})
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = DTYPES[args.dtype]   # a parameter dtype's name
     nparams = sum(p.numel() for p in GPT(cfg).parameters())
     probe = copy_probe(device, int(args.bucket_mb * 2 ** 20))
     rows = []

@@ -1,11 +1,11 @@
 """checkpoint/adapter.py: the optimizer-side extension point of the checkpoint.
 
-The checkpoint uses public optimizer API only: ``param_groups``, ``state`` / ``state_dict()``
-(offload's returns views of the NVMe/mmap state file, and synchronizes the GPU engine),
-``load_state_dict()``, ``storage_info()``, ``synchronize()``, and offload's checkpoint methods
-``checkpoint_keepalive()``, ``loads_state_itself``, ``gpu_offload``, ``pending_grad_multiplier`` /
-``set_pending_grad_multiplier()`` (offload/optim/gpu.py; an optimizer without them, e.g. torch.optim's,
-gets the plain-tensor answers). The rest is read in ONE small function each:
+The checkpoint uses torch's optimizer API (``param_groups``, ``state`` / ``state_dict()``: offload's
+returns views of the NVMe/mmap state file and synchronizes the GPU engine; ``load_state_dict()``)
+and, for the rest, one port object: :class:`CheckpointPort`, which an optimizer offers as
+``checkpoint_port()`` (offload.Adam/AdamW do: offload/optim/adam.py); any other optimizer (torch.optim's)
+gets the port of state in plain tensors, with the ``checkpoint_tensors`` / ``checkpoint_state`` it
+defines (:func:`port`). What is not the optimizer's own API is read in ONE small function each:
 
 - :func:`readopt`         ``opt.__setstate__`` (offload re-reads its state pointers there)
 - :func:`resolve` / :func:`sync_wrapper`  torch's ZeroRedundancyOptimizer
@@ -17,7 +17,7 @@ returning :class:`StateTensor` objects (see docs/checkpoints.md).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 
@@ -25,6 +25,30 @@ from ..base.dist import local
 
 # families whose state layout (moments shaped like the parameter) the loader checks strictly
 ADAM_KINDS = ("Adam", "AdamW")
+
+
+@dataclass(frozen=True)
+class CheckpointPort:
+    """What offload.save / offload.load use of an optimizer beyond torch's API, in one place."""
+    keepalive: Callable[[], Any]             # what a background save holds: the state views stay mapped
+    loads_itself: Callable[[], bool]         # state loaded through load_state_dict, not into opt.state
+    on_device: Callable[[], bool]            # parameters on a device (GPU offload)
+    pending: Callable[[], float]             # the clip coefficient left for the next step (1.0: none)
+    set_pending: Callable[[float], None]     # restore it (a checkpoint saved between clip and step)
+    tensors: Optional[Callable] = None       # StateTensors of state not in plain tensors (create_from)
+    scalars: Optional[Callable[[], dict]] = None   # state_dict()['state'] without those tensors
+
+
+def port(opt) -> CheckpointPort:
+    """The optimizer's port: its ``checkpoint_port()``, else that of state in plain tensors, with the
+    ``checkpoint_tensors(create_from)`` / ``checkpoint_state()`` the optimizer defines."""
+    own = getattr(opt, "checkpoint_port", None)
+    if callable(own):
+        return own()
+    return CheckpointPort(keepalive=lambda: None, loads_itself=lambda: False, on_device=lambda: False,
+                          pending=lambda: 1.0, set_pending=lambda value: None,
+                          tensors=getattr(opt, "checkpoint_tensors", None),
+                          scalars=getattr(opt, "checkpoint_state", None))
 
 
 @dataclass
@@ -111,27 +135,24 @@ def sync_wrapper(optimizer, opt) -> None:
 
 def keepalive(opt):
     """What a background save must hold so that the views it reads stay mapped after ``del opt``."""
-    fn = getattr(opt, "checkpoint_keepalive", None)
-    return fn() if callable(fn) else None
+    return port(opt).keepalive()
 
 
 def loads_itself(opt) -> bool:
     """State the optimizer must load through load_state_dict (NVMe/mmap store or GPU engine)."""
-    return bool(getattr(opt, "loads_state_itself", False))
+    return bool(port(opt).loads_itself())
 
 
 def in_gpu_mode(opt) -> bool:
-    return bool(getattr(opt, "gpu_offload", False))
+    return bool(port(opt).on_device())
 
 
 def pending_multiplier(opt) -> float:
-    return float(getattr(opt, "pending_grad_multiplier", 1.0))
+    return float(port(opt).pending())
 
 
 def set_pending_multiplier(opt, value: float) -> None:
-    fn = getattr(opt, "set_pending_grad_multiplier", None)
-    if callable(fn):
-        fn(value)
+    port(opt).set_pending(value)
 
 
 def readopt(opt) -> None:
@@ -143,11 +164,10 @@ def readopt(opt) -> None:
 def saved_state(opt) -> tuple:
     """(per-parameter state dicts by index, StateTensors) of the optimizer, through public API:
     ``checkpoint_tensors`` if defined, else ``state_dict()`` (tensors are references or views)."""
-    hook = getattr(opt, "checkpoint_tensors", None)
-    if hook is not None:   # the tensors come from the hook: take the rest without reading any moment
-        scalars = getattr(opt, "checkpoint_state", None)
-        sd_state = scalars() if callable(scalars) else opt.state_dict()["state"]
-        return sd_state, list(hook(None))
+    pt = port(opt)
+    if pt.tensors is not None:   # the tensors come from the hook: take the rest without reading any moment
+        sd_state = pt.scalars() if callable(pt.scalars) else opt.state_dict()["state"]
+        return sd_state, list(pt.tensors(None))
     sd_state = opt.state_dict()["state"]
     refs = []
     for pidx in range(len(params(opt))):
@@ -165,7 +185,7 @@ def saved_state(opt) -> tuple:
 def destinations(opt, plan_tensors: list, like_fn) -> List[StateTensor]:
     """RAM state: the StateTensors to load into, allocating missing/mismatching ones (the
     optimizer is being modified: call only after everything was validated)."""
-    hook = getattr(opt, "checkpoint_tensors", None)
+    hook = port(opt).tensors
     if hook is not None:  # create_from: what the loader will write (validated), torch dtypes
         return list(hook({"tensors": [dict(param=t.param, key=t.key, shape=list(t.shape),
                                            dtype=t.dtype) for t in plan_tensors]}))

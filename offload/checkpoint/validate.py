@@ -19,7 +19,7 @@ from typing import List, Optional
 import torch
 
 from ..base.dist import is_dtensor, local
-from ..moments.format import CODE_VERSIONS, parse_saved_key, spec as moment_spec
+from ..moments.format import CODE_VERSIONS, moment_format, parse_saved_key
 from . import adapter
 from .format import (DTYPES, FORMAT, GEN_RE, INDEX, MAX_JSON, TAGS, VERSION, CheckpointError, check_compatible,
                      check_plain_name, decode_json, decode_value, element_size, file_layout, is_int, is_number,
@@ -232,7 +232,7 @@ def _check_tensors(opt, ridx: dict, rpath: str, pplans: List[ParamPlan]) -> List
                   f"offload decodes version {CODE_VERSIONS[sfmt]}: loading them would give wrong moments. Load the "
                   f"checkpoint with the offload version that wrote it and save opt.state_dict() (fp32 moments, "
                   f"which any version loads), or resume with fresh moments")
-            want_dt, want_n = moment_spec(sfmt, p.numel())[k0]
+            want_dt, want_n = moment_format(sfmt).spec(p.numel())[k0]
             _need(dtype == want_dt and _numel(shape) == want_n,
                   f"{name}: a {sfmt} moment tensor of dtype {dtype} and shape {tuple(shape)}, expected {want_dt} "
                   f"with {want_n} entries for parameter {pi} ({tuple(p.shape)}): the checkpoint is corrupted")

@@ -80,6 +80,11 @@ class Device:
     def check(self) -> None:
         """Raise if a hazard was detected (only the fake device detects any)."""
 
+    def spare_bytes(self) -> int:
+        """Device memory this process could still allocate beyond its peak so far, a safety margin left
+        (what optimizer state kept on the device may take: schedule/split.py); 0 where unknown."""
+        return 0
+
     def close(self) -> None:
         pass
 

@@ -66,6 +66,14 @@ class CudaDevice(Device):
                 ev.synchronize()
                 self._anchor = (time.perf_counter(), ev)
 
+    def spare_bytes(self) -> int:
+        """Free device memory plus what torch's caching allocator holds beyond this process's peak,
+        less a margin of a tenth of the device or 2 GiB, whichever is larger (a later batch may need
+        more than the first ones did)."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        held = torch.cuda.memory_reserved(self.device) - torch.cuda.max_memory_allocated(self.device)
+        return max(0, free + max(0, held) - max(total // 10, 2 << 30))
+
     def check_params(self, params) -> None:
         wrong = sorted({str(p.device) for p in params if p.device != self.device})
         if wrong:

@@ -106,14 +106,15 @@ class FakeDevice(Device):
     ``seed`` makes the delays reproducible. ``poison=False`` turns off destination poisoning,
     ``check=False`` the source snapshots (benchmarks use both off). ``d2h_delay`` (seconds): each
     copy to the host waits that much more, so that a CPU step (whose gradients come down first) is
-    deterministically still running while the training thread goes on.
+    deterministically still running while the training thread goes on. ``spare_bytes``: the
+    device memory ``spare_bytes()`` reports (what state kept on the device may take; default 0).
     """
 
     name = "fake"
 
     def __init__(self, max_delay: float = 0.002, seed: int = 0, poison: bool = True, check: bool = True,
                  min_delay: float = 0.0, compute_lag: Optional[float] = None,
-                 d2h_delay: float = 0.0):
+                 d2h_delay: float = 0.0, spare_bytes: int = 0):
         # > 0: record()'s events complete that much later (a GPU's compute stream runs behind the host),
         # so a copy that waits for one starts late, as on CUDA; default from OFFLOAD_FAKE_COMPUTE_LAG
         # (seconds), so a whole test suite can run with it
@@ -122,6 +123,7 @@ class FakeDevice(Device):
         self.max_delay = float(max_delay)
         self.min_delay = float(min_delay)  # lower bound of the random delay (tests that need slow copies)
         self.d2h_delay = float(d2h_delay)  # added to each copy to the host (a slow CPU step)
+        self._spare = int(spare_bytes)     # the device memory it reports as spare (spare_bytes())
         self.poison = poison
         self.check_sources = check
         self._rng = random.Random(seed)
@@ -133,6 +135,9 @@ class FakeDevice(Device):
         self._last: List[Event] = []
         self._hazardous: List[_FakeEvent] = []
         self.copies = 0
+
+    def spare_bytes(self) -> int:
+        return self._spare
 
     def check_params(self, params) -> None:
         wrong = sorted({str(p.device) for p in params if p.device.type != "cpu"})

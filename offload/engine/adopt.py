@@ -155,7 +155,7 @@ class Adoption:
         n = v.numels[gi][i]
         shape = local(v.groups[gi][i]).shape
         fmt = v.moment_format(gi, i)
-        if fmt != "fp32" and n:
+        if fmt.compressed and n:
             if isinstance(st, CompressedState) and st.owner is v:
                 if st.origin != (gi, i):
                     self.moved[(gi, i)] = st.origin
@@ -168,7 +168,7 @@ class Adoption:
                     _check_replacement(t, n, shape, key, where, ())
                     ms[key] = local(t).detach().to(device="cpu", dtype=torch.float32).reshape(-1)
                 try:
-                    self.packed[(gi, i)] = mformat.encode(ms["exp_avg"], ms["exp_avg_sq"], fmt)
+                    self.packed[(gi, i)] = fmt.encode(ms["exp_avg"], ms["exp_avg_sq"])
                 except ValueError as e:
                     raise ValueError(f"{where}: {e}") from None
         keys = v.ptrs.get((gi, i), {}) if not taking else dict.fromkeys(v.entry_keys(gi, i))

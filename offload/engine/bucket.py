@@ -9,16 +9,16 @@ when the new weights go up. For one bucket whose state bytes ``blk`` are in host
     resync                   (optional) user writes to bf16/fp16 parameters into their masters
     ptrs()                   the gradient (and output) pointers; on a device, waits for the D2H
     between()                (optional) checks once the gradients are on the host
-    bucket_rows + kernel     the native Adam step over the bucket's rows, GIL released
+    bucket_rows + kernel     the native Adam step over the bucket's rows, GIL released (the kernel
+                             entry of the bucket's moment format, offload/moments/format.py)
 """
 from __future__ import annotations
 
 import time
 from typing import Callable, Optional
 
-from ..native.adam import step_table
 from ..state.layout import piece_columns
-from .table import bucket_rows, kernel_for
+from .table import bucket_rows
 
 __all__ = ["step_bucket"]
 
@@ -36,7 +36,7 @@ def step_bucket(b, act, blk, ptrs: Callable[[], list], *, registry, read_master,
     steps = registry.counts(b.group)
     table = bucket_rows(b, act, blk.base, rows, steps[piece_columns(b, act, "param")[0]])
     t0 = time.perf_counter()
-    (step_table if b.moments == "fp32" else kernel_for(b))(table, hyper, mult, threads)
+    b.moments.kernel(table, hyper, mult, threads)
     t1 = time.perf_counter()
     timing["kernel_s"] += t1 - t0
     return t0, t1

@@ -24,13 +24,14 @@ import torch
 
 from ..base.dist import local
 from ..params.guards import WriteTracker, check_overlaps, refresh_master
-from ..state.layout import ALIGN, build_layout, piece_columns
-from ..params.base import check_grad, shapes_of
-from ..params.host import HostParams
+from ..state.layout import build_layout, piece_columns
+from ..params.base import shapes_of
+from ..params import ParamSide, side_maker
 from ..state import make_tier
-from ..state.tier import split_budget
+from ..state.tier import check_budget, check_depth, split_budget
 from ..base.units import parse_size
 from . import fastpath, grow, pipeline
+from ..moments.format import MomentFormat, moment_format
 from ..moments.handouts import Handouts
 from .registry import Registry
 from .exclusive import check_process as _check_process, exclusive as _exclusive
@@ -39,56 +40,47 @@ from .torchstate import TorchViews
 __all__ = ["StateEngine"]
 
 
-def _moment_format(numels: list, moments: str, min_size: int, gi: int, i: int) -> str:
-    return moments if numels[gi][i] >= max(min_size, 1) else "fp32"
+def _moment_format(numels: list, moments: MomentFormat, min_size: int, gi: int, i: int):
+    return moments.for_size(numels[gi][i], min_size)
 
 
 class StateEngine:
     def __init__(self, groups: list, amsgrad: list, *, mode: str, nvme_dir=None, host_budget="2GiB",
-                 keep: bool = False, device=None, staging_slots: int = 3, bucket_bytes: Optional[int] = None,
+                 keep: bool = False, side: Callable[[list, list], ParamSide] = side_maker(),
+                 bucket_bytes: Optional[int] = None,
                  depth: int = 2, queue_depth: int = 8, block_size: int = 1 << 20, direct: bool = True,
                  moments: str = "fp32", moments_min_size: int = 4096, exclude=()):
         self.mode = mode
         self.excluded = set(exclude)   # (gi, i) stepped elsewhere (device-side small params): no state here
-        self.moments, self.moments_min_size = moments, int(moments_min_size)   # (offload/moments/format.py)
+        self.moments, self.moments_min_size = moment_format(moments), int(moments_min_size)
         self.budget = parse_size(host_budget)
         self.depth = depth
         self.groups = [list(g) for g in groups]
         self.amsgrad = [bool(a) for a in amsgrad]
         self.dtypes = [[local(p).dtype for p in ps] for ps in self.groups]
         self.numels = [[local(p).numel() for p in ps] for ps in self.groups]
-        self.device = device
         self.local_groups = [[local(p) for p in ps] for ps in self.groups]
         check_overlaps(self.local_groups, (), None, mode)   # a parameter listed twice...: before any file exists
         self._pid = os.getpid()            # the state (file, I/O threads, mapping) belongs to this process
         # step / state access / close never overlap (close waits); the device worker holds it per bucket
         self.lock = threading.RLock()
         self.tracker = WriteTracker(self.local_groups)   # bf16/fp16 params written by the user between steps
-        if device is not None:
-            from ..params.device import DeviceParams
-            self.side = DeviceParams(self.groups, device, staging_slots, self.dtypes)
-        else:
-            self.side = HostParams(self.groups)
-        if not isinstance(depth, int) or not 1 <= depth <= 64:
-            raise ValueError(f"depth (buckets read ahead) must be an int in [1, 64], got {depth!r}")
+        self.tracker.dtypes = self.dtypes
+        self._side: ParamSide = side(self.groups, self.dtypes)   # for the engine's life: ``side``
+        check_depth(depth)
         if mode == "nvme":   # depth reads ahead per drive: every drive has reads in flight (docs/nvme.md)
             from ..state.drives import parse_dirs
             self.depth = depth = min(64, depth * len(parse_dirs(nvme_dir)))
-        self.state_cap, self.stage_cap = split_budget(mode, self.budget, depth,
-                                                      staging_slots if device is not None else 0)
-        if mode == "nvme" and self.state_cap < ALIGN:
-            n = depth + 2 + (2 * staging_slots if device is not None else 0)
-            raise ValueError(f"host_budget={host_budget!r} is too small: need at least {n} buffers of "
-                             f"{ALIGN} bytes ({n * ALIGN} bytes)")
-        if device is not None and bucket_bytes:
-            self.stage_cap = min(self.stage_cap or bucket_bytes, bucket_bytes)
+        nstage = self.side.staging_slots
+        self.state_cap, self.stage_cap = split_budget(mode, self.budget, depth, nstage)
+        check_budget(mode, self.state_cap, depth, nstage, host_budget)
+        self.stage_cap = self.side.stage_cap(self.stage_cap, bucket_bytes)
         self.layout = self.lay_out(self.groups, 0)
         self.registry = Registry([len(g) for g in self.groups])
         self.tier = make_tier(mode, nvme_dir=nvme_dir, keep=keep, depth=depth, queue_depth=queue_depth,
                               block_size=block_size, direct=direct, budget=self.budget)
         self.tier.allocate(self.layout)
-        if device is not None:
-            self.side.allocate(self.layout)
+        self.side.allocate(self.layout)
         self.telemetry = dict(steps=0, kernel_s=0.0, step_s=0.0)
         self.last_stats: Optional[dict] = None
         self._grads = None   # the gradients collect() checked, for the step that follows it
@@ -99,30 +91,30 @@ class StateEngine:
                                             self.plans)
         self.views = TorchViews(self.layout, self.tier, self.registry, self.groups, Handouts(),
                                 local_groups=self.local_groups, numels=self.numels, amsgrad=self.amsgrad,
-                                moment_format=self._format, device_params=device is not None, mode=mode,
+                                moment_format=self._format, all_masters=self.side.all_masters,
+                                mode=mode,
                                 tracker=self.tracker, exclusive=self._exclusive,
                                 read_master=self.side.read_master)
 
     def lay_out(self, groups: list, first_group: int):
         """The layout of parameter lists ``groups`` (numbered from ``first_group``); excluded ones get none."""
-        shapes = shapes_of(groups, self.device is not None, first_group)
+        shapes = shapes_of(groups, self.side.all_masters, first_group)
         if self.excluded:
             from dataclasses import replace
             shapes = [replace(s, active=False) if (s.group, s.index) in self.excluded else s for s in shapes]
         return self.layout_of(shapes)
 
     def layout_of(self, shapes: list):
-        """The layout of ``shapes`` (offload/state/layout.py Shape) with this engine's budgets; compressed
-        moments for parameters of at least ``moments_min_size`` elements, fp32 below."""
-        if self.moments != "fp32":
-            from dataclasses import replace
-            shapes = [replace(s, moments=self.moments) if s.numel and s.numel >= self.moments_min_size else s
-                      for s in shapes]
+        """The layout of ``shapes`` (offload/state/layout.py Shape) with this engine's budgets; its
+        moment format for parameters of at least ``moments_min_size`` elements, fp32 below."""
+        from dataclasses import replace
+        fmt, least = self.moments, self.moments_min_size
+        shapes = [replace(s, moments=fmt.for_size(s.numel, least)) for s in shapes]
         return build_layout(shapes, amsgrad=self.amsgrad, max_state_bytes=self.state_cap,
                             max_param_bytes=self.stage_cap, stagger=self.mode == "ram")
 
-    def moment_format(self, gi: int, i: int) -> str:
-        """How parameter ``i`` of group ``gi`` stores its moments ("fp32", "bf16" or "8bit")."""
+    def moment_format(self, gi: int, i: int) -> MomentFormat:
+        """How parameter ``i`` of group ``gi`` stores its moments (offload/moments/format.py)."""
         return self._format(gi, i)
 
     # ------------------------------------------------------------------ shape of the engine
@@ -143,6 +135,11 @@ class StateEngine:
     @property
     def closed(self) -> bool:
         return self.tier.closed
+
+    @property
+    def side(self) -> ParamSide:
+        """Where the parameters are (params/side.py), built with the engine; never replaced."""
+        return self._side
 
     def __getattr__(self, name):   # path, directory, engine, arena, file, slot_bytes ... of the tier
         if name in ("tier", "__setstate__") or name.startswith("__"):
@@ -194,32 +191,11 @@ class StateEngine:
     def _collect(self, param_groups: list, state=None) -> list:
         """collect() without the lock: per group, the bool mask of active params."""
         self.check_groups(param_groups)
-        active, grads = [], []
         for gi, group in enumerate(param_groups):
             if bool(group["amsgrad"]) != self.amsgrad[gi]:
                 raise ValueError(f"group {gi}: amsgrad cannot change after construction with storage={self.mode!r}")
-            if self.device is None:
-                continue   # host parameters: below
-            params = self.groups[gi]
-            a = np.zeros(len(params), dtype=bool)
-            gs = [None] * len(params)
-            for i, p in enumerate(params):
-                g = p.grad
-                if g is None:
-                    continue
-                check_grad(p, g, gi, i, self.dtypes[gi][i], self.numels[gi][i], self.mode,
-                           self.device is not None)
-                a[i] = True
-                gs[i] = local(g)
-            active.append(a)
-            grads.append(gs)
-        if self.device is None:   # each row's check cached, rechecked where anything changed (params/hostrows.py)
-            self.tracker.dtypes = self.dtypes
-            active, grads = self.side.collect(self.groups, self.local_groups, self.dtypes, self.numels,
-                                              self.tier.own_memory(), self.mode)
-        else:
-            check_overlaps(self.local_groups, [(gi, i, g) for gi, gs in enumerate(grads) for i, g in enumerate(gs)
-                                               if g is not None], self.tier.own_memory(), self.mode)
+        active, grads = self.side.collect(self.groups, self.local_groups, self.dtypes, self.numels,
+                                          self.tier.own_memory(), self.mode)
         self._grads = grads   # the step uses exactly the tensors checked here
         grow.lay_out_late(self, [(gi, int(i)) for gi, a in enumerate(active)
                                  for i in np.flatnonzero(a & grow.unplaced(self, gi))], state)
@@ -273,14 +249,14 @@ class StateEngine:
         self.views.adopt_user_state(state)
         if active is None:
             active = self._collect(param_groups, state)
-            self.views.follow_shapes(state, getattr(self.side, "rows", None))
+            self.views.follow_shapes(state, self.side.revalidated())
         hypers = {gi: hyper(gi) for gi, a in enumerate(active) if a.any()}   # validated before any change
         for gi, h in hypers.items():   # the native kernel refuses these too, but only after I/O has started
             for k in ("lr", "eps", "weight_decay", "beta1", "beta2"):
                 if not math.isfinite(h[k]):
                     raise ValueError(f"group {gi}: {k} = {h[k]} is not finite")
         self.side.grads = self._grads
-        resync = self.tracker.written(self.registry.ready) if self.device is None else set()
+        resync = self.side.user_writes(self.tracker, self.registry.ready)
         t0 = time.perf_counter()
         tel = self.tier.telemetry
         io0 = tel["read_wait_s"] + tel["write_wait_s"]
@@ -288,10 +264,10 @@ class StateEngine:
         jobs = self._jobs(active)
         try:
             self.registry.advance(active)
-            if self.device is not None:
-                self.side.begin()
+            self.side.begin()
             pipeline.run(jobs, tier=self.tier, side=self.side, registry=self.registry, hyper=hypers.__getitem__,
-                         mult=mult, threads=threads, depth=self.depth, ahead=getattr(self.side, "nslots", 1),
+                         mult=mult, threads=threads, depth=self.depth,
+                         ahead=self.side.staging_slots,
                          timing=self.telemetry, resync=resync and self._resync(resync))
             self.side.stepped(active)   # host: the kernel wrote them through their addresses (versions up)
             fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~self.registry.ready[gi])]
@@ -389,7 +365,5 @@ class StateEngine:
         d.update(self.telemetry)
         d.update(mode=self.mode, depth=self.depth, host_budget=self.budget, buckets=len(self.layout.buckets),
                  file_bytes=getattr(self.tier, "file_bytes", self.layout.nbytes))
-        if self.device is not None:
-            d.update(staging_slots=self.side.nslots, staging_bytes=self.side.pinned_bytes,
-                     bucket_param_bytes=[sum(pc.n * pc.itemsize for pc in b.pieces) for b in self.layout.buckets])
+        d.update(self.side.info(self.layout))
         return d

@@ -56,16 +56,16 @@ class DecodedSink:
         return out
 
 
-def decode_into(raw: dict, fmt: str, n: int, sink: DecodedSink) -> tuple:
+def decode_into(raw: dict, fmt, n: int, sink: DecodedSink) -> tuple:
     """fp32 (exp_avg, exp_avg_sq), flat, of ``n`` elements of format ``fmt`` (``raw``: the flat
     compressed tensors by kernel key), decoded CHUNK elements at a time into ``sink``."""
     m, v = sink.take(n), sink.take(n)
     step = CHUNK - CHUNK % mformat.BLOCK
     for lo in range(0, n, step):
         hi = min(n, lo + step)
-        part = {k: (t[lo // mformat.BLOCK:(hi + mformat.BLOCK - 1) // mformat.BLOCK] if mformat.per_block(fmt, k)
-                    else t[lo:hi]) for k, t in raw.items()}
-        dm, dv = mformat.decode(part, fmt)
+        part = {k: (t[lo // mformat.BLOCK:(hi + mformat.BLOCK - 1) // mformat.BLOCK]
+                    if fmt.per_block(k) else t[lo:hi]) for k, t in raw.items()}
+        dm, dv = fmt.decode(part)
         m[lo:hi].copy_(dm)
         v[lo:hi].copy_(dv)
     return m, v

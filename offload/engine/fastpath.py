@@ -38,9 +38,8 @@ from ..base.dtypes import STATE_KEYS
 from ..base.tensors import bump_versions
 from ..native.adam import COL_G, COL_GD
 from ..native.rows import M_PPTR, M_PVER, state_rows
-from ..params.hostrows import HostRows
 from ..state.layout import piece_columns
-from .table import bucket_rows, kernel_for, step_columns
+from .table import bucket_rows
 from .torchstate import STATE_FNS
 
 __all__ = ["StepPlan", "PlanSlot"]
@@ -108,8 +107,8 @@ class StepPlan:
         on the side), or None where it cannot be planned: parameters on a device, a tier with
         per-bucket I/O, a parameter without a gradient or a state, a row not recorded (a DTensor,
         a subclass), held decoded moments, parameters stepped elsewhere."""
-        reg, rows = eng.registry, getattr(eng.side, "rows", None)
-        if (not isinstance(rows, HostRows) or not eng.tier.inline or eng.excluded
+        reg, rows = eng.registry, eng.side.row_records()
+        if (rows is None or not eng.tier.inline or eng.excluded
                 or not eng.views.handouts.empty() or len(rows.groups) != len(eng.groups)):
             return None
         for gi, ps in enumerate(eng.groups):
@@ -153,7 +152,8 @@ class StepPlan:
             t = bucket_rows(b, b.pieces, eng.tier.acquire(b, True).base,
                             eng.side.ptrs(b, b.pieces, None), eng.registry.counts(b.group)[idx])
             off = starts * _ESIZE[rows.groups[b.group].table[idx, COL_GD]]   # (as HostRows.ptrs)
-            joined.setdefault((b.group, kernel_for(b), step_columns(b)), []).append((t, idx, off))
+            cols = (b.moments.columns.step, b.moments.columns.g)
+            joined.setdefault((b.group, b.moments.kernel, cols), []).append((t, idx, off))
         out = []
         for (gi, kernel, cols), parts in joined.items():
             ts, idx, off = (np.concatenate(x) for x in zip(*parts))
@@ -166,7 +166,7 @@ class StepPlan:
         (False). Raises what the full step raises for the same inputs (a hyperparameter, a new
         gradient that shares memory); a failure once the step has begun fails the tier."""
         reg, rows, views = eng.registry, self.records, eng.views
-        if not (eng.side.rows is rows and rows.rows_epoch == self.rows_epoch
+        if not (eng.side.row_records() is rows and rows.rows_epoch == self.rows_epoch
                 and views.recs is self.recs and eng.groups is self.groups
                 and eng.layout is self.layout and len(eng.layout.buckets) == self.nbuckets):
             return False

@@ -36,8 +36,7 @@ def add_group(eng, params: list, amsgrad: bool) -> None:
         _truncate(eng, nb, nbytes, {})
         raise
     try:
-        if eng.device is not None:
-            eng.side.allocate(eng.layout)
+        eng.side.allocate(eng.layout)
         eng.side.extend(eng.groups)
     except BaseException as e:   # the tier grew for the group: refused until a load
         _drop_groups(eng, gi)
@@ -53,8 +52,7 @@ def _allocate(eng, nb: int, nbytes: int, was: dict) -> None:
     rest."""
     try:
         eng.tier.allocate(eng.layout)
-        if eng.device is not None:
-            eng.side.allocate(eng.layout)   # (a staging ring only grows: a larger one stays valid)
+        eng.side.allocate(eng.layout)   # (a staging ring only grows: a larger one stays valid)
     except BaseException:
         _truncate(eng, nb, nbytes, was)
         raise
@@ -73,9 +71,7 @@ def _truncate(eng, nb: int, nbytes: int, was: dict) -> None:
         if v is not None:
             lay.of_param[key] = v
     eng.tier.shrink(lay)
-    drop = getattr(eng.side, "drop_buckets", None)   # (per-bucket buffers: schedule/delayed.py)
-    if drop is not None:
-        drop(gone)
+    eng.side.drop_buckets(gone)
 
 
 def _drop_groups(eng, gi: int) -> None:
@@ -101,7 +97,7 @@ def lay_out_late(eng, keys, state=None) -> None:
     for gi, i in late:
         lp = local(eng.groups[gi][i])
         shapes.append(Shape(gi, i, lp.numel(), lp.element_size(),
-                            master=eng.device is not None or lp.dtype in LOW_PRECISION))
+                            master=eng.side.all_masters or lp.dtype in LOW_PRECISION))
     lay = eng.layout
     nb, nbytes = len(lay.buckets), lay.nbytes
     was = {key: lay.of_param.get(key) for key in late}

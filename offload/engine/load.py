@@ -76,7 +76,7 @@ def reload_masters(layout, tier, registry, which: set, read_master: Callable) ->
     rewrite_buckets(layout, tier, hits, apply)
 
 
-def load(entries: dict, *, layout, tier, registry, tracker, numels: list, moment_format: Callable[[int, int], str],
+def load(entries: dict, *, layout, tier, registry, tracker, numels: list, moment_format: Callable,
          mode: str, read_master: Callable) -> None:
     """Replace the whole state by ``entries`` ((gi, i) -> state dict), bucket by bucket (checked first).
     Parameters without an entry start afresh at their next step (as with torch's loader). A missing
@@ -85,12 +85,12 @@ def load(entries: dict, *, layout, tier, registry, tracker, numels: list, moment
     for (gi, i), st in list(entries.items()):
         fmt = moment_format(gi, i)
         has_packed = any(mformat.parse_saved_key(k) for k in st)
-        if fmt == "fp32" and not has_packed:
+        if not fmt.compressed and not has_packed:
             continue
         where = f"state of parameter {i} of group {gi}"
         conv = compressed.to_format(st, fmt, numels[gi][i], where)
         rest = {k: t for k, t in st.items() if not mformat.parse_saved_key(k) and k not in mformat.MOMENT_KEYS}
-        if fmt == "fp32":   # a compressed state loaded into fp32 moments: decoded
+        if not fmt.compressed:   # a compressed state loaded into fp32 moments: decoded
             entries[(gi, i)] = dict(rest, **conv)
         else:
             packed[(gi, i)] = conv
@@ -119,10 +119,10 @@ def load(entries: dict, *, layout, tier, registry, tracker, numels: list, moment
             f32 = data.view(torch.float32)
             for pc in hit:
                 st = entries[(b.group, pc.param)]
-                if b.moments != "fp32":
+                if b.moments.compressed:
                     compressed.write_piece(b, pc, data, packed[(b.group, pc.param)])
                 for key, _size in b.keys:
-                    if b.moments != "fp32" and key != "master_param":
+                    if b.moments.compressed and key != "master_param":
                         continue
                     sec = b.section(key) // 4 + pc.pos
                     dst = f32[sec:sec + pc.n]

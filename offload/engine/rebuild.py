@@ -66,7 +66,7 @@ def _keep_own(st, p) -> None:
         st.detach(local(p).shape)
     elif st:
         for k, t in list(st.items()):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":   # (a device's: not the tier's)
                 st[k] = t.detach().clone()
 
 
@@ -74,7 +74,7 @@ def rebuild(make: Callable[[], object], groups: Sequence[dict], state,
             names: Callable[[int, int], str], old_params: Sequence[torch.Tensor] = ()) -> tuple:
     """(engine, {parameter: its new opt.state entry}) for ``groups`` (the engine's param groups)
     and ``state`` (``opt.state``); ``make()`` builds an empty engine for the groups as they are
-    now; ``old_params``: those the engine being replaced holds."""
+    now; ``old_params``: those whose state the engine being replaced holds (in its tier)."""
     entries, kept = _entries(groups, state, names)
     engine = make()
     try:
@@ -93,8 +93,9 @@ def rebuild(make: Callable[[], object], groups: Sequence[dict], state,
     except BaseException:
         engine.close()
         raise
-    held = {id(p) for g in groups for p in g["params"]}
+    held = {id(groups[gi]["params"][i]) for gi, g in enumerate(groups) for i in range(len(g["params"]))
+            if (gi, i) not in engine.excluded}   # (the parameters the new engine holds the state of)
     for p in old_params:
-        if id(p) not in held:
+        if id(p) not in held:   # no longer in a group, or stepped on the device from now on
             _keep_own(state.get(p), p)
     return engine, views

@@ -56,16 +56,12 @@ class Registry:
             if r[pc.param]:
                 continue
             for key, _size in b.keys:
-                if b.moments != "fp32" and key != "master_param":   # compressed: all-zero bytes are zero state
+                if key == "master_param":
+                    sec = b.section(key) // 4 + pc.pos
+                    read_master(b.group, pc.param, pc.start, pc.n, f32[sec:sec + pc.n])
+                else:   # every moment format's zero state is all-zero bytes
                     off, nb = b.span(key, pc)
                     data[off:off + nb].zero_()
-                    continue
-                sec = b.section(key) // 4 + pc.pos
-                dst = f32[sec:sec + pc.n]
-                if key == "master_param":
-                    read_master(b.group, pc.param, pc.start, pc.n, dst)
-                else:
-                    dst.zero_()
 
     def advance(self, active: Sequence[np.ndarray]) -> None:
         """One more step for the parameters ``active`` (per group, bool masks). Through numpy (the
@@ -100,6 +96,18 @@ class Registry:
     def valid(self) -> bool:
         """Every group's step counts found valid by :meth:`check` and not written since."""
         return all(self._checked(gi, t) for gi, t in enumerate(self.steps))
+
+    def advance_params(self, gi: int, idx: Sequence[int]) -> None:
+        """One more step for parameters ``idx`` of group ``gi`` (the device schedule, bucket by bucket
+        as backward delivers them): the same additions and version counters as :meth:`advance`."""
+        if not len(idx):
+            return
+        t = self.steps[gi]
+        valid = self._checked(gi, t)
+        self.counts(gi)[np.asarray(idx, dtype=np.int64)] += np.float32(1)
+        bump_versions([t])
+        if valid:   # a valid count one step on is still valid
+            self._valid[gi] = (t, t._version)
 
     def check(self, where: Callable[[int, int], str]) -> None:
         """Every step count is one the kernel takes (:func:`count_error`); a ValueError naming the

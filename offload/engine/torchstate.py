@@ -52,14 +52,14 @@ class _StateRecords:
 
 class TorchViews:
     def __init__(self, layout, tier, registry, groups: list, handouts: Handouts, *, local_groups: list,
-                 numels: list, amsgrad: list, moment_format: Callable[[int, int], str], device_params: bool,
+                 numels: list, amsgrad: list, moment_format: Callable, all_masters: bool,
                  mode: str, tracker, exclusive: Callable, read_master: Callable):
         """``groups``, ``local_groups``, ``numels``, ``amsgrad``: the engine's per-group lists (they grow
-        in place with add_param_group); ``device_params``: parameters on a device (every one has an fp32
-        master); ``exclusive(failed_ok=False)``: the engine's lock, as a context manager."""
+        in place with add_param_group); ``all_masters``: every parameter has an fp32 master (device
+        parameters: params/side.py); ``exclusive(failed_ok=False)``: the engine's lock."""
         self.layout, self.tier, self.registry, self.groups, self.handouts = layout, tier, registry, groups, handouts
         self.local_groups, self.numels, self.amsgrad = local_groups, numels, amsgrad
-        self.moment_format, self.device_params, self.mode = moment_format, device_params, mode
+        self.moment_format, self.all_masters, self.mode = moment_format, all_masters, mode
         self.tracker, self.exclusive, self.read_master = tracker, exclusive, read_master
         self.ptrs: dict = {}    # (gi, i) -> {key: data_ptr} of the views installed in opt.state
         self.recs: list = []    # per group: _StateRecords (what state_rows compares with)
@@ -84,7 +84,7 @@ class TorchViews:
             for k, v in views.items():
                 st[k] = v
             ptrs[(gi, int(i))] = {k: local(v).data_ptr() for k, v in views.items()}
-            if self.moment_format(gi, int(i)) != "fp32":   # exp_avg / exp_avg_sq decoded on access
+            if self.moment_format(gi, int(i)).compressed:   # moments decoded on access
                 state[p] = self.compressed_entry(gi, int(i), st)
 
     def compressed_entry(self, gi: int, i: int, base: dict):
@@ -110,7 +110,7 @@ class TorchViews:
             view, _fd = self.tier.mapping()
             fmt = self.moment_format(gi, i)
             raw = compressed.raw(self.layout, gi, i, fmt, view)
-            return {mformat.saved_key(k, fmt): t for k, t in raw.items()}
+            return {fmt.saved_key(k): t for k, t in raw.items()}
 
     def _rewrite(self, hits: dict, apply) -> None:
         loader.rewrite_buckets(self.layout, self.tier, hits, apply)
@@ -135,14 +135,14 @@ class TorchViews:
         with self.exclusive():
             view, fd = self.tier.mapping()
             out = self.views_of(gi, i, view, fd)
-            if self.moment_format(gi, i) != "fp32" and self.numels[gi][i]:
+            if self.moment_format(gi, i).compressed and self.numels[gi][i]:
                 out.update(self.decode_current(gi, i, view=view))
             return out
 
     def rewrite_held(self, gi: int, i: int, new: dict, cur: dict) -> None:
         """Write into the state what a caller wrote into held copies (``new``: {key: tensor};
         ``cur``: held_current's)."""
-        packed = self.moment_format(gi, i) != "fp32"
+        packed = self.moment_format(gi, i).compressed
         moments = {k: t for k, t in new.items() if packed and k in mformat.MOMENT_KEYS}
         if moments:
             self.rewrite_moments(gi, i, moments, cur)
@@ -173,7 +173,7 @@ class TorchViews:
             fmt = self.moment_format(gi, i)
             raw = compressed.raw(self.layout, gi, i, fmt, view)
             if sink is None:
-                m, v = mformat.decode(raw, fmt)
+                m, v = fmt.decode(raw)
             else:
                 m, v = export.decode_into(raw, fmt, self.numels[gi][i], sink)
         p = self.groups[gi][i]
@@ -193,10 +193,10 @@ class TorchViews:
                         continue
                     fmt = self.moment_format(gi, i)
                     st = self.views_of(gi, i, view, fd)
-                    if fmt != "fp32" and self.numels[gi][i]:
+                    if fmt.compressed and self.numels[gi][i]:
                         shape = local(params[i]).shape
                         for k, t in compressed.raw(self.layout, gi, i, fmt, view).items():
-                            st[mformat.saved_key(k, fmt)] = t.view(shape) if not mformat.per_block(fmt, k) else t
+                            st[fmt.saved_key(k)] = t.view(shape) if not fmt.per_block(k) else t
                     out[(gi, i)] = st
             return out
 
@@ -263,20 +263,20 @@ class TorchViews:
     def entry_keys(self, gi: int, i: int) -> list:
         """The state tensors ``opt.state`` shows for parameter (gi, i) as views of its buckets."""
         lp = local(self.groups[gi][i])
-        shown = self.has_master(gi, i) and not (self.device_params and lp.dtype == torch.float32)
+        shown = self.has_master(gi, i) and not (self.all_masters and lp.dtype == torch.float32)
         keys = ["master_param"] if shown else []
-        if self.moment_format(gi, i) == "fp32":
+        if not self.moment_format(gi, i).compressed:
             keys += ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad[gi] else [])
         return keys
 
     def has_master(self, gi: int, i: int) -> bool:
         """Parameter (gi, i)'s buckets hold an fp32 master (device parameters, bf16/fp16 ones)."""
-        return self.device_params or local(self.groups[gi][i]).dtype in LOW_PRECISION
+        return self.all_masters or local(self.groups[gi][i]).dtype in LOW_PRECISION
 
-    def follow_shapes(self, state: dict, rows) -> None:
-        """Parameters the side revalidated this step (``rows.revalidated``) that were given another
-        shape: their state views follow (engine/adopt.py)."""
-        for gi, idx in getattr(rows, "revalidated", ()):
+    def follow_shapes(self, state: dict, revalidated) -> None:
+        """Parameters the side revalidated this step (``revalidated``: (group, rows)) that were
+        given another shape: their views follow (engine/adopt.py)."""
+        for gi, idx in revalidated:
             follow_shapes(self.groups[gi], idx, self.registry.ready[gi], state,
                           lambda i, gi=gi: self.ptrs.get((gi, i), ()),
                           lambda i, gi=gi: self._forget_state(gi, i))
@@ -329,15 +329,15 @@ class TorchViews:
         lp = local(p)
         self._check_size(gi, i, lp)
         if lp.numel() == 0:
-            keys = (["master_param"] if (self.device_params or lp.dtype in LOW_PRECISION)
+            keys = (["master_param"] if (self.all_masters or lp.dtype in LOW_PRECISION)
                     else []) + ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad[gi] else [])
             return {k: like(p, torch.zeros(lp.shape, dtype=torch.float32)) for k in keys}
-        if self.moment_format(gi, i) != "fp32":   # only the fp32 master is viewable as it is
+        if self.moment_format(gi, i).compressed:   # only the fp32 master is viewable as it is
             only = ("master_param",)
         else:
             only = None
         out = param_views(self.tier, self.layout, gi, i, lp.shape, view, fd, only, copied)
-        if self.device_params and lp.dtype == torch.float32:
+        if self.all_masters and lp.dtype == torch.float32:
             out.pop("master_param", None)   # torch's layout: an fp32 parameter is its own master
         return {k: like(p, v) for k, v in out.items()}
 
@@ -352,7 +352,7 @@ class TorchViews:
                 # what load_state_dict installs in opt.state: a later replacement is detected against it
                 self.ptrs[(gi, i)] = {k: local(v).data_ptr() for k, v in views.items()}
                 self._forget_state(gi, i)
-                if self.moment_format(gi, i) != "fp32" and self.numels[gi][i]:
+                if self.moment_format(gi, i).compressed and self.numels[gi][i]:
                     return self.compressed_entry(gi, i, st)
             return st
 
@@ -368,7 +368,7 @@ class TorchViews:
         out = {}
         have = [(gi, i) for gi, params in enumerate(self.groups) for i in range(len(params))
                 if self.registry.ready[gi][i] or self.numels[gi][i] == 0]
-        packed = {(gi, i) for gi, i in have if self.moment_format(gi, i) != "fp32" and self.numels[gi][i]}
+        packed = {(gi, i) for gi, i in have if self.moment_format(gi, i).compressed}   # numel > 0
         # compressed moments in a disk tier: decoded into file-backed memory, not 8 B/param of RAM
         sink = export.DecodedSink(getattr(self.tier, "directory", None),   # None: the RAM tier
                                   2 * sum(self.numels[gi][i] for gi, i in packed)) if packed else None

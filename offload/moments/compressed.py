@@ -1,7 +1,8 @@
 """moments/compressed.py: the torch-layout face of compressed moments in the state engine.
 
-A parameter whose bucket stores its moments compressed ("bf16" / "8bit", offload/moments/format.py) has
-no fp32 ``exp_avg``/``exp_avg_sq`` bytes anywhere. This module:
+A parameter whose bucket stores its moments compressed (a format whose ``compressed`` is set,
+"bf16" or "8bit": offload/moments/format.py) has no fp32 ``exp_avg``/``exp_avg_sq`` bytes
+anywhere. This module:
 
 * reads its compressed tensors out of the tier (``raw``: copies joined over the pieces of a split
   parameter; blocks never straddle pieces, see offload/state/layout.py),
@@ -19,6 +20,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from ..moments import format as mformat
+from ..moments.format import MomentFormat
 from ..base.dist import local
 
 __all__ = ["CompressedState", "bitwise_equal", "raw", "to_format", "write_piece"]
@@ -35,35 +37,36 @@ def bitwise_equal(a, b: torch.Tensor) -> bool:
     return torch.equal(flat(a.to(b.device)), flat(b))
 
 
-def raw(layout, gi: int, i: int, fmt: str, mapping) -> Dict[str, torch.Tensor]:
+def raw(layout, gi: int, i: int, fmt: MomentFormat, mapping) -> Dict[str, torch.Tensor]:
     """{kernel key: flat tensor} of parameter ``i`` of group ``gi`` (copies, in the tier's dtype)."""
     entries = layout.of_param.get((gi, i), [])
-    dtypes = {k: d for k, (d, _) in mformat.spec(fmt, 1).items()}
     out = {}
-    for key, _size, _pb in mformat.sections(fmt):
+    for s in fmt.sections:
         parts = []
         for bi, pc in entries:
             b = layout.buckets[bi]
-            off, nb = b.span(key, pc)
+            off, nb = b.span(s.key, pc)
             parts.append(mapping(b.offset + off, nb))
         flat = torch.cat(parts) if len(parts) != 1 else parts[0].clone()
-        out[key] = flat.view(dtypes[key])
+        out[s.key] = flat.view(s.dtype)
     return out
 
 
 def write_piece(b, pc, data: torch.Tensor, src: Dict[str, torch.Tensor], keys=None) -> None:
     """Copy piece ``pc``'s part of the parameter-level flat compressed tensors ``src`` into bucket bytes
     (only the sections ``keys``, when given)."""
-    for key, _size, pb in mformat.sections(b.moments):
-        if keys is not None and key not in keys:
+    fmt = b.moments
+    for s in fmt.sections:
+        if keys is not None and s.key not in keys:
             continue
-        off, nb = b.span(key, pc)
-        lo = pc.start // mformat.BLOCK if pb else pc.start
-        cnt = mformat.nentries(b.moments, key, pc.n)
-        data[off:off + nb].copy_(src[key].reshape(-1)[lo:lo + cnt].contiguous().view(torch.uint8))
+        off, nb = b.span(s.key, pc)
+        lo = pc.start // mformat.BLOCK if s.per_block else pc.start
+        cnt = fmt.entries(s.key, pc.n)
+        part = src[s.key].reshape(-1)[lo:lo + cnt]
+        data[off:off + nb].copy_(part.contiguous().view(torch.uint8))
 
 
-def to_format(st: dict, fmt: str, numel: int, where: str) -> Dict[str, torch.Tensor]:
+def to_format(st: dict, fmt: MomentFormat, numel: int, where: str) -> Dict[str, torch.Tensor]:
     """The flat compressed tensors of format ``fmt`` for a loaded state ``st``: taken as they are
     (``<key>.fmt``), converted from another compressed format, or encoded from torch's moments."""
     saved: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -74,18 +77,18 @@ def to_format(st: dict, fmt: str, numel: int, where: str) -> Dict[str, torch.Ten
     if len(saved) > 1:
         raise ValueError(f"{where} holds compressed moments of several formats ({sorted(saved)}): corrupted")
     if saved:
-        (sfmt, tensors), = saved.items()
-        spec = mformat.spec(sfmt, numel)
-        for k, (dt, cnt) in spec.items():
+        (name, tensors), = saved.items()
+        sfmt = mformat.moment_format(name)
+        for k, (dt, cnt) in sfmt.spec(numel).items():
             t = tensors.get(k)
             if t is None or t.dtype != dt or t.numel() != cnt:
-                raise ValueError(f"{where}: '{mformat.saved_key(k, sfmt)}' must be a {dt} tensor of {cnt} entries "
-                                 f"for a parameter of {numel} elements, got "
+                raise ValueError(f"{where}: '{sfmt.saved_key(k)}' must be a {dt} tensor of {cnt} "
+                                 f"entries for a parameter of {numel} elements, got "
                                  f"{None if t is None else (t.dtype, t.numel())}")
-        mformat.check_values(tensors, sfmt, where)
-        if sfmt == fmt:
+        sfmt.check_values(tensors, where)
+        if sfmt is fmt:
             return tensors
-        m, v = mformat.decode(tensors, sfmt)
+        m, v = sfmt.decode(tensors)
     else:
         for k in mformat.MOMENT_KEYS:
             t = st.get(k)
@@ -94,9 +97,7 @@ def to_format(st: dict, fmt: str, numel: int, where: str) -> Dict[str, torch.Ten
             if local(t).numel() != numel:
                 raise ValueError(f"state '{k}' of {where} does not match the parameter's {numel} elements")
         m, v = local(st["exp_avg"]), local(st["exp_avg_sq"])
-    if fmt == "fp32":
-        return {"exp_avg": m.detach().reshape(-1).float(), "exp_avg_sq": v.detach().reshape(-1).float()}
-    return mformat.encode(m, v, fmt)
+    return fmt.encode(m, v)
 
 
 class CompressedState(MutableMapping):
@@ -114,7 +115,7 @@ class CompressedState(MutableMapping):
     """
 
     def __init__(self, base: dict, decode: Optional[Callable[[], Dict[str, torch.Tensor]]],
-                 fmt: str, watch: Optional[Callable[[str, torch.Tensor], None]] = None):
+                 fmt: MomentFormat, watch: Optional[Callable[[str, torch.Tensor], None]] = None):
         self._d = dict(base)
         self.moments = fmt
         self.bind(decode, watch)
@@ -140,7 +141,7 @@ class CompressedState(MutableMapping):
         fmt = self.moments
 
         def decode():
-            m, v = mformat.decode(raw, fmt)
+            m, v = fmt.decode(raw)
             return {"exp_avg": m.view(shape), "exp_avg_sq": v.view(shape)}
         self.bind(decode, stored=lambda: {k: t.clone() for k, t in frozen.items()})
 
@@ -165,15 +166,17 @@ class CompressedState(MutableMapping):
         if key in mformat.MOMENT_KEYS:
             if bitwise_equal(value, self._decode()[key]):
                 return   # its own values back, e.g. Lightning's _optimizer_to_device (v[k] = v[k].to(device))
-            raise ValueError(f"state[{key!r}] of a parameter with moments={self.moments!r} is decoded from the "
-                             "compressed state on each access and cannot be replaced; load a whole state with "
+            raise ValueError(f"state[{key!r}] of a parameter with moments="
+                             f"{self.moments.name!r} is decoded from the compressed state on each "
+                             "access and cannot be replaced; load a whole state with "
                              "load_state_dict() (it re-quantizes torch's fp32 moments)")
         self._d[key] = value
 
     def __delitem__(self, key) -> None:
         if key in mformat.MOMENT_KEYS:
-            raise ValueError(f"state[{key!r}] of a parameter with moments={self.moments!r} cannot be deleted; "
-                             "del opt.state[p] (or opt.state[p] = {}) restarts the parameter's state")
+            raise ValueError(f"state[{key!r}] of a parameter with moments="
+                             f"{self.moments.name!r} cannot be deleted; del opt.state[p] (or "
+                             "opt.state[p] = {}) restarts the parameter's state")
         del self._d[key]
 
     def __iter__(self):
@@ -188,4 +191,4 @@ class CompressedState(MutableMapping):
         return key in mformat.MOMENT_KEYS or key in self._d
 
     def __repr__(self) -> str:
-        return f"CompressedState(moments={self.moments!r}, keys={list(self)})"
+        return f"CompressedState(moments={self.moments.name!r}, keys={list(self)})"

@@ -30,7 +30,7 @@ from typing import Callable, Dict
 
 import torch
 
-from ..moments import format as mformat
+from ..moments.format import MomentFormat
 from ..base.dist import local
 from . import compressed
 from .compressed import bitwise_equal
@@ -136,18 +136,19 @@ class Handouts:
                     local(t).copy_(local(cur[key]))
 
 
-def write_moments(layout, fmt: str, gi: int, i: int, new: dict, cur: dict, rewrite: Callable) -> None:
+def write_moments(layout, fmt: MomentFormat, gi: int, i: int, new: dict, cur: dict,
+                  rewrite: Callable) -> None:
     """Re-encode the moments ``new`` ({key: tensor shaped like the parameter}) of compressed-moment
-    parameter (gi, i) (format ``fmt``) into its buckets, leaving its other moment as it is (``cur``: both,
-    decoded); ``rewrite(hits, apply)`` reads, changes and writes back the buckets (engine/load.py)."""
+    parameter (gi, i) (stored in ``fmt``) into its buckets, leaving its other moment as it is
+    (``cur``: both, decoded); ``rewrite(hits, apply)`` reads, changes and writes back the buckets
+    (engine/load.py)."""
     flat = lambda t: local(t).detach().to(device="cpu", dtype=torch.float32).reshape(-1)   # noqa: E731
     try:   # validates (e.g. a negative exp_avg_sq) before the tier is touched
-        conv = mformat.encode(flat(new.get("exp_avg", cur["exp_avg"])),
-                              flat(new.get("exp_avg_sq", cur["exp_avg_sq"])), fmt)
+        conv = fmt.encode(*(flat(new.get(k, cur[k])) for k in ("exp_avg", "exp_avg_sq")))
     except ValueError as e:
         raise ValueError(f"state {sorted(new)} of parameter {i} of group {gi}, written in place through "
                          f"opt.state: {e}") from None
-    keys = {k for mk in new for k in mformat.keys_of(fmt, mk)}
+    keys = {k for mk in new for k in fmt.keys_of(mk)}
     hits: dict = {}
     for bi, pc in layout.of_param.get((gi, i), []):
         hits.setdefault(bi, []).append(pc)

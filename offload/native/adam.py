@@ -33,8 +33,10 @@ OUT_NONE = 0
 # out codes for a bf16/fp16 parameter that is the kernel's output (csrc/common.h kBF16Sync/kF16Sync):
 # elements the user wrote since the last step (they differ from round(master)) are adopted first
 OUT_USER_PARAM = {torch.bfloat16: 4, torch.float16: 5}
-TASK_COLS = 10  # p, m, v, vmax, g, out, n, step, gdtype, odtype
-COL_P, COL_M, COL_V, COL_VMAX, COL_G, COL_OUT, COL_N, COL_STEP, COL_GD, COL_OD = range(TASK_COLS)
+# the task table's columns, as the native row struct lays them out (AdamTask, csrc/common.h)
+TASK_COLS = int(_C.TASK_COLS)  # p, m, v, vmax, g, out, n, step, gdtype, odtype
+COL_P, COL_M, COL_V, COL_VMAX, COL_G, COL_OUT, COL_N, COL_STEP, COL_GD, COL_OD = (int(getattr(
+    _C, f"COL_{c}")) for c in ("P", "M", "V", "VMAX", "G", "OUT", "N", "STEP", "GD", "OD"))
 
 
 def out_and_step(outs, steps, i: int, k: int) -> tuple:
@@ -200,7 +202,8 @@ def get_isa() -> str:
 
 
 def set_isa(name: str) -> None:
-    """Force the kernels to an ISA: 'scalar', 'avx2', 'avx512' or 'auto'."""
+    """Force the kernels to an ISA: 'scalar', 'avx2', 'avx512' (x86-64), 'neon', 'sve128', 'sve256',
+    'sve512' (aarch64: the SVE one of the CPU's vector length) or 'auto'."""
     _C.set_isa(name)
 
 

@@ -20,19 +20,27 @@ from . import _C
 from ..base.tensors import bump_versions, check_tensor, ptr
 from .adam import DTYPE_CODES, OUT_NONE, out_and_step
 
-__all__ = ["MOMENT_FORMATS", "MOMENT_BLOCK", "MOMENT_TASK_COLS", "moment_state", "moment_table",
-           "adam_step_moments", "step_moment_table", "decode_moments"]
+__all__ = ["MOMENT_FORMATS", "MOMENT_BLOCK", "MOMENT_TASK_COLS", "MOMENT_COLS", "moment_state",
+           "moment_table", "adam_step_moments", "step_moment_table", "decode_moments"]
 
-MOMENT_FORMATS = {"bf16": 2, "8bit": 8}  # codes of the mfmt column (csrc/moments.h)
+# the codes of the mfmt column (csrc/moments.h)
+MOMENT_FORMATS = {"bf16": int(_C.MOMENT_CODE_BF16), "8bit": int(_C.MOMENT_CODE_8BIT)}
 MOMENT_BLOCK = int(_C.MOMENT_BLOCK)  # 256
 MOMENT_TASK_COLS = int(_C.MOMENT_TASK_COLS)  # p, m, v, m_scale, v_scale, g, out, n, step, gdtype, odtype, mfmt
-_DTYPES = {"bf16": (torch.bfloat16, torch.bfloat16), "8bit": (torch.int8, torch.uint8)}
+# {field: column} of a row, as the native row struct lays them out (AdamQTask, csrc/moments.h)
+MOMENT_COLS = {f: int(getattr(_C, f"MOMENT_COL_{f.upper()}")) for f in (
+    "p", "m", "v", "m_scale", "v_scale", "g", "out", "n", "step", "gd", "od", "fmt")}
+# per format: exp_avg's and exp_avg_sq's dtypes, and whether it has per-block scales
+_LAYOUT = {"bf16": (torch.bfloat16, torch.bfloat16, False),
+           "8bit": (torch.int8, torch.uint8, True)}
 
 
-def _check_fmt(fmt: str) -> str:
-    if fmt not in MOMENT_FORMATS:
+def _check_fmt(fmt: str) -> tuple:
+    """(exp_avg dtype, exp_avg_sq dtype, scaled) of format ``fmt``; ValueError if unknown."""
+    got = _LAYOUT.get(fmt) if isinstance(fmt, str) else None
+    if got is None:
         raise ValueError(f"unknown moment format {fmt!r}: expected one of {', '.join(MOMENT_FORMATS)}")
-    return fmt
+    return got
 
 
 def _nblocks(n: int) -> int:
@@ -42,9 +50,9 @@ def _nblocks(n: int) -> int:
 def moment_state(numel: int, fmt: str) -> dict:
     """Zeroed compressed moments for ``numel`` elements: exp_avg, exp_avg_sq (+ the two scale
     vectors for "8bit"; all-zero bytes and scales are the zero state)."""
-    md, vd = _DTYPES[_check_fmt(fmt)]
+    md, vd, scaled = _check_fmt(fmt)
     st = {"exp_avg": torch.zeros(numel, dtype=md), "exp_avg_sq": torch.zeros(numel, dtype=vd)}
-    if fmt == "8bit":
+    if scaled:
         st["exp_avg_scale"] = torch.zeros(_nblocks(numel))
         st["exp_avg_sq_scale"] = torch.zeros(_nblocks(numel))
     return st
@@ -56,8 +64,7 @@ def moment_table(params, grads, exp_avgs, exp_avg_sqs, steps, *, fmt: str, m_sca
 
     The table holds raw pointers: the tensors must stay alive (and unmoved) while it is used.
     """
-    md, vd = _DTYPES[_check_fmt(fmt)]
-    q8 = fmt == "8bit"
+    md, vd, q8 = _check_fmt(fmt)
     n = len(params)
     seqs = [("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("steps", steps)]
     if q8:
@@ -123,7 +130,7 @@ def adam_step_moments(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
 def decode_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, fmt: str,
                    m_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> tuple:
     """fp32 (exp_avg, exp_avg_sq) exactly as the kernel decodes them."""
-    if _check_fmt(fmt) == "bf16":
+    if not _check_fmt(fmt)[2]:   # bf16: exactly the stored values
         return exp_avg.float(), exp_avg_sq.float()
     n = exp_avg.numel()
     idx = torch.arange(n) // MOMENT_BLOCK

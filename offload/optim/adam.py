@@ -11,25 +11,29 @@ complex, non-contiguous, listed twice) go through torch's Adam code, state in RA
 The class derives from ``torch.optim.Optimizer`` (and optim/rebuilding.py's ``EngineSync``, which
 keeps ``_store`` laid out for the param groups as they are) and holds parts, which its methods call
 in a few lines each: ``_store``, the state engine of every mode (engine/engine.py), built by
-``_slot`` (optim/engine_slot.py);
-``_gpu``, the device face of GPU offload (schedule/device_step.py, else None; optim/gpu.py); ``_clip``, the pending
-clip coefficient (optim/clipping.py); ``_router``, which parameters torch's code steps (optim/fallback.py); and
+``_slot`` (optim/engine_slot.py); ``_face``, where the parameters are (optim/faces.py: host memory,
+or a device and its schedule); ``_clip``, the pending clip coefficient (optim/clipping.py);
+``_router``, which parameters torch's code steps (optim/fallback.py); and
 optim/torch_state.py's functions. This file holds the constructor, param groups, pickling and step dispatch.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
 
-from . import fallback, gpu, stephooks, torch_state as sdict
-from .checks import HyperCache, _check_hyper, check_group, check_options, check_threads
+from . import faces, fallback, gpu, stephooks, torch_state as sdict
+from .checks import HyperCache, check_group, check_options, check_threads
 from .clipping import CLIP_GRAD_NORM_DOC, Clip
+from ..checkpoint.adapter import CheckpointPort
 from ..base.failstop import OptimizerFailedError, detached, failed_message
 from .engine_slot import EngineSlot
+from ..engine.port import port_of
 from .rebuilding import EngineSync
+from ..moments.format import moment_format
 from ..state.choice import resolve_storage
 from .options import OPTIMIZER_WIDE, OPTIONS_DOC, constructor_args, given_gpu_options
 
@@ -39,7 +43,7 @@ __all__ = ["Adam", "AdamW"]
 # what __setstate__ fills in: of a param group (torch's keys, as torch.optim.Adam), of the optimizer
 _GROUP_KEYS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
                    decoupled_weight_decay=False)
-_OWN_KEYS = dict(_threads=None, _store=None, _gpu=None, moments="fp32", moments_min_size=4096)
+_OWN_KEYS = dict(_threads=None, _store=None, _face=None, moments="fp32", moments_min_size=4096)
 
 
 class _AdamBase(EngineSync, Optimizer):
@@ -52,7 +56,7 @@ class _AdamBase(EngineSync, Optimizer):
         params, self.moments = check_options(params, lr, betas, eps, weight_decay, amsgrad, foreach, capturable,
                                              differentiable, fused, threads, state, nvme_dir, nvme_options, moments,
                                              moments_min_size)
-        self._store = self._gpu = None
+        self._store = self._face = None   # (made below, once torch's constructor added the groups)
         # what a param group may repeat (optim/checks.py; ZeroRedundancyOptimizer puts every constructor option in its groups)
         self._wide = dict(moments=moments, moments_min_size=moments_min_size, storage=state, state=state, threads=threads,
                           nvme_dir=nvme_dir, host_budget=host_budget, keep_files=keep_files, nvme_options=nvme_options,
@@ -63,11 +67,10 @@ class _AdamBase(EngineSync, Optimizer):
                         maximize=maximize, foreach=foreach, capturable=False, differentiable=False,
                         fused=fused, decoupled_weight_decay=decoupled_weight_decay)
         self._threads = threads
-        self._clip = Clip()
-        self._hyper = HyperCache()   # checked hyperparameters per group, while unchanged
+        self._clip, self._hyper = Clip(), HyperCache()   # (HyperCache: checked group hyperparameters)
         self._failure = None   # set when a step failed part-way (offload/base/failstop.py)
         # float64/complex/strided/duplicate params: torch's code, state in RAM (optim/fallback.py)
-        self._router = fallback.Router(elsewhere=fallback.elsewhere(state, moments, offload_device))
+        self._router = fallback.Router(elsewhere=fallback.elsewhere(state, moments))
         # --- GPU offload: the mode follows from where the parameters are (offload/optim/gpu.py) ---
         params, device, owns_device = gpu.split_params(params, offload_device, gpu_options)
         # --- the state engine (offload/engine/engine.py): one for all groups, every tier and parameter side
@@ -75,9 +78,20 @@ class _AdamBase(EngineSync, Optimizer):
                                           self.moments, self.moments_min_size)
         super().__init__(params, defaults)
         self._store = self._slot.make(self._slot.groups(self.param_groups, self._router))
-        self._gpu = gpu.start_engine(self, device, gpu_options, self._store, owns_device)
-        if self._gpu is not None:   # GradScaler hands us grad_scale / found_inf instead of unscaling
+        self._face = self._start_face(device, gpu_options, owns_device, log=True)
+        if self._face.amp_scaling:   # GradScaler hands us grad_scale / found_inf: no unscaling
             self._step_supports_amp_scaling = True
+
+    def _start_face(self, device, gpu_options: dict, owns_device: bool = False, log: bool = False):
+        """Where the parameters are (optim/faces.py start), over the engine ``_store``."""
+        return faces.start(port_of(self), device, gpu_options, self._store, owns_device,
+                           lay_out=self._sync_engine, clip=self._clip, router=self._router,
+                           fail=self._fail, decoupled=self._decoupled,
+                           keep_on_device=self._slot.keep_on_device,
+                           describe=functools.partial(gpu.describe, self) if log else None)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failure = detached(exc)
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict) -> None:
@@ -87,16 +101,16 @@ class _AdamBase(EngineSync, Optimizer):
         where other groups' params lists were edited (a parameter moved here) the state engine is
         built again, every entry of opt.state kept (offload/engine/rebuild.py)."""
         self._check_usable()
-        store = getattr(self, "_store", None)
+        store = getattr(self, "_store", None)   # (None while torch's constructor adds the groups)
         n = len(self.param_groups)
-        if getattr(self, "_gpu", None) is not None:
+        if store is not None:
             # the last step may still run on the CPU worker, and the layout, the tier and the staging
             # ring grow below: nothing may be in flight; writes into the parameters since are adopted
-            self._gpu.quiesce()
+            self._face.quiesce()
         super().add_param_group(param_group)
         try:
             check_group(self.param_groups[n], n, OPTIMIZER_WIDE, self._wide,
-                        getattr(self, "moments", "fp32"), self._slot.device is not None)
+                        getattr(self, "moments", "fp32"), self._slot.on_device)
             self._clip.forget()
             native = self._slot.groups(self.param_groups, self._router)
             if store is not None and not self._slot.stale(store, native[:n], False):
@@ -106,8 +120,8 @@ class _AdamBase(EngineSync, Optimizer):
         except BaseException:
             del self.param_groups[n:]
             raise
-        if store is not None and self._gpu is not None:
-            self._gpu.load_state()
+        if store is not None:
+            self._face.load_state()
 
     # ------------------------------------------------------------------ pickling, deepcopy, a loaded state
     def __setstate__(self, state: dict) -> None:
@@ -127,6 +141,7 @@ class _AdamBase(EngineSync, Optimizer):
         self._clip.forget()   # (load_state_dict: the coefficient stays, tied to no gradients)
         self._failure = None   # a loaded state (load_state_dict, offload.load) is the way back after a failure
         if self._store is None and self._slot.picklable:   # unpickled, deep-copied: from opt.state
+            self._face = self._start_face(self._slot.device, {})
             self._sync_engine()
 
     def __getstate__(self):
@@ -152,32 +167,14 @@ class _AdamBase(EngineSync, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._gpu is not None:
-            self._sync_engine(self.param_groups, stepping=True)
-            self._gpu.step(grad_multiplier)
-            return loss
-        mult = self._clip.multiplier(grad_multiplier)
-        native, fb = self._router.split(self.param_groups)  # fb: stepped by torch's code (offload/optim/fallback.py)
-        store = self._store   # its plan: the step as the last one ran (engine/fastpath.py)
-        if fb or store is None or not store.step_planned(native, self.group_hyper, self.state,
-                                                         mult, self.kernel_threads):
-            for group, _ in fb:
-                _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-            fallback.check(self.state, fb, self.param_groups)
-            self._sync_engine(native, stepping=True)
-            self._store.step(native, self.group_hyper, self.state, mult, self.kernel_threads)
-        self._clip.clear()
-        try:
-            if fb:
-                fallback.step(self, fb, mult, self._decoupled)
-        except BaseException as e:
-            self._failure = detached(e)  # the engine's parameters are stepped: refuse to continue from here
-            raise
+        self._face.step(grad_multiplier)
         return loss
 
     def _check_usable(self) -> None:
         """Raise if an earlier step failed part-way (offload/base/failstop.py) and no state was loaded since."""
-        gpu.check_open(self.__dict__.get("_gpu"))   # device parameters: not after close()
+        face = self.__dict__.get("_face")   # (None while torch's constructor adds the groups)
+        if face is not None:
+            face.check_open()   # device parameters: not after close()
         failure = self.__dict__.get("_failure")
         if failure is not None:
             raise OptimizerFailedError(failed_message("the optimizer", failure)) from failure
@@ -185,8 +182,7 @@ class _AdamBase(EngineSync, Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad; also discards a clip coefficient computed from the discarded gradients."""
         self._clip.clear()
-        if self._gpu is not None:   # (zeroing in place waits for the last step's copies)
-            self._gpu.zero_grad(set_to_none)
+        self._face.zero_grad(set_to_none)   # (device: zeroing in place waits for the last copies)
         super().zero_grad(set_to_none=set_to_none)
 
     def close(self) -> None:
@@ -194,7 +190,11 @@ class _AdamBase(EngineSync, Optimizer):
         GPU-offload machinery (hooks, worker thread, a device the optimizer created); no-op
         otherwise. Then, with device parameters, step(), synchronize(), state_dict() ... refuse
         (docs/gpu.md)."""
-        gpu.close(getattr(self, "_gpu", None), self._store)
+        try:
+            self._face.close()
+        finally:
+            if self._store is not None:
+                self._store.close()
 
     def group_hyper(self, gi: int) -> dict:
         """The validated hyperparameters of param group ``gi`` as the kernels take them (lr, beta1,
@@ -222,10 +222,7 @@ class _AdamBase(EngineSync, Optimizer):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         self._clip.whole_model()
-        if self._gpu is not None:
-            return self._gpu.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
-        return self._clip.clip_grad_norm_(self.param_groups, self._router, self.kernel_threads, max_norm, norm_type,
-                                          error_if_nonfinite)
+        return self._face.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
     clip_grad_norm_.__doc__ = CLIP_GRAD_NORM_DOC   # (optim/clipping.py: what it does, with the rule it follows)
 
     def pending_clip_coefficient(self) -> float:
@@ -248,7 +245,7 @@ class _AdamBase(EngineSync, Optimizer):
         self._clip.mult = float(value)
 
     # ------------------------------------------------------------------ state_dict (optim/torch_state.py)
-    state = property(lambda self: gpu.settled(self.__dict__.get("_gpu"), self.__dict__["state"]),
+    state = property(lambda self: _settled(self.__dict__.get("_face"), self.__dict__["state"]),
                      lambda self, v: self.__dict__.__setitem__("state", v), doc=gpu.STATE_DOC)
 
     def state_dict(self) -> dict:
@@ -278,7 +275,8 @@ class _AdamBase(EngineSync, Optimizer):
         """``offload.save``'s extension point (offload/checkpoint/adapter.py): with compressed moments
         the checkpoint stores them compressed (``exp_avg.8bit``, scales, ...), so it resumes bitwise.
         None otherwise: the checkpoint then goes through ``state_dict()`` as for any optimizer."""
-        return None if getattr(self, "moments", "fp32") == "fp32" else self._checkpoint_tensors
+        compressed = moment_format(getattr(self, "moments", "fp32")).compressed
+        return self._checkpoint_tensors if compressed else None
 
     def _checkpoint_tensors(self, create_from):
         if create_from is not None:  # never asked: this state loads through load_state_dict (loads_itself)
@@ -292,47 +290,44 @@ class _AdamBase(EngineSync, Optimizer):
         checked before anything is replaced."""
         state_dict = sdict.pre_hooks(self, state_dict)
         self._sync_engine()   # (a group's params list edited: the engine is laid out for the groups as they are)
-        new_state, groups = sdict.map_saved(self.param_groups, state_dict, host=self._slot.device is None)
+        host = not self._slot.on_device
+        new_state, groups = sdict.map_saved(self.param_groups, state_dict, host=host)
         self.synchronize()
         sdict.install(new_state, self.param_groups, self._router.split(groups)[0], self._store,
                       self._engine_index, self._rebuild_engine)
         self.__setstate__({"state": new_state, "param_groups": groups})
-        if self._gpu is not None:
-            self._gpu.load_state(loaded=True)
+        self._face.load_state(loaded=True)
         sdict.post_hooks(self)
 
-    # ------------------------------------------------------------------ GPU offload (optim/gpu.py)
+    # ------------------------------------------------------------ GPU offload (optim/faces.py)
     def no_sync(self):
         """Backward passes inside this block only accumulate gradients on the device (no transfer);
         the first backward outside it is the accumulation boundary. No-op in CPU mode."""
-        return gpu.no_sync(self._gpu)
+        return self._face.no_sync()
 
     def set_accumulation_boundary(self, flag: bool) -> None:
         """False: the following backward passes only accumulate; True: the next one sends gradients."""
-        if self._gpu is not None:
-            self._gpu.set_accumulation_boundary(flag)
+        self._face.set_accumulation_boundary(flag)
 
     def synchronize(self) -> None:
         """Wait until the last step is fully applied and the new weights are on the device (and lay
         the state out again for param groups changed since: they keep their opt.state entries)."""
-        if self._gpu is not None:
-            self._gpu.synchronize()
-            self._sync_engine(stepping=True)
+        self._face.synchronize()
 
     def reload_params(self) -> None:
         """Re-read the fp32 master weights from the device parameters after changing them in place."""
-        gpu.need(self._gpu, "reload_params").reload_params()
+        self._face.reload_params()
 
     def last_step_stats(self, wait: bool = False) -> Optional[dict]:
         """Seconds in D2H, CPU kernel, H2D, NVMe I/O (time the step waited on it) and exposed (training
         thread blocked) of the latest finished step, with bytes moved and whether it was skipped.
         Every mode reports it; without a device the copy figures are 0."""
-        return gpu.last_step_stats(self._gpu, getattr(self, "_store", None), wait)
+        return self._face.last_step_stats(wait)
 
     @property
     def steps_during_backward(self) -> bool:
         """True when buckets are stepped during backward (GPU offload, eager mode with RAM state)."""
-        return bool(getattr(self._gpu, "eager", False))
+        return self._face.steps_during_backward
 
     def io_only_pass(self) -> float:
         """Benchmark helper (storage='nvme'): read and write back every bucket without computing;
@@ -341,23 +336,29 @@ class _AdamBase(EngineSync, Optimizer):
 
     def export_chrome_trace(self, path: str) -> int:
         """Write the recorded timeline (needs trace=True) as Chrome trace JSON; returns the span count."""
-        return gpu.need(self._gpu, "export_chrome_trace").export_chrome_trace(path)
+        return self._face.export_chrome_trace(path)
 
     # ------------------------------------------------------------------ what offload.save/load ask (public)
     @property
     def gpu_offload(self) -> bool:
         """True when the parameters live on a device (GPU offload)."""
-        return self._gpu is not None
+        return self._face.on_device
 
-    @property
-    def loads_state_itself(self) -> bool:
-        """True when the state must be loaded through load_state_dict (NVMe/mmap state, GPU offload),
-        not by writing into the tensors of ``opt.state``."""
-        return getattr(self, "_store", None) is not None or self._gpu is not None
+    def checkpoint_port(self) -> CheckpointPort:
+        """What offload.save / offload.load use of this optimizer beyond torch's API (its state is
+        loaded through load_state_dict; the engine stays mapped while a background save reads it)."""
+        store = lambda: getattr(self, "_store", None)   # noqa: E731
+        return CheckpointPort(
+            keepalive=store, loads_itself=lambda: store() is not None, on_device=lambda: self.gpu_offload,
+            pending=lambda: self.pending_grad_multiplier, set_pending=self.set_pending_grad_multiplier,
+            tensors=self.checkpoint_tensors, scalars=self.checkpoint_state)
 
-    def checkpoint_keepalive(self):
-        """What a background save must hold so that the state views it reads stay mapped (or None)."""
-        return getattr(self, "_store", None)
+
+def _settled(face, state: dict) -> dict:
+    """``state`` (opt.state) once no step writes it (``face``: None in torch's constructor)."""
+    if face is not None:
+        face.settle()
+    return state
 
 
 # Entry points run eagerly even when called from a torch.compile'd function: dynamo must not trace the native
@@ -380,7 +381,7 @@ class Adam(_AdamBase):
                  keep_files=False, nvme_options=None, offload_device=None, moments="fp32", moments_min_size=4096,
                  bucket_mb=None, overlap=None, step_during_backward=None, max_grad_norm=None, check_overflow=None,
                  release_grads=None, trace=None, small_param_numel=None, delay_updates=None, delay_after=None,
-                 delay_extrapolate=None, state=None):
+                 delay_extrapolate=None, gpu_state=None, state=None):
         super().__init__(**constructor_args(locals()))
 
 
@@ -395,5 +396,5 @@ class AdamW(_AdamBase):
                  offload_device=None, moments="fp32", moments_min_size=4096, bucket_mb=None, overlap=None,
                  step_during_backward=None, max_grad_norm=None, check_overflow=None, release_grads=None,
                  trace=None, small_param_numel=None, delay_updates=None, delay_after=None, delay_extrapolate=None,
-                 state=None):
+                 gpu_state=None, state=None):
         super().__init__(decoupled_weight_decay=True, **constructor_args(locals()))

@@ -9,6 +9,7 @@ import torch
 
 from ..moments import format as mformat
 from ..base.dist import local
+from ..state.choice import check_storage
 from ..base.dtypes import NATIVE_DTYPES as _PARAM_DTYPES
 
 
@@ -50,12 +51,9 @@ _F32_MAX = float(torch.finfo(torch.float32).max)
 def _check_moments(moments, min_size, amsgrad, params) -> str:
     """``moments=`` and ``moments_min_size=`` of the constructor."""
     mformat.check_moments(moments)
-    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-        raise ValueError(f"moments_min_size must be an int >= 0, got {min_size!r}")
-    if moments != "fp32":
-        if amsgrad or any(isinstance(g, dict) and g.get("amsgrad") for g in params):
-            raise ValueError(f"amsgrad=True is not supported with moments={moments!r} (compressed moments keep no "
-                             "max_exp_avg_sq); use moments='fp32' for amsgrad")
+    mformat.check_min_size(min_size)
+    groups = any(isinstance(g, dict) and g.get("amsgrad") for g in params)
+    mformat.check_amsgrad(moments, amsgrad or groups)
     return moments
 
 
@@ -131,16 +129,7 @@ def check_options(params, lr, betas, eps, weight_decay, amsgrad, foreach, captur
         if isinstance(g, dict) and isinstance(g.get("params"), set):
             raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering "
                             "of tensors in sets will change between runs. Please use a list instead.")
-    # NVMe/mmap state (offload/state/)
-    if state not in ("ram", "nvme", "mmap"):
-        raise ValueError(f"storage must be 'ram', 'nvme' or 'mmap', got {state!r}")
-    given = [k for k, v in (("nvme_dir", nvme_dir is not None),
-                            ("nvme_options", set(nvme_options or ()) - {"staging_slots"})) if v]
-    if state == "ram" and given:
-        ring = (" (with storage='ram', nvme_options={'staging_slots': n} sizes the staging ring "
-                "of device parameters)") if "nvme_options" in given else ""
-        raise ValueError(f"{' and '.join(given)} only appl{'y' if len(given) > 1 else 'ies'} to "
-                         f"storage='nvme' or storage='mmap'{ring}")
+    check_storage(state, nvme_dir, nvme_options)   # NVMe/mmap state: offload.plan's rule too
     moments = _check_moments(moments, moments_min_size, amsgrad, params)   # compressed moments (docs/moments.md)
     if capturable:
         raise ValueError("capturable=True is not supported by offload (the step runs on the CPU)")
@@ -155,7 +144,7 @@ def check_options(params, lr, betas, eps, weight_decay, amsgrad, foreach, captur
 
 def check_amsgrad(group: dict, gi: int, moments: str) -> None:
     """amsgrad=True is refused with compressed moments (a group added, or switched on later)."""
-    if moments != "fp32" and group.get("amsgrad"):
+    if group.get("amsgrad") and mformat.moment_format(moments).compressed:
         raise ValueError(f"param group {gi}: amsgrad=True with moments={moments!r}: compressed "
                          "moments have no max_exp_avg_sq; use moments='fp32' for amsgrad")
 

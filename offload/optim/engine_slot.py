@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from . import fallback
+from ..moments.format import moment_format
 from .gpu import make_state_engine
 from ..engine.rebuild import fits, rebuild
 
@@ -34,48 +35,69 @@ class EngineSlot:
         if state == "ram" and nvme_options and device is None:
             raise ValueError("nvme_options={'staging_slots': ...} with storage='ram' only applies to device parameters")
         opts = dict(nvme_options or {})
-        if moments != "fp32":
+        if moment_format(moments).compressed:
             opts.update(moments=moments, moments_min_size=moments_min_size)
         return cls(dict(state=state, nvme_dir=nvme_dir, host_budget=host_budget, keep=keep_files, nvme_options=opts,
                         gpu_options=gpu_options), device, state, moments)
 
     @property
+    def on_device(self) -> bool:
+        """The parameters are on a device (GPU offload), stepped through a device schedule."""
+        return self.device is not None
+
+    @property
     def picklable(self) -> bool:
         """Host parameters with fp32 moments in RAM: the optimizer pickles (its engine is built
         again from opt.state when it is unpickled)."""
-        return self.mode == "ram" and self.moments == "fp32" and self.device is None
+        compressed = moment_format(self.moments).compressed
+        return self.mode == "ram" and not compressed and not self.on_device
 
     def check_picklable(self) -> None:
         """TypeError naming what keeps an optimizer with this (built) engine from being pickled or deep-copied."""
         if not self.picklable:
             what = ("NVMe/mmap state" if self.mode != "ram" else
-                    "parameters on a device (GPU offload)" if self.device is not None else "compressed moments")
+                    "parameters on a device (GPU offload)" if self.on_device else
+                    "compressed moments")
             raise TypeError(f"an optimizer with {what} cannot be pickled or deep-copied; use state_dict() / "
                             "load_state_dict()")
 
     def groups(self, param_groups: list, router) -> list:
         """The param groups as the state engine holds them: host parameters without those torch's code
         steps (``router``: offload/optim/fallback.py; their state stays in host RAM), device parameters all."""
-        return param_groups if self.device is not None else router.split(param_groups)[0]
+        return param_groups if self.on_device else router.split(param_groups)[0]
 
     def index(self, param_groups: list, router) -> dict:
         """{(group, position in the engine's list of :meth:`groups`): index in torch's state_dict numbering}."""
         return fallback.engine_index(param_groups, self.groups(param_groups, router))
 
     def make(self, groups: list):
-        """An empty state engine for ``groups`` (as :meth:`groups` returns them)."""
+        """An empty state engine for ``groups`` (as :meth:`groups` returns them), without the parameters
+        whose state stays on the device (``resident``)."""
         a = self.args
-        return make_state_engine(groups, a["state"], nvme_dir=a["nvme_dir"], host_budget=a["host_budget"],
-                                 keep=a["keep"], nvme_options=a["nvme_options"], device=self.device,
-                                 gpu_options=a["gpu_options"])
+        engine = make_state_engine(groups, a["state"], nvme_dir=a["nvme_dir"], host_budget=a["host_budget"],
+                                   keep=a["keep"], nvme_options=a["nvme_options"], device=self.device,
+                                   gpu_options=a["gpu_options"], resident=self.resident)
+        engine.resident_version = self.resident_version
+        return engine
+
+    def keep_on_device(self, params: list) -> None:
+        """From the next time the engine is laid out, the state of ``params`` stays on the device
+        (schedule/split.py): the engine is built again without them."""
+        self.__dict__["resident"] = list(params)
+        self.__dict__["resident_version"] = self.resident_version + 1
+
+    resident = property(lambda self: self.__dict__.get("resident", ()))
+    resident_version = property(lambda self: self.__dict__.get("resident_version", 0))
 
     def stale(self, engine, native: list, stepping: bool) -> bool:
         """``engine`` must be built again for ``native`` (None, or a group's params list changed,
-        or, ``stepping``, its amsgrad)."""
-        return engine is None or not fits(engine, native, stepping)
+        or, ``stepping``, its amsgrad; or the parameters kept on the device changed)."""
+        return (engine is None or not fits(engine, native, stepping)
+                or getattr(engine, "resident_version", 0) != self.resident_version)
 
     def rebuild(self, native: list, state, names: Callable[[int, int], str], old=None) -> tuple:
         """(a new engine for ``native`` holding ``state``, {parameter: its new opt.state entry}); raises
         before any change (offload/engine/rebuild.py). ``old``: the engine it replaces, or None."""
-        held = [p for ps in old.groups for p in ps] if old is not None else ()
+        held = [p for gi, ps in enumerate(old.groups) for i, p in enumerate(ps)
+                if (gi, i) not in old.excluded] if old is not None else ()   # (state in its tier)
         return rebuild(lambda: self.make(native), native, state, names, held)

@@ -32,6 +32,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from ..base.dist import is_dtensor, local
 from ..base.dtypes import NATIVE_DTYPES as _NATIVE_DTYPES
 from ..base.torchadam import check_state
+from ..moments.format import moment_format
 from ..params.guards import SharedMemoryError, extent
 
 __all__ = ["FALLBACK_DTYPES", "RAM_WARN_BYTES", "elsewhere", "reason", "Router", "check", "step", "grad_sumsq", "cast_state",
@@ -42,15 +43,14 @@ log = logging.getLogger("offload.fallback")
 RAM_WARN_BYTES = 64 << 20   # host-RAM state of these parameters above which a disk tier warns once
 
 
-def elsewhere(state: str, moments: str, offload_device) -> Optional[str]:
+def elsewhere(state: str, moments: str) -> Optional[str]:
     """Where the state of the native kernel's parameters lives when not in host RAM like these
-    parameters' (the log line and the warning name it); None: host RAM too, or device parameters
-    (which are never stepped here: refused by name instead)."""
-    if offload_device is not None:
-        return None
+    parameters' (the log line and the warning name it); None: host RAM too. (Device parameters are
+    never stepped here, but refused by name: for them it is never read.)"""
     if state != "ram":
         return f"the state file (storage={state!r})"
-    return f"compressed moments (moments={moments!r})" if moments != "fp32" else None
+    compressed = moment_format(moments).compressed
+    return f"compressed moments (moments={moments!r})" if compressed else None
 
 
 def reason(p: torch.Tensor) -> Optional[str]:
@@ -225,8 +225,9 @@ def check(state, fallback: list, groups: list) -> None:
             check_state(p, st, group, where)
 
 
-def step(opt, fallback: list, mult: float, decoupled_override: Optional[bool]) -> None:
-    """One torch Adam/AdamW step of the fallback parameters (second item of ``Router.split``)."""
+def step(state, fallback: list, mult: float, decoupled_override: Optional[bool]) -> None:
+    """One torch Adam/AdamW step of the fallback parameters (second item of ``Router.split``);
+    ``state``: the optimizer's ``state``."""
     for group, params in fallback:
         plist, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
         has_complex = False
@@ -235,7 +236,7 @@ def step(opt, fallback: list, mult: float, decoupled_override: Optional[bool]) -
                 continue
             if p.grad.is_sparse:
                 raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
-            st = opt.state[p]
+            st = state[p]
             if len(st) == 0:
                 st.update(_init_state(p, group["amsgrad"]))
             elif group["amsgrad"] and "max_exp_avg_sq" not in st:

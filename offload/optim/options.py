@@ -9,7 +9,7 @@ __all__ = ["OPTIONS_DOC", "GPU_OPTION_NAMES", "OPTIMIZER_WIDE", "constructor_arg
 
 GPU_OPTION_NAMES = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm", "check_overflow",
                     "release_grads", "trace", "small_param_numel", "delay_updates", "delay_after",
-                    "delay_extrapolate")
+                    "delay_extrapolate", "gpu_state")
 
 # the constructor's own options (not torch's hyperparameters): per optimizer, never per param group
 OPTIMIZER_WIDE = ("moments", "moments_min_size", "storage", "state", "threads", "nvme_dir", "host_budget",
@@ -54,6 +54,11 @@ OPTIONS_DOC = """
     delay_extrapolate: with ``delay_updates=1``, True: each forward sees the weights it would have
         seen without delay predicted from the last update, w + (w - w_before) (default False; it
         costs one more host copy of the parameters and a pass over them per step; docs/gpu.md).
+    gpu_state: device memory for the Adam state (fp32 master and moments) of the parameters backward
+        reaches last, stepped on the GPU so that the CPU's part of the step ends inside backward:
+        ``"auto"`` (default: what the first steps leave spare, with a margin, as much as hiding
+        the CPU step needs), a size (``"8GiB"``: at most that), or 0 (every parameter's state in
+        host memory). Decided after the second step, refined after the fourth; docs/gpu.md.
 """
 
 

@@ -1,14 +1,13 @@
 """optim/rebuilding.py: ``EngineSync``, the part of offload.Adam/AdamW (optim/adam.py) that
 keeps its state engine (``_store``) laid out for the param groups as they are: where a group's
 params list (or, at a step, its amsgrad) changed, the engine is built again holding what
-``opt.state`` holds (optim/engine_slot.py, offload/engine/rebuild.py); with device parameters the
-device face is made again over it (optim/gpu.py restart).
+``opt.state`` holds (optim/engine_slot.py, offload/engine/rebuild.py), and the optimizer's face
+(optim/faces.py) steps it from then on (``restart``: a device schedule is made again over it).
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from . import gpu
 from .checks import check_amsgrad, param_name
 
 __all__ = ["EngineSync"]
@@ -22,18 +21,17 @@ class EngineSync:
             for gi, g in enumerate(native):   # (amsgrad switched on: refused before any change)
                 check_amsgrad(g, gi, self.moments)
             self.state.update(self._rebuild_engine(native, self.state))
-            if self._gpu is not None:
-                self._gpu.load_state()
+            self._face.load_state()
 
     def _rebuild_engine(self, native: list, state) -> dict:
         """A new engine for ``native`` holding ``state`` (raises before any change): the state's
-        views. With device parameters the last step lands first and the device face is made again
-        over the new engine (optim/gpu.py restart)."""
-        gpu.quiesce_for_rebuild(self._gpu)
+        views. The face is told first (device parameters: the last step lands; refused between a
+        backward and its step()), and steps the new engine from then on."""
+        self._face.before_rebuild()
         names = lambda gi, i: param_name(self.param_groups, gi, i)   # noqa: E731
         engine, views = self._slot.rebuild(native, state, names, self._store)
         old, self._store = self._store, engine
-        self._gpu = gpu.restart(self._gpu, self, engine, self._slot.args["gpu_options"])
+        self._face.restart(engine)
         if old is not None:
             old.close()
         return views

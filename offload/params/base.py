@@ -34,14 +34,17 @@ def frozen(p) -> bool:
     return isinstance(p, torch.nn.Parameter) and not p.requires_grad
 
 
-def shapes_of(groups: Sequence[Sequence[torch.Tensor]], device_side: bool, first_group: int = 0) -> List[Shape]:
-    """Layout shapes of local shards; a master section iff bf16/fp16 or on a device; frozen: no state yet."""
+def shapes_of(groups: Sequence[Sequence[torch.Tensor]], all_masters: bool,
+              first_group: int = 0) -> List[Shape]:
+    """Layout shapes of local shards; a master section iff bf16/fp16 or ``all_masters`` (the
+    side's: params/side.py); frozen: no state yet."""
     out = []
     for gi, params in enumerate(groups, start=first_group):
         for i, p in enumerate(params):
             lp = local(p)
             out.append(Shape(gi, i, lp.numel(), lp.element_size(),
-                             master=device_side or lp.dtype in LOW_PRECISION, active=not frozen(p)))
+                             master=all_masters or lp.dtype in LOW_PRECISION,
+                             active=not frozen(p)))
     return out
 
 

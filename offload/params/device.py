@@ -13,13 +13,17 @@ import threading
 from dataclasses import dataclass
 from typing import List, Optional
 
+import numpy as np
 import torch
 
 from ..base.dist import local
 from ..native.adam import DTYPE_CODES
-from .base import bump_stepped
+from ..state.tier import check_staging_slots
+from .base import bump_stepped, check_grad
+from .guards import check_overlaps
+from .side import ParamSide
 
-__all__ = ["DeviceParams"]
+__all__ = ["DeviceParams", "piece"]
 
 
 @dataclass
@@ -28,17 +32,21 @@ class Staged:
     d2h: object
 
 
-class DeviceParams:
-    device_side = True
+def piece(buf: torch.Tensor, pc, dtype) -> torch.Tensor:
+    """Piece ``pc``'s part of a staging buffer ``buf`` (its bucket's layout), as ``dtype``."""
+    return buf[pc.boff:pc.boff + pc.n * pc.itemsize].view(dtype)
+
+
+class DeviceParams(ParamSide):
+    """The parameter side of device tensors (params/side.py: what each method does)."""
+    all_masters = True   # the kernel writes new weights into a slot: each piece's master is state
 
     def __init__(self, groups, device, slots: int = 2, dtypes: Optional[list] = None):
-        if not (isinstance(slots, int) and 1 <= slots <= 64):
-            raise ValueError(f"staging_slots must be an int in [1, 64], got {slots!r}")
-        self.groups = groups
+        check_staging_slots(slots)
+        super().__init__(groups)
         # per group, each parameter's dtype as laid out (the engine's list, which grows with
         # it): the staging slots are sized by it, whatever a parameter was cast to since
         self.dtypes = [[local(p).dtype for p in ps] for ps in groups] if dtypes is None else dtypes
-        self.grads = None             # this step's validated gradients, set by the engine
         self.device = device
         self.nslots = slots
         self.slot_bytes = 0
@@ -48,14 +56,34 @@ class DeviceParams:
         self._next = 0
         self._after = None
         self._last_up = None
-        self.stats = dict(d2h_s=0.0, h2d_s=0.0, d2h_bytes=0, h2d_bytes=0)
-        self.publishes = 0            # uploads issued so far: fingerprints older than the last one are stale
-        self.trace = None             # offload.base.trace.Trace: copy spans (trace=True)
         self._events: list = []       # (kind, event) of copies not yet counted; the worker appends
         self._events_lock = threading.Lock()
 
-    def extend(self, groups) -> None:
-        self.groups = groups
+    @property
+    def staging_slots(self) -> int:
+        return self.nslots
+
+    def stage_cap(self, budget_cap: Optional[int], bucket_bytes: Optional[int]) -> Optional[int]:
+        return min(budget_cap or bucket_bytes, bucket_bytes) if bucket_bytes else budget_cap
+
+    def collect(self, groups, local_groups, dtypes, numels, own, mode: str) -> tuple:
+        active, grads = [], []
+        for gi, params in enumerate(groups):
+            a = np.zeros(len(params), dtype=bool)
+            gs = [None] * len(params)
+            for i, p in enumerate(params):
+                g = p.grad
+                if g is None:
+                    continue
+                check_grad(p, g, gi, i, dtypes[gi][i], numels[gi][i], mode, True)
+                a[i] = True
+                gs[i] = local(g)
+            active.append(a)
+            grads.append(gs)
+        given = [(gi, i, g) for gi, gs in enumerate(grads) for i, g in enumerate(gs)
+                 if g is not None]
+        check_overlaps(local_groups, given, own, mode)
+        return active, grads
 
     def allocate(self, layout) -> None:
         need = max(64, layout.max_stage_bytes)
@@ -77,9 +105,6 @@ class DeviceParams:
         """Everything the compute stream did so far (backward) comes before our copies."""
         self._after = self.device.record()
 
-    def _piece(self, buf: torch.Tensor, pc, dtype) -> torch.Tensor:
-        return buf[pc.boff:pc.boff + pc.n * pc.itemsize].view(dtype)
-
     def arrive(self, b, pieces, after=None) -> Staged:
         """D2H of the pieces' gradients into the next staging slot, after ``after`` (default: the
         event of ``begin()``; step_during_backward: the event recorded when the bucket was ready)."""
@@ -92,7 +117,8 @@ class DeviceParams:
         pairs = []
         for pc in pieces:
             g = self.grads[b.group][pc.param]
-            pairs.append((self._piece(self.grad_bufs[s], pc, g.dtype), g.reshape(-1)[pc.start:pc.start + pc.n]))
+            pairs.append((piece(self.grad_bufs[s], pc, g.dtype),
+                          g.reshape(-1)[pc.start:pc.start + pc.n]))
         ev = self.device.copy_to_host(pairs, self._after if after is None else after)
         with self._events_lock:
             self._events.append(("d2h", ev))
@@ -145,10 +171,17 @@ class DeviceParams:
         event recorded when the bucket's gradients were complete, so no queued kernel still reads them)."""
         dtypes, out = self.dtypes[b.group], self.out_bufs[staged.slot]
         pairs = [(self.flat_param(b.group, pc.param)[pc.start:pc.start + pc.n],
-                  self._piece(out, pc, dtypes[pc.param])) for pc in pieces]
+                  piece(out, pc, dtypes[pc.param])) for pc in pieces]
+        ev = self.upload(pairs, after)
+        self.slot_ev[staged.slot] = ev
+        return ev
+
+    def upload(self, pairs: list, after=None):
+        """H2D of ``pairs`` ((parameter part, host source)) after ``after``, counted as an upload
+        (``publishes``, ``stats``, ``collect_times``); ``finish`` makes the compute stream wait for
+        the last one. Returns its event."""
         self.publishes += 1
         ev = self.device.copy_to_device(pairs, after)
-        self.slot_ev[staged.slot] = ev
         self._last_up = ev
         with self._events_lock:
             self._events.append(("h2d", ev))
@@ -219,6 +252,11 @@ class DeviceParams:
             return grad_sumsq(grads, threads)
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32)   # on the device: one scalar crosses
         return float(torch.stack(norms).double().square().sum().item())
+
+    def info(self, layout) -> dict:
+        per_bucket = [sum(pc.n * pc.itemsize for pc in b.pieces) for b in layout.buckets]
+        return dict(staging_slots=self.nslots, staging_bytes=self.pinned_bytes,
+                    bucket_param_bytes=per_bucket)
 
     def close(self) -> None:
         try:

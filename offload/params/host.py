@@ -12,20 +12,17 @@ import torch
 from ..base.dist import local
 from ..native.adam import DTYPE_CODES, OUT_USER_PARAM
 from .base import LOW_PRECISION, bump_stepped
+from .side import ParamSide
 
 __all__ = ["HostParams"]
 
 
-class HostParams:
-    device_side = False
+class HostParams(ParamSide):
+    """The parameter side of CPU tensors (params/side.py: what each method does)."""
 
-    def __init__(self, groups):
-        self.groups = groups          # list of lists of parameters (the layout's order)
-        self.grads = None             # this step's validated gradients (local shards), set by the engine
+    def __init__(self, groups, dtypes=None):
+        super().__init__(groups)      # (dtypes: the engine's; the rows record their own)
         self.rows = None              # the cached per-row check (HostRows), made on the first collect
-
-    def extend(self, groups) -> None:
-        self.groups = groups
 
     def collect(self, groups, local_groups, dtypes, numels, own, mode: str) -> tuple:
         """Validate this step's parameters and gradients: (active masks, gradients) per group."""
@@ -33,6 +30,17 @@ class HostParams:
             from .hostrows import HostRows
             self.rows = HostRows()
         return self.rows.collect(groups, local_groups, dtypes, numels, own, mode)
+
+    def revalidated(self) -> list:
+        return getattr(self.rows, "revalidated", [])
+
+    def row_records(self):
+        return self.rows
+
+    def user_writes(self, tracker, ready) -> set:
+        """bf16/fp16 parameters written since their last step: the kernel takes the elements that
+        differ from round(master) into the master first (engine/engine.py _resync)."""
+        return tracker.written(ready)
 
     def ptrs(self, b, pieces, staged=None):
         """Per piece: (param address or 0, grad address, grad dtype code, out address or 0, out dtype code)."""
@@ -63,22 +71,11 @@ class HostParams:
         if self.rows is not None:
             self.rows.bumped(active)
 
-    def read_master(self, gi: int, i: int, start: int, n: int, dst: torch.Tensor, changed_only: bool = False) -> None:
+    def read_master(self, gi: int, i: int, start: int, n: int, dst: torch.Tensor,
+                    changed_only: bool = False, after=None) -> None:
         # (host bf16/fp16 parameters: the kernel adopts user writes element by element anyway)
         dst.copy_(local(self.groups[gi][i]).detach().reshape(-1)[start:start + n])
-
-    def arrive(self, b, pieces):
-        return None
 
     def grad_sumsq(self, grads, threads: int) -> float:
         from ..native.adam import grad_sumsq
         return grad_sumsq([local(g) for g in grads], threads) if grads else 0.0
-
-    def publish(self, b, pieces, staged) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

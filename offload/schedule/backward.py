@@ -39,7 +39,7 @@ from .feedstep import FeedStep
 from .frameworks import accelerate_accumulating
 from .hooks import weak_hook
 from .uploads import Upload, UploadWaits
-from .worker import Worker
+from .worker import StepJob, Worker
 
 __all__ = ["BackwardFeed", "HELD_BUCKETS"]
 
@@ -152,8 +152,8 @@ class BackwardFeed:
         self._reset()
         self.hypers = hypers
         eng.begin(self.face.port.state())
-        if self.face.small:   # (stepped at step(), after the buckets this backward steps)
-            self.face.small.check()
+        if self.face.on_device:   # (stepped at step(), after the buckets this backward steps)
+            self.face.on_device.check()
         self.face.reload_changed()
         self.side.grads = self.grads
         self.mark()
@@ -252,11 +252,10 @@ class BackwardFeed:
             if b.group not in hypers:
                 hypers[b.group] = self.face.port.hyper(b.group)
         h = hypers[b.group]
-        adv, steps = self.advanced[b.group], eng.registry.counts(b.group)
-        for pc in act:
-            if not adv[pc.param]:
-                adv[pc.param] = True
-                steps[pc.param] += 1
+        adv = self.advanced[b.group]
+        first = sorted({pc.param for pc in act if not adv[pc.param]})
+        adv[first] = True
+        eng.registry.advance_params(b.group, first)
         if not self.dispatched:
             self.marks["first"] = time.perf_counter()   # the optimizer's part of the step starts here
         self.dispatched.append(bi)
@@ -265,7 +264,7 @@ class BackwardFeed:
         self.ups.append(up)
         gr = self.grads[b.group]
         reads = [(b.group, pc.param, gr[pc.param], gr[pc.param]._version) for pc in act]   # see _unchanged
-        self.worker.put(("step", b, act, eng.registry.has_state(b), h, mult, self.device.record(), reads, up))
+        self.worker.put(StepJob(b, act, eng.registry.has_state(b), h, mult, self.device.record(), reads, up))
 
     def _sent_down(self, gi: int, pieces) -> None:
         """The D2H of these pieces was issued: a gradient whose last bucket this was is no longer held

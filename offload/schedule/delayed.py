@@ -40,26 +40,43 @@ import numpy as np
 import torch
 
 from ..base.dist import is_dtensor, multi_rank
-from ..params.device import DeviceParams
+from ..params.device import DeviceParams, piece
+from ..params.side import SideOver
 from .feedstep import WriteRaceError
 from .hooks import weak_hook
 from .uploads import Upload
 
-__all__ = ["DELAY_AFTER", "DelayedUpdates", "HeldParams", "prepare"]
+__all__ = ["DELAY_AFTER", "DelayedUpdates", "HeldParams", "held_side", "prepare"]
 
 DELAY_AFTER = 50   # exact steps before the delay starts, by default (bench/delayed.py --only loss: docs/gpu.md)
 
 
-def prepare(overlap: bool, step_during_backward, small_param_numel, engine, delay_updates=0,
-            delay_after=None, delay_extrapolate=None) -> tuple:
-    """Validate ``delay_updates`` and ``delay_after`` against the other options (nothing changes on
-    error); with a delay, the engine's parameter side becomes a ``HeldParams``. Returns (None (exact) or
-    the number of exact steps before the delay, step_during_backward: False with a delay, which steps
-    the buckets after backward)."""
+def _delay(delay_updates):
+    """``delay_updates`` as the int it stands for (bools are ints); None if neither 0 nor 1."""
     if isinstance(delay_updates, bool):
         delay_updates = int(delay_updates)
-    if not isinstance(delay_updates, int) or delay_updates not in (0, 1):
-        raise ValueError(f"delay_updates must be 0 (exact) or 1 (one step of delay), got {delay_updates!r}")
+    return delay_updates if isinstance(delay_updates, int) and delay_updates in (0, 1) else None
+
+
+def held_side(delay_updates=0, delay_extrapolate=None):
+    """How the state engine's device side is built for these options (params/__init__.py
+    side_maker's ``wrap``): a ``HeldParams`` over it with ``delay_updates=1``, else None (the plain
+    side). ``prepare`` checks the options, with the others, when the schedule starts."""
+    if _delay(delay_updates) != 1:
+        return None
+    return lambda side: HeldParams(side, extrapolate=bool(delay_extrapolate))
+
+
+def prepare(overlap: bool, step_during_backward, small_param_numel, engine, delay_updates=0,
+            delay_after=None, delay_extrapolate=None) -> tuple:
+    """Validate ``delay_updates`` and ``delay_after`` against the other options (nothing changes
+    on error; with a delay, the engine's side was built a ``HeldParams``: ``held_side``). Returns
+    (None (exact) or the number of exact steps before the delay, step_during_backward: False with
+    a delay, which steps the buckets after backward)."""
+    given, delay_updates = delay_updates, _delay(delay_updates)
+    if delay_updates is None:
+        raise ValueError("delay_updates must be 0 (exact) or 1 (one step of delay), "
+                         f"got {given!r}")
     if delay_after is not None and (isinstance(delay_after, bool) or not isinstance(delay_after, int)
                                     or delay_after < 0):
         raise ValueError(f"delay_after must be a number of steps >= 0, got {delay_after!r}")
@@ -80,11 +97,6 @@ def prepare(overlap: bool, step_during_backward, small_param_numel, engine, dela
     if multi_rank() or any(is_dtensor(p) for ps in engine.groups for p in ps):
         raise ValueError("delay_updates=1 is not supported with several torch.distributed ranks or DTensor (FSDP2) "
                          "parameters: use delay_updates=0 (the exact schedule)")
-    old = engine.side
-    engine.side = HeldParams(old.groups, old.device, old.nslots, old.dtypes,
-                             extrapolate=bool(delay_extrapolate))
-    engine.side.allocate(engine.layout)
-    old.close()
     return (DELAY_AFTER if delay_after is None else delay_after), False
 
 
@@ -93,12 +105,14 @@ def _key(pc) -> tuple:
     return pc.param, pc.start, pc.n
 
 
-class HeldParams(DeviceParams):
-    """DeviceParams whose new weights wait in one host buffer per bucket until ``release`` (while
-    ``hold``; otherwise, in the exact steps before the delay starts, a plain ``DeviceParams``)."""
+class HeldParams(SideOver):
+    """The side of device parameters ``inner`` (params/device.py), whose new weights wait in one
+    host buffer per bucket until ``release`` (while ``hold``; otherwise, in the exact steps before
+    the delay starts, every call is ``inner``'s)."""
 
-    def __init__(self, groups, device, slots: int = 2, dtypes=None, extrapolate: bool = False):
-        super().__init__(groups, device, slots, dtypes)
+    def __init__(self, inner: DeviceParams, extrapolate: bool = False):
+        super().__init__(inner)
+        self.device, self.dtypes = inner.device, inner.dtypes   # (the engine's list: it grows)
         self.extrapolate = extrapolate
         self.bufs: dict = {}      # bucket index -> host buffers of its weights (its staging layout; two to extrapolate)
         self.held: dict = {}      # bucket index -> (bucket, pieces) stepped and not uploaded yet
@@ -114,7 +128,7 @@ class HeldParams(DeviceParams):
         self.shown: dict = {}
 
     def allocate(self, layout) -> None:
-        super().allocate(layout)
+        self.inner.allocate(layout)
         new = {b.index: [self.device.host_empty(max(64, b.stage_bytes), torch.uint8)
                          for _ in range(2 if self.extrapolate else 1)]
                for b in layout.buckets if b.index not in self.bufs}
@@ -123,12 +137,17 @@ class HeldParams(DeviceParams):
     def drop_buckets(self, buckets) -> None:
         """The layout lost ``buckets`` (indices; a growth that was undone): their buffers go (a
         bucket laid out later under the same index may need another size)."""
+        self.inner.drop_buckets(buckets)
         for bi in buckets:
             self.bufs.pop(bi, None)
 
     @property
     def pinned_bytes(self) -> int:
-        return super().pinned_bytes + sum(buf.numel() for bufs in self.bufs.values() for buf in bufs)
+        held = sum(buf.numel() for bufs in self.bufs.values() for buf in bufs)
+        return self.inner.pinned_bytes + held
+
+    def info(self, layout) -> dict:
+        return dict(self.inner.info(layout), staging_bytes=self.pinned_bytes)
 
     def _free(self, bi: int, k: int):
         """Buffer k of bucket bi, once the last upload from it has read it."""
@@ -144,7 +163,7 @@ class HeldParams(DeviceParams):
     def ptrs(self, b, pieces, staged) -> list:
         """The kernel's pointers, its output redirected to the bucket's own buffer (once the last
         upload from that buffer has read it)."""
-        rows = super().ptrs(b, pieces, staged)
+        rows = self.inner.ptrs(b, pieces, staged)
         if not self.hold:
             return rows
         base = self._free(b.index, self._target(b.index)).data_ptr()
@@ -153,7 +172,7 @@ class HeldParams(DeviceParams):
     def publish(self, b, pieces, staged, after=None):
         """Nothing goes up now: the bucket's weights are held until ``release``."""
         if not self.hold:
-            return super().publish(b, pieces, staged, after)
+            return self.inner.publish(b, pieces, staged, after)
         self.held[b.index] = (b, list(pieces))
         if self.extrapolate:
             self._extrapolate(b, pieces)
@@ -174,7 +193,7 @@ class HeldParams(DeviceParams):
         old_buf, dtypes, ext = self._free(bi, o), self.dtypes[b.group], []
         for pc in pieces:
             dtype = dtypes[pc.param]
-            new, old = self._piece(self.bufs[bi][k], pc, dtype), self._piece(old_buf, pc, dtype)
+            new, old = piece(self.bufs[bi][k], pc, dtype), piece(old_buf, pc, dtype)
             if _key(pc) in before:
                 x = new.float()
                 old.copy_(x + (x - old.float()))
@@ -192,7 +211,7 @@ class HeldParams(DeviceParams):
         step). Every destination is checked first: a refusal uploads nothing."""
         for b, pieces in list(self.held.values()) + list(self.shown.values()):
             for pc in pieces:
-                self.flat_param(b.group, pc.param)
+                self.inner.flat_param(b.group, pc.param)
         held, self.held = self.held, {}
         shown, self.shown = self.shown, {}
         if update:
@@ -205,16 +224,11 @@ class HeldParams(DeviceParams):
         for bi in first + sorted(todo - set(first)):
             b, parts = self._sources(bi, held, shown, actual)
             dtypes = self.dtypes[b.group]
-            pairs = [(self.flat_param(b.group, pc.param)[pc.start:pc.start + pc.n],
-                      self._piece(self.bufs[bi][k], pc, dtypes[pc.param])) for pc, k in parts]
-            self.publishes += 1
-            ev = self.device.copy_to_device(pairs, after)
+            pairs = [(self.inner.flat_param(b.group, pc.param)[pc.start:pc.start + pc.n],
+                      piece(self.bufs[bi][k], pc, dtypes[pc.param])) for pc, k in parts]
+            ev = self.inner.upload(pairs, after)
             for k in {k for _, k in parts}:
                 self.reading[(bi, k)] = ev
-            self._last_up = ev
-            with self._events_lock:
-                self._events.append(("h2d", ev))
-            self.stats["h2d_bytes"] += sum(d.numel() * d.element_size() for d, _ in pairs)
             up = Upload(bi)
             up.ev = ev
             up.issued.set()
@@ -246,7 +260,7 @@ class HeldParams(DeviceParams):
         self.cur, self.pred, self.ext = {}, {}, {}
 
     def synchronize(self) -> None:
-        super().synchronize()
+        self.inner.synchronize()
         self.reading = {}
 
 
@@ -256,6 +270,9 @@ class DelayedUpdates:
     the ``after``-th are exact: their CPU step uploads as in the deferred schedule."""
 
     def __init__(self, feed, side: HeldParams, device, after: int = 0):
+        if not isinstance(side, HeldParams):   # (the side is fixed when the engine is built)
+            raise TypeError("delay_updates=1 needs a state engine built with the side of "
+                            "held_side()")
         self.feed, self.side, self.device, self.after = feed, side, device, after
         self.pending = False   # an update queued and not on the device yet (no synchronize since)
         self.update = False    # an update queued since the last release

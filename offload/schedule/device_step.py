@@ -30,7 +30,8 @@ from ..base.dist import global_sumsq, in_process_group, is_dtensor, local, multi
 from ..native.adam import affinity_cpus
 from ..params.base import check_device_params
 from ..params.fingerprint import fingerprints
-from .smallparams import DeviceSideAdam
+from .resident import ResidentAdam, on_device
+from .split import effective
 from .stepstats import StepStats
 from ..base.trace import Trace
 from .delayed import DelayedUpdates, prepare
@@ -50,7 +51,8 @@ def _mark(p) -> tuple:
 class DeviceStep:
     def __init__(self, port, engine, device, *, bucket_mb: float = 32.0, overlap: bool = True,
                  step_during_backward=None, max_grad_norm=None, check_overflow: bool = False,
-                 release_grads: bool = False, trace: bool = False, small_param_numel: int = 0, **delay):
+                 release_grads: bool = False, trace: bool = False, small_param_numel: int = 0,
+                 gpu_state=None, resident: Optional[ResidentAdam] = None, **delay):
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise ValueError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
         if max_grad_norm is not None and not (float(max_grad_norm) > 0):
@@ -66,6 +68,7 @@ class DeviceStep:
                              "unset (the default steps after backward when several ranks run)")
         if step_during_backward is None:   # (DDP rewrites gradients after they are ready, even on one rank)
             step_during_backward = max_grad_norm is None and not check_overflow and not in_process_group()
+        self.gpu_state = effective(gpu_state, delay is not None, engine.mode)   # (optim/faces.py uses it)
         self.port = port
         self.engine = engine
         self.device = device
@@ -74,11 +77,9 @@ class DeviceStep:
         self.release_grads = bool(release_grads)
         self.trace = Trace() if trace else None
         engine.side.trace = self.trace
-        # parameters of at most small_param_numel elements stay on the device (offload/schedule/smallparams.py)
-        small = sorted(engine.excluded)
-        groups = port.groups()
-        self.small = DeviceSideAdam(port, {gi: [groups[gi]["params"][i] for g2, i in small if g2 == gi]
-                                           for gi in range(len(groups))}, port.hyper(0)["decoupled"])
+        # stepped on the device: parameters of at most small_param_numel elements (schedule/smallparams.py)
+        # and those whose state stays there (schedule/resident.py; gpu_state=: optim/faces.py decides)
+        self.resident, self.on_device = on_device(port, engine.excluded, small_param_numel, resident)
         self.feed = None
         if self.overlap:
             from .backward import BackwardFeed
@@ -235,14 +236,14 @@ class DeviceStep:
         port = self.port
         if self.feed is None:   # (the overlapped schedules: when the step's cycle begins)
             self.check_params()
-        if self.small:   # they are stepped first: every group's hyperparameters are checked before that
+        if self.on_device:   # stepped first: every group's hyperparameters are checked before that
             for gi in range(len(port.groups())):
                 port.hyper(gi)
         gs, found_inf = port.amp()
         if gs is not None:
             mult /= float(gs)
         if self.feed is not None and self.eager:
-            return self._queued(t0, self.feed.step(mult, gs, found_inf, before=self._small_step(mult)), mult)
+            return self._queued(t0, self.feed.step(mult, gs, found_inf, before=self._on_device_step(mult)), mult)
         skip = found_inf is not None and float(found_inf) > 0
         if self.feed is None:
             active = self.engine.collect(port.groups(), state=port.state())   # checks first
@@ -257,17 +258,17 @@ class DeviceStep:
                     mult *= coef
         if self.feed is not None:
             step = self.feed.step if self.delayed is None else self.delayed.wrap(self.feed.step)
-            return self._queued(t0, step(mult, gs, found_inf, skip=skip, before=self._small_step(mult)), mult)
+            return self._queued(t0, step(mult, gs, found_inf, skip=skip, before=self._on_device_step(mult)), mult)
         if not math.isfinite(mult) and not skip:
             raise ValueError(f"grad_multiplier must be finite, got {mult}")
-        for gi, i in self.engine.excluded:   # small parameters: stepped on the device
+        for gi, i in self.engine.excluded:   # (small parameters, state on the device: stepped there)
             active[gi][i] = False
         side = self.engine.side
         s0 = dict(side.stats)
         stats = dict(kernel_s=0.0, nvme_s=0.0, buckets=0)
         if not skip:
             self.engine.begin(port.state())   # opt.state's edits taken and checked first
-            self._small_step(mult)()
+            self._on_device_step(mult)()
             self.reload_changed()   # the user wrote parameters (e.g. model.load_state_dict): masters follow
             self.engine.step(port.groups(), port.hyper, port.state(),
                              mult, self.kernel_threads(), active=active)
@@ -280,10 +281,10 @@ class DeviceStep:
         self.synchronize()
         self.stats.record(t0, s0, stats, mult, skipped=skip, overlapped=False, done=True)
 
-    def _small_step(self, mult: float):
+    def _on_device_step(self, mult: float):
         def run():
-            if self.small:
-                self.small.step(mult)
+            if self.on_device:
+                self.on_device.step(mult)
         return run
 
     def _queued(self, t0: float, rec: dict, mult: float) -> None:
@@ -349,8 +350,8 @@ class DeviceStep:
             self.feed.extend()   # add_param_group: hooks and buckets of the new group
             if loaded:
                 (self.delayed or self.feed).recover()   # a worker failure is cleared by the load, as the tier's is
-        if self.small:
-            self.small.load()
+        if self.on_device:
+            self.on_device.load()
         self._versions = {} if loaded else self._snapshot()   # {}: every parameter counts as changed
         self._prints = None
         self._dtensors = None   # (a group of DTensors may have been added)

@@ -21,6 +21,7 @@ import torch
 
 from .hooks import weak_module_hook
 from .owners import ForwardObserver
+from .worker import FinishJob, NudgeJob
 
 __all__ = ["FeedStep", "WriteRaceError"]
 
@@ -134,7 +135,7 @@ class FeedStep:
             fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~eng.registry.ready[gi])]
             rec.update(first=feed.marks["first"], buckets=0 if skip else len(feed.dispatched), skipped=skip)
             order = feed.dispatched + [bi for bi in feed.order if bi not in feed.done]
-            feed.worker.put(("finish", lambda: self._finish(active, fresh, rec, order)))
+            feed.worker.put(FinishJob(lambda: self._finish(active, fresh, rec, order)))
         except BaseException as e:
             if feed.dispatched and feed.error is None:
                 feed.fail(e, True)   # buckets were stepped: the state no longer matches any whole step
@@ -146,7 +147,7 @@ class FeedStep:
             feed.uploads.start(feed.ups)   # forward waits bucket by bucket
             if feed.error is not None and feed.reported:
                 feed.give_up_uploads()   # (this step raised the failure)
-            feed.worker.put(("nudge",))   # read ahead the next step's first buckets during forward
+            feed.worker.put(NudgeJob())   # read ahead the next step's first buckets during forward
         return rec
 
     def _finish(self, active: list, fresh: list, rec: dict, order: list) -> None:

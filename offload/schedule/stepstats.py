@@ -57,4 +57,6 @@ class StepStats:
                           overlapped=r["overlapped"], waited_all=r.get("waited_all", False), complete=True)
         if "pipeline_s" in r:
             self.last["pipeline_s"] = r["pipeline_s"]
+        if r.get("first") is not None:   # buckets stepped during backward: the first one queued -> step()
+            self.last["backward_s"] = max(0.0, r["t_step"] - r["first"])
         self.records = self.records[k:]

@@ -13,11 +13,12 @@ import queue
 import threading
 import weakref
 from collections import deque
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from ..engine.bucket import step_bucket
 
-__all__ = ["Worker"]
+__all__ = ["BarrierJob", "FinishJob", "NudgeJob", "ParkJob", "StepJob", "Worker"]
 
 _WAIT_S = 300.0   # a hang is a bug: fail loudly instead
 
@@ -75,10 +76,48 @@ def _unchanged(reads) -> None:
                 "is now partially updated.")
 
 
+@dataclass
+class StepJob:
+    """One bucket to step: the pieces with gradients, whether its state was written before (``read``
+    it), its group's hyperparameters, the gradient multiplier, the device event its copies down wait
+    for (``after``), the gradients they read with their versions (``reads``: :func:`_unchanged`) and
+    the Upload of its new weights (schedule/uploads.py)."""
+    bucket: Any
+    pieces: list
+    read: bool
+    hyper: dict
+    mult: float
+    after: Any
+    reads: list
+    upload: Any
+
+
+@dataclass
+class FinishJob:
+    """Run ``fn`` after the buckets queued before it (the step's commit)."""
+    fn: Callable[[], None]
+
+
+@dataclass
+class BarrierJob:
+    """Set ``done`` once everything queued before it is done."""
+    done: threading.Event
+
+
+@dataclass
+class ParkJob:
+    """:meth:`Worker.park`: ``done`` set once what is read ahead is given up; ``n``: jobs put by then."""
+    done: threading.Event
+    n: int
+
+
+class NudgeJob:
+    """Read ahead now (the next step's first buckets, during forward)."""
+
+
 class Worker:
-    """The thread and its jobs: ``("step", bucket, pieces, read, hyper, mult, after, reads, upload)``,
-    ``("finish", fn)`` (run in order, after the buckets queued before it), ``("barrier", event)``,
-    ``("nudge",)`` (read ahead now), ``("park", event, n)`` (``park``); None stops it.
+    """The thread and its jobs: StepJob, FinishJob (run in order, after the buckets queued before
+    it), BarrierJob, NudgeJob, ParkJob (``park``); None stops it.
 
     ``threads()``: the kernel's threads; ``failure()``: the step's failure (None: none), after which
     queued buckets are skipped; ``failed(e)``: report one; ``sent_down(gi, pieces)``: their D2H was
@@ -120,21 +159,20 @@ class Worker:
             except queue.Empty:
                 break
         side = self.side
-        nslots = side.nslots
+        nslots = side.staging_slots
         # a bucket is staged (its gradients copied down) while a slot is free; one whose slot still
         # uploads the weights of an earlier bucket waits until the buckets already staged are stepped
-        while (pending and pending[0] is not None and pending[0][0] == "step" and len(staged) < nslots
+        while (pending and isinstance(pending[0], StepJob) and len(staged) < nslots
                and (not staged or side.next_slot_free())):
             job = pending.popleft()
             if self.failure() is not None:
-                job[-1].issued.set()
+                job.upload.issued.set()
                 continue
             try:
-                _, b, act, _, _, _, after, reads, _ = job
-                _unchanged(reads)
+                _unchanged(job.reads)
                 with self.engine.lock:
-                    staged.append((job, self.side.arrive(b, act, after)))
-                self.sent_down(b.group, act)
+                    staged.append((job, self.side.arrive(job.bucket, job.pieces, job.after)))
+                self.sent_down(job.bucket.group, job.pieces)
             except BaseException as e:
                 self.failed(e)
         if staged:
@@ -144,19 +182,19 @@ class Worker:
                     self.step_bucket(job, st)
                 except BaseException as e:
                     self.failed(e)
-            job[-1].issued.set()
+            job.upload.issued.set()
             return False
         if pending:
             item = pending.popleft()
             if item is None:
                 return True
-            if item[0] == "barrier":
-                item[1].set()
-            elif item[0] == "park":
-                self._park(*item[1:])
-            elif item[0] == "finish" and self.failure() is None:
+            if isinstance(item, BarrierJob):
+                item.done.set()
+            elif isinstance(item, ParkJob):
+                self._park(item.done, item.n)
+            elif isinstance(item, FinishJob) and self.failure() is None:
                 try:
-                    item[1]()
+                    item.fn()
                 except BaseException as e:
                     self.failed(e)
         if not pending and not staged and self.failure() is None and self.parked_at != self.puts:
@@ -164,7 +202,7 @@ class Worker:
         return False
 
     def _park(self, done: threading.Event, n: int) -> None:
-        """(the "park" job) What is read ahead is given up; nothing more is until the next job."""
+        """(ParkJob) What is read ahead is given up; nothing more is until the next job."""
         try:
             self.parked_at = n
             tier = self.tier
@@ -199,9 +237,10 @@ class Worker:
         finally:
             lock.release()
 
-    def step_bucket(self, job, st) -> None:
+    def step_bucket(self, job: StepJob, st) -> None:
         """Step one queued bucket whose gradients are staged (``st``): state slot, kernel, new weights up."""
-        _, b, act, read, hyper, mult, after, reads, up = job
+        b, act, read, hyper, mult, after, reads, up = (job.bucket, job.pieces, job.read, job.hyper, job.mult,
+                                                       job.after, job.reads, job.upload)
         eng, side, tier = self.engine, self.side, self.tier
         with eng.lock:
             self.stepping(b.index)
@@ -225,14 +264,14 @@ class Worker:
         if self.thread is None or self.thread is threading.current_thread() or self.parked_at == n:
             return
         done = threading.Event()
-        self.q.put(("park", done, n))
+        self.q.put(ParkJob(done, n))
         if not done.wait(_WAIT_S):
             raise TimeoutError(f"offload: the CPU worker did not finish within {_WAIT_S} s")
 
     def wait_idle(self) -> None:
         """Every queued bucket stepped and its upload issued."""
         done = threading.Event()
-        self.q.put(("barrier", done))
+        self.q.put(BarrierJob(done))
         if not done.wait(_WAIT_S):
             raise TimeoutError(f"offload: the CPU worker did not finish within {_WAIT_S} s")
 

@@ -19,28 +19,30 @@ Rules:
   * a parameter that fits in one bucket is never split; a larger one is cut into pieces of whole
     4 KiB pages per section, each in a bucket of its own (so a split parameter's section pieces
     are page-aligned and can be mapped side by side as one tensor).
-Sections are described by (key, element bytes), so a section of another dtype (e.g. compressed
-moments plus a scales section) only needs a new entry in :func:`section_keys`.
+Sections are described by (key, element bytes), as the moment format gives them.
 
-Compressed moments (``Shape.moments`` "bf16" / "8bit"): a bucket holds parameters of one
-moment format; its sections are ``[master_param |]`` followed by the format's tensors as
-``offload/moments/format.py`` describes them (e.g. ``exp_avg`` int8, ``exp_avg_sq`` uint8 and one fp32
-scale per 256-element block each). Pieces of such a bucket start on a block boundary, and a
-split parameter is cut on block boundaries, so the kernel's blocks are the same whatever the
-bucketing (RAM == NVMe == mmap bitwise, any ``host_budget``).
+Moment formats (``Shape.moments``, a MomentFormat of offload/moments/format.py): a bucket holds
+parameters of one format; its sections are ``[master_param |]`` followed by the format's
+``state_sections`` (fp32: ``exp_avg | exp_avg_sq [| max_exp_avg_sq]``; 8bit: ``exp_avg`` int8,
+``exp_avg_sq`` uint8 and one fp32 scale per 256-element block each). Pieces start on a multiple
+of the format's ``block`` (a whole block for compressed moments), and a split parameter is cut on
+block boundaries, so the kernel's blocks are the same whatever the bucketing (RAM == NVMe == mmap
+bitwise, any ``host_budget``).
 """
 from __future__ import annotations
 
 import operator
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..base.memory import ALIGN, round_up
+from ..moments.format import FP32, MomentFormat
 
-__all__ = ["Shape", "Piece", "Bucket", "Layout", "build_layout", "stagger_gap", "piece_columns", "section_keys", "entries", "unit", "round_up",
-           "ELEM", "ALIGN"]
+__all__ = ["Shape", "Piece", "Bucket", "Layout", "build_layout", "split_buckets", "stagger_gap",
+           "piece_columns", "section_keys", "unit", "round_up", "ELEM", "ALIGN"]
 
 ELEM = 16          # pieces start on 16-element (64-byte) boundaries inside a section
 _PAGE_ELEMS = ALIGN // 4   # ALIGN: buckets start (and end) on 4 KiB
@@ -55,7 +57,7 @@ class Shape:
     itemsize: int         # bytes per element of the parameter (and its gradient)
     master: bool          # needs an fp32 master section
     active: bool = True   # requires_grad: only active parameters get state
-    moments: str = "fp32"  # storage of exp_avg / exp_avg_sq: "fp32" | "bf16" | "8bit"
+    moments: MomentFormat = FP32  # how exp_avg / exp_avg_sq are stored (moments/format.py)
 
 
 @dataclass(frozen=True)
@@ -68,30 +70,17 @@ class Piece:
     itemsize: int
 
 
-def section_keys(master: bool, amsgrad: bool, moments: str = "fp32") -> Tuple[Tuple[str, int], ...]:
-    """(state key, bytes per entry) of a bucket's sections, in storage order. For compressed
-    moments some sections have one entry per block, not per element (:func:`entries`)."""
-    if moments != "fp32":
-        from ..moments.format import sections
-        return ((("master_param", 4),) if master else ()) + tuple((k, size) for k, size, _ in sections(moments))
-    keys = ((("master_param", 4),) if master else ()) + (("exp_avg", 4), ("exp_avg_sq", 4))
-    return keys + ((("max_exp_avg_sq", 4),) if amsgrad else ())
+def section_keys(master: bool, amsgrad: bool,
+                 moments: MomentFormat = FP32) -> Tuple[Tuple[str, int], ...]:
+    """(state key, bytes per entry) of a bucket's sections, in storage order. Some sections of a
+    format may have one entry per block, not per element (the format's ``entries``)."""
+    return ((("master_param", 4),) if master else ()) + tuple(
+        (s.key, s.size) for s in moments.state_sections(amsgrad))
 
 
-def entries(moments: str, key: str, n: int) -> int:
-    """Entries of section ``key`` for ``n`` elements (n, or its blocks for a per-block section)."""
-    if moments == "fp32" or key == "master_param":
-        return n
-    from ..moments.format import nentries
-    return nentries(moments, key, n)
-
-
-def unit(moments: str) -> int:
-    """Element granularity of pieces: 16 (64 bytes of fp32), a whole block for compressed moments."""
-    if moments == "fp32":
-        return ELEM
-    from ..moments.format import BLOCK
-    return round_up(BLOCK, ELEM)
+def unit(moments: MomentFormat) -> int:
+    """Element granularity of pieces: 16 (64 bytes of fp32), or the format's block if larger."""
+    return round_up(moments.block, ELEM)
 
 
 @dataclass
@@ -105,7 +94,7 @@ class Bucket:
     nbytes: int = 0                   # ALIGN-aligned state bytes
     stage_bytes: int = 0              # staging bytes (64-byte aligned pieces in the param dtype)
     pieces: List[Piece] = field(default_factory=list)
-    moments: str = "fp32"             # moment format of every piece in this bucket
+    moments: MomentFormat = FP32      # moment format of every piece in this bucket
     gap: int = 0                      # fp32 elements left after each section (stagger, below)
 
     @property
@@ -118,18 +107,19 @@ class Bucket:
         for k, size in self.keys:
             if k == key:
                 return off
-            off += entries(self.moments, k, self.cap) * size + 4 * self.gap
+            off += self.moments.entries(k, self.cap) * size + 4 * self.gap
         raise KeyError(key)
 
     def span(self, key: str, pc: "Piece") -> Tuple[int, int]:
         """(byte offset inside the bucket, bytes) of piece ``pc``'s part of section ``key``."""
         size = dict(self.keys)[key]
-        return (self.section(key) + entries(self.moments, key, pc.pos) * size,
-                entries(self.moments, key, pc.n) * size)
+        return (self.section(key) + self.moments.entries(key, pc.pos) * size,
+                self.moments.entries(key, pc.n) * size)
 
     @property
     def state_bytes(self) -> int:
-        return sum(entries(self.moments, k, self.cap) * size + 4 * self.gap for k, size in self.keys)
+        entries = self.moments.entries
+        return sum(entries(k, self.cap) * size + 4 * self.gap for k, size in self.keys)
 
 
 @dataclass
@@ -159,9 +149,11 @@ class Layout:
         return self
 
 
-def _per_elem_state(master: bool, amsgrad: bool, moments: str = "fp32") -> float:
+@lru_cache(maxsize=None)
+def _per_elem_state(master: bool, amsgrad: bool, moments: MomentFormat = FP32) -> float:
     u = unit(moments)
-    return sum(entries(moments, k, u) * size for k, size in section_keys(master, amsgrad, moments)) / u
+    keys = section_keys(master, amsgrad, moments)
+    return sum(moments.entries(k, u) * size for k, size in keys) / u
 
 
 def stagger_gap(cap: int) -> int:
@@ -172,6 +164,39 @@ def stagger_gap(cap: int) -> int:
     250 ms instead of 134 ms). 64 KiB + 64 B breaks that; small buckets fit the caches, and one
     cache line of gap is enough there."""
     return 16400 if cap >= (1 << 18) else ELEM
+
+
+def _limits(s: Shape, amsgrad: bool, max_state_bytes: Optional[int]) -> Tuple[int, Optional[int]]:
+    """(piece granularity, most elements of ``s`` a bucket holds: None for unbounded buckets)."""
+    u = unit(s.moments)
+    if not max_state_bytes:
+        return u, None
+    per = _per_elem_state(s.master, amsgrad, s.moments)
+    cap_max = int(max_state_bytes // per) // u * u
+    if cap_max < u:
+        raise ValueError(f"a state bucket of {max_state_bytes} bytes cannot hold one {u}-element "
+                         f"piece ({int(u * per)} bytes): raise host_budget")
+    return u, cap_max
+
+
+def _split_step(cap_max: int) -> int:
+    """Elements per piece of a parameter too large for one bucket: whole pages of every section
+    (a budget too small for one page per section: 16-element pieces, views then join by
+    copying)."""
+    return cap_max // _PAGE_ELEMS * _PAGE_ELEMS or cap_max
+
+
+def split_buckets(shapes: Sequence[Shape], *, amsgrad: Sequence[bool],
+                  max_state_bytes: Optional[int]) -> int:
+    """The buckets :func:`build_layout` gives to parameters too large for one bucket (one per
+    piece), counted without laying them out: the other parameters take at most one bucket each."""
+    n = 0
+    for s in shapes:
+        if s.active and s.numel:
+            u, cap_max = _limits(s, bool(amsgrad[s.group]), max_state_bytes)
+            if cap_max is not None and round_up(s.numel, u) > cap_max:
+                n += -(-s.numel // _split_step(cap_max))
+    return n
 
 
 def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_bytes: Optional[int] = None,
@@ -188,7 +213,7 @@ def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_
         nonlocal offset
         if b is None or not b.pieces:
             return
-        if stagger and b.moments == "fp32":
+        if stagger and b.moments.stagger:
             b.gap = stagger_gap(b.cap)
         b.nbytes = round_up(b.state_bytes, align)
         b.offset = offset
@@ -210,13 +235,8 @@ def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_
             continue
         ams = bool(amsgrad[s.group])
         mf = s.moments
-        u = unit(mf)
-        per = _per_elem_state(s.master, ams, mf)
-        cap_max = (int(max_state_bytes // per) // u * u) if max_state_bytes else None
-        if cap_max is not None and cap_max < u:
-            raise ValueError(f"a state bucket of {max_state_bytes} bytes cannot hold one {u}-element piece "
-                             f"({int(u * per)} bytes): raise host_budget")
-        key = (s.group, s.master) if mf == "fp32" else (s.group, s.master, mf)
+        u, cap_max = _limits(s, ams, max_state_bytes)
+        key = (s.group, s.master, mf)
         need_cap = round_up(s.numel, u)
         need_stage = round_up(s.numel * s.itemsize, 64)
         b = open_b.get(key)
@@ -235,8 +255,7 @@ def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_
         # larger than a bucket: whole pages per section, one bucket per piece
         close(b)
         open_b.pop(key, None)
-        # (a budget too small for one page per section: 16-element pieces, views then join by copying)
-        step = cap_max // _PAGE_ELEMS * _PAGE_ELEMS or cap_max
+        step = _split_step(cap_max)
         punit = _PAGE_ELEMS if step % _PAGE_ELEMS == 0 else u
         start = 0
         while start < s.numel:

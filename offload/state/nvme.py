@@ -10,6 +10,7 @@ gets buffered I/O, logged at INFO on ``offload.state``.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import time
@@ -281,6 +282,13 @@ class NvmeTier(StateTier):
         """(view function over the whole state, fd) for state_dict views; every write-back done first.
         With several drives ``fd`` is a function: layout offset -> (fd, offset in that drive's file)."""
         self.drain()
+        for dr in self.drives:   # (a shorter file cannot be mapped: mmap's own ValueError names no file)
+            size = os.fstat(dr.fd()).st_size
+            if size < dr.file_bytes:
+                e = OSError(errno.EIO, f"unexpected end of file: the state file {dr.path} holds {size} bytes, "
+                                       f"its layout {dr.file_bytes} (truncated by something else?)")
+                self.fail(e)   # its state is gone: the optimizer is failed until a load
+                raise e
         # a fresh shared mapping after all direct writes completed reads what is on disk
         maps = [mmap.mmap(dr.fd(), dr.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 for dr in self.drives]

@@ -1,5 +1,8 @@
 """state/tier.py: the interface every state tier implements, and the one budget split.
 
+The checks of the settings the split takes (``depth``, ``staging_slots``, a budget too small for
+the NVMe slots) are here too: the engine and ``offload.plan`` refuse the same values alike.
+
 A tier holds the bytes of every bucket of a layout (offload/state/layout.py). The step pipeline asks it
 to ``prefetch`` the next buckets, ``acquire`` one (its bytes in host memory, as a ``Block``),
 ``release`` it after the kernel ran (write-back) and ``drain`` at the end. ``resident`` tiers
@@ -19,7 +22,8 @@ import torch
 from ..base.failstop import OptimizerFailedError, detached, failed_message
 from .layout import ALIGN
 
-__all__ = ["Block", "StateTier", "StoreFailedError", "split_budget"]
+__all__ = ["Block", "StateTier", "StoreFailedError", "split_budget", "check_depth",
+           "check_staging_slots", "check_budget"]
 
 
 class StoreFailedError(OptimizerFailedError):
@@ -136,3 +140,34 @@ def split_budget(kind: str, budget: int, depth: int, staging_slots: int) -> tupl
         s = max(s, ALIGN)
     stage = s // 3 if staging_slots else None
     return s, stage
+
+
+def check_depth(depth) -> int:
+    """``nvme_options={'depth': n}``: buckets read ahead (per drive)."""
+    if not isinstance(depth, int) or not 1 <= depth <= 64:
+        raise ValueError(f"depth (buckets read ahead) must be an int in [1, 64], got {depth!r}")
+    return depth
+
+
+def check_staging_slots(slots) -> int:
+    """``nvme_options={'staging_slots': n}``: the pinned staging ring of device parameters."""
+    if not (isinstance(slots, int) and 1 <= slots <= 64):
+        raise ValueError(f"staging_slots must be an int in [1, 64], got {slots!r}")
+    return slots
+
+
+def check_budget(kind: str, state_cap: Optional[int], depth: int, staging_slots: int,
+                 host_budget) -> None:
+    """NVMe state needs room for one 4 KiB bucket in each of its ``depth + 2`` slots (and the
+    staging slots of device parameters, ``staging_slots``: 0 for host parameters); ``state_cap``
+    from :func:`split_budget` with the same arguments. The message names the smallest budget
+    that :func:`split_budget` accepts."""
+    if kind == "nvme" and state_cap < ALIGN:
+        need = int(ALIGN * (depth + 2 + 2 * staging_slots / 3))
+        while split_budget(kind, need, depth, staging_slots)[0] < ALIGN:
+            need += 1
+        staging = (f" and 2/3 of one for each of {staging_slots} staging slots"
+                   if staging_slots else "")
+        raise ValueError(f"host_budget={host_budget!r} is too small: NVMe state needs at least "
+                         f"{need} bytes (a {ALIGN}-byte buffer for each of its {depth + 2} slots"
+                         f"{staging})")
