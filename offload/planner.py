@@ -143,7 +143,7 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
     ``moments``/``moments_min_size``: as given to the optimizer (compressed Adam moments).
     ``nvme_dir``: as given to the optimizer (one directory, a list, or comma-separated): with
     several, ``drives`` holds each one's state file bytes (buckets round-robin, ``depth`` per drive).
-    ``state``, ``nvme_path``: the old names of ``storage`` and ``nvme_dir`` (DeprecationWarning).
+    ``state``, ``nvme_path``: deprecated aliases of ``storage`` and ``nvme_dir`` (DeprecationWarning).
     ``model_or_params`` may also be the path of a local Hugging Face ``config.json`` (or its folder):
     the model is built on the meta device (needs transformers; nothing is downloaded or allocated).
     ``bandwidths``: predict the step time (``step_time``, offload/steptime.py) from ``"measure"``

@@ -269,7 +269,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-fio", action="store_true", help="skip fio")
     p.add_argument("--skip", default="", help="comma-separated peers to skip: pwrite,memmap,aiofiles,deepspeed")
     p.add_argument("--ds-threads", type=int, default=2, help="DeepSpeed intra_op_parallelism (default 2)")
-    p.add_argument("--dir", dest="dir", default=None, help=argparse.SUPPRESS)   # the old spelling of --nvme-dir
+    p.add_argument("--dir", dest="dir", default=None, help=argparse.SUPPRESS)   # hidden alias of --nvme-dir
     add_common_options(p, reps=3)  # --reps, --json, --no-progress
     p.add_argument("--plot", metavar="PATH", help="draw the table as a PNG chart (needs matplotlib)")
     p.set_defaults(func=run)

@@ -164,7 +164,7 @@ def add_parser(subparsers) -> None:
     sp.add_argument("--storage", default=None, choices=["ram", "nvme", "mmap"],
                     help="where the optimizer state lives, as the optimizer's storage= (default: nvme with --nvme-dir, "
                     "else ram)")
-    sp.add_argument("--state", dest="storage", choices=["ram", "nvme", "mmap"], help=argparse.SUPPRESS)   # old name
+    sp.add_argument("--state", dest="storage", choices=["ram", "nvme", "mmap"], help=argparse.SUPPRESS)   # hidden alias of --storage
     sp.add_argument("--staging-slots", dest="staging_slots", type=int, default=3,
                     help="device params with NVMe/mmap state: pinned staging ring slots (as nvme_options)")
     sp.add_argument("--amsgrad", action="store_true")
@@ -176,7 +176,7 @@ def add_parser(subparsers) -> None:
     sp.add_argument("--nvme-dir", dest="nvme_dir", default=None,
                     help="where NVMe state would live, one directory or several comma-separated (free space; "
                     "--time measures it)")
-    sp.add_argument("--nvme-path", dest="nvme_dir", default=None, help=argparse.SUPPRESS)   # the old spelling
+    sp.add_argument("--nvme-path", dest="nvme_dir", default=None, help=argparse.SUPPRESS)   # hidden alias of --nvme-dir
     sp.add_argument("--moments", default="fp32", choices=["fp32", "bf16", "8bit"], help="Adam moment format")
     sp.add_argument("--moments-min-size", type=int, default=4096, help="smaller tensors keep fp32 moments")
     sp.add_argument("--threads", type=int, default=None, help="the optimizer's threads= (default: every CPU)")

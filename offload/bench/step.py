@@ -243,7 +243,7 @@ def add_parser(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--storage", dest="state", choices=("nvme", "mmap"), default="nvme",
                    help="where the optimizer state lives, as the optimizer's storage= (default nvme)")
-    p.add_argument("--state", dest="state", choices=("nvme", "mmap"), help=argparse.SUPPRESS)   # the old name
+    p.add_argument("--state", dest="state", choices=("nvme", "mmap"), help=argparse.SUPPRESS)   # hidden alias of --storage
     p.add_argument("--params", default="2e8", help="number of parameters (default 2e8)")
     p.add_argument("--tensors", type=int, default=16, help="parameter tensors they are split into (default 16)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
@@ -260,7 +260,7 @@ def add_parser(subparsers) -> None:
                    help="fake: parameters on offload.device.FakeDevice (GPU-params + NVMe path, copies on threads)")
     p.add_argument("--moments", default="fp32",
                    help="moment format(s), comma-separated: fp32, bf16, 8bit (default fp32; e.g. fp32,8bit)")
-    p.add_argument("--dir", dest="dir", default=None, help=argparse.SUPPRESS)   # the old spelling of --nvme-dir
+    p.add_argument("--dir", dest="dir", default=None, help=argparse.SUPPRESS)   # hidden alias of --nvme-dir
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", metavar="PATH", help="draw step, io and kernel times as a PNG (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")

@@ -304,7 +304,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", dest="state", choices=["ram", "nvme", "mmap"], default="ram",
                    help="also run offload-nvme: device params with the optimizer state in this place, as the "
                    "optimizer's storage= (default ram: not run)")
-    p.add_argument("--state", dest="state", choices=["ram", "nvme", "mmap"], help=argparse.SUPPRESS)   # old name
+    p.add_argument("--state", dest="state", choices=["ram", "nvme", "mmap"], help=argparse.SUPPRESS)   # hidden alias of --storage
     p.add_argument("--nvme-dir", dest="nvme_dir", default=None, help="directory for the state file, or several (comma-separated) to spread it over drives; a new "
                    "subdirectory in each, removed at the end (default: the system temp dir)")
     p.add_argument("--host-budget", dest="host_budget", default="256MiB", help="host_budget of offload-nvme")

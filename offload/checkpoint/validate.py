@@ -225,7 +225,7 @@ def _check_tensors(opt, ridx: dict, rpath: str, pplans: List[ParamPlan]) -> List
                   f"{name}: the checkpoint holds moments={sfmt!r} (compressed) state, this optimizer has "
                   f"moments={getattr(opt, 'moments', 'fp32')!r} with state in plain tensors: build it with "
                   f"moments={sfmt!r} (or any moments= with storage='nvme'/'mmap', which converts) to load it")
-            codes = ridx.get("moment_codes", {})   # absent before code versions were recorded: version 1
+            codes = ridx.get("moment_codes", {})   # absent: code version 1
             saved_code = codes.get(sfmt, 1) if isinstance(codes, dict) else None
             _need(saved_code == CODE_VERSIONS[sfmt],
                   f"{name}: the checkpoint's {sfmt} moments were written with byte code version {saved_code!r}, this "

@@ -52,7 +52,7 @@ class _AdamBase(EngineSync, Optimizer):
                  offload_device, moments, moments_min_size, state, **gpu_options):
         """Adam's and AdamW's arguments (below), all given; ``gpu_options``: options.GPU_OPTION_NAMES."""
         gpu_options = given_gpu_options(**gpu_options)
-        state = resolve_storage(storage, state, nvme_dir)   # state=: the old name of storage= (deprecated)
+        state = resolve_storage(storage, state, nvme_dir)   # state=: a deprecated alias of storage=
         params, self.moments = check_options(params, lr, betas, eps, weight_decay, amsgrad, foreach, capturable,
                                              differentiable, fused, threads, state, nvme_dir, nvme_options, moments,
                                              moments_min_size)

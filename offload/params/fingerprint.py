@@ -12,10 +12,10 @@ temporaries stay small): per tensor a position-weighted sum of its elements' bit
 times an odd pseudo-random int32 weight, the products exact in int64 (|product| < 2^62) and summed
 modulo 2^64. Changes d_i of the elements' bits change it by sum(w_i * d_i) mod 2^64, a linear form
 in the changes with pseudo-random weights: a single changed element always changes it (an odd weight
-is invertible modulo 2^64), and several cancel only if that form happens to vanish. (The first version
-wrapped each product modulo 2^32: then a uniform change such as `p.data.mul_(0.5)`, every element's
-bits -2^23, changed the sum only by the number of wrap carries minus a constant, a random walk that
-cancelled for 1-3 % of tensors of 1024-16384 elements: the write was silently reverted.) For CPU tensors (the
+is invertible modulo 2^64), and several cancel only if that form happens to vanish. (Products
+wrapped modulo 2^32 would not do: a uniform change such as `p.data.mul_(0.5)`, every element's
+bits -2^23, would change the sum only by the number of wrap carries minus a constant, a random walk
+that cancels for 1-3 % of tensors of 1024-16384 elements: the write would be silently reverted.) For CPU tensors (the
 CPU devices of the tests, `bench train` without a GPU) the same kind of sum over 32-bit words is
 computed natively (``_kernels.fingerprint``, at memory speed); on a GPU by torch, at its memory
 bandwidth. Each device's fingerprints are only ever compared with its own.

@@ -6,7 +6,7 @@ parameter and its gradient) is recorded when the row is validated. Each step the
 record and validates a new plain gradient itself; only rows that changed in any way (a new
 parameter tensor or ``p.data = ...``: pointer, dtype, shape, strides, neg bit; a bf16/fp16
 parameter written in place; a gradient that is not a plain CPU tensor) and parameters of other
-types (DTensor) go through the Python checks again, with the same messages as before.
+types (DTensor) go through the Python checks (check_grad), which raise their own messages.
 
 The write spans (parameters, the tier's buffers) are checked disjoint and indexed once
 (guards.SpanIndex), and built again, with every gradient checked against them, whenever any of
@@ -123,7 +123,7 @@ class HostRows:
                 a[newgrad] = True
                 slow = sorted(changed.tolist() + [i for i in other.tolist() if params[i].grad is not None])
             rows.plain[:] = a
-            for i in slow:   # every check as before, its message included
+            for i in slow:   # the full Python checks, each with its message
                 p = params[i]
                 g = p.grad
                 check_grad(p, g, gi, i, dtypes[gi][i], numels[gi][i], mode, False)

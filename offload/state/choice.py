@@ -1,5 +1,5 @@
-"""state/choice.py: which storage the user asked for: ``storage="ram"|"nvme"|"mmap"``, its old name ``state``
-(still accepted, with a DeprecationWarning), and the default when neither is given ("nvme" when only
+"""state/choice.py: which storage the user asked for: ``storage="ram"|"nvme"|"mmap"``, its deprecated alias
+``state`` (accepted with a DeprecationWarning), and the default when neither is given ("nvme" when only
 ``nvme_dir`` says where, else "ram"), and what a storage accepts (:func:`check_storage`). Read by
 the optimizer's constructor and by ``offload.plan()``, so that both refuse the same settings.
 """
@@ -21,7 +21,7 @@ def resolve_state(state: Optional[str], nvme_dir) -> str:
 
 
 def resolve_storage(storage: Optional[str], state: Optional[str], nvme_dir, *, stacklevel: int = 4) -> str:
-    """Where the state lives: ``storage``, or ``state`` (its old name: DeprecationWarning), or the default
+    """Where the state lives: ``storage``, or ``state`` (deprecated alias: DeprecationWarning), or the default
     of :func:`resolve_state`. ``stacklevel`` points the warning at the caller's constructor call."""
     if state is not None:
         warnings.warn(f"state={state!r} is deprecated: the argument is now called storage (storage={state!r}); "
