@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 import offload
-from offload.native import adam as _kernels
+from offload.native import adam as native_adam
 
 from .moments import _streams
 
@@ -107,7 +107,7 @@ def make_cases(scale: float, only, full: bool = False) -> list:
 
 
 def has_avx512() -> bool:
-    return "avx512" in _kernels.available_isas()
+    return "avx512" in native_adam.available_isas()
 
 
 # --------------------------------------------------------------------------- contenders
@@ -178,17 +178,17 @@ class OursKernel(Contender):
         sts = [opt.state[p] for p in ps]
         masters = [st.get("master_param", p) for st, p in zip(sts, ps)]
         outs = [p if "master_param" in st else None for st, p in zip(sts, ps)]
-        self.table = _kernels.adam_table(masters, [p.grad for p in ps], [st["exp_avg"] for st in sts],
+        self.table = native_adam.adam_table(masters, [p.grad for p in ps], [st["exp_avg"] for st in sts],
                                          [st["exp_avg_sq"] for st in sts], None, [10] * len(ps), outs)
         # a bf16/fp16 parameter is the step's own output: the step also checks it for the user's
         # writes since the last step (and adopts them), so the call does the same work
         for i, o in enumerate(outs):
-            if o is not None and o.dtype in _kernels.OUT_USER_PARAM:
-                self.table[i, _kernels.COL_OD] = _kernels.OUT_USER_PARAM[o.dtype]
+            if o is not None and o.dtype in native_adam.OUT_USER_PARAM:
+                self.table[i, native_adam.COL_OD] = native_adam.OUT_USER_PARAM[o.dtype]
         self.threads = threads
 
     def step(self) -> None:
-        _kernels.step_table(self.table, HYPER, 1.0, self.threads)
+        native_adam.step_table(self.table, HYPER, 1.0, self.threads)
 
 
 class OursKernelIsa(OursKernel):
@@ -200,11 +200,11 @@ class OursKernelIsa(OursKernel):
         self.name = f"offload kernel call [{isa}]"
 
     def step(self) -> None:
-        _kernels.set_isa(self.isa)
+        native_adam.set_isa(self.isa)
         try:
             super().step()
         finally:
-            _kernels.set_isa(self.native)
+            native_adam.set_isa(self.native)
 
 
 class TorchAdamW(Contender):
@@ -308,15 +308,15 @@ class Probe(Contender):
         self.threads, self.numel, self.lowp = threads, numel, lowp
         self.mode = 0 if mode is None else mode
         if mode is not None:
-            self.name = f"{MODE_PREFIX}{_kernels.PROBE_MODES[mode]}"
+            self.name = f"{MODE_PREFIX}{native_adam.PROBE_MODES[mode]}"
 
     def step(self) -> None:
         if self.lowp:
             p, m, v, g, out = self.bufs
-            _kernels.bandwidth_probe_moments(p, m, v, g, out, threads=self.threads, mode=self.mode)
+            native_adam.bandwidth_probe_moments(p, m, v, g, out, threads=self.threads, mode=self.mode)
         else:
             g, p, m, v = self.bufs
-            _kernels.bandwidth_probe(p, m, v, g, threads=self.threads, mode=self.mode)
+            native_adam.bandwidth_probe(p, m, v, g, threads=self.threads, mode=self.mode)
 
 
 MODE_PREFIX = "_probe: "  # contender names of the ceiling's candidates (hidden from the tables)

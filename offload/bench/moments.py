@@ -88,7 +88,7 @@ def _probe_name(fmt, lowp: bool) -> str:
 class _FormatProbe:
     """One candidate for the memory ceiling of one format: a native pass over that step's own streams
     (p, g, m and v in their element sizes, out) with trivial arithmetic, walking memory in one of the
-    ways of kernels.MOMENT_PROBE_MODES (_kernels.bandwidth_probe_moments). The ceiling is, round by
+    ways of kernels.MOMENT_PROBE_MODES (native_adam.bandwidth_probe_moments). The ceiling is, round by
     round, the fastest of the format's candidates (run)."""
 
     def __init__(self, n: int, fmt: str, lowp: bool, threads: int, mode: int, regions: list):

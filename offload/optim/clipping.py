@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ..native import adam as _kernels
+from ..native import adam as native_adam
 from . import fallback
 from ..base.dist import PARTITION_NORM, global_sumsq, nonfinite_norm, zero_partition
 from ..native.rows import get_version
@@ -120,4 +120,4 @@ class Clip:
 
 def grad_sumsq(grads: list, threads: int) -> float:
     """Sum of squares of all gradients; for DTensor (FSDP2) shards, all-reduced across ranks."""
-    return global_sumsq(grads, lambda gs: _kernels.grad_sumsq(gs, threads))
+    return global_sumsq(grads, lambda gs: native_adam.grad_sumsq(gs, threads))

@@ -17,7 +17,7 @@ wrapped modulo 2^32 would not do: a uniform change such as `p.data.mul_(0.5)`, e
 bits -2^23, would change the sum only by the number of wrap carries minus a constant, a random walk
 that cancels for 1-3 % of tensors of 1024-16384 elements: the write would be silently reverted.) For CPU tensors (the
 CPU devices of the tests, `bench train` without a GPU) the same kind of sum over 32-bit words is
-computed natively (``_kernels.fingerprint``, at memory speed); on a GPU by torch, at its memory
+computed natively (``native_adam.fingerprint``, at memory speed); on a GPU by torch, at its memory
 bandwidth. Each device's fingerprints are only ever compared with its own.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from ..native import adam as _kernels
+from ..native import adam as native_adam
 
 __all__ = ["fingerprints", "chunk_weights", "CHUNK"]
 
@@ -69,7 +69,7 @@ def fingerprints(tensors: Sequence[torch.Tensor], native: Optional[bool] = None)
     if native is None:
         native = device.type == "cpu"
     if native:   # the devices of the tests and of `bench train` here: natively, at memory speed
-        return torch.tensor([_kernels.fingerprint(_plain(t)) for t in tensors], dtype=torch.int64)
+        return torch.tensor([native_adam.fingerprint(_plain(t)) for t in tensors], dtype=torch.int64)
     w = chunk_weights(device)
     out = torch.zeros(len(tensors), dtype=torch.int64, device=device)
     small: Dict[torch.dtype, list] = {}   # tensors of one chunk or less, by integer view: summed in batches
