@@ -17,7 +17,7 @@ __all__ = ["state_engine", "row_records", "tier", "side", "device_schedule", "de
            "bookkeeping_sizes", "trace_spans", "inject_io_fault", "slow_drive"]
 
 
-def state_engine(opt) -> Optional[object]:
+def state_engine(opt):
     """The state engine (offload/engine/engine.py) that runs the optimizer's steps, in every mode."""
     return opt._face.engine
 
@@ -32,12 +32,12 @@ def row_records(opt) -> list:
 
 def tier(opt):
     """Where the state lives (offload/state/): RamTier, NvmeTier or MmapTier."""
-    return _engine(opt).tier
+    return state_engine(opt).tier
 
 
 def side(opt):
     """Where the parameters live (offload/params/): HostParams, DeviceParams or HeldParams."""
-    return _engine(opt).side
+    return state_engine(opt).side
 
 
 def device_schedule(opt) -> Optional[object]:
@@ -71,7 +71,7 @@ def state_file(opt) -> str:
 
 def state_bytes(opt) -> int:
     """Bytes the layout gives the whole state (every bucket's master, moments, ...; offload/state/layout.py)."""
-    return _engine(opt).layout.nbytes
+    return state_engine(opt).layout.nbytes
 
 
 def _index(opt, p) -> tuple:
@@ -84,30 +84,28 @@ def _index(opt, p) -> tuple:
 
 def pieces_of(opt, p) -> list:
     """The (bucket, piece) pairs parameter ``p``'s state is split into (offload/state/layout.py), in order."""
-    return _engine(opt).pieces[_index(opt, p)]
+    return state_engine(opt).pieces[_index(opt, p)]
 
 
 def raw_state(opt, p) -> dict:
     """Parameter ``p``'s state in its stored form (key -> tensor): fp32 views of master and fp32 moments
     and, for compressed moments, copies of the compressed tensors under ``<key>.<format>``
     (offload/moments/format.py saved_key), as offload.save writes them."""
-    return _engine(opt).raw_state_tensors()[_index(opt, p)]
+    return state_engine(opt).raw_state_tensors()[_index(opt, p)]
 
 
 def drop_row_caches(opt) -> None:
     """Forget the cached per-row checks (params/hostrows.py, engine/torchstate.py's state records): the next
     step validates every row of parameters, gradients and ``opt.state`` from scratch."""
     eng = state_engine(opt)
-    if eng is not None:
-        eng.side.rows = None
-        eng.views.drop_records()
+    eng.side.rows = None
+    eng.views.drop_records()
 
 
 def step_plan(opt):
     """The plan the next step runs where nothing it depends on changed (offload/engine/fastpath.py
     StepPlan), or None: the next step runs in full. The same object while steps run as planned."""
-    eng = state_engine(opt)
-    return eng.plans.plan if eng is not None else None
+    return state_engine(opt).plans.plan
 
 
 def bookkeeping_sizes(opt) -> dict:
@@ -127,18 +125,11 @@ def trace_spans(opt) -> list:
 def inject_io_fault(opt, kind: int, nth: int, drive: int = 0) -> None:
     """Make the NVMe tier's ``nth`` next system call fail with ``kind`` (offload.native.aio.FAULT_EIO, ...);
     ``drive``: which directory of ``nvme_dir`` (several drives: each has its own I/O engine)."""
-    eng = _engine(opt)
+    eng = state_engine(opt)
     drives = getattr(eng.tier, "drives", None)
     if drives:
         eng = drives[drive]
     eng.engine._set_fault(kind, nth)
-
-
-def _engine(opt):
-    eng = state_engine(opt)
-    if eng is None:
-        raise ValueError("the optimizer has no state engine")
-    return eng
 
 
 class _Late:

@@ -146,8 +146,7 @@ class _AdamBase(EngineSync, Optimizer):
 
     def __getstate__(self):
         self._check_usable()
-        if getattr(self, "_store", None) is not None:
-            self._slot.check_picklable()
+        self._slot.check_picklable()
         d = dict(super().__getstate__(), _store=None)   # (torch's: defaults, state, param_groups); the engine is
         d.update({k: v for k, v in self.__dict__.items()   # built again from opt.state by __setstate__
                   if k in ("_slot", "moments", "moments_min_size", "_threads", "_wide")})
@@ -193,8 +192,7 @@ class _AdamBase(EngineSync, Optimizer):
         try:
             self._face.close()
         finally:
-            if self._store is not None:
-                self._store.close()
+            self._store.close()
 
     def group_hyper(self, gi: int) -> dict:
         """The validated hyperparameters of param group ``gi`` as the kernels take them (lr, beta1,
@@ -213,8 +211,9 @@ class _AdamBase(EngineSync, Optimizer):
         self._threads = threads or None
 
     def storage_info(self) -> dict:
-        """Telemetry of NVMe/mmap state (bytes moved, I/O wait, kernel time, O_DIRECT or not); {} for RAM state."""
-        return self._store.info() if self._store is not None else {}
+        """Telemetry of the state: its storage, buckets, steps and kernel time; with NVMe/mmap state
+        also bytes moved, I/O wait and whether I/O is O_DIRECT."""
+        return self._store.info()
 
     _decoupled: Optional[bool] = None
 
@@ -332,7 +331,7 @@ class _AdamBase(EngineSync, Optimizer):
     def io_only_pass(self) -> float:
         """Benchmark helper (storage='nvme'): read and write back every bucket without computing;
         returns the seconds it took (the I/O-only time of a full step)."""
-        return gpu.io_only_pass(getattr(self, "_store", None))
+        return self._store.io_pass()
 
     def export_chrome_trace(self, path: str) -> int:
         """Write the recorded timeline (needs trace=True) as Chrome trace JSON; returns the span count."""
@@ -347,9 +346,8 @@ class _AdamBase(EngineSync, Optimizer):
     def checkpoint_port(self) -> CheckpointPort:
         """What offload.save / offload.load use of this optimizer beyond torch's API (its state is
         loaded through load_state_dict; the engine stays mapped while a background save reads it)."""
-        store = lambda: getattr(self, "_store", None)   # noqa: E731
         return CheckpointPort(
-            keepalive=store, loads_itself=lambda: store() is not None, on_device=lambda: self.gpu_offload,
+            keepalive=lambda: self._store, loads_itself=lambda: True, on_device=lambda: self.gpu_offload,
             pending=lambda: self.pending_grad_multiplier, set_pending=self.set_pending_grad_multiplier,
             tensors=self.checkpoint_tensors, scalars=self.checkpoint_state)
 

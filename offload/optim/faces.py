@@ -106,7 +106,7 @@ class StepFace:
 
     def last_step_stats(self, wait: bool) -> Optional[dict]:
         """The latest finished step's timings and bytes (optim/adam.py last_step_stats)."""
-        st = self.engine.last_stats if self.engine is not None else None
+        st = self.engine.last_stats
         if st is None:
             return None
         out = dict(_HOST_STATS)
@@ -135,7 +135,7 @@ class HostFace(StepFace):
         groups, state = port.groups(), port.state()
         mult = self.clip.multiplier(grad_multiplier)
         native, fb = self.router.split(groups)   # fb: torch's code steps them (optim/fallback.py)
-        if not fb and self.engine is not None and self.engine.step_planned(
+        if not fb and self.engine.step_planned(
                 native, port.hyper, state, mult, port.threads()):   # as planned: engine/fastpath.py
             self.clip.clear()
             return

@@ -5,7 +5,7 @@
 parameter side of that mode (params/__init__.py side_maker; schedule/delayed.py held_side for
 ``delay_updates=1``); the optimizer's face over it comes from optim/faces.py. ``describe`` is the
 INFO line on the ``offload`` logger naming the setup chosen (parameter side, state tier, moment
-format); ``io_only_pass`` and ``STATE_DOC`` are the body and the docstring of optimizer members.
+format); ``STATE_DOC`` is the docstring of the optimizer's ``state``.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ..params import side_maker
 from ..schedule.delayed import held_side
 from ..schedule.smallparams import small_params
 
-__all__ = ["STATE_DOC", "describe", "io_only_pass", "make_state_engine", "split_params"]
+__all__ = ["STATE_DOC", "describe", "make_state_engine", "split_params"]
 
 
 def _flat(params: list) -> list:
@@ -96,13 +96,6 @@ def describe(opt, side: str, store) -> str:
     fmt = ("fp32 Adam moments" if not moment_format(moments).compressed else
            f"{moments} Adam moments (fp32 for tensors under {getattr(opt, 'moments_min_size', 4096)} elements)")
     return f"offload.{type(opt).__name__} with {n} parameter{'s' if n != 1 else ''}: {side}; {where}; {fmt}"
-
-
-def io_only_pass(store) -> float:
-    """The optimizer's io_only_pass: the engine's I/O-only pass over every bucket."""
-    if store is None:
-        raise RuntimeError("io_only_pass() needs storage='nvme'")
-    return store.io_pass()
 
 
 STATE_DOC = """torch's ``opt.state``. With device parameters the overlapped schedules run the CPU
