@@ -188,10 +188,6 @@ class NvmeTier(StateTier):
         for bi in [bi for bi in self._reads if bi not in wanted]:
             self._drop_read(bi)
 
-    def reading(self) -> int:
-        """Read-aheads issued and not yet acquired."""
-        return len(self._reads)
-
     def prefetched(self, b) -> bool:
         return b.index in self._reads
 

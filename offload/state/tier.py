@@ -65,10 +65,6 @@ class StateTier:
     def acquire(self, b, read: bool) -> Block:
         raise NotImplementedError
 
-    def reading(self) -> int:
-        """Read-aheads in flight (0 for resident tiers: nothing to read)."""
-        return 0
-
     def prefetched(self, b) -> bool:
         return False
 
