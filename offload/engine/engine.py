@@ -113,10 +113,6 @@ class StateEngine:
         return build_layout(shapes, amsgrad=self.amsgrad, max_state_bytes=self.state_cap,
                             max_param_bytes=self.stage_cap, stagger=self.mode == "ram")
 
-    def moment_format(self, gi: int, i: int) -> MomentFormat:
-        """How parameter ``i`` of group ``gi`` stores its moments (offload/moments/format.py)."""
-        return self._format(gi, i)
-
     # ------------------------------------------------------------------ shape of the engine
     def add_group(self, params: list, amsgrad: bool) -> None:
         """``add_param_group``: lay the new group out after the existing state and grow the file."""
@@ -133,18 +129,9 @@ class StateEngine:
         return {k: [(self.layout.buckets[bi], pc) for bi, pc in v] for k, v in self.layout.of_param.items()}
 
     @property
-    def closed(self) -> bool:
-        return self.tier.closed
-
-    @property
     def side(self) -> ParamSide:
         """Where the parameters are (params/side.py), built with the engine; never replaced."""
         return self._side
-
-    def __getattr__(self, name):   # path, directory, engine, arena, file, slot_bytes ... of the tier
-        if name in ("tier", "__setstate__") or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.tier, name)
 
     # ------------------------------------------------------------------ step
     def holds(self, params: list, amsgrad: list) -> bool:
@@ -344,10 +331,6 @@ class StateEngine:
     def holds_moment_copies(self) -> bool:
         """A caller holds decoded compressed moments from opt.state (moments/handouts.py)."""
         return self.views.holds_moment_copies()
-
-    @property
-    def steps(self) -> list:
-        return self.registry.steps
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
