@@ -372,10 +372,6 @@ class DeviceStep:
         self.engine.side.collect_times()
         return trace.export(path)
 
-    @property
-    def buckets(self) -> list:
-        return self.engine.layout.buckets
-
     def zero_grad(self, set_to_none: bool) -> None:
         """Before the optimizer's zero_grad: buckets stepped during a backward whose step the
         gradients were for are given up (the optimizer fails, schedule/backward.py); zeroing in
