@@ -73,9 +73,9 @@ class NvmeTier(StateTier):
             self._finalizer()   # the directories already created are removed
             raise
         first = self.drives[0]
-        # one drive: the attributes as they always were (tests, gpu.describe, export's directory)
-        self.nvme_dir, self.directory, self.path = first.nvme_dir, first.directory, first.path
-        self.engine, self.file = first.engine, first.file
+        # the first drive's state directory and file, as a mmap tier has them (decoded moments are
+        # exported there, engine/export.py; offload.testing.state_dir/state_file report them)
+        self.directory, self.path = first.directory, first.path
         self.place = Placement(len(self.drives))
         for dr in self.drives:
             if direct and not dr.file.direct:
@@ -327,7 +327,7 @@ class NvmeTier(StateTier):
 
     def info(self) -> dict:
         d = dict(self.telemetry)
-        d.update(path=self.path, depth=self.depth, engine=self.engine.telemetry())
+        d.update(path=self.path, depth=self.depth, engine=self.drives[0].engine.telemetry())
         if len(self.drives) > 1:
             d.update(paths=[dr.path for dr in self.drives], drives=[dr.info() for dr in self.drives])
         return d
