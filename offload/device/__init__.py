@@ -33,10 +33,10 @@ __all__ = ["Event", "Device", "CudaDevice", "CpuDevice", "FakeDevice", "resolve_
 
 
 def resolve_device(spec, params: Sequence[torch.Tensor]) -> Optional[Device]:
-    """The offload device for these parameters: ``spec`` (a Device, 'cuda', 'cuda:k', 'fake', 'cpu-test') or,
-    when ``spec`` is None, CUDA if the parameters are on a CUDA device, else None (CPU mode). 'cuda'
-    without an index means the parameters' GPU (not the current one); a device that does not match the
-    parameters' is refused by name."""
+    """The offload device for these parameters: ``spec`` (a Device, 'cuda', 'cuda:k', 'fake',
+    'cpu-test') or, when ``spec`` is None, CUDA if the parameters are on a CUDA device, else None
+    (CPU mode). 'cuda' without an index means the parameters' GPU (not the current one); a device
+    that does not match the parameters' is refused by name."""
     cuda = {p.device for p in params if p.device.type == "cuda"}
     if spec is None:
         if not cuda:
@@ -48,16 +48,20 @@ def resolve_device(spec, params: Sequence[torch.Tensor]) -> Optional[Device]:
     if isinstance(spec, Device):
         device = spec
     elif isinstance(spec, str) and spec in ("fake", "cpu-test", "cpu"):
-        if spec == "cpu":   # read by DeepSpeed users as "offload to the CPU", which is what offload always does
-            warnings.warn('offload_device="cpu" selects a test device that drives CPU tensors as if they were on a '
-                          'GPU; it is spelled "cpu-test" now ("cpu" goes in a later release). For a model on the '
-                          "CPU, leave offload_device unset: the optimizer state is offloaded either way",
+        # read by DeepSpeed users as "offload to the CPU", which is what offload always does
+        if spec == "cpu":
+            warnings.warn('offload_device="cpu" selects a test device that drives CPU tensors as '
+                          'if they were on a '
+                          'GPU; it is spelled "cpu-test" now ("cpu" goes in a later release). For '
+                          'a model on the '
+                          "CPU, leave offload_device unset: the optimizer state is offloaded "
+                          "either way",
                           DeprecationWarning, stacklevel=4)
         device = FakeDevice() if spec == "fake" else CpuDevice()
     elif isinstance(spec, str) and spec.startswith("cuda"):
         device = CudaDevice(next(iter(cuda)) if spec == "cuda" and len(cuda) == 1 else spec)
     else:
-        raise ValueError(f"offload_device must be None, 'cuda', 'cuda:k', a Device, or a test device ('fake', "
-                         f"'cpu-test'), got {spec!r}")
+        raise ValueError("offload_device must be None, 'cuda', 'cuda:k', a Device, or a test "
+                         f"device ('fake', 'cpu-test'), got {spec!r}")
     device.check_params(params)
     return device
