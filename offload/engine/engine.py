@@ -1,13 +1,13 @@
-"""engine/engine.py: StateEngine, the composition root: one layout, one state tier, one parameter side,
-and the torch-layout face of the state (``views``, engine/torchstate.py TorchViews).
+"""engine/engine.py: StateEngine, the composition root: one layout, one state tier, one parameter
+side, and the torch-layout face of the state (``views``, engine/torchstate.py TorchViews).
 
-It is what ``offload.Adam/AdamW`` hold in every mode (host or device parameters, FSDP2 local shards,
-any tier and moment format): it validates a step's gradients before any I/O, runs the pipeline
-(engine/pipeline.py) over the buckets that have gradients, installs torch-layout views of the state
-in ``opt.state`` and serves ``state_dict`` / ``load_state_dict`` bucket by bucket. It never reads
-the optimizer's private attributes: hyperparameters come through ``hyper(group)``. The device
-schedule (schedule/device_step.py, schedule/backward.py) steps buckets itself, through the public seam
-``lock`` / ``exclusive()`` / ``begin()`` / ``collect()`` / ``commit()``.
+It is what ``offload.Adam/AdamW`` hold in every mode (host or device parameters, FSDP2 local
+shards, any tier and moment format): it validates a step's gradients before any I/O, runs the
+pipeline (engine/pipeline.py) over the buckets that have gradients, installs torch-layout views of
+the state in ``opt.state`` and serves ``state_dict`` / ``load_state_dict`` bucket by bucket. It
+never reads the optimizer's private attributes: hyperparameters come through ``hyper(group)``. The
+device schedule (schedule/device_step.py, schedule/backward.py) steps buckets itself, through the
+public seam ``lock`` / ``exclusive()`` / ``begin()`` / ``collect()`` / ``commit()``.
 """
 from __future__ import annotations
 
@@ -45,13 +45,16 @@ def _moment_format(numels: list, moments: MomentFormat, min_size: int, gi: int, 
 
 
 class StateEngine:
-    def __init__(self, groups: list, amsgrad: list, *, mode: str, nvme_dir=None, host_budget="2GiB",
+    def __init__(self, groups: list, amsgrad: list, *, mode: str, nvme_dir=None,
+                 host_budget="2GiB",
                  keep: bool = False, side: Callable[[list, list], ParamSide] = side_maker(),
                  bucket_bytes: Optional[int] = None,
-                 depth: int = 2, queue_depth: int = 8, block_size: int = 1 << 20, direct: bool = True,
+                 depth: int = 2, queue_depth: int = 8, block_size: int = 1 << 20,
+                 direct: bool = True,
                  moments: str = "fp32", moments_min_size: int = 4096, exclude=()):
         self.mode = mode
-        self.excluded = set(exclude)   # (gi, i) stepped elsewhere (device-side small params): no state here
+        # (gi, i) stepped elsewhere (device-side small params): no state here
+        self.excluded = set(exclude)
         self.moments, self.moments_min_size = moment_format(moments), int(moments_min_size)
         self.budget = parse_size(host_budget)
         self.depth = depth
@@ -60,15 +63,20 @@ class StateEngine:
         self.dtypes = [[local(p).dtype for p in ps] for ps in self.groups]
         self.numels = [[local(p).numel() for p in ps] for ps in self.groups]
         self.local_groups = [[local(p) for p in ps] for ps in self.groups]
-        check_overlaps(self.local_groups, (), None, mode)   # a parameter listed twice...: before any file exists
-        self._pid = os.getpid()            # the state (file, I/O threads, mapping) belongs to this process
-        # step / state access / close never overlap (close waits); the device worker holds it per bucket
+        # a parameter listed twice...: before any file exists
+        check_overlaps(self.local_groups, (), None, mode)
+        # the state (file, I/O threads, mapping) belongs to this process
+        self._pid = os.getpid()
+        # step / state access / close never overlap (close waits); the device worker holds it per
+        # bucket
         self.lock = threading.RLock()
-        self.tracker = WriteTracker(self.local_groups)   # bf16/fp16 params written by the user between steps
+        # bf16/fp16 params written by the user between steps
+        self.tracker = WriteTracker(self.local_groups)
         self.tracker.dtypes = self.dtypes
         self._side: ParamSide = side(self.groups, self.dtypes)   # for the engine's life: ``side``
         check_depth(depth)
-        if mode == "nvme":   # depth reads ahead per drive: every drive has reads in flight (docs/nvme.md)
+        # depth reads ahead per drive: every drive has reads in flight (docs/nvme.md)
+        if mode == "nvme":
             from ..state.drives import parse_dirs
             self.depth = depth = min(64, depth * len(parse_dirs(nvme_dir)))
         nstage = self.side.staging_slots
@@ -77,7 +85,8 @@ class StateEngine:
         self.stage_cap = self.side.stage_cap(self.stage_cap, bucket_bytes)
         self.layout = self.lay_out(self.groups, 0)
         self.registry = Registry([len(g) for g in self.groups])
-        self.tier = make_tier(mode, nvme_dir=nvme_dir, keep=keep, depth=depth, queue_depth=queue_depth,
+        self.tier = make_tier(mode, nvme_dir=nvme_dir, keep=keep, depth=depth,
+                              queue_depth=queue_depth,
                               block_size=block_size, direct=direct, budget=self.budget)
         self.tier.allocate(self.layout)
         self.side.allocate(self.layout)
@@ -86,22 +95,26 @@ class StateEngine:
         self._grads = None   # the gradients collect() checked, for the step that follows it
         self.plans = fastpath.PlanSlot()   # the next step, planned (engine/fastpath.py)
         # (bound to what they read, not to the engine: the views hold no reference back to it)
-        self._format = functools.partial(_moment_format, self.numels, self.moments, self.moments_min_size)
+        self._format = functools.partial(_moment_format, self.numels, self.moments,
+                                         self.moments_min_size)
         self._exclusive = functools.partial(_exclusive, self.lock, self._pid, self.tier, mode,
                                             self.plans)
         self.views = TorchViews(self.layout, self.tier, self.registry, self.groups, Handouts(),
-                                local_groups=self.local_groups, numels=self.numels, amsgrad=self.amsgrad,
+                                local_groups=self.local_groups, numels=self.numels,
+                                amsgrad=self.amsgrad,
                                 moment_format=self._format, all_masters=self.side.all_masters,
                                 mode=mode,
                                 tracker=self.tracker, exclusive=self._exclusive,
                                 read_master=self.side.read_master)
 
     def lay_out(self, groups: list, first_group: int):
-        """The layout of parameter lists ``groups`` (numbered from ``first_group``); excluded ones get none."""
+        """The layout of parameter lists ``groups`` (numbered from ``first_group``); excluded ones
+        get none."""
         shapes = shapes_of(groups, self.side.all_masters, first_group)
         if self.excluded:
             from dataclasses import replace
-            shapes = [replace(s, active=False) if (s.group, s.index) in self.excluded else s for s in shapes]
+            shapes = [replace(s, active=False) if (s.group, s.index) in self.excluded else s
+                      for s in shapes]
         return self.layout_of(shapes)
 
     def layout_of(self, shapes: list):
@@ -115,18 +128,21 @@ class StateEngine:
 
     # ------------------------------------------------------------------ shape of the engine
     def add_group(self, params: list, amsgrad: bool) -> None:
-        """``add_param_group``: lay the new group out after the existing state and grow the file."""
+        """``add_param_group``: lay the new group out after the existing state and grow the
+        file."""
         with self.exclusive():
             grow.add_group(self, params, amsgrad)
 
     def exclusive(self, failed_ok: bool = False):
-        """Context manager for exclusive use: the right process, ``lock`` held, not closed, not failed
-        (``failed_ok``: a load that replaces the whole state may run on a failed tier); close() waits for it."""
+        """Context manager for exclusive use: the right process, ``lock`` held, not closed, not
+        failed (``failed_ok``: a load that replaces the whole state may run on a failed tier);
+        close() waits for it."""
         return self._exclusive(failed_ok)
 
     @property
     def pieces(self) -> dict:
-        return {k: [(self.layout.buckets[bi], pc) for bi, pc in v] for k, v in self.layout.of_param.items()}
+        return {k: [(self.layout.buckets[bi], pc) for bi, pc in v]
+                for k, v in self.layout.of_param.items()}
 
     @property
     def side(self) -> ParamSide:
@@ -135,9 +151,11 @@ class StateEngine:
 
     # ------------------------------------------------------------------ step
     def holds(self, params: list, amsgrad: list) -> bool:
-        """Laid out for exactly these parameter lists (by identity) and amsgrad settings (None: any)."""
+        """Laid out for exactly these parameter lists (by identity) and amsgrad settings (None:
+        any)."""
         return (amsgrad is None or amsgrad == self.amsgrad) and len(params) == len(self.groups) and all(
-            len(ps) == len(mine) and all(map(operator.is_, ps, mine)) for ps, mine in zip(params, self.groups))
+            len(ps) == len(mine) and all(map(operator.is_, ps, mine))
+            for ps, mine in zip(params, self.groups))
 
     def check_groups(self, groups: list, amsgrad: bool = False) -> None:
         """A guard: laid out for these groups (``amsgrad``: their settings too), or raise."""
@@ -162,25 +180,29 @@ class StateEngine:
 
     def begin(self, state: dict) -> None:
         """Before a step the device schedule runs itself: exclusive use, and the user's edits of
-        ``opt.state`` (``state``) since the last step honoured as torch would (TorchViews.adopt_user_state)."""
+        ``opt.state`` (``state``) since the last step honoured as torch would
+        (TorchViews.adopt_user_state)."""
         with self.exclusive():
             self.views.adopt_user_state(state)
 
     def commit(self, active: list, fresh: list, state: dict) -> None:
-        """After every bucket of a step: the parameters ``active`` (per group, bool masks) have state and
-        their writes are tracked from here; ``fresh`` ([(gi, i)]: state created by this step) get their
-        views in ``state`` (opt.state), and held decoded moments their new values. Call under ``lock``."""
+        """After every bucket of a step: the parameters ``active`` (per group, bool masks) have
+        state and their writes are tracked from here; ``fresh`` ([(gi, i)]: state created by this
+        step) get their views in ``state`` (opt.state), and held decoded moments their new values.
+        Call under ``lock``."""
         self.registry.commit(active)
         for gi, a in enumerate(active):
             self.tracker.record(gi, np.flatnonzero(a))
-        self.views.install(fresh, state)   # (the step is done: opt.state must show it, or the tier fails)
+        # (the step is done: opt.state must show it, or the tier fails)
+        self.views.install(fresh, state)
 
     def _collect(self, param_groups: list, state=None) -> list:
         """collect() without the lock: per group, the bool mask of active params."""
         self.check_groups(param_groups)
         for gi, group in enumerate(param_groups):
             if bool(group["amsgrad"]) != self.amsgrad[gi]:
-                raise ValueError(f"group {gi}: amsgrad cannot change after construction with storage={self.mode!r}")
+                raise ValueError(f"group {gi}: amsgrad cannot change after construction with "
+                                 f"storage={self.mode!r}")
         active, grads = self.side.collect(self.groups, self.local_groups, self.dtypes, self.numels,
                                           self.tier.own_memory(), self.mode)
         self._grads = grads   # the step uses exactly the tensors checked here
@@ -192,7 +214,8 @@ class StateEngine:
         """Lay out the state of those of ``keys`` ([(gi, i)] with none yet: frozen at construction)
         that are unfrozen now or have a gradient, before a step that may need it starts; nothing
         changes if it cannot grow. True when any was laid out."""
-        late = [(gi, i) for gi, i in keys if self.groups[gi][i].requires_grad or self.groups[gi][i].grad is not None]
+        late = [(gi, i) for gi, i in keys if self.groups[gi][i].requires_grad
+                or self.groups[gi][i].grad is not None]
         if late:
             with self.exclusive():
                 grow.lay_out_late(self, late)
@@ -212,8 +235,8 @@ class StateEngine:
             jobs.append((b, act, self.registry.has_state(b)))
         return jobs
 
-    def step(self, param_groups: list, hyper: Callable[[int], dict], state: dict, mult: float, threads: int,
-             active: Optional[list] = None) -> None:
+    def step(self, param_groups: list, hyper: Callable[[int], dict], state: dict, mult: float,
+             threads: int, active: Optional[list] = None) -> None:
         _check_process(self._pid, self.mode)
         with self.lock:
             try:
@@ -221,7 +244,8 @@ class StateEngine:
                 if active is None:   # (host parameters: the next step may run as this one did)
                     self.plans.plan = fastpath.StepPlan.build(self, done)
             finally:
-                self._grads = self.side.grads = None   # no reference to this step's gradients survives it
+                # no reference to this step's gradients survives it
+                self._grads = self.side.grads = None
 
     def step_planned(self, param_groups: list, hyper: Callable[[int], dict], state: dict,
                      mult: float, threads: int) -> bool:
@@ -237,8 +261,10 @@ class StateEngine:
         if active is None:
             active = self._collect(param_groups, state)
             self.views.follow_shapes(state, self.side.revalidated())
-        hypers = {gi: hyper(gi) for gi, a in enumerate(active) if a.any()}   # validated before any change
-        for gi, h in hypers.items():   # the native kernel refuses these too, but only after I/O has started
+        # validated before any change
+        hypers = {gi: hyper(gi) for gi, a in enumerate(active) if a.any()}
+        # the native kernel refuses these too, but only after I/O has started
+        for gi, h in hypers.items():
             for k in ("lr", "eps", "weight_decay", "beta1", "beta2"):
                 if not math.isfinite(h[k]):
                     raise ValueError(f"group {gi}: {k} = {h[k]} is not finite")
@@ -252,12 +278,14 @@ class StateEngine:
         try:
             self.registry.advance(active)
             self.side.begin()
-            pipeline.run(jobs, tier=self.tier, side=self.side, registry=self.registry, hyper=hypers.__getitem__,
-                         mult=mult, threads=threads, depth=self.depth,
+            pipeline.run(jobs, tier=self.tier, side=self.side, registry=self.registry,
+                         hyper=hypers.__getitem__, mult=mult, threads=threads, depth=self.depth,
                          ahead=self.side.staging_slots,
                          timing=self.telemetry, resync=resync and self._resync(resync))
-            self.side.stepped(active)   # host: the kernel wrote them through their addresses (versions up)
-            fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~self.registry.ready[gi])]
+            # host: the kernel wrote them through their addresses (versions up)
+            self.side.stepped(active)
+            fresh = [(gi, i) for gi, a in enumerate(active)
+                     for i in np.flatnonzero(a & ~self.registry.ready[gi])]
             self.commit(active, fresh, state)
         except BaseException as e:
             self.tier.fail(e)
@@ -265,14 +293,16 @@ class StateEngine:
         dt = time.perf_counter() - t0
         self.telemetry["steps"] += 1
         self.telemetry["step_s"] += dt
-        self.last_stats = dict(step=self.telemetry["steps"], kernel_s=self.telemetry["kernel_s"] - k0,
-                               nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - io0, step_s=dt, buckets=len(jobs),
-                               skipped=False, grad_multiplier=mult)
+        self.last_stats = dict(step=self.telemetry["steps"],
+                               kernel_s=self.telemetry["kernel_s"] - k0,
+                               nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - io0, step_s=dt,
+                               buckets=len(jobs), skipped=False, grad_multiplier=mult)
         return active
 
     def _resync(self, which: set):
-        """A bf16/fp16 parameter written by the user since its last step: its new values go into the master
-        where they differ from the rounded master (offload/params/guards.py), before the kernel reads it."""
+        """A bf16/fp16 parameter written by the user since its last step: its new values go into
+        the master where they differ from the rounded master (offload/params/guards.py), before the
+        kernel reads it."""
         def apply(b, pieces, blk) -> None:
             if not b.master:
                 return
@@ -285,8 +315,8 @@ class StateEngine:
         return apply
 
     def io_pass(self) -> float:
-        """Benchmark helper: the seconds to read and write back every bucket through the step's pipeline
-        without computing (data unchanged): the I/O-only time of a full step."""
+        """Benchmark helper: the seconds to read and write back every bucket through the step's
+        pipeline without computing (data unchanged): the I/O-only time of a full step."""
         with self.exclusive():
             return self._io_pass()
 
@@ -296,9 +326,10 @@ class StateEngine:
         saved = dict(self.tier.telemetry)
         t = time.perf_counter()
         try:
-            pipeline.run([(b, b.pieces, True) for b in self.layout.buckets], tier=self.tier, side=self.side,
-                         registry=self.registry, hyper=None, mult=1.0, threads=0, depth=self.depth, ahead=1,
-                         timing={}, compute=False)
+            pipeline.run([(b, b.pieces, True) for b in self.layout.buckets], tier=self.tier,
+                         side=self.side,
+                         registry=self.registry, hyper=None, mult=1.0, threads=0, depth=self.depth,
+                         ahead=1, timing={}, compute=False)
         except BaseException as e:
             self.tier.fail(e)
             raise
@@ -307,25 +338,31 @@ class StateEngine:
         self.tier.telemetry.update(saved)
         return dt
 
-    # ------------------------------------------------------------------ the torch-layout state (TorchViews)
+    # ------------------------------------------------------------------ the torch-layout state
+    # (TorchViews)
     def torch_state(self, gi: int, i: int) -> dict:
-        """``state[p]`` for parameter ``i`` of group ``gi``: step counter and views of the moments."""
+        """``state[p]`` for parameter ``i`` of group ``gi``: step counter and views of the
+        moments."""
         return self.views.torch_state(gi, i)
 
     def state_tensors(self) -> dict:
-        """(gi, i) -> {key: fp32 tensor} for every parameter that has state (views, never copies)."""
+        """(gi, i) -> {key: fp32 tensor} for every parameter that has state (views, never
+        copies)."""
         return self.views.state_tensors()
 
     def raw_state_tensors(self) -> dict:
-        """(gi, i) -> {key: tensor} in the stored form (compressed moments under ``<key>.<format>``)."""
+        """(gi, i) -> {key: tensor} in the stored form (compressed moments under
+        ``<key>.<format>``)."""
         return self.views.raw_state_tensors()
 
     def load(self, entries: dict) -> None:
-        """Replace the whole state by ``entries`` ((gi, i) -> state dict); also the way back after a failure."""
+        """Replace the whole state by ``entries`` ((gi, i) -> state dict); also the way back after
+        a failure."""
         self.views.load(entries, self.side.read_master)
 
     def reload_masters(self, which: set) -> None:
-        """Re-read the fp32 master of the parameters ``which`` ({(gi, i)}) that have state, from the parameters."""
+        """Re-read the fp32 master of the parameters ``which`` ({(gi, i)}) that have state, from
+        the parameters."""
         self.views.reload_masters(which, self.side.read_master)
 
     def holds_moment_copies(self) -> bool:
@@ -334,8 +371,9 @@ class StateEngine:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Wait for outstanding I/O, release buffers and delete the state (unless ``keep``). A step in
-        another thread finishes first; in a fork()ed child only the child's descriptors are closed."""
+        """Wait for outstanding I/O, release buffers and delete the state (unless ``keep``). A step
+        in another thread finishes first; in a fork()ed child only the child's descriptors are
+        closed."""
         if os.getpid() != self._pid:
             self.tier.close()
             return
@@ -346,7 +384,8 @@ class StateEngine:
     def info(self) -> dict:
         d = dict(self.tier.info())
         d.update(self.telemetry)
-        d.update(mode=self.mode, depth=self.depth, host_budget=self.budget, buckets=len(self.layout.buckets),
+        d.update(mode=self.mode, depth=self.depth, host_budget=self.budget,
+                 buckets=len(self.layout.buckets),
                  file_bytes=getattr(self.tier, "file_bytes", self.layout.nbytes))
         d.update(self.side.info(self.layout))
         return d

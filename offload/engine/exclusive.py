@@ -27,5 +27,5 @@ def check_process(pid: int, mode: str) -> None:
     if os.getpid() != pid:
         raise RuntimeError(
             f"the {mode} optimizer state of process {pid} cannot be used after fork() (this is "
-            f"process {os.getpid()}): its state file, mapping and I/O threads belong to the parent. Create "
-            "the optimizer in the child (or start it with the 'spawn' method)")
+            f"process {os.getpid()}): its state file, mapping and I/O threads belong to the "
+            "parent. Create the optimizer in the child (or start it with the 'spawn' method)")
