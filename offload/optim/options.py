@@ -1,19 +1,22 @@
-"""optim/options.py: offload's own constructor options of ``offload.Adam`` / ``offload.AdamW`` (beyond torch's):
-their documentation (appended to both classes' docstrings, so ``help()`` shows each one), which
-GPU-offload options the caller actually gave, which options are the whole optimizer's, never a param
-group's (``OPTIMIZER_WIDE``), and a subclass constructor's arguments as the base class takes them.
+"""optim/options.py: offload's own constructor options of ``offload.Adam`` / ``offload.AdamW``
+(beyond torch's): their documentation (appended to both classes' docstrings, so ``help()`` shows
+each one), which GPU-offload options the caller actually gave, which options are the whole
+optimizer's, never a param group's (``OPTIMIZER_WIDE``), and a subclass constructor's arguments as
+the base class takes them.
 """
 from __future__ import annotations
 
-__all__ = ["OPTIONS_DOC", "GPU_OPTION_NAMES", "OPTIMIZER_WIDE", "constructor_args", "given_gpu_options"]
+__all__ = ["OPTIONS_DOC", "GPU_OPTION_NAMES", "OPTIMIZER_WIDE", "constructor_args",
+           "given_gpu_options"]
 
-GPU_OPTION_NAMES = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm", "check_overflow",
+GPU_OPTION_NAMES = ("bucket_mb", "overlap", "step_during_backward", "max_grad_norm",
+                    "check_overflow",
                     "release_grads", "trace", "small_param_numel", "delay_updates", "delay_after",
                     "delay_extrapolate", "gpu_state")
 
 # the constructor's own options (not torch's hyperparameters): per optimizer, never per param group
-OPTIMIZER_WIDE = ("moments", "moments_min_size", "storage", "state", "threads", "nvme_dir", "host_budget",
-                  "keep_files", "nvme_options", "offload_device") + GPU_OPTION_NAMES
+OPTIMIZER_WIDE = ("moments", "moments_min_size", "storage", "state", "threads", "nvme_dir",
+                  "host_budget", "keep_files", "nvme_options", "offload_device") + GPU_OPTION_NAMES
 
 OPTIONS_DOC = """
     offload's own keyword arguments (after torch's):
@@ -68,5 +71,6 @@ def given_gpu_options(**options) -> dict:
 
 
 def constructor_args(args: dict) -> dict:
-    """A subclass constructor's arguments (its ``locals()``), as keywords for the base class's __init__."""
+    """A subclass constructor's arguments (its ``locals()``), as keywords for the base class's
+    __init__."""
     return {k: v for k, v in args.items() if k not in ("self", "__class__")}
