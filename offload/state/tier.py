@@ -3,10 +3,10 @@
 The checks of the settings the split takes (``depth``, ``staging_slots``, a budget too small for
 the NVMe slots) are here too: the engine and ``offload.plan`` refuse the same values alike.
 
-A tier holds the bytes of every bucket of a layout (offload/state/layout.py). The step pipeline asks it
-to ``prefetch`` the next buckets, ``acquire`` one (its bytes in host memory, as a ``Block``),
-``release`` it after the kernel ran (write-back) and ``drain`` at the end. ``resident`` tiers
-(ram, mmap) keep every bucket addressable, so views of them are the live state.
+A tier holds the bytes of every bucket of a layout (offload/state/layout.py). The step pipeline
+asks it to ``prefetch`` the next buckets, ``acquire`` one (its bytes in host memory, as a
+``Block``), ``release`` it after the kernel ran (write-back) and ``drain`` at the end. ``resident``
+tiers (ram, mmap) keep every bucket addressable, so views of them are the live state.
 
 After any failure inside a step a tier refuses further use (``StoreFailedError``): parameters and
 state may be partially updated, and continuing would silently train on garbage. A complete load
@@ -50,13 +50,14 @@ class StateTier:
 
     # --- the pipeline's calls
     def allocate(self, layout) -> None:
-        """Reserve room for ``layout`` (called again with a longer layout after ``add_param_group``)."""
+        """Reserve room for ``layout`` (called again with a longer layout after
+        ``add_param_group``)."""
         raise NotImplementedError
 
     def shrink(self, layout) -> None:
-        """``layout`` lost the buckets it gained since an ``allocate`` (an add_param_group that failed after
-        the tier grew): forget what was placed for them, so that buckets laid out later get room of
-        their own. The memory or file space itself may stay."""
+        """``layout`` lost the buckets it gained since an ``allocate`` (an add_param_group that
+        failed after the tier grew): forget what was placed for them, so that buckets laid out
+        later get room of their own. The memory or file space itself may stay."""
         self.layout = layout
 
     def prefetch(self, b, read: bool) -> None:
@@ -101,7 +102,8 @@ class StateTier:
 
     def check_usable(self) -> None:
         if self.failed is not None:
-            raise StoreFailedError(failed_message(f"the {self.kind} optimizer state in {self.where()}",
+            raise StoreFailedError(failed_message(f"the {self.kind} optimizer state in "
+                                                  f"{self.where()}",
                                                   self.failed)) from self.failed
         if self.closed:
             raise RuntimeError("the optimizer's state store is closed")
@@ -115,12 +117,14 @@ class StateTier:
         self.failed = None
 
     def own_memory(self):
-        """The host memory the tier writes (for the gradient-aliasing check): a tensor, a list of them, or None."""
+        """The host memory the tier writes (for the gradient-aliasing check): a tensor, a list of
+        them, or None."""
         return None
 
 
 def split_budget(kind: str, budget: int, depth: int, staging_slots: int) -> tuple:
-    """(max state bytes per bucket, max parameter bytes per bucket for staging) from ``host_budget``.
+    """(max state bytes per bucket, max parameter bytes per bucket for staging) from
+    ``host_budget``.
 
     nvme: ``depth + 2`` state slots and ``staging_slots`` staging slots (gradient + new weights of
     one bucket each) fit in ``budget``; a staging slot holds at most 2/3 of a state slot (fp32
