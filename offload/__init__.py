@@ -27,10 +27,11 @@ from .checkpoint import CheckpointError, load, save, save_async
 from .planner import MemoryPlan, plan
 from .doctor import format_report as _format_report, report as _report
 
-_logging.getLogger("offload").addHandler(_logging.NullHandler())   # silent unless the application configures logging
+# silent unless the application configures logging
+_logging.getLogger("offload").addHandler(_logging.NullHandler())
 
-__all__ = ["Adam", "AdamW", "build_info", "kernels", "__version__", "OptimizerFailedError", "StoreFailedError",
-           "SharedMemoryError",
+__all__ = ["Adam", "AdamW", "build_info", "kernels", "__version__", "OptimizerFailedError",
+           "StoreFailedError", "SharedMemoryError",
            "save", "load", "save_async", "CheckpointError", "plan", "MemoryPlan", "doctor"]
 
 
@@ -40,9 +41,10 @@ def build_info() -> dict:
 
 
 def doctor(dir=None, *, print_report: bool = False, speed_test: bool = True) -> dict:
-    """Versions, CPU, memory, CUDA and the filesystem of ``dir`` (default: the temporary directory),
-    as a dict (keys: ``offload.doctor.KEYS``; printed as text with ``print_report=True``). The same
-    as ``python -m offload``; ``speed_test=False`` skips the ~2 s write+read test of ``dir``."""
+    """Versions, CPU, memory, CUDA and the filesystem of ``dir`` (default: the temporary
+    directory), as a dict (keys: ``offload.doctor.KEYS``; printed as text with
+    ``print_report=True``). The same as ``python -m offload``; ``speed_test=False`` skips the ~2 s
+    write+read test of ``dir``."""
     rep = _report(build_info(), dir, speed_test=speed_test)
     if print_report:
         print(_format_report(rep))

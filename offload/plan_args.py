@@ -117,7 +117,8 @@ def seconds(x, what: str) -> Optional[float]:
 
 
 def gpu_state(x):
-    """``gpu_state``: "auto", or bytes >= 0 (an int or a size string), as the optimizer takes it."""
+    """``gpu_state``: "auto", or bytes >= 0 (an int or a size string), as the optimizer takes
+    it."""
     if x == "auto":
         return x
     if x == 0 and type(x) is int:
