@@ -150,7 +150,8 @@ def main(argv=None) -> int:
         traceback.print_exc()
         oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
         out = {"row": a.row, "size": a.size, "error": ("out of memory: " if oom else "") +
-               f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]}
+               f"{type(e).__name__}: "
+               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]}
         if setup.cuda:
             out["gpu_peak_gb"] = torch.cuda.max_memory_allocated(setup.device) / 1e9
     sys.stdout.flush()

@@ -84,7 +84,8 @@ def all_checks():
     for name, mod, fn in _REGISTRY:
         try:
             out.append((name, getattr(importlib.import_module(f"offload.bench.{mod}"), fn)))
-        except Exception as e:  # noqa: BLE001 - a broken module is that check's FAIL, not the script's end
+        # a broken module is that check's FAIL, not the script's end
+        except Exception as e:  # noqa: BLE001
             out.append((name, _broken(f"offload.bench.{mod}.{fn}", e)))
     return out
 

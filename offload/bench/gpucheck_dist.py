@@ -123,8 +123,10 @@ _EXIT_SCRIPT = textwrap.dedent("""
     from offload.device import FakeDevice
     cuda = sys.argv[1] == "cuda"
     dev = torch.device("cuda" if cuda else "cpu")
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).to(dev)
-    opt = offload.AdamW(model.parameters(), bucket_mb=0.1, offload_device=None if cuda else FakeDevice(max_delay=0.01))
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
+                                torch.nn.Linear(512, 256)).to(dev)
+    opt = offload.AdamW(model.parameters(), bucket_mb=0.1,
+                        offload_device=None if cuda else FakeDevice(max_delay=0.01))
     model(torch.randn(8, 256, device=dev)).square().mean().backward()
     opt.step()
     print("stepped", flush=True)

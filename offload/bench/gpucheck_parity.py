@@ -6,8 +6,9 @@ For each case (fp32 / bf16 parameters x clipping on/off x gradient accumulation 
 trained for a few steps twice from the same weights and batches:
   ours       offload.AdamW on the device parameters, state in host RAM (overlapped schedule);
   reference  torch.optim.AdamW on the device: on the parameters themselves for fp32, and for bf16
-             on fp32 master copies (gradients cast up, clipping with torch.nn.utils.clip_grad_norm_,
-             new weights rounded back into the bf16 model) - the standard master-weight recipe.
+             on fp32 master copies (gradients cast up, clipping with
+             torch.nn.utils.clip_grad_norm_, new weights rounded back into the bf16 model) - the
+             standard master-weight recipe.
 A case passes when ||ours - reference|| (L2 over all fp32 masters) is below ``tol`` times how far
 the reference moved during the run (1e-4 for fp32 parameters, 2e-2 for bf16 where one flipped
 rounding in the forward changes later gradients); bf16 weights are compared the same way.

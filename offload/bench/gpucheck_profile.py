@@ -19,7 +19,8 @@ def profile_summary(ctx: Ctx, prof, keep: str = "") -> dict:
     path = os.path.join(ctx.disk_dir("prof"), "trace.json")
     prof.export_chrome_trace(path)
     if keep and ctx.out_dir:
-        with open(path, "rb") as src, gzip.open(os.path.join(ctx.out_dir, f"profile_{keep}.json.gz"), "wb") as dst:
+        with open(path, "rb") as src, gzip.open(
+                os.path.join(ctx.out_dir, f"profile_{keep}.json.gz"), "wb") as dst:
             shutil.copyfileobj(src, dst)
     with open(path) as f:
         evs = json.load(f).get("traceEvents", [])

@@ -5,7 +5,8 @@ Measured in a new directory created inside --dir (default: the system's temporar
 /tmp; it is often RAM-backed or another disk: name a directory on the disk you mean) and removed at
 the end; the directory --dir names is never deleted:
   ours        offload.aio.AioEngine, O_DIRECT, aligned buffers, requests of --request bytes
-  fio         O_DIRECT + libaio, 1 MiB blocks, several queue depths (the disk ceiling), if installed
+  fio         O_DIRECT + libaio, 1 MiB blocks, several queue depths (the disk ceiling), if
+              installed
   pwrite      plain buffered os.pwrite + fsync / os.preadv after dropping the file's cached pages
   memmap      numpy.memmap copy + flush / copy out after dropping cached pages
   aiofiles    aiofiles (thread-pool buffered I/O) if installed
@@ -247,7 +248,8 @@ def _print(r: dict) -> None:
 
     for k, v in r["results"].items():
         w, rd = v.get("write"), v.get("read")
-        print(f"{k:<22}{w / GB:>12.2f}{ratio('write', w):>9}{rd / GB:>12.2f}{ratio('read', rd):>9}")
+        print(f"{k:<22}{w / GB:>12.2f}{ratio('write', w):>9}"
+              f"{rd / GB:>12.2f}{ratio('read', rd):>9}")
     for key, v in r["fio"].items():
         op, qd, j = key.split("_")
         print(f"{'fio ' + op + ' ' + qd + ' ' + j.replace('x', 'jobs '):<22}"

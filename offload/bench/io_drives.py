@@ -49,7 +49,8 @@ def bench_drives(paths: list, size: int, buf, request: int, qd: int, block: int,
                     pending.popleft().wait()
                 slot = buf[(j % nbuf) * request:(j % nbuf + 1) * request]
                 eng = engines[d]
-                pending.append((eng.write if op == "write" else eng.read)(files[d], slot, off, min(request, size - off)))
+                pending.append((eng.write if op == "write" else eng.read)(
+                    files[d], slot, off, min(request, size - off)))
             for r in pending:
                 r.wait()
             if op == "write":

@@ -6,11 +6,13 @@ Variants, all from the same initial weights and batches, in one run:
                    that needs no offload, where it fits)
   offload-overlap  offload.AdamW, state in (pinned) host RAM, buckets stepped during backward,
                    uploads overlapped with the next forward
-  offload-clip     the same with max_grad_norm (the step waits for all gradients; copies still overlap)
+  offload-clip     the same with max_grad_norm (the step waits for all gradients; copies still
+                   overlap)
   offload-sync     the non-overlapped schedule: everything inside step()
-  offload-nvme     (with --storage nvme|mmap) device params with state in that tier, stepped during backward;
-                   its optimizer span (first bucket ready -> end of step()) vs max(I/O-only pass, kernel,
-                   copies) of the same run, and host buffers vs host_budget
+  offload-nvme     (with --storage nvme|mmap) device params with state in that tier, stepped
+                   during backward; its optimizer span (first bucket ready -> end of step()) vs
+                   max(I/O-only pass, kernel, copies) of the same run, and host buffers vs
+                   host_budget
 For each: median over repetitions of the mean iteration time, exposed offload time per iteration
 (training thread / compute stream blocked on offload work), D2H and H2D GB/s achieved (bytes moved
 / copy time) next to a pinned-copy probe measured in the same run (the physical ceiling), and peak
@@ -255,7 +257,8 @@ def print_table(out: dict, file=None) -> None:
     file = sys.stdout if file is None else file
     p = out["probe_gbps"]
     where = ("CUDA " + out["device"]) if not out["fake_device"] else \
-        "CPU-only machine: fake device (copies are host memcpy on threads, not PCIe; times show pipeline overhead)"
+        ("CPU-only machine: fake device (copies are host memcpy on threads, not PCIe; times show "
+         "pipeline overhead)")
     print(f"question: {out.get('question', QUESTION)}", file=file)
     print(f"train benchmark on {where}", file=file)
     print(f"GPT {out['params'] / 1e6:.1f}M params {out['config']}, {out['dtype']}, batch "
@@ -273,7 +276,8 @@ def print_table(out: dict, file=None) -> None:
                  and "iter_s" in r), None)
     pct = ((lambda x, ref: None) if out["fake_device"]
            else (lambda x, ref: 100 * x / ref if x else None))
-    hdr = f"{'variant':<16} {'iter ms':>8} {'vs torch':>8} {'exposed ms':>10} {'exp %':>6} {'kernel ms':>9} " \
+    hdr = f"{'variant':<16} {'iter ms':>8} {'vs torch':>8} {'exposed ms':>10} {'exp %':>6} " \
+          f"{'kernel ms':>9} " \
           f"{'D2H GB/s':>9} {'%probe':>6} {'H2D GB/s':>9} {'%probe':>6} {'peak GB':>7}"
     print(hdr, file=file)
     for r in out["results"]:
@@ -296,7 +300,8 @@ def print_table(out: dict, file=None) -> None:
                   f"first bucket ready {r['span_s'] * 1e3:.1f} ms, includes backward) vs max(NVMe "
                   f"I/O {r['io_s'] * 1e3:.1f}, kernel {r['kernel_s'] * 1e3:.1f}, copy "
                   f"{r['copy_s'] * 1e3:.1f}) ms = {r['bound']:.2f} (target <= 1.15); host buffers "
-                  f"{r['host_bytes'] / 2**20:.1f} MiB of budget {r['host_budget'] / 2**20:.0f} MiB",
+                  f"{r['host_bytes'] / 2**20:.1f} MiB of budget {r['host_budget'] / 2**20:.0f} "
+                  "MiB",
                   file=file)
     v = out.get("verdict")
     print("verdict (medians of this run; above 1.00x offload is faster): " + (v["line"] if v else
