@@ -170,7 +170,8 @@ def open_regular(directory: str, name: str, what: str) -> int:
     except OSError as e:
         if os.path.islink(path):
             raise CheckpointError(f"{what} {path} is a symbolic link: refusing to follow it out "
-                                  "of the checkpoint directory (copy the file in instead)") from None
+                                  "of the checkpoint directory (copy the file in "
+                                  "instead)") from None
         raise CheckpointError(f"cannot open {what} {path}: {e.strerror}") from None
     try:
         st = os.fstat(fd)
@@ -200,7 +201,8 @@ def read_json(directory: str, name: str, what: str, limit: int = MAX_JSON) -> tu
         with os.fdopen(fd, "rb") as f:
             raw = f.read(limit + 1)
     except OSError as e:
-        raise CheckpointError(f"cannot read {what} {os.path.join(directory, name)}: {e.strerror}") from None
+        raise CheckpointError(f"cannot read {what} {os.path.join(directory, name)}: "
+                              f"{e.strerror}") from None
     if len(raw) > limit:
         raise CheckpointError(f"{what} {os.path.join(directory, name)} is larger than {limit} "
                               "bytes: not an offload checkpoint")
@@ -282,7 +284,8 @@ def check_compatible(spec, current, where: str) -> None:
     if current is None or isinstance(current, str) and kind == "plain" and isinstance(x, str):
         return
     bad = CheckpointError(f"{where}: the checkpoint stores {_show(spec)}, the optimizer has "
-                          f"{type(current).__name__} {current!r}: refusing a value of another kind")
+                          f"{type(current).__name__} {current!r}: refusing a value of another "
+                          "kind")
     if isinstance(current, bool):
         if not (kind == "plain" and isinstance(x, bool)):
             raise bad

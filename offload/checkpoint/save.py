@@ -328,8 +328,8 @@ def _remove_listed(directory: str, intent: str, gen: str, skip_gen: Optional[str
         return
     listed = [(name, gen) for name in man["files"]]
     old = man.get("supersedes") if superseded else None
-    if isinstance(old, dict) and isinstance(old.get("generation"), str) and GEN_RE.match(old["generation"]) \
-            and isinstance(old.get("files"), list):
+    if isinstance(old, dict) and isinstance(old.get("generation"), str) \
+            and GEN_RE.match(old["generation"]) and isinstance(old.get("files"), list):
         listed += [(name, old["generation"]) for name in old["files"]]
     for name, want in listed:
         if not isinstance(name, str) or name == intent:
