@@ -4,12 +4,14 @@ Nothing above it touches CUDA directly. It asks a ``Device`` to
   * ``record()``          an event at the current point of the compute stream,
   * ``copy_to_host()``    copy device tensors into host buffers on the D2H stream, after an event,
   * ``copy_to_device()``  copy host buffers into device tensors on the H2D stream, after an event,
-  * ``wait()``            make the compute stream wait for an event (the host is not blocked on a GPU),
+  * ``wait()``            make the compute stream wait for an event (the host is not blocked on a
+                          GPU),
   * ``host_empty()``      allocate a host buffer (pinned when that matters).
 Every copy returns an ``Event`` with ``synchronize()`` (block the host) and ``query()``.
 
 Three implementations:
-  * ``CudaDevice``  - two side streams (D2H, H2D), CUDA events, pinned host memory, non-blocking copies.
+  * ``CudaDevice``  - two side streams (D2H, H2D), CUDA events, pinned host memory, non-blocking
+                      copies.
   * ``CpuDevice``   - "device" tensors are CPU tensors; copies run synchronously on the caller.
   * ``FakeDevice``  - CPU tensors, but each stream is a background thread that runs copies after a
     random artificial delay. At enqueue it poisons the destination (NaN) and snapshots the source;

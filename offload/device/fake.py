@@ -172,7 +172,8 @@ class FakeDevice(Device):
         snaps = [s.detach().clone() if self.check_sources else None for _, s in pairs]
         for d, s in pairs:
             if d.shape != s.shape and d.numel() != s.numel():
-                raise RuntimeError(f"fake copy: size mismatch {tuple(d.shape)} <- {tuple(s.shape)}")
+                raise RuntimeError(f"fake copy: size mismatch {tuple(d.shape)} <- "
+                                   f"{tuple(s.shape)}")
             if self.poison:
                 _poison(d)
         label = stream.name
