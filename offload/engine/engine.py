@@ -153,9 +153,9 @@ class StateEngine:
     def holds(self, params: list, amsgrad: list) -> bool:
         """Laid out for exactly these parameter lists (by identity) and amsgrad settings (None:
         any)."""
-        return (amsgrad is None or amsgrad == self.amsgrad) and len(params) == len(self.groups) and all(
-            len(ps) == len(mine) and all(map(operator.is_, ps, mine))
-            for ps, mine in zip(params, self.groups))
+        return ((amsgrad is None or amsgrad == self.amsgrad) and len(params) == len(self.groups)
+                and all(len(ps) == len(mine) and all(map(operator.is_, ps, mine))
+                        for ps, mine in zip(params, self.groups)))
 
     def check_groups(self, groups: list, amsgrad: bool = False) -> None:
         """A guard: laid out for these groups (``amsgrad``: their settings too), or raise."""
@@ -311,7 +311,8 @@ class StateEngine:
                 if (b.group, pc.param) in which:
                     sec = b.section("master_param") // 4 + pc.pos
                     refresh_master(f32[sec:sec + pc.n],
-                                  self.local_groups[b.group][pc.param].detach().reshape(-1)[pc.start:pc.start + pc.n])
+                                   self.local_groups[b.group][pc.param].detach().reshape(-1)[
+                                       pc.start:pc.start + pc.n])
         return apply
 
     def io_pass(self) -> float:

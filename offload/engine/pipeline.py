@@ -4,9 +4,11 @@ schedule/backward.py; both call the one per-bucket body, engine/bucket.py).
 
 For bucket k (in the order the caller gives):
     tier.prefetch(k+1 .. k+depth)     state read-ahead (nvme: O_DIRECT reads into free slots)
-    side.arrive(k .. k+ahead-1)       gradients to host (device: D2H into a staging slot; host: nothing)
+    side.arrive(k .. k+ahead-1)       gradients to host (device: D2H into a staging slot; host:
+                                      nothing)
     blk = tier.acquire(k)             the bucket's state bytes in host memory
-    step_bucket(...)                  fresh pieces initialized, the native kernel (engine/bucket.py)
+    step_bucket(...)                  fresh pieces initialized, the native kernel
+                                      (engine/bucket.py)
     tier.release(k, blk)              write-back (nvme: async; mmap: pages dropped)
     side.publish(k)                   new weights up (device: H2D from the slot)
 Any exception marks the tier failed (see state/tier.py) after every transfer stopped.
