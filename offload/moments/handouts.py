@@ -147,7 +147,8 @@ def write_moments(layout, fmt: MomentFormat, gi: int, i: int, new: dict, cur: di
     parameter (gi, i) (stored in ``fmt``) into its buckets, leaving its other moment as it is
     (``cur``: both, decoded); ``rewrite(hits, apply)`` reads, changes and writes back the buckets
     (engine/load.py)."""
-    flat = lambda t: local(t).detach().to(device="cpu", dtype=torch.float32).reshape(-1)   # noqa: E731
+    flat = lambda t: local(t).detach().to(  # noqa: E731
+        device="cpu", dtype=torch.float32).reshape(-1)
     try:   # validates (e.g. a negative exp_avg_sq) before the tier is touched
         conv = fmt.encode(*(flat(new.get(k, cur[k])) for k in ("exp_avg", "exp_avg_sq")))
     except ValueError as e:
