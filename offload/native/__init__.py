@@ -4,8 +4,8 @@ This package is the only place that imports ``offload._C``; the shared library i
 package root (``offload._C``, next to offload/__init__.py). Everything else calls the Python
 modules here, which check tensors before any pointer crosses into C++:
 
-- ``adam``: the fp32-moment Adam kernel: task tables (``step_table``), ``adam_step``, ``grad_sumsq``,
-  the bandwidth probes, ISA and thread-count settings.
+- ``adam``: the fp32-moment Adam kernel: task tables (``step_table``), ``adam_step``,
+  ``grad_sumsq``, the bandwidth probes, ISA and thread-count settings.
 - ``moments``: the same update over compressed (bf16 / 8-bit) moments.
 - ``rows``: what the native per-step check of parameter rows is given (getters, record columns).
 - ``aio``: the asynchronous O_DIRECT file engine the NVMe tier uses.
