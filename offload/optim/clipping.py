@@ -24,7 +24,9 @@ from ..native.rows import get_version
 
 __all__ = ["CLIP_GRAD_NORM_DOC", "Clip", "grad_sumsq"]
 
-CLIP_GRAD_NORM_DOC = """Global L2 gradient norm of all parameters, with clipping folded into the next step.
+# the docstring of offload.Adam/AdamW.clip_grad_norm_ (optim/adam.py), indented as a method's
+CLIP_GRAD_NORM_DOC = (
+    """Global L2 gradient norm of all parameters, with clipping folded into the next step.
 
         Like ``torch.nn.utils.clip_grad_norm_`` it returns the total norm, but instead of
         rescaling the gradients in a separate pass it records the coefficient
@@ -35,7 +37,7 @@ CLIP_GRAD_NORM_DOC = """Global L2 gradient norm of all parameters, with clipping
         GradScaler skipped, a skipped batch) discard it; modifying these gradients in place before
         the step (another backward accumulating into them) makes the step raise, since torch would
         have accumulated onto clipped values. A second call clips what the first call left.
-        """   # the docstring of offload.Adam/AdamW.clip_grad_norm_ (optim/adam.py), indented as a method's
+        """)
 
 
 class Clip:

@@ -133,12 +133,13 @@ class Router:
         for g, ps in zip(groups, self._fallback):
             for p in {id(q): q for q in ps}.values():
                 r = "listed more than once" if seen[id(p)] > 1 else reason(p)
-                r = "non-contiguous" if r.startswith("non-contiguous") else r.replace("dtype "
-                                                                                      "torch.", "")
+                r = ("non-contiguous" if r.startswith("non-contiguous")
+                     else r.replace("dtype torch.", ""))
                 why[r] = why.get(r, 0) + 1
                 nbytes += p.numel() * p.element_size() * (3 if g.get("amsgrad") else 2)
         where = (f"; their optimizer state ({nbytes / 2**20:.1f} MiB: moments in the parameter's "
-                 f"dtype) is kept in host RAM in torch's layout, not in {self._elsewhere}") if self._elsewhere else ""
+                 f"dtype) is kept in host RAM in torch's layout, not in {self._elsewhere}"
+                 ) if self._elsewhere else ""
         msg = (f"{sum(why.values())} of {len(seen)} parameters are stepped by torch's own Adam "
                "code instead of offload's native kernel "
                f"({', '.join(f'{n} {r}' for r, n in sorted(why.items()))}): same results as "

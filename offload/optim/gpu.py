@@ -109,9 +109,9 @@ def describe(opt, side: str, store) -> str:
 
 
 STATE_DOC = """torch's ``opt.state``. With device parameters the overlapped schedules run the CPU
-part of a step after ``step()`` returns (with ``delay_updates=1``, during the whole next forward and
-backward): reading ``opt.state`` waits for it, and with NVMe state gives up the next step's state
-read ahead, so that what it shows, and what is written into it in place, is the state after the
-last ``step()``, as with torch's (docs/gpu.md). A tensor taken from it before a ``step()`` is
+part of a step after ``step()`` returns (with ``delay_updates=1``, during the whole next forward
+and backward): reading ``opt.state`` waits for it, and with NVMe state gives up the next step's
+state read ahead, so that what it shows, and what is written into it in place, is the state after
+the last ``step()``, as with torch's (docs/gpu.md). A tensor taken from it before a ``step()`` is
 written by that step's CPU part while it runs: take it from ``opt.state`` again after the
 ``step()``."""
