@@ -26,7 +26,8 @@ import torch
 
 from ..base.dist import is_dtensor, local
 from ..base.tensors import ptr
-from ..native.adam import COL_G, COL_GD, COL_OD, COL_OUT, COL_P, DTYPE_CODES, OUT_USER_PARAM, TASK_COLS
+from ..native.adam import (COL_G, COL_GD, COL_OD, COL_OUT, COL_P, DTYPE_CODES, OUT_USER_PARAM,
+                           TASK_COLS)
 from .guards import SpanIndex, span_of, spans_of
 from ..state.layout import piece_columns
 from .base import LOW_PRECISION, check_grad
