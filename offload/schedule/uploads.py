@@ -102,7 +102,8 @@ class UploadWaits:
         if any(p is not None and self.bucket_of_param(id(p)) for p in module._parameters.values()):
             hooks = [module.register_state_dict_pre_hook(weak_hook(self, "before_state_dict"))]
             if hasattr(module, "register_load_state_dict_pre_hook"):
-                hooks.append(module.register_load_state_dict_pre_hook(weak_hook(self, "before_state_dict")))
+                hooks.append(module.register_load_state_dict_pre_hook(
+                    weak_hook(self, "before_state_dict")))
             self._sd_hooks[module] = hooks
 
     def claim(self, module, params: list) -> None:
