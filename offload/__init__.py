@@ -1,8 +1,9 @@
 """offload: optimizer-state offload for PyTorch with a vectorized native Adam kernel.
 
 Public API:
-- ``Adam``, ``AdamW``: drop-in ``torch.optim`` optimizers. State in host RAM (default), in a file on
-  NVMe (``storage="nvme"``) or mapped (``storage="mmap"``); CUDA parameters switch to GPU offload.
+- ``Adam``, ``AdamW``: drop-in ``torch.optim`` optimizers. State in host RAM (default), in a file
+  on NVMe (``storage="nvme"``) or mapped (``storage="mmap"``); CUDA parameters switch to GPU
+  offload.
 - ``save``, ``load``, ``save_async``: streaming, atomic, checksummed checkpoints (safetensors).
 - ``plan``: the memory planner (bytes per place before training).
 - ``build_info()``; the validated kernel entry points in ``offload.kernels``.

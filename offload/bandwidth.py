@@ -3,14 +3,14 @@ in a few seconds or read from saved benchmark JSON (``python -m offload.bench ke
 PATH``).
 
 Four figures, all in bytes per second:
-  kernel   the Adam pass at the planned format and thread count, counted as the bytes one pass must move
-           (:func:`pass_bytes` per parameter, as ``bench kernel``'s GB/s column): an ``offload.AdamW``
-           step over 16M parameters in RAM (out of any L3), median of a few steps
-  read, write   the state directory's O_DIRECT reads / writes alone, with the planned bucket size as the
-           request size and ``depth`` requests queued (as the NVMe tier issues them)
-  mixed    reads and writes in flight together (what the NVMe step does between its first read and
-           its last write): the bytes of both per second. Where unknown (an io JSON without it) the disk
-           is taken to serve them one after the other: ``2 / (1/read + 1/write)``
+  kernel   the Adam pass at the planned format and thread count, counted as the bytes one pass
+           must move (:func:`pass_bytes` per parameter, as ``bench kernel``'s GB/s column): an
+           ``offload.AdamW`` step over 16M parameters in RAM (out of any L3), median of a few steps
+  read, write   the state directory's O_DIRECT reads / writes alone, with the planned bucket size
+           as the request size and ``depth`` requests queued (as the NVMe tier issues them)
+  mixed    reads and writes in flight together (what the NVMe step does between its first read
+           and its last write): the bytes of both per second. Where unknown (an io JSON without
+           it) the disk is taken to serve them one after the other: ``2 / (1/read + 1/write)``
   h2d, d2h pinned host <-> GPU copies (PCIe), when CUDA is present
 Several directories (several drives) are measured each alone, once per filesystem, and added up.
 """
@@ -152,9 +152,8 @@ def _disk_one(directory: str, size: int, request: int, inflight: int, reps: int)
                     if len(pending) >= queued:
                         pending.pop(0).wait()
                     s = (k % nslot) * request
-                    pending.append((eng.write if op == "w" else eng.read)(f, buf[s:s + request],
-                                                                          off,
-                                                                           min(request, size - off)))
+                    pending.append((eng.write if op == "w" else eng.read)(
+                        f, buf[s:s + request], off, min(request, size - off)))
                 for r in pending:
                     r.wait()
                 if any(op == "w" for op, _, _ in jobs):
@@ -314,7 +313,8 @@ def from_json(paths: Union[str, Iterable[str]], *, moments: str = "fp32",
             if got is None:
                 raise ValueError(f"{path}: no kernel record for moments={moments!r} with "
                                  f"{'bf16' if low else 'fp32'} parameters; run python -m "
-                                 f"offload.bench kernel --cases {_cases_of(moments)} --json {path}")
+                                 f"offload.bench kernel --cases {_cases_of(moments)} "
+                                 f"--json {path}")
             bw.kernel, bw.sources["kernel"] = got
         else:
             raise ValueError(f"{path}: not a JSON of python -m offload.bench kernel or io (--json "

@@ -296,7 +296,8 @@ def format_report(rep: dict) -> str:
     lines = [
         f"offload         {o.get('version')} (native core {o.get('native_version')}"
         f"{'' if o.get('versions_match') else ', MISMATCH'})",
-        f"python          {py.get('version')} ({py.get('implementation')}, {py.get('executable')})",
+        f"python          {py.get('version')} ({py.get('implementation')}, "
+        f"{py.get('executable')})",
         f"torch           {t.get('version')} ({t.get('build')}), {t.get('threads')} intra-op "
         "threads",
         f"os              {s.get('system')} {s.get('kernel')} {s.get('machine')}"
@@ -327,7 +328,8 @@ def format_report(rep: dict) -> str:
                  f"{'?' if d.get('o_direct') is None else 'yes' if d['o_direct'] else 'no'}")
     if "write_mb_s" in d:
         lines.append(f"dir speed       write {d['write_mb_s']} MB/s, read {d['read_mb_s']} MB/s "
-                     f"({_size(d['speed_test_bytes'])}{'' if d.get('o_direct') else ', buffered'})")
+                     f"({_size(d['speed_test_bytes'])}"
+                     f"{'' if d.get('o_direct') else ', buffered'})")
     for section in ("offload", "python", "torch", "os", "cpu", "memory", "cuda"):
         if "error" in rep[section]:
             lines.append(f"{section}: could not be read: {rep[section]['error']}")

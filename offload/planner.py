@@ -143,8 +143,9 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
 
     ``device``: where forward/backward run ('cpu' or 'cuda'; default: cuda if available).
     ``param_dtype``/``grad_dtype``: override the model's dtypes ('bf16', torch.bfloat16, ...).
-    ``storage``: 'ram', 'nvme' or 'mmap', as given to the optimizer (default: 'nvme' when ``nvme_dir``
-    is given, else 'ram'; ``host_budget``, ``depth``: as given to the optimizer's store).
+    ``storage``: 'ram', 'nvme' or 'mmap', as given to the optimizer (default: 'nvme' when
+    ``nvme_dir`` is given, else 'ram'; ``host_budget``, ``depth``: as given to the optimizer's
+    store).
     ``sharding``: 'none', 'zero1' (state split across ``world_size``
     ranks) or 'fsdp' (weights, gradients and state split). ``activation_bytes``: your estimate,
     added to the GPU (or host, in CPU mode) total if given. ``verbose``: print the report.

@@ -4,10 +4,11 @@ and the bandwidths of offload/bandwidth.py.
 Per state tier, with the plan's own buckets (the engine's layout: same bucket sizes, the same
 budget split into ``depth + 2`` NVMe slots):
   ram (host parameters)   the kernel: the bytes one Adam pass moves / kernel bandwidth
-  nvme                    a three-stage pipeline, bucket k computed while k+1 is read and k-1 written:
-                          fill (read bucket 0) + sum over k of max(kernel k, disk I/O of reads k+1 and
-                          writes k-1) + drain (write the last bucket). The disk I/O of a slot is at the
-                          ``mixed`` rate when it both reads and writes, else at the read or write rate.
+  nvme                    a three-stage pipeline, bucket k computed while k+1 is read and k-1
+                          written: fill (read bucket 0) + sum over k of max(kernel k, disk I/O
+                          of reads k+1 and writes k-1) + drain (write the last bucket). The disk
+                          I/O of a slot is at the ``mixed`` rate when it both reads and writes,
+                          else at the read or write rate.
   device parameters       the gradients come down and the new weights go up per bucket (PCIe, both
                           directions at once): two more stages of the same pipeline
 The model predicts the optimizer's own time once the gradients exist (what ``bench step``
