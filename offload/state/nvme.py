@@ -56,7 +56,8 @@ class NvmeTier(StateTier):
                  block_size: int = 1 << 20, direct: bool = True):
         super().__init__()
         if not isinstance(depth, int) or not 1 <= depth <= 64:
-            raise ValueError(f"depth (buckets read ahead) must be an int in [1, 64], got {depth!r}")
+            raise ValueError("depth (buckets read ahead) must be an int in [1, 64], got "
+                             f"{depth!r}")
         self.depth = depth
         self.keep = bool(keep)
         dirs = parse_dirs(nvme_dir)
