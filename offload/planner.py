@@ -105,10 +105,11 @@ class MemoryPlan:
 
     def __str__(self) -> str:
         c = self.config
+        sharded = f", {c['sharding']} x{c['world_size']}" if c["world_size"] > 1 else ""
         lines = [f"offload memory plan: {c['params']:,} parameters in {c['tensors']} tensors, "
                  f"param dtype {c['param_dtype']}, grads {c['grad_dtype']}, device {c['device']}, "
                  "state in "
-                 f"{c['state']}{', amsgrad' if c['amsgrad'] else ''}{', ' + c['sharding'] + ' x' + str(c['world_size']) if c['world_size'] > 1 else ''} "
+                 f"{c['state']}{', amsgrad' if c['amsgrad'] else ''}{sharded} "
                  "(per rank)",
                  f"{'place':<6} {'what':<58} {'bytes':>12}"]
         for r in self.rows:

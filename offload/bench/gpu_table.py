@@ -30,8 +30,9 @@ def _threads(t: Optional[dict]) -> str:
 
 def markdown(head: dict, results: list) -> str:
     gpu = head.get("gpu") or "CPU (plumbing only: a tiny model, offload through its fake device)"
+    others = ", ".join(f"{k} {v}" for k, v in head.get("versions", {}).items() if k != "torch")
     lines = [f"GPU: {gpu}; torch {head.get('versions', {}).get('torch')}; "
-             f"{', '.join(f'{k} {v}' for k, v in head.get('versions', {}).items() if k != 'torch')}; "
+             f"{others}; "
              f"host CPU: {head.get('machine', {}).get('cpu', '?')}, "
              f"{head.get('machine', {}).get('cpus')} CPUs; {head.get('time')}", ""]
     cols = ["size", "row", "iter ms (median)", "mean", "wall", "exposed ms", "x fwd+bwd",

@@ -191,10 +191,12 @@ def _check_params(opt, ridx: dict, rpath: str) -> List[ParamPlan]:
         _need(gshape is None or _shape(gshape), f"{w}: invalid global_shape")
         if shape != list(lp.shape) or (is_dtensor(p) and gshape not in (None, list(p.shape))):
             saved_shape = gshape or shape
+            saved_local = f" (local {tuple(shape)})" if gshape else ""
+            model_local = f" (local {tuple(lp.shape)})" if is_dtensor(p) else ""
             raise CheckpointError(f"parameter {i}: checkpoint was saved for shape "
-                                  f"{tuple(saved_shape)}{' (local ' + str(tuple(shape)) + ')' if gshape else ''}, "
+                                  f"{tuple(saved_shape)}{saved_local}, "
                                   "but the model's parameter has shape "
-                                  f"{tuple(p.shape)}{' (local ' + str(tuple(lp.shape)) + ')' if is_dtensor(p) else ''}: "
+                                  f"{tuple(p.shape)}{model_local}: "
                                   "refusing to load into a different model")
         dt = _field(rec, "dtype", lambda v: isinstance(v, str), w)
         _need(dt == str(lp.dtype).replace("torch.", ""),
