@@ -64,8 +64,9 @@ OPTIONS_DOC = """
     gpu_state: device memory for the Adam state (fp32 master and moments) of the parameters
         backward reaches last, stepped on the GPU so that the CPU's part of the step ends inside
         backward: ``"auto"`` (default: what the first steps leave spare, with a margin, as much as
-        hiding the CPU step needs), a size (``"8GiB"``: at most that), or 0 (every parameter's state in
-        host memory). Decided after the second step, refined after the fourth; docs/gpu.md.
+        hiding the CPU step needs), a size (``"8GiB"``: at most that), or 0 (every parameter's
+        state in host memory). Decided after the second step, refined after the fourth;
+        docs/gpu.md.
 """
 
 
