@@ -45,9 +45,9 @@ class _StateRecords:
     """Per group: what each parameter's opt.state entry was last validated as (state_rows' input)."""
 
     def __init__(self, n: int):
-        self.objs: list = [None] * n                         # (outer, inner, entry per _KEYS) or None
+        self.objs: list = [None] * n  # (outer, inner, entry per _KEYS) or None
         self.ptrs = np.full((n, len(_KEYS)), -1, dtype=np.int64)
-        self.hashes = np.full(n, -1, dtype=np.int64)         # hash(parameter): looked up without __hash__
+        self.hashes = np.full(n, -1, dtype=np.int64)  # hash(parameter): looked up without __hash__
 
 
 class TorchViews:

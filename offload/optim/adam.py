@@ -10,8 +10,8 @@ straight into the parameter in the same pass. Parameters the kernel cannot take 
 (offload/optim/fallback.py).
 
 The class derives from ``torch.optim.Optimizer`` (and optim/rebuilding.py's ``EngineSync``, which
-keeps ``_store`` laid out for the param groups as they are) and holds parts, which its methods call
-in a few lines each: ``_store``, the state engine of every mode (engine/engine.py), built by
+keeps ``_engine`` laid out for the param groups as they are) and holds parts, which its methods call
+in a few lines each: ``_engine``, the state engine of every mode (engine/engine.py), built by
 ``_slot`` (optim/engine_slot.py); ``_face``, where the parameters are (optim/faces.py: host memory,
 or a device and its schedule); ``_clip``, the pending clip coefficient (optim/clipping.py);
 ``_router``, which parameters torch's code steps (optim/fallback.py); and optim/torch_state.py's
@@ -44,7 +44,7 @@ __all__ = ["Adam", "AdamW"]
 # what __setstate__ fills in: of a param group (torch's keys, as torch.optim.Adam), of the optimizer
 _GROUP_KEYS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
                    differentiable=False, fused=None, decoupled_weight_decay=False)
-_OWN_KEYS = dict(_threads=None, _store=None, _face=None, moments="fp32", moments_min_size=4096)
+_OWN_KEYS = dict(_threads=None, _engine=None, _face=None, moments="fp32", moments_min_size=4096)
 
 
 class _AdamBase(EngineSync, Optimizer):
@@ -53,11 +53,11 @@ class _AdamBase(EngineSync, Optimizer):
                  offload_device, moments, moments_min_size, state, **gpu_options):
         """Adam's and AdamW's arguments (below), all given; ``gpu_options``: options.GPU_OPTION_NAMES."""
         gpu_options = given_gpu_options(**gpu_options)
-        state = resolve_storage(storage, state, nvme_dir)   # state=: a deprecated alias of storage=
+        state = resolve_storage(storage, state, nvme_dir)  # state=: a deprecated alias of storage=
         params, self.moments = check_options(params, lr, betas, eps, weight_decay, amsgrad, foreach, capturable,
                                              differentiable, fused, threads, state, nvme_dir,
                                              nvme_options, moments, moments_min_size)
-        self._store = self._face = None   # (made below, once torch's constructor added the groups)
+        self._engine = self._face = None  # (made below, once torch's constructor added the groups)
         # what a param group may repeat (optim/checks.py; ZeroRedundancyOptimizer puts every constructor option in its groups)
         self._wide = dict(moments=moments, moments_min_size=moments_min_size, storage=state, state=state, threads=threads,
                           nvme_dir=nvme_dir, host_budget=host_budget, keep_files=keep_files,
@@ -78,14 +78,14 @@ class _AdamBase(EngineSync, Optimizer):
         self._slot = EngineSlot.configure(state, nvme_dir, host_budget, keep_files, nvme_options,
                                           gpu_options, device, self.moments, self.moments_min_size)
         super().__init__(params, defaults)
-        self._store = self._slot.make(self._slot.groups(self.param_groups, self._router))
+        self._engine = self._slot.make(self._slot.groups(self.param_groups, self._router))
         self._face = self._start_face(device, gpu_options, owns_device, log=True)
         if self._face.amp_scaling:   # GradScaler hands us grad_scale / found_inf: no unscaling
             self._step_supports_amp_scaling = True
 
     def _start_face(self, device, gpu_options: dict, owns_device: bool = False, log: bool = False):
-        """Where the parameters are (optim/faces.py start), over the engine ``_store``."""
-        return faces.start(port_of(self), device, gpu_options, self._store, owns_device,
+        """Where the parameters are (optim/faces.py start), over the engine ``_engine``."""
+        return faces.start(port_of(self), device, gpu_options, self._engine, owns_device,
                            lay_out=self._sync_engine, clip=self._clip, router=self._router,
                            fail=self._fail, decoupled=self._decoupled,
                            keep_on_device=self._slot.keep_on_device,
@@ -102,9 +102,9 @@ class _AdamBase(EngineSync, Optimizer):
         where other groups' params lists were edited (a parameter moved here) the state engine is
         built again, every entry of opt.state kept (offload/engine/rebuild.py)."""
         self._check_usable()
-        store = getattr(self, "_store", None)   # (None while torch's constructor adds the groups)
+        engine = getattr(self, "_engine", None)  # (None while torch's constructor adds the groups)
         n = len(self.param_groups)
-        if store is not None:
+        if engine is not None:
             # the last step may still run on the CPU worker, and the layout, the tier and the staging
             # ring grow below: nothing may be in flight; writes into the parameters since are adopted
             self._face.quiesce()
@@ -114,14 +114,14 @@ class _AdamBase(EngineSync, Optimizer):
                         getattr(self, "moments", "fp32"), self._slot.on_device)
             self._clip.forget()
             native = self._slot.groups(self.param_groups, self._router)
-            if store is not None and not self._slot.stale(store, native[:n], False):
-                store.add_group(native[n]["params"], self.param_groups[n]["amsgrad"])
-            elif store is not None:
+            if engine is not None and not self._slot.stale(engine, native[:n], False):
+                engine.add_group(native[n]["params"], self.param_groups[n]["amsgrad"])
+            elif engine is not None:
                 self.state.update(self._rebuild_engine(native, self.state))
         except BaseException:
             del self.param_groups[n:]
             raise
-        if store is not None:
+        if engine is not None:
             self._face.load_state()
 
     # ------------------------------------------------------------------ pickling, deepcopy, a loaded state
@@ -141,14 +141,14 @@ class _AdamBase(EngineSync, Optimizer):
             self.__dict__.setdefault(k, v)
         self._clip.forget()   # (load_state_dict: the coefficient stays, tied to no gradients)
         self._failure = None   # a loaded state (load_state_dict, offload.load) is the way back after a failure
-        if self._store is None and self._slot.picklable:   # unpickled, deep-copied: from opt.state
+        if self._engine is None and self._slot.picklable:  # unpickled, deep-copied: from opt.state
             self._face = self._start_face(self._slot.device, {})
             self._sync_engine()
 
     def __getstate__(self):
         self._check_usable()
         self._slot.check_picklable()
-        d = dict(super().__getstate__(), _store=None)   # (torch's: defaults, state, param_groups); the engine is
+        d = dict(super().__getstate__(), _engine=None)   # (torch's: defaults, state, param_groups); the engine is
         d.update({k: v for k, v in self.__dict__.items()   # built again from opt.state by __setstate__
                   if k in ("_slot", "moments", "moments_min_size", "_threads", "_wide")})
         return d
@@ -193,7 +193,7 @@ class _AdamBase(EngineSync, Optimizer):
         try:
             self._face.close()
         finally:
-            self._store.close()
+            self._engine.close()
 
     def group_hyper(self, gi: int) -> dict:
         """The validated hyperparameters of param group ``gi`` as the kernels take them (lr, beta1,
@@ -214,7 +214,7 @@ class _AdamBase(EngineSync, Optimizer):
     def storage_info(self) -> dict:
         """Telemetry of the state: its storage, buckets, steps and kernel time; with NVMe/mmap
         state also bytes moved, I/O wait and whether I/O is O_DIRECT."""
-        return self._store.info()
+        return self._engine.info()
 
     _decoupled: Optional[bool] = None
 
@@ -250,7 +250,7 @@ class _AdamBase(EngineSync, Optimizer):
 
     def state_dict(self) -> dict:
         self._settle()   # never hand out a partially updated state as a checkpoint
-        tensors = self._store.state_tensors()  # views of the tier (a mapped state file, an arena), not copies
+        tensors = self._engine.state_tensors()  # views of the tier (a mapped state file, an arena), not copies
         return sdict.with_tensors(sdict.plain(super().state_dict()), tensors, self._engine_index())
 
     def checkpoint_state(self) -> dict:
@@ -282,7 +282,7 @@ class _AdamBase(EngineSync, Optimizer):
         if create_from is not None:  # never asked: this state loads through load_state_dict (loads_itself)
             raise RuntimeError("compressed-moment state loads through load_state_dict")
         self._sync_engine()
-        return sdict.checkpoint_tensors(self.param_groups, self.state, self._store, self._engine_index(), self._router)
+        return sdict.checkpoint_tensors(self.param_groups, self.state, self._engine, self._engine_index(), self._router)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state saved by this class or by ``torch.optim.Adam/AdamW``. Unlike torch, moments
@@ -293,7 +293,7 @@ class _AdamBase(EngineSync, Optimizer):
         host = not self._slot.on_device
         new_state, groups = sdict.map_saved(self.param_groups, state_dict, host=host)
         self.synchronize()
-        sdict.install(new_state, self.param_groups, self._router.split(groups)[0], self._store,
+        sdict.install(new_state, self.param_groups, self._router.split(groups)[0], self._engine,
                       self._engine_index, self._rebuild_engine)
         self.__setstate__({"state": new_state, "param_groups": groups})
         self._face.load_state(loaded=True)
@@ -332,7 +332,7 @@ class _AdamBase(EngineSync, Optimizer):
     def io_only_pass(self) -> float:
         """Benchmark helper (storage='nvme'): read and write back every bucket without computing;
         returns the seconds it took (the I/O-only time of a full step)."""
-        return self._store.io_pass()
+        return self._engine.io_pass()
 
     def export_chrome_trace(self, path: str) -> int:
         """Write the recorded timeline (needs trace=True) as Chrome trace JSON; returns the span count."""
@@ -348,7 +348,7 @@ class _AdamBase(EngineSync, Optimizer):
         """What offload.save / offload.load use of this optimizer beyond torch's API (its state is
         loaded through load_state_dict; the engine stays mapped while a background save reads it)."""
         return CheckpointPort(
-            keepalive=lambda: self._store, loads_itself=lambda: True, on_device=lambda: self.gpu_offload,
+            keepalive=lambda: self._engine, loads_itself=lambda: True, on_device=lambda: self.gpu_offload,
             pending=lambda: self.pending_grad_multiplier, set_pending=self.set_pending_grad_multiplier,
             tensors=self.checkpoint_tensors, scalars=self.checkpoint_state)
 

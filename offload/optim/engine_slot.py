@@ -1,5 +1,5 @@
 """optim/engine_slot.py: ``EngineSlot``, the part of offload.Adam/AdamW (optim/adam.py's ``_slot``)
-that knows how its state engine (offload/engine/engine.py, ``opt._store``) is built: the
+that knows how its state engine (offload/engine/engine.py, ``opt._engine``) is built: the
 constructor's storage arguments, the device of GPU offload (or None), which param groups the engine
 holds (host parameters without those torch's code steps, offload/optim/fallback.py; device
 parameters all), and when and how it is built again from ``opt.state`` (offload/engine/rebuild.py):

@@ -44,7 +44,7 @@ class StepFace:
     steps_during_backward = False
     amp_scaling = False          # GradScaler hands step() grad_scale / found_inf: no unscaling
     schedule: Optional[DeviceStep] = None   # the device schedule, if any
-    engine = None                # the state engine it steps (engine/engine.py): ``_store``
+    engine = None                # the state engine it steps (engine/engine.py): ``_engine``
 
     def description(self) -> str:
         """Where the parameters are stepped (the optimizer's INFO line)."""

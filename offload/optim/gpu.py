@@ -83,12 +83,12 @@ def make_state_engine(param_groups: list, state: str, *, nvme_dir, host_budget, 
                        host_budget=host_budget, keep=keep, side=side, **opts)
 
 
-def describe(opt, side: str, store) -> str:
+def describe(opt, side: str, engine) -> str:
     """One line: where the parameters are stepped (``side``, optim/faces.py), where the state
     lives, the moment format."""
     n = sum(len(g["params"]) for g in opt.param_groups)
-    tier = getattr(store, "tier", None)
-    mode = getattr(store, "mode", "ram")
+    tier = getattr(engine, "tier", None)
+    mode = getattr(engine, "mode", "ram")
     if mode == "nvme" and tier is not None:
         direct = tier.telemetry.get("direct")
         where = (f"optimizer state in the file {tier.where()} "

@@ -47,18 +47,18 @@ def with_tensors(sd: dict, tensors: dict, index: dict) -> dict:
     return sd
 
 
-def checkpoint_tensors(groups: list, state, store, index: dict, router) -> list:
+def checkpoint_tensors(groups: list, state, engine, index: dict, router) -> list:
     """The tensor references a checkpoint of compressed moments saves
     (offload/checkpoint/adapter.py)."""
     from ..checkpoint.adapter import tensor_ref
-    tensors = store.raw_state_tensors()
+    tensors = engine.raw_state_tensors()
     flat = [p for g in groups for p in g["params"]]
     refs = []
     for pos, i in sorted(index.items(), key=lambda x: x[1]):
         if pos in tensors and state.get(flat[i]):
             for key in sorted(tensors[pos]):
                 r = tensor_ref(f"state.{i}.{key}", i, key, tensors[pos][key])
-                r.keep = store
+                r.keep = engine
                 refs.append(r)
     # parameters torch's code steps: their state tensors in opt.state, in torch's numbering (a
     # parameter listed twice in a group: its last position, as torch.optim.Optimizer.state_dict
@@ -141,25 +141,25 @@ def map_saved(groups: list, state_dict: dict, host: bool) -> tuple:
     return new_state, saved_groups
 
 
-def install(new_state: dict, groups: list, native: list, store, index: Callable[[], dict],
+def install(new_state: dict, groups: list, native: list, engine, index: Callable[[], dict],
             rebuild: Optional[Callable[[list, dict], dict]]) -> None:
     """Put the engine's entries of ``new_state`` into the state tier (a file: bucket by bucket) and
     replace them by the engine's views. ``native``: the loaded groups the engine holds; ``rebuild``
     (or None where the configuration cannot): a new engine for ``native`` holding the state, used
     where amsgrad differs from what the engine was laid out for."""
-    if rebuild is not None and [bool(g.get("amsgrad", False)) for g in native] != store.amsgrad:
+    if rebuild is not None and [bool(g.get("amsgrad", False)) for g in native] != engine.amsgrad:
         new_state.update(rebuild(native, new_state))
         return
     flat = [p for g in groups for p in g["params"]]
     # GPU offload: small parameters stepped on the device keep torch's state
-    small = store.excluded
+    small = engine.excluded
     # (gi, i) of the engine's parameters (not those torch's code steps: their state stays in
     # opt.state)
     where = {id(flat[i]): pos for pos, i in index().items() if pos not in small}
     entries = {where[id(p)]: st for p, st in new_state.items() if isinstance(p, torch.Tensor)
                and id(p) in where}
-    store.load(entries)
+    engine.load(entries)
     for p, st in list(new_state.items()):
         if isinstance(p, torch.Tensor) and id(p) in where:
             gi, i = where[id(p)]
-            new_state[p] = store.torch_state(gi, i)  # step counter + views of the moments
+            new_state[p] = engine.torch_state(gi, i)  # step counter + views of the moments
