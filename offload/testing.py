@@ -134,11 +134,11 @@ def inject_io_fault(opt, kind: int, nth: int, drive: int = 0) -> None:
     """Make the NVMe tier's ``nth`` next system call fail with ``kind``
     (offload.native.aio.FAULT_EIO, ...); ``drive``: which directory of ``nvme_dir`` (several
     drives: each has its own I/O engine)."""
-    eng = state_engine(opt)
-    drives = getattr(eng.tier, "drives", None)
+    target = state_engine(opt)
+    drives = getattr(target.tier, "drives", None)
     if drives:
-        eng = drives[drive]
-    eng.engine._set_fault(kind, nth)
+        target = drives[drive]
+    target.aio._set_fault(kind, nth)
 
 
 class _Late:
@@ -156,13 +156,13 @@ class _Late:
         return n
 
 
-class SlowEngine:
+class SlowAio:
     """An ``AioEngine`` whose drive serves one request per ``delay_s`` seconds at most (requests
     queue behind each other, as on a slow disk); the real transfer still happens (same bytes, same
     errors)."""
 
-    def __init__(self, engine, delay_s: float):
-        self.inner, self.delay_s = engine, float(delay_s)
+    def __init__(self, aio, delay_s: float):
+        self.inner, self.delay_s = aio, float(delay_s)
         self.free_at = 0.0
         self.lock = threading.Lock()
 
@@ -186,4 +186,4 @@ def slow_drive(opt, drive: int, delay_s: float) -> None:
     a bucket there completes ``delay_s`` after the previous one (tests, bench: what one slow drive
     costs)."""
     dr = tier(opt).drives[drive]
-    dr.engine = SlowEngine(dr.engine, delay_s)
+    dr.aio = SlowAio(dr.aio, delay_s)

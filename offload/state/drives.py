@@ -30,9 +30,9 @@ def named(e: OSError, drive: str) -> OSError:
 
 
 class Drive:
-    """One directory of ``nvme_dir``: a private state directory, its state file, its own I/O
-    engine. ``res`` (the owner's cleanup list) gets [engine, file, directory] as each is
-    created."""
+    """One directory of ``nvme_dir``: a private state directory, its state file, its own native
+    I/O engine (``aio``, offload/native/aio.py). ``res`` (the owner's cleanup list) gets [aio,
+    file, directory] as each is created."""
 
     def __init__(self, parent: str, *, res: list, queue_depth: int, block_size: int, direct: bool):
         self.nvme_dir = files.check_dir(parent, "nvme")
@@ -40,8 +40,8 @@ class Drive:
         entry = [None, None, self.directory]
         res.append(entry)
         self.path = os.path.join(self.directory, files.STATE_FILE)
-        self.engine = entry[0] = AioEngine(queue_depth=queue_depth, block_size=block_size)
-        self.file = entry[1] = self.engine.open(self.path, create=True, direct=direct, mode=0o600)
+        self.aio = entry[0] = AioEngine(queue_depth=queue_depth, block_size=block_size)
+        self.file = entry[1] = self.aio.open(self.path, create=True, direct=direct, mode=0o600)
         self.file_bytes = 0       # reserved in the file
         self.used = 0             # bytes of the buckets placed here
         self.bytes_read = self.bytes_written = 0
@@ -60,7 +60,7 @@ class Drive:
     def info(self) -> dict:
         return dict(dir=self.nvme_dir, path=self.path, bytes=self.used, file_bytes=self.file_bytes,
                     bytes_read=self.bytes_read, bytes_written=self.bytes_written,
-                    direct=bool(self.file.direct), engine=self.engine.telemetry())
+                    direct=bool(self.file.direct), engine=self.aio.telemetry())
 
 
 class Placement:

@@ -33,8 +33,8 @@ log = logging.getLogger("offload.state")
 
 
 def _cleanup(res: list, keep: bool, pid: int) -> None:
-    """``res``: [engine, file, directory] per drive, as far as each was created."""
-    for engine, file, directory in res:
+    """``res``: [aio, file, directory] per drive, as far as each was created."""
+    for aio, file, directory in res:
         if os.getpid() != pid:
             # a fork()ed child: the I/O threads, the file and the directory are the parent's; only
             # this process's copies of the descriptors are closed, nothing on disk is touched
@@ -42,8 +42,8 @@ def _cleanup(res: list, keep: bool, pid: int) -> None:
                 file.close()
             continue
         # order matters: no transfer may be in flight when descriptors or buffers go away
-        if engine is not None:
-            engine.close()
+        if aio is not None:
+            aio.close()
         if file is not None:
             file.close()
         files.remove_dir(directory, keep)
@@ -134,7 +134,7 @@ class NvmeTier(StateTier):
         d, off = self.place.where[b.index]
         dr = self.drives[d]
         try:
-            return getattr(dr.engine, op)(dr.file, self.slots[s], off, b.nbytes), d
+            return getattr(dr.aio, op)(dr.file, self.slots[s], off, b.nbytes), d
         except OSError as e:
             raise self._named(e, d) from None
 
@@ -271,7 +271,7 @@ class NvmeTier(StateTier):
     def fail(self, exc: BaseException) -> None:
         super().fail(exc)
         for dr in self.drives:
-            dr.engine.wait_all()   # nothing may still write into buffers or the files
+            dr.aio.wait_all()   # nothing may still write into buffers or the files
         self._writes.clear()
         self._reads.clear()
         self._free = list(range(len(self.slots)))[::-1]
@@ -340,7 +340,7 @@ class NvmeTier(StateTier):
 
     def info(self) -> dict:
         d = dict(self.telemetry)
-        d.update(path=self.path, depth=self.depth, engine=self.drives[0].engine.telemetry())
+        d.update(path=self.path, depth=self.depth, engine=self.drives[0].aio.telemetry())
         if len(self.drives) > 1:
             d.update(paths=[dr.path for dr in self.drives],
                      drives=[dr.info() for dr in self.drives])
