@@ -214,7 +214,7 @@ class Worker:
             self.parked_at = n
             tier = self.tier
             with self.engine.lock:
-                if tier.kind == "nvme" and not tier.closed and tier.failed is None:
+                if tier.storage == "nvme" and not tier.closed and tier.failed is None:
                     tier.keep_reads(set())
         except BaseException as e:
             self.failed(e)
@@ -224,7 +224,7 @@ class Worker:
     def read_ahead(self, blocking: bool) -> None:
         """Keep ``depth`` reads in flight for the next buckets of the expected order."""
         tier, eng = self.tier, self.engine
-        if tier.kind != "nvme" or tier.closed:
+        if tier.storage != "nvme" or tier.closed:
             return
         lock = eng.lock
         if not lock.acquire(blocking=blocking):

@@ -75,7 +75,7 @@ def _cleanup(maps, fd_box, directory, keep: bool, pid: int) -> None:
 
 
 class MmapTier(StateTier):
-    kind = "mmap"
+    storage = "mmap"
     resident = True
 
     def __init__(self, *, nvme_dir, keep: bool = False, budget: int = 0):

@@ -50,7 +50,7 @@ def _cleanup(res: list, keep: bool, pid: int) -> None:
 
 
 class NvmeTier(StateTier):
-    kind = "nvme"
+    storage = "nvme"
 
     def __init__(self, *, nvme_dir, keep: bool = False, depth: int = 2, queue_depth: int = 8,
                  block_size: int = 1 << 20, direct: bool = True):

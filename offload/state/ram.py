@@ -14,7 +14,7 @@ __all__ = ["RamTier"]
 
 
 class RamTier(StateTier):
-    kind = "ram"
+    storage = "ram"
     resident = True
     inline = True
 

@@ -39,7 +39,7 @@ class Block:
 
 
 class StateTier:
-    kind = "abstract"
+    storage = "abstract"
     resident = False
     inline = False   # acquire() gives a bucket the same bytes; prefetch/release/drain do nothing
 
@@ -102,7 +102,7 @@ class StateTier:
 
     def check_usable(self) -> None:
         if self.failed is not None:
-            raise StoreFailedError(failed_message(f"the {self.kind} optimizer state in "
+            raise StoreFailedError(failed_message(f"the {self.storage} optimizer state in "
                                                   f"{self.where()}",
                                                   self.failed)) from self.failed
         if self.closed:
@@ -122,7 +122,7 @@ class StateTier:
         return None
 
 
-def split_budget(kind: str, budget: int, depth: int, staging_slots: int) -> tuple:
+def split_budget(storage: str, budget: int, depth: int, staging_slots: int) -> tuple:
     """(max state bytes per bucket, max parameter bytes per bucket for staging) from
     ``host_budget``.
 
@@ -131,12 +131,12 @@ def split_budget(kind: str, budget: int, depth: int, staging_slots: int) -> tupl
     parameter: 8 bytes of staging per 12 of state). mmap: a bucket is at most the budget; the
     buckets that stay mapped between steps fit in it (state/mmap.py). ram: unbounded state buckets.
     """
-    if kind == "ram":
+    if storage == "ram":
         return None, None
-    nslots = depth + 2 if kind == "nvme" else 1
+    nslots = depth + 2 if storage == "nvme" else 1
     denom = nslots + (2 * staging_slots / 3 if staging_slots else 0)
     s = int(budget / denom) // ALIGN * ALIGN
-    if kind == "mmap":
+    if storage == "mmap":
         s = max(s, ALIGN)
     stage = s // 3 if staging_slots else None
     return s, stage
@@ -156,15 +156,15 @@ def check_staging_slots(slots) -> int:
     return slots
 
 
-def check_budget(kind: str, state_cap: Optional[int], depth: int, staging_slots: int,
+def check_budget(storage: str, state_cap: Optional[int], depth: int, staging_slots: int,
                  host_budget) -> None:
     """NVMe state needs room for one 4 KiB bucket in each of its ``depth + 2`` slots (and the
     staging slots of device parameters, ``staging_slots``: 0 for host parameters); ``state_cap``
     from :func:`split_budget` with the same arguments. The message names the smallest budget
     that :func:`split_budget` accepts."""
-    if kind == "nvme" and state_cap < ALIGN:
+    if storage == "nvme" and state_cap < ALIGN:
         need = int(ALIGN * (depth + 2 + 2 * staging_slots / 3))
-        while split_budget(kind, need, depth, staging_slots)[0] < ALIGN:
+        while split_budget(storage, need, depth, staging_slots)[0] < ALIGN:
             need += 1
         staging = (f" and 2/3 of one for each of {staging_slots} staging slots"
                    if staging_slots else "")
