@@ -93,7 +93,7 @@ class StateEngine:
         self.telemetry = dict(steps=0, kernel_s=0.0, step_s=0.0)
         self.last_stats: Optional[dict] = None
         self._grads = None   # the gradients collect() checked, for the step that follows it
-        self.plans = fastpath.PlanSlot()   # the next step, planned (engine/fastpath.py)
+        self.plans = fastpath.PlanHolder()   # the next step, planned (engine/fastpath.py)
         # (bound to what they read, not to the engine: the views hold no reference back to it)
         self._format = functools.partial(_moment_format, self.numels, self.moments,
                                          self.moments_min_size)
