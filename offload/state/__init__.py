@@ -1,4 +1,5 @@
-"""state/: WHERE THE OPTIMIZER STATE LIVES. One tier per storage, all behind the interface of tier.py.
+"""state/: WHERE THE OPTIMIZER STATE LIVES. One tier per storage, all behind the interface of
+tier.py.
 
 ``ram`` (one aligned arena, never pinned), ``nvme`` (a private O_DIRECT file + a small ring of host
 slots), ``mmap`` (a shared mapping of the same file). Tiers know buckets (offload/state/layout.py)
