@@ -1,7 +1,7 @@
 """checkpoint/adapter.py: the optimizer-side extension point of the checkpoint.
 
 The checkpoint uses torch's optimizer API (``param_groups``, ``state`` / ``state_dict()``:
-offload's returns views of the NVMe/mmap state file and synchronizes the GPU engine;
+offload's returns views of the NVMe/mmap state file and synchronizes the device schedule;
 ``load_state_dict()``) and, for the rest, one port object: :class:`CheckpointPort`, which an
 optimizer offers as ``checkpoint_port()`` (offload.Adam/AdamW do: offload/optim/adam.py); any other
 optimizer (torch.optim's) gets the port of state in plain tensors, with the ``checkpoint_tensors``
@@ -148,7 +148,8 @@ def keepalive(opt):
 
 
 def loads_itself(opt) -> bool:
-    """State the optimizer must load through load_state_dict (NVMe/mmap store or GPU engine)."""
+    """State the optimizer must load through load_state_dict (NVMe/mmap store or device
+    parameters)."""
     return bool(port(opt).loads_itself())
 
 

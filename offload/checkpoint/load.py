@@ -3,7 +3,7 @@
 Order: parse and validate index, rank index and safetensors header against the live optimizer
 (validate.py), verify every checksum in a streaming pass, and only then modify the optimizer:
 bytes go straight into its state tensors (RAM state), or views of a private mapping of the file
-go to ``load_state_dict`` (NVMe/mmap store, GPU engine). Nothing is ever unpickled. After a
+go to ``load_state_dict`` (NVMe/mmap store, device parameters). Nothing is ever unpickled. After a
 refused load the optimizer is unchanged (only a file changed between the verify pass and the
 read pass can leave it partially loaded, which is reported as such).
 """
@@ -118,9 +118,9 @@ def _load_in_place(opt, plan: Plan, f, base: int, dpath: str, chunk: int, verify
 
 
 def _load_via_state_dict(opt, plan: Plan, f, base: int) -> None:
-    """NVMe/mmap store or GPU engine: hand ``load_state_dict`` tensors that are views of a private
-    mapping of the (verified) checkpoint file, so the store streams them bucket by bucket into its
-    own file without the whole state ever being copied into RAM."""
+    """NVMe/mmap store or device parameters: hand ``load_state_dict`` tensors that are views of a
+    private mapping of the (verified) checkpoint file, so the store streams them bucket by bucket
+    into its own file without the whole state ever being copied into RAM."""
     mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: nothing is written back
     state: dict = {}
     for i, pp in enumerate(plan.params):

@@ -148,7 +148,8 @@ class Saver:
         os.makedirs(self.dir, exist_ok=True)
         self.previous = previous_index(self.dir)
         self.gen = self._generation()
-        sd_state, self.refs = adapter.saved_state(opt)  # state_dict() also settles a GPU engine
+        # state_dict() also settles a device schedule
+        sd_state, self.refs = adapter.saved_state(opt)
         self.desc = describe(opt, sd_state, self.refs)
         self.rank_index_crc = 0
         self.data_bytes = 0

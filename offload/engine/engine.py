@@ -1,5 +1,5 @@
 """engine/engine.py: StateEngine, the composition root: one layout, one state tier, one parameter
-side, and the torch-layout face of the state (``views``, engine/torchstate.py TorchViews).
+side, and the torch-layout views of the state (``views``, engine/torchstate.py TorchViews).
 
 It is what ``offload.Adam/AdamW`` hold in every mode (host or device parameters, FSDP2 local
 shards, any tier and moment format): it validates a step's gradients before any I/O, runs the

@@ -1,4 +1,4 @@
-"""engine/torchstate.py: TorchViews, the torch-layout face of the state engine: ``opt.state`` views
+"""engine/torchstate.py: TorchViews, the state in torch's layout: ``opt.state`` views
 (installed when a parameter's state is created), the user's edits of ``opt.state`` honoured as torch
 would, ``state_dict`` tensors, and (through engine/load.py) ``load_state_dict`` and re-read masters.
 

@@ -1,4 +1,4 @@
-"""moments/compressed.py: the torch-layout face of compressed moments in the state engine.
+"""moments/compressed.py: the torch-layout views of compressed moments in the state engine.
 
 A parameter whose bucket stores its moments compressed (a format whose ``compressed`` is set,
 "bf16" or "8bit": offload/moments/format.py) has no fp32 ``exp_avg``/``exp_avg_sq`` bytes

@@ -1,4 +1,4 @@
-"""native/aio.py: Python face of the native async file I/O engine (``offload._C.AioEngine``).
+"""native/aio.py: Python wrapper of the native async file I/O engine (``offload._C.AioEngine``).
 
 ``AioEngine.open`` opens a file with O_DIRECT (falling back to buffered I/O with a warning
 where the filesystem refuses it, e.g. tmpfs), ``read``/``write`` queue a transfer between the

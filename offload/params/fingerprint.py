@@ -2,9 +2,9 @@
 move no version counter (``p.data.mul_(...)``, ``p.data.clamp_(...)``, ``p.data.copy_(...)``).
 
 A write through ``p.data`` changes neither the parameter's version counter nor its pointer, so the
-device face (schedule/device_step.py) could not see it and the next step overwrote it with
-round(master) (a reverted write: torch's AdamW keeps it). The face takes these fingerprints once
-the new weights are on the device and compares them before the next update; a parameter whose
+device schedule (schedule/device_step.py) could not see it and the next step overwrote it with
+round(master) (a reverted write: torch's AdamW keeps it). The schedule takes these fingerprints
+once the new weights are on the device and compares them before the next update; a parameter whose
 fingerprint differs has its fp32 master re-read, as for a write the version counter shows.
 
 Computed by torch on the tensor's own device (one pass over the parameter's bytes, in chunks, so

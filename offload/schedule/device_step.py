@@ -1,4 +1,4 @@
-"""schedule/device_step.py: the optimizer face of device parameters (GPU offload), state in any
+"""schedule/device_step.py: the device schedule of device parameters (GPU offload), state in any
 tier.
 
 ``offload.AdamW(cuda_params, storage="ram"|"nvme"|"mmap")``, three schedules:
@@ -14,8 +14,8 @@ In both overlapped schedules the next forward waits per bucket for the new weigh
 (schedule/uploads.py); with ``delay_updates=1`` (deferred) for those of the step before
 (schedule/delayed.py). Parameters of at most ``small_param_numel`` elements stay on the device,
 stepped by torch there (offload/schedule/smallparams.py; nothing in the tier). Host memory: the
-tier + the pinned staging ring. This face is the only part that reads the optimizer (groups, clip
-coefficient, GradScaler attributes).
+tier + the pinned staging ring. This schedule is the only part that reads the optimizer (groups,
+clip coefficient, GradScaler attributes).
 """
 from __future__ import annotations
 
@@ -321,7 +321,7 @@ class DeviceStep:
             self._dtensors = any(is_dtensor(p) for ps in self.engine.groups for p in ps)
         return self._dtensors or multi_rank()
 
-    # ------------------------------------------------------------------ the rest of the GPU face
+    # ------------------------------------------------------------------ the rest of the schedule
     def synchronize(self) -> None:
         self.check_open()
         if self.feed is not None:
