@@ -289,7 +289,7 @@ def from_json(paths: Union[str, Iterable[str]], *, moments: str = "fp32",
               param_dtype=torch.float32, threads: Optional[int] = None) -> Bandwidths:
     """Bandwidths from ``bench kernel --json`` and/or ``bench io --json`` files (a path, a list, or
     comma-separated). Kernel: the record matching the format and thread count (else the most
-    threads); io: our engine's medians (several drives: all at once)."""
+    threads); io: our I/O engine's medians (several drives: all at once)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [p for p in os.fspath(paths).split(",") if p]
     low = param_dtype in LOW_PRECISION
@@ -300,8 +300,8 @@ def from_json(paths: Union[str, Iterable[str]], *, moments: str = "fp32",
             res = js.get("results")
             ours = js.get("aggregate") or (res.get("ours") if isinstance(res, dict) else 0) or {}
             if not isinstance(ours, dict) or "read" not in ours or "write" not in ours:
-                raise ValueError(f"{path}: an io benchmark JSON without our engine's read/write "
-                                 "figures")
+                raise ValueError(f"{path}: an io benchmark JSON without our I/O engine's "
+                                 "read/write figures")
             bw.read, bw.write, bw.mixed = ours["read"], ours["write"], ours.get("mixed")
             for k in ("read", "write", "mixed"):
                 bw.sources[k] = f"{path}: bench io in {js.get('dir') or js.get('dirs')}"

@@ -1,5 +1,5 @@
 """bench/io.py: ``python -m offload.bench io``: sequential write and read throughput of a
-state-sized region, our async engine against the peers and the disk ceiling, in one run.
+state-sized region, our async I/O engine against the peers and the disk ceiling, in one run.
 
 Measured in a new directory created inside --dir (default: the system's temporary directory, e.g.
 /tmp; it is often RAM-backed or another disk: name a directory on the disk you mean) and removed at
@@ -163,7 +163,7 @@ def measure(args) -> dict:
             r = bench_ours(p, size, buf, request, args.queue_depth, block, args.inflight)
             progress.update(f"rep {rep + 1}: ours")
             if not r["direct"]:
-                notes.append("our engine fell back to buffered I/O (O_DIRECT refused)")
+                notes.append("our I/O engine fell back to buffered I/O (O_DIRECT refused)")
             for op in ("write", "read", "mixed"):
                 if op in r:
                     results["ours"][op].append(r[op])
@@ -279,7 +279,7 @@ def _print(r: dict) -> None:
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("io", help="NVMe read/write throughput: our engine vs fio, "
+    p = subparsers.add_parser("io", help="NVMe read/write throughput: our I/O engine vs fio, "
                                          "DeepSpeed AIO and buffered peers",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -295,8 +295,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--inflight", type=int, default=4, help="our requests queued at once (default "
                                                            "4)")
     p.add_argument("--queue-depth", type=int, default=8,
-                   help="our engine's worker threads (default 8)")
-    p.add_argument("--block-size", default="1MiB", help="our engine's piece size (default 1MiB)")
+                   help="our I/O engine's worker threads (default 8)")
+    p.add_argument("--block-size", default="1MiB",
+                   help="our I/O engine's piece size (default 1MiB)")
     p.add_argument("--fio-depths", default="1,4,16,32",
                    help="fio iodepths to try, one job (default 1,4,16,32)")
     p.add_argument("--fio-jobs", default="8x2,4x4", help="extra fio configs iodepth x jobs "

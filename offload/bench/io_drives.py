@@ -1,7 +1,7 @@
 """bench/io_drives.py: ``python -m offload.bench io --dir A,B``: several drives, as the optimizer
 uses them.
 
-Per drive: our engine alone on that drive (``--size`` bytes written then read) and fio's best
+Per drive: our I/O engine alone on that drive (``--size`` bytes written then read) and fio's best
 configuration on the same file (the drive's ceiling). Aggregate: every drive at once, each with its
 own ``AioEngine``, requests laid round-robin (request ``j`` on drive ``j % k``, like state buckets)
 with ``--inflight`` requests queued per drive; compared with the sum of the drives alone and with
@@ -123,7 +123,7 @@ def measure_drives(args, fill, bench_fio) -> dict:
     report = dict(bench="io", dirs=dirs, size=size, request=request, block_size=block,
                   queue_depth=args.queue_depth,
                   inflight=args.inflight, reps=args.reps, drives=rows, aggregate=total,
-                  notes=[] if direct else ["our engine fell back to buffered I/O (O_DIRECT "
+                  notes=[] if direct else ["our I/O engine fell back to buffered I/O (O_DIRECT "
                                            "refused)"])
     _print(report)
     write_json(args.json, report)

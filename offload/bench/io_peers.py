@@ -1,6 +1,6 @@
 """bench/io_peers.py: the peers of ``python -m offload.bench io`` (bench/io.py): buffered
 ``pwrite`` / ``preadv``, ``numpy.memmap``, aiofiles and DeepSpeed's AIO handle, each writing then
-reading the same region as our engine; the buffered ones drop the file's cached pages before
+reading the same region as our I/O engine; the buffered ones drop the file's cached pages before
 reading. Each returns {"write", "read"} in bytes/s, or None where the peer is not installed.
 """
 from __future__ import annotations
