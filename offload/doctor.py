@@ -345,8 +345,8 @@ def main(argv, build_info: Callable[[], dict]) -> int:
     ap.add_argument("--dir", default=None, help="the directory to check (where nvme_dir will be; "
                                                 "default: the system's temporary directory)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of text")
-    ap.add_argument("--no-speed", action="store_true", help="skip the write+read speed test "
-                                                            "(about 2 s)")
+    ap.add_argument("--no-speed", action="store_true",
+                    help="skip the write+read speed test (about 2 s)")
     args = ap.parse_args(argv)
     rep = report(build_info(), args.dir, speed_test=not args.no_speed)
     print(json.dumps(rep, indent=2) if args.json else format_report(rep))

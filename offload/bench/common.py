@@ -13,8 +13,8 @@ from typing import Iterable, Optional
 
 def add_common_options(p, *, reps: int, what: str = "repetitions") -> None:
     """Options every benchmark subcommand takes, spelled and meaning the same everywhere."""
-    p.add_argument("--reps", type=int, default=reps, help=f"timed {what} (median reported; "
-                                                          f"default {reps})")
+    p.add_argument("--reps", type=int, default=reps,
+                   help=f"timed {what} (median reported; default {reps})")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
 

@@ -353,8 +353,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("fidelity", help="training loss with fp32 / bf16 / 8-bit Adam moments vs "
                                         "torch and peers",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the test-sized run (300 steps of a "
-                                                        "2-layer d=64 model)")
+    p.add_argument("--quick", action="store_true",
+                   help="the test-sized run (300 steps of a 2-layer d=64 model)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="use the GPT preset of 'bench train' (e.g. small) instead of the fidelity "
                         "model")
@@ -362,8 +362,8 @@ def add_parser(sub) -> None:
                    help=f"subset of {','.join(CONTENDERS)}")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the size's / "
-                                                         "preset's)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="sequence length (default: the size's / preset's)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--beta1", type=float, default=0.9)

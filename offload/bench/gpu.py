@@ -195,16 +195,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="cuda (default when present) or cpu: a tiny model, to check every row's "
                         "plumbing")
-    p.add_argument("--sizes", default=None, help="GPT presets, comma-separated (default: 350m,4b "
-                                                 "on CUDA, tiny on CPU)")
-    p.add_argument("--rows", default=None, help="rows to run, comma-separated (default: all, in "
-                                                "priority order)")
+    p.add_argument("--sizes", default=None,
+                   help="GPT presets, comma-separated (default: 350m,4b on CUDA, tiny on CPU)")
+    p.add_argument("--rows", default=None,
+                   help="rows to run, comma-separated (default: all, in priority order)")
     p.add_argument("--budget-s", dest="budget_s", type=float, default=420.0,
                    help="stop starting rows once this many seconds are spent (default 420)")
     p.add_argument("--out", default=None, help="folder for gpu_bench.jsonl and gpu_bench.md "
                    "(default: $OUT when set, else ./bench-results)")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default: 16 at 350m, 8 at "
-                                                           "4b)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="batch size (default: 16 at 350m, 8 at 4b)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--bucket-mb", dest="bucket_mb", type=float, default=None,

@@ -198,13 +198,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cuda", "fake"], default="cuda",
                    help="cuda (default) or fake: the same checks on the CPU through offload's "
                         "FakeDevice")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, fewer steps, perf reduced to "
-                                                        "one variant")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes, fewer steps, perf reduced to one variant")
     p.add_argument("--budget-s", dest="budget_s", type=float, default=None,
                    help="global time budget in seconds (default: 480 on CUDA, 170 fake, 40 fake "
                         "--quick)")
-    p.add_argument("--out", default=None, help="JSON lines file (default: $OUT/gpu_check.jsonl, "
-                                               "else a temp dir)")
+    p.add_argument("--out", default=None,
+                   help="JSON lines file (default: $OUT/gpu_check.jsonl, else a temp dir)")
     p.add_argument("--only", default=None, help="comma-separated check names (or prefixes) to run")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per correctness case")
     p.add_argument("--perf-preset", dest="perf_preset", default=None,

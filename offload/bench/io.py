@@ -288,28 +288,28 @@ def add_parser(subparsers) -> None:
                         "and all at once, bench/io_drives.py); the test file goes into a new "
                         "subdirectory, removed at the end (default: the system temporary "
                         f"directory, here {tempfile.gettempdir()})")
-    p.add_argument("--size", default="2GiB", help="bytes written then read per method (default "
-                                                  "2GiB)")
-    p.add_argument("--request", default="64MiB", help="our request size, like one state bucket "
-                                                      "(default 64MiB)")
-    p.add_argument("--inflight", type=int, default=4, help="our requests queued at once (default "
-                                                           "4)")
+    p.add_argument("--size", default="2GiB",
+                   help="bytes written then read per method (default 2GiB)")
+    p.add_argument("--request", default="64MiB",
+                   help="our request size, like one state bucket (default 64MiB)")
+    p.add_argument("--inflight", type=int, default=4,
+                   help="our requests queued at once (default 4)")
     p.add_argument("--queue-depth", type=int, default=8,
                    help="our I/O engine's worker threads (default 8)")
     p.add_argument("--block-size", default="1MiB",
                    help="our I/O engine's piece size (default 1MiB)")
     p.add_argument("--fio-depths", default="1,4,16,32",
                    help="fio iodepths to try, one job (default 1,4,16,32)")
-    p.add_argument("--fio-jobs", default="8x2,4x4", help="extra fio configs iodepth x jobs "
-                                                         "(default 8x2,4x4)")
+    p.add_argument("--fio-jobs", default="8x2,4x4",
+                   help="extra fio configs iodepth x jobs (default 8x2,4x4)")
     p.add_argument("--no-fio", action="store_true", help="skip fio")
-    p.add_argument("--skip", default="", help="comma-separated peers to skip: "
-                                              "pwrite,memmap,aiofiles,deepspeed")
+    p.add_argument("--skip", default="",
+                   help="comma-separated peers to skip: pwrite,memmap,aiofiles,deepspeed")
     p.add_argument("--ds-threads", type=int, default=2,
                    help="DeepSpeed intra_op_parallelism (default 2)")
     # hidden alias of --nvme-dir
     p.add_argument("--dir", dest="dir", default=None, help=argparse.SUPPRESS)
     add_common_options(p, reps=3)  # --reps, --json, --no-progress
-    p.add_argument("--plot", metavar="PATH", help="draw the table as a PNG chart (needs "
-                                                  "matplotlib)")
+    p.add_argument("--plot", metavar="PATH",
+                   help="draw the table as a PNG chart (needs matplotlib)")
     p.set_defaults(func=run)

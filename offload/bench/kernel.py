@@ -351,17 +351,17 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("kernel", help="CPU Adam kernel vs torch/DeepSpeed vs memory bandwidth "
-                                      "(default)",
+    p = sub.add_parser("kernel",
+                       help="CPU Adam kernel vs torch/DeepSpeed vs memory bandwidth (default)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", default="1,all", help="comma-separated thread counts ('all' = "
-                                                      "affinity CPUs)")
-    p.add_argument("--full", action="store_true", help="the speed targets' full sizes: 128M flat, "
-                                                       "1000x131072 (slower)")
-    p.add_argument("--scale", type=float, default=1.0, help="multiply tensor sizes (e.g. 0.05 for "
-                                                            "a quick run)")
-    p.add_argument("--cases", default="", help=f"subset of {','.join(CASE_KEYS)} (default: all "
-                                               f"but {','.join(OPT_IN)})")
+    p.add_argument("--threads", default="1,all",
+                   help="comma-separated thread counts ('all' = affinity CPUs)")
+    p.add_argument("--full", action="store_true",
+                   help="the speed targets' full sizes: 128M flat, 1000x131072 (slower)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply tensor sizes (e.g. 0.05 for a quick run)")
+    p.add_argument("--cases", default="",
+                   help=f"subset of {','.join(CASE_KEYS)} (default: all but {','.join(OPT_IN)})")
     p.add_argument("--no-deepspeed", action="store_true",
                    help="skip DeepSpeedCPUAdam even if importable")
     add_common_options(p, reps=5)  # --reps, --json, --no-progress

@@ -184,8 +184,8 @@ def add_parser(subparsers) -> None:
     sp.add_argument("--sharding", default="none", choices=["none", "zero1", "fsdp"])
     sp.add_argument("--bucket-mb", type=_number("MiB", True), default=32.0)
     sp.add_argument("--depth", type=int, default=2, help="buckets in flight per direction")
-    sp.add_argument("--host-budget", default="2GiB", help="NVMe state's host budget (as the "
-                                                          "optimizer's host_budget)")
+    sp.add_argument("--host-budget", default="2GiB",
+                    help="NVMe state's host budget (as the optimizer's host_budget)")
     sp.add_argument("--nvme-dir", dest="nvme_dir", default=None,
                     help="where NVMe state would live, one directory or several comma-separated "
                          "(free space; --time measures it)")

@@ -273,8 +273,8 @@ def add_parser(subparsers) -> None:
     # hidden alias of --storage
     p.add_argument("--state", dest="state", choices=("nvme", "mmap"), help=argparse.SUPPRESS)
     p.add_argument("--params", default="2e8", help="number of parameters (default 2e8)")
-    p.add_argument("--tensors", type=int, default=16, help="parameter tensors they are split into "
-                                                           "(default 16)")
+    p.add_argument("--tensors", type=int, default=16,
+                   help="parameter tensors they are split into (default 16)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--budget", default="512MiB", help="host_budget (default 512MiB)")
     p.add_argument("--depth", type=int, default=2, help="buckets read ahead (default 2)")
@@ -296,8 +296,8 @@ def add_parser(subparsers) -> None:
     # hidden alias of --nvme-dir
     p.add_argument("--dir", dest="dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, metavar="PATH")
-    p.add_argument("--plot", metavar="PATH", help="draw step, io and kernel times as a PNG (needs "
-                                                  "matplotlib)")
+    p.add_argument("--plot", metavar="PATH",
+                   help="draw step, io and kernel times as a PNG (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
 
     def _run(args):
