@@ -77,8 +77,8 @@ class Bandwidths:
         for k in FIGURES:
             v = getattr(self, k)
             if v is not None and not _positive(v, (int, float)):
-                raise ValueError(f"bandwidth {k} must be a positive number of bytes/s (or None), "
-                                 f"got {v!r}")
+                raise ValueError(f"bandwidth {k} must be a positive number of bytes/s (or "
+                                 f"None), got {v!r}")
         return self
 
     @classmethod
@@ -275,14 +275,14 @@ def _kernel_from(js: dict, path: str, moments: str, low: bool,
             v = recs[i].get(key)
             if not _positive(v, kind):
                 raise ValueError(f"{path}: kernel record {i} ({recs[i].get('case')}, "
-                                 f"{recs[i].get('impl')}): {key} must be a positive number, "
-                                 f"got {v!r}")
+                                 f"{recs[i].get('impl')}): {key} must be a positive "
+                                 f"number, got {v!r}")
     cand = [recs[i] for i in cand]
     same = [r for r in cand if threads and r.get("threads") == threads]
     r = same[0] if same else max(cand, key=lambda r: r.get("threads", 0))
     bpp = pass_bytes(moments, 2 if low else 4, 2 if low else 0, False, r["params"])
-    return (r["params"] * bpp / r["seconds"], f"{path}: {r['impl']}, {r['case']}, {r['threads']} "
-                                              "threads")
+    return (r["params"] * bpp / r["seconds"], f"{path}: {r['impl']}, {r['case']}, "
+                                              f"{r['threads']} threads")
 
 
 def from_json(paths: Union[str, Iterable[str]], *, moments: str = "fp32",
@@ -313,12 +313,12 @@ def from_json(paths: Union[str, Iterable[str]], *, moments: str = "fp32",
             if got is None:
                 raise ValueError(f"{path}: no kernel record for moments={moments!r} with "
                                  f"{'bf16' if low else 'fp32'} parameters; run python -m "
-                                 f"offload.bench kernel --cases {_cases_of(moments)} "
-                                 f"--json {path}")
+                                 "offload.bench kernel --cases "
+                                 f"{_cases_of(moments)} --json {path}")
             bw.kernel, bw.sources["kernel"] = got
         else:
-            raise ValueError(f"{path}: not a JSON of python -m offload.bench kernel or io (--json "
-                             "PATH)")
+            raise ValueError(f"{path}: not a JSON of python -m offload.bench kernel or "
+                             "io (--json PATH)")
     try:
         return bw.checked()
     except ValueError as e:
@@ -335,8 +335,8 @@ def _load(path) -> dict:
         except (ValueError, UnicodeDecodeError) as e:   # json.JSONDecodeError is a ValueError
             raise ValueError(f"{path}: not JSON ({e})") from None
     if not isinstance(js, dict):
-        raise ValueError(f"{path}: not a JSON of python -m offload.bench kernel or io "
-                         "(--json PATH)")
+        raise ValueError(f"{path}: not a JSON of python -m offload.bench kernel or "
+                         "io (--json PATH)")
     return js
 
 

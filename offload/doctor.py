@@ -229,8 +229,8 @@ def _dir(directory: Optional[str], speed_test: bool) -> dict:
     st = os.statvfs(path)
     out["free_bytes"] = st.f_bavail * st.f_frsize
     if not os.access(path, os.W_OK | os.X_OK):
-        out["error"] = (f"{path} is not writable by this user: pass a directory you can write "
-                        "with --dir")
+        out["error"] = (f"{path} is not writable by this user: pass a directory you can "
+                        "write with --dir")
         return out
     try:
         out.update(_speed(path, out["free_bytes"], speed_test))
@@ -252,8 +252,8 @@ def _problems(rep: dict) -> list:
     cuda = rep["cuda"]
     if cuda.get("available") and not cuda.get("pinned_memory"):
         out.append("pinned host memory cannot be allocated: GPU offload copies will fail or be "
-                   "slow; check the locked-memory limit (ulimit -l) and the container's memory "
-                   "settings")
+                   "slow; check the locked-memory limit (ulimit -l) and the container's "
+                   "memory settings")
     d = rep["dir"]
     if d.get("error"):
         out.append(d["error"])
@@ -298,8 +298,8 @@ def format_report(rep: dict) -> str:
         f"{'' if o.get('versions_match') else ', MISMATCH'})",
         f"python          {py.get('version')} ({py.get('implementation')}, "
         f"{py.get('executable')})",
-        f"torch           {t.get('version')} ({t.get('build')}), {t.get('threads')} intra-op "
-        "threads",
+        f"torch           {t.get('version')} ({t.get('build')}), {t.get('threads')} "
+        "intra-op threads",
         f"os              {s.get('system')} {s.get('kernel')} {s.get('machine')}"
         + (f", {s['distribution']}" if s.get("distribution") else "")
         + (f", {s['libc']}" if s.get("libc") else ""),
@@ -308,8 +308,8 @@ def format_report(rep: dict) -> str:
         f"kernel isa      {o.get('isa')} (available: {', '.join(o.get('available_isas') or [])}), "
         f"software prefetch {o.get('stream_prefetch')}",
         f"threads         {o.get('threads')} by default, affinity {o.get('affinity_cpus')} CPUs",
-        f"memory          {_size(m.get('total_bytes'))} total, {_size(m.get('available_bytes'))} "
-        "available",
+        f"memory          {_size(m.get('total_bytes'))} total, "
+        f"{_size(m.get('available_bytes'))} available",
     ]
     if cu.get("available"):
         for dev in cu.get("devices", []):

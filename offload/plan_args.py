@@ -202,8 +202,8 @@ def inventory(what, param_dtype: Optional[torch.dtype]) -> List[Tuple[int, torch
                         f"{torch.typename(what)}")
     if isinstance(what, set):
         raise TypeError("optimizer parameters need to be organized in ordered collections, but "
-                        "the ordering of tensors in sets will change between runs. Please use a "
-                        "list instead.")
+                        "the ordering of tensors in sets will change between runs. Please use "
+                        "a list instead.")
     if isinstance(what, torch.nn.Module):
         items = what.parameters()
     else:

@@ -61,8 +61,8 @@ def suggest_setup(plan, model_or_params, args: dict, chosen: tuple, mp) -> str:
             mom = f'moments="{moments}"' if fmt.compressed else ""
             kw = ", ".join(x for x in (kw, mom) if x)
             nvme = f", nvme {_fmt(alt.total('nvme'))}" if state != "ram" else ""
-            return (f"{kw} fits (host {_fmt(alt.total('host'))}{nvme}): docs/moments.md, "
-                    "docs/nvme.md")
+            return (f"{kw} fits (host {_fmt(alt.total('host'))}{nvme}): "
+                    "docs/moments.md, docs/nvme.md")
     return "no setup of state location and moment format fits this machine"
 
 
@@ -98,8 +98,8 @@ def hf_config_model(path) -> torch.nn.Module:
     try:
         import transformers
     except ImportError:
-        raise ImportError("planning from a config.json needs transformers (pip install "
-                          "transformers)") from None
+        raise ImportError("planning from a config.json needs transformers (pip "
+                          "install transformers)") from None
     try:
         cfg = transformers.AutoConfig.from_pretrained(file, local_files_only=True)
     except Exception as e:
@@ -111,8 +111,8 @@ def hf_config_model(path) -> torch.nn.Module:
             except ValueError:   # not a causal LM (an encoder, a classifier): the base model
                 return transformers.AutoModel.from_config(cfg)
         except Exception as e:
-            raise ValueError(f"{file}: transformers could not build this model: "
-                             f"{_one_line(e)}") from None
+            raise ValueError(f"{file}: transformers could not build this "
+                             f"model: {_one_line(e)}") from None
 
 
 def config_file(path) -> str:

@@ -251,8 +251,8 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
         _compressed_rows(rows, lay, fmt, moments_min_size, "host", "optimizer state")
         if on_gpu:
             ring = 2 * staging_slots * max(64, lay.max_stage_bytes)
-            rows.append(Row("host", f"pinned staging ring ({staging_slots} slots of grads + "
-                                    "weights)", ring))
+            rows.append(Row("host", f"pinned staging ring ({staging_slots} slots of "
+                                    "grads + weights)", ring))
     elif state == "ram" and on_gpu:
         # the engine's RAM tier: one arena of the layout (never pinned) + the ring
         rows.append(Row("host", state_what + " (not pinned)", max(ALIGN, lay.nbytes) - master))
@@ -280,8 +280,8 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
                                     f"host_budget {human(budget, 2)})", (depth + 2) * slot))
         if on_gpu:
             ring = 2 * staging_slots * max(64, lay.max_stage_bytes)
-            rows.append(Row("host", f"pinned staging ring ({staging_slots} slots of grads + "
-                                    "weights)", ring))
+            rows.append(Row("host", f"pinned staging ring ({staging_slots} slots of "
+                                    "grads + weights)", ring))
 
     cap: dict = {}
     mem = host_memory()
@@ -321,8 +321,8 @@ def plan(model_or_params: Union[torch.nn.Module, Iterable, int], *, device: Opti
                     f"({human(weights + grads, 2)} "
                     f"here{'' if activation_bytes else ' + activations, not counted'})")
     if device == "cuda" and sharding == "fsdp":
-        warnings.append("FSDP also needs room for the largest all-gathered (unsharded) layer, not "
-                        "counted")
+        warnings.append("FSDP also needs room for the largest all-gathered (unsharded) "
+                        "layer, not counted")
     mp = MemoryPlan(config=dict(params=numel, tensors=len(inv), param_dtype=wnames,
                                 grad_dtype=gnames, device=device, state=state,
                                 amsgrad=amsgrad, world_size=world_size, sharding=sharding,
@@ -378,8 +378,8 @@ def _compressed_rows(rows: list, lay, fmt, min_size: int, place: str, prefix: st
     scales = ", per-block fp32 scales" if any(s.per_block for s in fmt.sections) else ""
     rows.append(Row(place, f"{prefix}: {fmt.name} exp_avg, exp_avg_sq{scales}", comp))
     if plain:
-        rows.append(Row(place, f"{prefix}: fp32 exp_avg, exp_avg_sq (tensors < {min_size} "
-                               "elements)", plain))
+        rows.append(Row(place, f"{prefix}: fp32 exp_avg, exp_avg_sq (tensors < "
+                               f"{min_size} elements)", plain))
     if master:
         rows.append(Row(place, f"{prefix}: fp32 master weights", master))
     rows.append(Row(place, f"{prefix}: 4 KiB bucket alignment",

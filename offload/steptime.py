@@ -65,8 +65,8 @@ class StepTime:
                          f"({sp['gpu_bytes'] / 1e9:.2f} GB of {sp['budget'] / 1e9:.2f} GB; CPU "
                          f"step exposed {sp['exposed_s']:.3f} s), {sp['host_only_s']:.3f} s with "
                          f"every state on the host (exposed {sp['host_only_exposed_s']:.3f} s): "
-                         f"forward {sp['forward_s']:.3f} s + backward {sp['backward_s']:.3f} s + "
-                         "exposed")
+                         f"forward {sp['forward_s']:.3f} s + backward "
+                         f"{sp['backward_s']:.3f} s + exposed")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -74,8 +74,8 @@ class StepTime:
 def _need(value: Optional[float], what: str) -> float:
     if not value:
         raise ValueError(f"the step-time model needs the {what} bandwidth: measure it "
-                         "(bandwidths='measure') or pass a JSON of python -m offload.bench "
-                         "kernel/io")
+                         "(bandwidths='measure') or pass a JSON of python -m "
+                         "offload.bench kernel/io")
     return value
 
 

@@ -99,8 +99,8 @@ def nonfinite_norm(total: float) -> RuntimeError:
     what to do."""
     return RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total}), so "
                         "it cannot be clipped: find the inf/NaN in the loss or gradients "
-                        "(torch.amp.GradScaler skips such steps; offload's check_overflow=True "
-                        "does too)")
+                        "(torch.amp.GradScaler skips such steps; offload's "
+                        "check_overflow=True does too)")
 
 
 def global_sumsq(grads: list, local_sumsq) -> float:

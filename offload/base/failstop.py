@@ -11,8 +11,8 @@ from __future__ import annotations
 __all__ = ["OptimizerFailedError", "RECOVERY", "detached", "failed_message"]
 
 RECOVERY = ("load the last checkpoint into the model and the optimizer (offload.load(opt, "
-            "directory), or model.load_state_dict(...) and opt.load_state_dict(...)) to continue "
-            "from it")
+            "directory), or model.load_state_dict(...) and opt.load_state_dict(...)) to "
+            "continue from it")
 
 
 class OptimizerFailedError(RuntimeError):

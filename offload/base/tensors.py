@@ -29,8 +29,8 @@ def check_storage(t: torch.Tensor, name: str) -> None:
         st = t.untyped_storage()
         nbytes = st.nbytes()
     except (RuntimeError, NotImplementedError, TypeError) as e:
-        raise RuntimeError(f"{name} has no accessible storage ({e}); offload needs plain CPU "
-                           "tensors") from None
+        raise RuntimeError(f"{name} has no accessible storage ({e}); offload needs "
+                           "plain CPU tensors") from None
     last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     need = (last + 1) * t.element_size()
     if t.storage_offset() < 0 or min(t.stride(), default=0) < 0 or need > nbytes:
@@ -73,8 +73,8 @@ def check_tensor(t: torch.Tensor, name: str, *, dtypes=(torch.float32,),
         raise RuntimeError(f"{name} is on {t.device}; the native kernel works on CPU tensors")
     if t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of: "
-                        f"{names}")
+        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected "
+                        f"one of: {names}")
     if not t.is_contiguous():
         raise RuntimeError(f"{name} is not contiguous (strides {tuple(t.stride())}); "
                            "offload never updates a temporary copy: make it contiguous first")

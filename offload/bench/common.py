@@ -36,8 +36,8 @@ def paired_ratio(num: list, den: list) -> float:
     see the same memory bandwidth, so the per-round ratio cancels the drift that a ratio of two
     medians (each from a different mix of fast and slow moments) keeps. The targets use it."""
     if len(num) != len(den) or not num:
-        raise ValueError("paired_ratio needs two equally long, non-empty series (one time per "
-                         "round)")
+        raise ValueError("paired_ratio needs two equally long, non-empty series (one "
+                         "time per round)")
     return statistics.median([a / b for a, b in zip(num, den)])
 
 

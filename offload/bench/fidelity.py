@@ -153,8 +153,8 @@ def build_size(args) -> Size:
         if getattr(args, k, None) is not None:
             s = replace(s, **{k: getattr(args, k)})
     if s.steps <= LAST:
-        raise SystemExit(f"--steps must exceed {LAST} (the loss is averaged over the last {LAST} "
-                         "steps)")
+        raise SystemExit(f"--steps must exceed {LAST} (the loss is averaged over the "
+                         f"last {LAST} steps)")
     return s
 
 
@@ -356,8 +356,8 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true",
                    help="the test-sized run (300 steps of a 2-layer d=64 model)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="use the GPT preset of 'bench train' (e.g. small) instead of the fidelity "
-                        "model")
+                   help="use the GPT preset of 'bench train' (e.g. small) instead of "
+                        "the fidelity model")
     p.add_argument("--contenders", default=",".join(CONTENDERS),
                    help=f"subset of {','.join(CONTENDERS)}")
     p.add_argument("--steps", type=int, default=None)

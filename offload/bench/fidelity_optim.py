@@ -45,8 +45,8 @@ class KernelMomentsAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  moments="8bit", min_size=MIN_8BIT_SIZE):
         if moments not in kernels.MOMENT_FORMATS:
-            raise ValueError(f"moments must be one of {', '.join(kernels.MOMENT_FORMATS)}, got "
-                             f"{moments!r}")
+            raise ValueError(f"moments must be one of {', '.join(kernels.MOMENT_FORMATS)}, "
+                             f"got {moments!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.fmt = moments
         self.min_size = min_size

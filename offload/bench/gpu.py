@@ -193,8 +193,8 @@ def _progress_line(res: dict) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                   help="cuda (default when present) or cpu: a tiny model, to check every row's "
-                        "plumbing")
+                   help="cuda (default when present) or cpu: a tiny model, to check "
+                        "every row's plumbing")
     p.add_argument("--sizes", default=None,
                    help="GPT presets, comma-separated (default: 350m,4b on CUDA, tiny on CPU)")
     p.add_argument("--rows", default=None,
@@ -230,8 +230,8 @@ def _cmd(args) -> int:
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("gpu", help="one GPU: offload vs DeepSpeed, torchao, FSDP2 offload, "
-                                          "per iteration",
+    p = subparsers.add_parser("gpu", help="one GPU: offload vs DeepSpeed, torchao, FSDP2 "
+                                          "offload, per iteration",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)

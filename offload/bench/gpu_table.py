@@ -95,14 +95,14 @@ def targets(results: list) -> list:
             cpu = r["cpu_step_ms"]
             bound = 1.10 * (fwd + max(bwd, cpu))
             line(iter_ms(r) <= bound, f"offload_host {iter_ms(r):.1f} ms <= forward {fwd:.1f} + "
-                                      f"max(backward {bwd:.1f}, CPU step {cpu:.1f}) + 10 % = "
-                                      f"{bound:.1f} ms")
+                                      f"max(backward {bwd:.1f}, CPU step {cpu:.1f}) + 10 % "
+                                      f"= {bound:.1f} ms")
         r = ok.get("offload_delayed")
         if r is not None and r.get("cpu_step_ms") is not None:
             bound = 1.05 * max(fb, r["cpu_step_ms"])
             line(iter_ms(r) <= bound, f"offload_delayed {iter_ms(r):.1f} ms <= 1.05x max(forward "
-                                      f"+ backward, CPU step {r['cpu_step_ms']:.1f}) = "
-                                      f"{bound:.1f} ms")
+                                      f"+ backward, CPU step {r['cpu_step_ms']:.1f}) "
+                                      f"= {bound:.1f} ms")
         ours = ok.get("offload")
         for peer in ("deepspeed_zero2", "torchao"):
             p = ok.get(peer)

@@ -193,16 +193,16 @@ class Runner:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python bench/gpu_check.py",
-                                description="Correctness and timing of GPU offload on one device, "
-                                            "fail-soft.")
+                                description="Correctness and timing of GPU offload on one "
+                                            "device, fail-soft.")
     p.add_argument("--device", choices=["cuda", "fake"], default="cuda",
-                   help="cuda (default) or fake: the same checks on the CPU through offload's "
-                        "FakeDevice")
+                   help="cuda (default) or fake: the same checks on the CPU through "
+                        "offload's FakeDevice")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes, fewer steps, perf reduced to one variant")
     p.add_argument("--budget-s", dest="budget_s", type=float, default=None,
-                   help="global time budget in seconds (default: 480 on CUDA, 170 fake, 40 fake "
-                        "--quick)")
+                   help="global time budget in seconds (default: 480 on CUDA, 170 fake, "
+                        "40 fake --quick)")
     p.add_argument("--out", default=None,
                    help="JSON lines file (default: $OUT/gpu_check.jsonl, else a temp dir)")
     p.add_argument("--only", default=None, help="comma-separated check names (or prefixes) to run")
@@ -211,8 +211,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="GPT preset of the performance section (offload/bench/gpt.py; default "
                         "350m on CUDA, tiny fake)")
     p.add_argument("--nvme-dir", dest="nvme_dir", default=None,
-                   help="directory on a real disk for the NVMe/mmap state (default: a temp dir "
-                        "under the cwd)")
+                   help="directory on a real disk for the NVMe/mmap state (default: a temp "
+                        "dir under the cwd)")
     p.add_argument("--inject-fail", dest="inject_fail", default="", help=argparse.SUPPRESS)
     return p
 
@@ -230,8 +230,8 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device in this process (torch %s, cuda %s): nothing to check "
-              "here. Run it on a machine with a GPU, or use --device fake for the CPU run of the "
-              "same checks."
+              "here. Run it on a machine with a GPU, or use --device fake for the CPU run of "
+              "the same checks."
               % (torch.__version__, torch.version.cuda))
         return 0
     ctx = Ctx(args)

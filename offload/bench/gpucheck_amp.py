@@ -55,8 +55,8 @@ def check_clipping(ctx: Ctx, res: Result) -> None:
     worst = max(abs(m - CLIP / (n + 1e-6)) / (CLIP / (n + 1e-6))
                 for (_, n), m in zip(opt_c["norms"], opt_c["mults"])
                 if m is not None)
-    res.expect(worst <= 1e-6, "max_grad_norm coefficient == max_norm / (torch norm + 1e-6) (rel "
-                              "1e-6)", worst_rel=worst)
+    res.expect(worst <= 1e-6, "max_grad_norm coefficient == max_norm / (torch norm + "
+                              "1e-6) (rel 1e-6)", worst_rel=worst)
     meth = run("method", step_during_backward=False)
     worst = max(abs(a - b) / b for a, b in meth["norms"])
     res.expect(worst <= 1e-6, "clip_grad_norm_() returns torch's total norm (rel 1e-6)",
@@ -68,8 +68,8 @@ def check_clipping(ctx: Ctx, res: Result) -> None:
     ctx.compare(res, "torch clip_grad_norm_ on device grads, deferred == overlap=False",
                 tor_sync["params"], tor["params"])
     if not ctx.cuda:   # the same norm code on both sides here
-        ctx.compare(res, "torch clip_grad_norm_ on device grads is picked up (== the method, per "
-                         "element)",
+        ctx.compare(res, "torch clip_grad_norm_ on device grads is picked up (== the "
+                         "method, per element)",
                     meth["params"], tor["params"], rtol=1e-5, atol=1e-7, exact=False)
         return
     # on CUDA torch's norm sums in another order: the runs part by rounding, and more with each
@@ -80,8 +80,8 @@ def check_clipping(ctx: Ctx, res: Result) -> None:
                       init, meth["params"], tor["params"], tol=1e-3)
     plain = run("none", step_during_backward=False)
     near, far = l2_dist(meth["params"], tor["params"]), l2_dist(meth["params"], plain["params"])
-    res.expect(near * 10 < far, "torch clip_grad_norm_ run is >10x nearer the method than an "
-                                "unclipped run",
+    res.expect(near * 10 < far, "torch clip_grad_norm_ run is >10x nearer the method than "
+                                "an unclipped run",
                near=near, unclipped=far)
 
 
@@ -155,10 +155,10 @@ def check_gradscaler(ctx: Ctx, res: Result) -> None:
     for label, opts in (("deferred", dict(check_overflow=True)),
                         ("overlap=False", dict(check_overflow=True, overlap=False))):
         got = _amp_run(ctx, res, torch.float32, True, k, **opts)
-        res.expect(got["skipped_ok"], f"fp32+fp16 autocast {label}: injected inf skips the step "
-                                      "bitwise")
-        res.expect(got["scales"] == ref["scales"], f"fp32+fp16 autocast {label}: scale sequence "
-                                                   "== torch's",
+        res.expect(got["skipped_ok"], f"fp32+fp16 autocast {label}: injected inf skips "
+                                      "the step bitwise")
+        res.expect(got["scales"] == ref["scales"], f"fp32+fp16 autocast {label}: scale "
+                                                   "sequence == torch's",
                    ours=got["scales"], torch=ref["scales"])
         _vs_torch(ctx, res, f"fp32+fp16 autocast {label}: parameters vs torch AdamW",
                   ref["params"], got["params"])
@@ -234,8 +234,8 @@ def check_release_grads(ctx: Ctx, res: Result) -> None:
     res.data["backward_peak_bytes"] = dict(release_false=peaks[False], release_true=peaks[True],
                                            grad_bytes=grad_bytes)
     res.expect(peaks[True] <= peaks[False] - 0.25 * grad_bytes,
-               "release_grads=True lowers the peak memory of backward by >= 1/4 of the gradient "
-               "bytes",
+               "release_grads=True lowers the peak memory of backward by >= 1/4 of "
+               "the gradient bytes",
                peak_false_mb=peaks[False] / 2 ** 20, peak_true_mb=peaks[True] / 2 ** 20,
                grads_mb=grad_bytes / 2 ** 20)
 

@@ -152,8 +152,8 @@ class Ctx:
         when the global budget is spent."""
         now = time.time()
         if now > self.check_deadline + self.check_budget:
-            raise Skip(f"ran out of its time budget ({self.check_budget:.0f} s, stopped at twice "
-                       "that)")
+            raise Skip(f"ran out of its time budget ({self.check_budget:.0f} s, "
+                       "stopped at twice that)")
         if now > self.global_deadline:
             raise Skip("the global budget (--budget-s) ran out")
 

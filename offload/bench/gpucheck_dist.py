@@ -186,8 +186,8 @@ def check_robustness(ctx: Ctx, res: Result) -> None:
     th = threading.Thread(target=lambda: done.update(ok=_try_close(ctx, opt)), daemon=True)
     th.start()
     th.join(15)
-    res.expect(done.get("ok") is True, "close() after the worker failed returns (within 15 s, no "
-                                       "hang)",
+    res.expect(done.get("ok") is True, "close() after the worker failed returns "
+                                       "(within 15 s, no hang)",
                outcome=done.get("ok", "still running after 15 s"))
     ctx.unpatch()
     # create/close cycles keep RSS and the thread count flat

@@ -82,8 +82,8 @@ def check_environment(ctx: Ctx, res: Result) -> None:
     try:
         info["build_info"] = offload.build_info()
     except Exception as e:  # noqa: BLE001
-        res.expect(False, "offload.build_info() works (rebuild with pip install -e . if _C is "
-                          "stale)", error=str(e))
+        res.expect(False, "offload.build_info() works (rebuild with pip install -e . "
+                          "if _C is stale)", error=str(e))
     from .common import cpu_model
     info["cpu_model"] = cpu_model()   # the host's memory bandwidth sets the CPU step's speed
     lim = info["memlock_rlimit"][0]

@@ -292,8 +292,8 @@ def perf_fingerprints(ctx, res):
     b = _time(ctx, _offload(ctx), sync_each=True)
     res.data.update(plain_ms=a["iter_ms"], with_synchronize_ms=b["iter_ms"])
     res.info_only = True
-    res.note(f"synchronize() before every step: {b['iter_ms']:.1f} ms vs {a['iter_ms']:.1f} ms "
-             "per iteration")
+    res.note(f"synchronize() before every step: {b['iter_ms']:.1f} ms vs {a['iter_ms']:.1f} "
+             "ms per iteration")
 
 
 def perf_memory(ctx, res):

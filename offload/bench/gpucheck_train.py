@@ -32,8 +32,8 @@ def ensure_bitwise(ctx: Ctx, res=None) -> bool:
         b = run_gpt(ctx, torch.float32, dict(overlap=False), close=True)
         ctx.bitwise = all(same_bits(x, y) for x, y in zip(a["params"], b["params"]))
         if not ctx.bitwise and res is not None:
-            res.note("two identical overlap=False runs differ: comparisons fall back to "
-                     "tolerances")
+            res.note("two identical overlap=False runs differ: comparisons fall "
+                     "back to tolerances")
     return ctx.bitwise
 
 

@@ -100,8 +100,8 @@ def check_user_writes(ctx: Ctx, res: Result) -> None:
         # the write raced the first step's copies on purpose: its hazards are expected
         ctx.forget(dev)
         res.expect(close_err is None and _workers() < before,
-                   f"{sched}: close() after the reported write works (no raise, worker thread "
-                   "ends)",
+                   f"{sched}: close() after the reported write works (no raise, "
+                   "worker thread ends)",
                    close_error=close_err, workers_before=before, workers_after=_workers())
     # model.load_state_dict between steps (after synchronize)
     m0 = ctx.mlp()
@@ -191,8 +191,8 @@ def check_non_owner_reads(ctx: Ctx, res: Result) -> None:
         ctx.compare(res, f"TransformerEncoderLayer stack, {label} == overlap=False", ref, got)
         bad = [s for s, (a, b) in enumerate(snaps)
                if not all(torch.equal(x, y) for x, y in zip(a, b))]
-        res.expect(not bad, f"{label}: model.state_dict() right after step() == weights after "
-                            "synchronize()",
+        res.expect(not bad, f"{label}: model.state_dict() right after step() == weights "
+                            "after synchronize()",
                    steps_differing=bad)
 
 
@@ -246,8 +246,8 @@ def check_compile(ctx: Ctx, res: Result) -> None:
         ctx.compare(res, f"compiled model, {label}: weights right after step() are the final ones",
                     got, right_after, exact=True)
         n, breaks = graphs[tuple(sorted(SCHED[label].items()))]
-        res.expect(n >= 1 and breaks == 0, f"compiled model, {label}: compiled, without graph "
-                                           "breaks",
+        res.expect(n >= 1 and breaks == 0, f"compiled model, {label}: compiled, "
+                                           "without graph breaks",
                    graphs=n, graph_breaks=breaks)
     if not ctx.cuda:
         res.note("reduce-overhead (CUDA graphs) smoke test on CUDA only")

@@ -43,8 +43,8 @@ from .common import Progress, add_common_options, verdict, write_json
 from .io_peers import bench_aiofiles, bench_deepspeed, bench_memmap, bench_pwrite
 
 QUESTION = ("How fast does offload's I/O engine write and read a state-sized file in this "
-            "directory, against other ways of doing the same file I/O and against the disk's "
-            "ceiling (fio)?")
+            "directory, against other ways of doing the same file I/O and against the "
+            "disk's ceiling (fio)?")
 
 GB = 1e9
 
@@ -209,8 +209,8 @@ def measure(args) -> dict:
         grouped_bars(args.plot, ["write", "read"],
                      {k: [v.get("write", 0) / GB, v.get("read", 0) / GB]
                                                     for k, v in med.items()},
-                     ylabel="GB/s", title=f"file I/O in {base}: {size / GB:.2f} GB, median of "
-                                          f"{args.reps}",
+                     ylabel="GB/s", title=f"file I/O in {base}: {size / GB:.2f} GB, "
+                                          f"median of {args.reps}",
                      ceilings={op: c["bytes_per_s"] / GB for op, c in ceiling.items()})
     return report
 
@@ -274,8 +274,8 @@ def _print(r: dict) -> None:
         print("verdict (medians of this run; above 1.00x offload is faster):")
         print("\n".join("  " + v["line"] for v in r["verdicts"]))
     else:
-        print("verdict: no peer and no ceiling measured in this run (every peer skipped, fio not "
-              "installed)")
+        print("verdict: no peer and no ceiling measured in this run (every peer skipped, "
+              "fio not installed)")
 
 
 def add_parser(subparsers) -> None:

@@ -123,8 +123,8 @@ def measure_drives(args, fill, bench_fio) -> dict:
     report = dict(bench="io", dirs=dirs, size=size, request=request, block_size=block,
                   queue_depth=args.queue_depth,
                   inflight=args.inflight, reps=args.reps, drives=rows, aggregate=total,
-                  notes=[] if direct else ["our I/O engine fell back to buffered I/O (O_DIRECT "
-                                           "refused)"])
+                  notes=[] if direct else ["our I/O engine fell back to buffered I/O "
+                                           "(O_DIRECT refused)"])
     _print(report)
     write_json(args.json, report)
     return report

@@ -95,8 +95,8 @@ def cases_that_fit(cases: list, available, scale: float = 1.0) -> tuple:
         notes.append(f"case '{label}' skipped: it holds about {need / 2**30:.1f} GiB at once "
                      f"(every contender's tensors and the probe's) and {available / 2**30:.1f} "
                      "GiB of memory is available; --scale "
-                     f"{max(0.01, scale * (available - 2**29) / 1.1 / need):.2g} or less would "
-                     "fit")
+                     f"{max(0.01, scale * (available - 2**29) / 1.1 / need):.2g} "
+                     "or less would fit")
     return keep, notes
 
 

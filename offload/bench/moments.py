@@ -199,8 +199,8 @@ def run(n: int, thread_counts: list, reps: int, probe_modes, progress) -> tuple:
             if target is not None:
                 line = (f"{'PASS' if speedup >= target else 'MISS'}  [moments] {c.name}, {t} thr: "
                         f">= {target}x the fp32-moment step: {speedup:.2f}x ({own_pct:.0f}% of "
-                        f"its own streams' probe; that probe is {ceiling:.2f}x the fp32 streams' "
-                        "probe)")
+                        f"its own streams' probe; that probe is {ceiling:.2f}x the fp32 "
+                        "streams' probe)")
                 if speedup < target and kernels.get_isa() != "avx512":
                     line += (f"; expected with the {kernels.get_isa()} kernels (not reached on "
                              "AVX2-only CPUs: docs/moments.md)")

@@ -97,8 +97,8 @@ def _what(args):
     equal tensors (on the meta device)."""
     if args.hf_config is not None:
         if args.tensors is not None:
-            args.error("--tensors applies to --params and --transformer (a config.json has its "
-                       "own tensors)")
+            args.error("--tensors applies to --params and --transformer (a config.json has "
+                       "its own tensors)")
         return args.hf_config
     n = args.params if args.params is not None else args.transformer
     k = args.tensors or 1
@@ -177,8 +177,8 @@ def add_parser(subparsers) -> None:
     sp.add_argument("--state", dest="storage", choices=["ram", "nvme", "mmap"],
                     help=argparse.SUPPRESS)
     sp.add_argument("--staging-slots", dest="staging_slots", type=int, default=3,
-                    help="device params with NVMe/mmap state: pinned staging ring slots (as "
-                         "nvme_options)")
+                    help="device params with NVMe/mmap state: pinned staging ring slots "
+                         "(as nvme_options)")
     sp.add_argument("--amsgrad", action="store_true")
     sp.add_argument("--world-size", type=int, default=1)
     sp.add_argument("--sharding", default="none", choices=["none", "zero1", "fsdp"])

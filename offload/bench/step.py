@@ -204,8 +204,8 @@ def _print(r: dict) -> None:
     print(f"step benchmark: {r['params'] / 1e9:.3f} G {r['dtype']} params in {r['tensors']} "
           f"tensors, state={r['state']}, moments={r['moments']} ({r['file_bytes'] / GB:.2f} GB "
           f"file, {r['buckets']} buckets, O_DIRECT={r['direct']}) in {r['dir']}; host_budget "
-          f"{r['host_budget'] / gib:.2f} GiB = {r['slots']} x {r['slot_bytes'] / 2**20:.0f} MiB "
-          "buffers")
+          f"{r['host_budget'] / gib:.2f} GiB = {r['slots']} x "
+          f"{r['slot_bytes'] / 2**20:.0f} MiB buffers")
     print(f"  {'step (median of ' + str(len(r['step_all_s'])) + ')':<34}{r['step_s']:9.3f} s   "
           f"(first step, state creation only: {r['first_step_s']:.3f} s)")
     if r["io_s"] is not None:
@@ -263,13 +263,13 @@ def run(args) -> int:
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("step", help="optimizer steps with NVMe/mmap state: step vs I/O vs "
-                                           "kernel time",
+    p = subparsers.add_parser("step", help="optimizer steps with NVMe/mmap state: step vs "
+                                           "I/O vs kernel time",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--storage", dest="state", choices=("nvme", "mmap"), default="nvme",
-                   help="where the optimizer state lives, as the optimizer's storage= (default "
-                        "nvme)")
+                   help="where the optimizer state lives, as the optimizer's "
+                        "storage= (default nvme)")
     # hidden alias of --storage
     p.add_argument("--state", dest="state", choices=("nvme", "mmap"), help=argparse.SUPPRESS)
     p.add_argument("--params", default="2e8", help="number of parameters (default 2e8)")
@@ -291,8 +291,8 @@ def add_parser(subparsers) -> None:
                    help="fake: parameters on offload.device.FakeDevice (GPU-params + NVMe path, "
                         "copies on threads)")
     p.add_argument("--moments", default="fp32",
-                   help="moment format(s), comma-separated: fp32, bf16, 8bit (default fp32; e.g. "
-                        "fp32,8bit)")
+                   help="moment format(s), comma-separated: fp32, bf16, 8bit (default fp32; "
+                        "e.g. fp32,8bit)")
     # hidden alias of --nvme-dir
     p.add_argument("--dir", dest="dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, metavar="PATH")

@@ -300,8 +300,8 @@ def print_table(out: dict, file=None) -> None:
                   f"first bucket ready {r['span_s'] * 1e3:.1f} ms, includes backward) vs max(NVMe "
                   f"I/O {r['io_s'] * 1e3:.1f}, kernel {r['kernel_s'] * 1e3:.1f}, copy "
                   f"{r['copy_s'] * 1e3:.1f}) ms = {r['bound']:.2f} (target <= 1.15); host buffers "
-                  f"{r['host_bytes'] / 2**20:.1f} MiB of budget {r['host_budget'] / 2**20:.0f} "
-                  "MiB",
+                  f"{r['host_bytes'] / 2**20:.1f} MiB of budget "
+                  f"{r['host_budget'] / 2**20:.0f} MiB",
                   file=file)
     v = out.get("verdict")
     print("verdict (medians of this run; above 1.00x offload is faster): " + (v["line"] if v else
@@ -318,8 +318,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--bucket-mb", dest="bucket_mb", type=float, default=None,
-                   help="bucket size (default: 32 on CUDA, 1 on CPU so that the small model has "
-                        "several)")
+                   help="bucket size (default: 32 on CUDA, 1 on CPU so that the small "
+                        "model has several)")
     p.add_argument("--steps", type=int, default=None, help="timed iterations per repetition")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)

@@ -144,8 +144,8 @@ def _at_exit() -> None:
         if h._error is not None and not h._delivered:
             e = h._error
             print(f"offload: save_async into {h._dir} failed: {type(e).__name__}: {e}\noffload: "
-                  f"that checkpoint was NOT committed; the previous checkpoint in {h._dir} (if "
-                  "any) is intact", file=sys.stderr, flush=True)
+                  f"that checkpoint was NOT committed; the previous checkpoint in {h._dir} "
+                  "(if any) is intact", file=sys.stderr, flush=True)
         pending.live.discard(h)
 
 

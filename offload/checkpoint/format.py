@@ -49,8 +49,8 @@ _AS_REAL = {"C128": "F64", "C32": "F16"}
 def dtype_tag(dtype: torch.dtype, where: str) -> str:
     tag = TAGS.get(dtype)
     if tag is None:
-        raise CheckpointError(f"{where}: state tensors of dtype {dtype} cannot be stored in a "
-                              "checkpoint")
+        raise CheckpointError(f"{where}: state tensors of dtype {dtype} cannot be stored "
+                              "in a checkpoint")
     return tag
 
 
@@ -170,8 +170,8 @@ def open_regular(directory: str, name: str, what: str) -> int:
     except OSError as e:
         if os.path.islink(path):
             raise CheckpointError(f"{what} {path} is a symbolic link: refusing to follow it out "
-                                  "of the checkpoint directory (copy the file in "
-                                  "instead)") from None
+                                  "of the checkpoint directory (copy the "
+                                  "file in instead)") from None
         raise CheckpointError(f"cannot open {what} {path}: {e.strerror}") from None
     try:
         st = os.fstat(fd)
@@ -201,8 +201,8 @@ def read_json(directory: str, name: str, what: str, limit: int = MAX_JSON) -> tu
         with os.fdopen(fd, "rb") as f:
             raw = f.read(limit + 1)
     except OSError as e:
-        raise CheckpointError(f"cannot read {what} {os.path.join(directory, name)}: "
-                              f"{e.strerror}") from None
+        raise CheckpointError(f"cannot read {what} "
+                              f"{os.path.join(directory, name)}: {e.strerror}") from None
     if len(raw) > limit:
         raise CheckpointError(f"{what} {os.path.join(directory, name)} is larger than {limit} "
                               "bytes: not an offload checkpoint")
@@ -252,8 +252,8 @@ def jsonable(v, where: str, depth: int = 0):
         return [jsonable(x, where, depth + 1) for x in v]
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
-    raise CheckpointError(f"{where}: cannot store a value of type {type(v).__name__} in a "
-                          "checkpoint")
+    raise CheckpointError(f"{where}: cannot store a value of type {type(v).__name__} "
+                          "in a checkpoint")
 
 
 def decode_value(v, where: str, depth: int = 0):
@@ -284,8 +284,8 @@ def check_compatible(spec, current, where: str) -> None:
     if current is None or isinstance(current, str) and kind == "plain" and isinstance(x, str):
         return
     bad = CheckpointError(f"{where}: the checkpoint stores {_show(spec)}, the optimizer has "
-                          f"{type(current).__name__} {current!r}: refusing a value of another "
-                          "kind")
+                          f"{type(current).__name__} {current!r}: refusing a value "
+                          "of another kind")
     if isinstance(current, bool):
         if not (kind == "plain" and isinstance(x, bool)):
             raise bad

@@ -105,8 +105,8 @@ def _load_in_place(opt, plan: Plan, f, base: int, dpath: str, chunk: int, verify
             mv = _view_bytes(dst)
             got = f.readinto(mv) if len(mv) else 0
             if got != len(mv):
-                raise CheckpointError(f"{dpath} is truncated (tensor {t.name}); optimizer state "
-                                      "is now partial")
+                raise CheckpointError(f"{dpath} is truncated (tensor {t.name}); optimizer "
+                                      "state is now partial")
             crc = zlib.crc32(mv, crc)
         if verify and crc != t.crc32:
             raise CheckpointError(f"{dpath} changed while loading (tensor {t.name}); optimizer "

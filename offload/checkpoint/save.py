@@ -202,8 +202,8 @@ class Saver:
         head = safetensors_header(recs)
         for name in (self.data_name, self.index_name):
             if os.path.lexists(os.path.join(d, name)):
-                raise CheckpointError(f"{os.path.join(d, name)} already exists: refusing to "
-                                      "overwrite it")
+                raise CheckpointError(f"{os.path.join(d, name)} already exists: refusing "
+                                      "to overwrite it")
         self._write_intent()
         tmp = self.tmps[self.data_name]
         total = sum(rec["nbytes"] for rec in recs)

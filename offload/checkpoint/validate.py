@@ -66,11 +66,11 @@ def _need(cond, msg: str) -> None:
 
 
 def _field(d: dict, key: str, check, what: str):
-    _need(isinstance(d, dict) and key in d, f"{what}: field '{key}' is missing: the file is "
-                                            "corrupted")
+    _need(isinstance(d, dict) and key in d, f"{what}: field '{key}' is missing: the "
+                                            "file is corrupted")
     v = d[key]
-    _need(check(v), f"{what}: field '{key}' has an invalid value {str(v)[:80]!r}: the file is "
-                    "corrupted")
+    _need(check(v), f"{what}: field '{key}' has an invalid value {str(v)[:80]!r}: the "
+                    "file is corrupted")
     return v
 
 
@@ -93,8 +93,8 @@ def read_index(directory: str, rank: int, world_size: int) -> dict:
     _need(isinstance(index, dict) and index.get("format") == FORMAT,
           f"{what} is not an offload checkpoint index")
     _need(index.get("version") == VERSION and is_int(index.get("version")),
-          f"checkpoint format version {index.get('version')!r} is not supported (this is "
-          f"{VERSION})")
+          f"checkpoint format version {index.get('version')!r} is not supported "
+          f"(this is {VERSION})")
     ws = _field(index, "world_size", lambda v: is_int(v) and 1 <= v <= 1 << 20, what)
     gen = _field(index, "generation", lambda v: isinstance(v, str) and GEN_RE.match(v), what)
     _need(ws == world_size, f"checkpoint in {directory} was saved by {ws} rank(s); it is being "
@@ -107,8 +107,8 @@ def read_index(directory: str, rank: int, world_size: int) -> dict:
         name = check_plain_name(_field(entry, key, lambda v: True, ew), f"{ew} '{key}'")
         _need(name == rank_name(rank, ws, gen, ext),
               f"{ew} '{key}' names {name!r}, not the file name offload gives generation {gen} "
-              f"({rank_name(rank, ws, gen, ext)}): refusing to follow it (the index is corrupted "
-              "or crafted)")
+              f"({rank_name(rank, ws, gen, ext)}): refusing to follow it (the index is "
+              "corrupted or crafted)")
     _field(entry, "index_crc32", lambda v: is_int(v) and 0 <= v < 1 << 32, ew)
     _field(entry, "data_bytes", lambda v: is_int(v) and 0 <= v < 1 << 62, ew)
     return dict(entry, generation=gen)
@@ -138,16 +138,16 @@ def _check_kind(opt, ridx: dict, rpath: str) -> None:
     _need(saved == mine, f"the checkpoint was saved from a {saved} optimizer "
                          f"({ridx.get('optimizer')}), it is being loaded into "
                          f"{type(opt).__module__}.{type(opt).__name__} ({mine}): their state and "
-                         "hyperparameters mean different things; build the same optimizer class "
-                         "to resume")
+                         "hyperparameters mean different things; build the same optimizer "
+                         "class to resume")
 
 
 def _check_groups(opt, ridx: dict, rpath: str, directory: str) -> list:
     saved = _field(ridx, "param_groups", lambda v: isinstance(v, list), rpath)
     groups = opt.param_groups
     _need(len(groups) == len(saved),
-          f"checkpoint {directory} has {len(saved)} param group(s); the optimizer has "
-          f"{len(groups)}")
+          f"checkpoint {directory} has {len(saved)} param group(s); the optimizer "
+          f"has {len(groups)}")
     hyper, start = [], 0
     for gi, (g, sg) in enumerate(zip(groups, saved)):
         w = f"{rpath}: param group {gi}"
@@ -156,8 +156,8 @@ def _check_groups(opt, ridx: dict, rpath: str, directory: str) -> list:
         _need(len(ps) == n, f"param group {gi}: checkpoint has {len(ps)} parameters, the "
                             f"optimizer has {n}")
         _need(ps == list(range(start, start + n)), f"{w}: parameter indices {str(ps)[:60]} are "
-                                                   f"not {start}..{start + n - 1}: the file is "
-                                                   "corrupted")
+                                                   f"not {start}..{start + n - 1}: the "
+                                                   "file is corrupted")
         if "param_names" in sg:
             _need(isinstance(sg["param_names"], list) and len(sg["param_names"]) == n
                   and all(isinstance(s, str) for s in sg["param_names"]),
@@ -166,8 +166,8 @@ def _check_groups(opt, ridx: dict, rpath: str, directory: str) -> list:
         specs = {}
         for k, v in hy.items():
             _need(isinstance(k, str) and k not in _RESERVED and len(k) <= 128,
-                  f"{w}: hyperparameter key {k!r} is not allowed (it would replace the parameter "
-                  "list)")
+                  f"{w}: hyperparameter key {k!r} is not allowed (it would replace the "
+                  "parameter list)")
             spec = decode_value(v, f"{w} '{k}'")
             if k in g:
                 check_compatible(spec, g[k], f"param group {gi} '{k}'")
@@ -271,11 +271,11 @@ def _check_tensors(opt, ridx: dict, rpath: str, pplans: List[ParamPlan]) -> List
         elif strict:
             _need(tuple(shape) == tuple(p.shape),
                   f"{name}: the checkpoint's state tensor has shape {tuple(shape)}, parameter "
-                  f"{pi} has shape {tuple(p.shape)}: the checkpoint is corrupted or for another "
-                  "model")
+                  f"{pi} has shape {tuple(p.shape)}: the checkpoint is corrupted or "
+                  "for another model")
             _need(dtype in (p.dtype, torch.float32) or (p.dtype.is_complex and dtype.is_complex),
-                  f"{name}: state of dtype {dtype} for a {p.dtype} parameter: the checkpoint is "
-                  "corrupted")
+                  f"{name}: state of dtype {dtype} for a {p.dtype} parameter: the "
+                  "checkpoint is corrupted")
         else:
             _need(_numel(shape) <= max(p.numel(), 1), f"{name}: state tensor of shape "
                                                       f"{tuple(shape)} is larger than parameter "
@@ -286,8 +286,8 @@ def _check_tensors(opt, ridx: dict, rpath: str, pplans: List[ParamPlan]) -> List
         off += nbytes
         out.append(TensorPlan(name, pi, key, dtype, tuple(shape), (offs[0], offs[1]), crc))
     _need(header_bytes + off == data_bytes, f"{rpath}: header ({header_bytes}) + tensors ({off}) "
-                                            f"!= data size ({data_bytes}): the rank index is "
-                                            "corrupted")
+                                            f"!= data size ({data_bytes}): the rank "
+                                            "index is corrupted")
     return out
 
 

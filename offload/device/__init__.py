@@ -56,8 +56,8 @@ def resolve_device(spec, params: Sequence[torch.Tensor]) -> Optional[Device]:
                           'if they were on a '
                           'GPU; it is spelled "cpu-test" now ("cpu" goes in a later release). For '
                           'a model on the '
-                          "CPU, leave offload_device unset: the optimizer state is offloaded "
-                          "either way",
+                          "CPU, leave offload_device unset: the optimizer state is "
+                          "offloaded either way",
                           DeprecationWarning, stacklevel=4)
         device = FakeDevice() if spec == "fake" else CpuDevice()
     elif isinstance(spec, str) and spec.startswith("cuda"):

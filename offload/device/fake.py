@@ -150,8 +150,8 @@ class FakeDevice(Device):
         wrong = sorted({str(p.device) for p in params if p.device.type != "cpu"})
         if wrong:
             raise ValueError("FakeDevice drives CPU tensors as if they were on a GPU; parameters "
-                             f"are on {', '.join(wrong)}: pass offload_device=None for parameters "
-                             "on a GPU")
+                             f"are on {', '.join(wrong)}: pass offload_device=None for "
+                             "parameters on a GPU")
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype)
@@ -184,8 +184,8 @@ class FakeDevice(Device):
             for (d, s), snap in zip(pairs, snaps):
                 if snap is not None and not _same_bits(s, snap):
                     ev.hazards.append(f"{label} copy source {tuple(s.shape)} {s.dtype} was "
-                                      "modified between enqueue and execution (overwritten while "
-                                      "in use)")
+                                      "modified between enqueue and execution "
+                                      "(overwritten while in use)")
                 d.copy_(s.reshape(d.shape))
             if ev.hazards:
                 with self._lock:

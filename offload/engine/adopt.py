@@ -43,8 +43,8 @@ def missing_entry(key: str, where: str, t) -> Exception:
     a tensor, as torch's AdamW would fail on it (KeyError / TypeError), with what to do."""
     if t is None:
         return KeyError(f"{where} has no {key!r} (it was deleted or set to None): give it one "
-                        "again, or clear the parameter's whole state (del opt.state[p]) to start "
-                        "it afresh")
+                        "again, or clear the parameter's whole state (del opt.state[p]) to "
+                        "start it afresh")
     return TypeError(f"{where}: {key!r} is a {type(t).__name__}, not a tensor")
 
 

@@ -51,8 +51,8 @@ class DecodedSink:
         if self.buf is None:
             return torch.empty(n, dtype=torch.float32)
         if self.used + n > self.n:
-            raise RuntimeError(f"DecodedSink: {self.used} + {n} elements exceed the {self.n} "
-                               "reserved")
+            raise RuntimeError(f"DecodedSink: {self.used} + {n} elements exceed the "
+                               f"{self.n} reserved")
         out = self.buf[self.used:self.used + n]
         self.used += n
         return out

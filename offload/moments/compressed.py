@@ -77,8 +77,8 @@ def to_format(st: dict, fmt: MomentFormat, numel: int, where: str) -> Dict[str, 
         if parsed is not None and isinstance(t, torch.Tensor):
             saved.setdefault(parsed[1], {})[parsed[0]] = local(t).detach().reshape(-1)
     if len(saved) > 1:
-        raise ValueError(f"{where} holds compressed moments of several formats ({sorted(saved)}): "
-                         "corrupted")
+        raise ValueError(f"{where} holds compressed moments of several formats "
+                         f"({sorted(saved)}): corrupted")
     if saved:
         (name, tensors), = saved.items()
         sfmt = mformat.moment_format(name)
@@ -98,8 +98,8 @@ def to_format(st: dict, fmt: MomentFormat, numel: int, where: str) -> Dict[str, 
             if not isinstance(t, torch.Tensor):
                 raise KeyError(f"{where} has no '{k}'")
             if local(t).numel() != numel:
-                raise ValueError(f"state '{k}' of {where} does not match the parameter's {numel} "
-                                 "elements")
+                raise ValueError(f"state '{k}' of {where} does not match the parameter's "
+                                 f"{numel} elements")
         m, v = local(st["exp_avg"]), local(st["exp_avg_sq"])
     return fmt.encode(m, v)
 

@@ -162,8 +162,8 @@ def bandwidth_probe(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.
         check_tensor(t, name, numel=n)
     check_no_overlap([("p", p), ("m", m), ("v", v)], [("g", g)])
     if not isinstance(mode, int) or not 0 <= mode < len(PROBE_MODES):
-        raise ValueError(f"mode must be an int in [0, {len(PROBE_MODES)}) (PROBE_MODES), got "
-                         f"{mode!r}")
+        raise ValueError(f"mode must be an int in [0, {len(PROBE_MODES)}) "
+                         f"(PROBE_MODES), got {mode!r}")
     _C._bandwidth_probe(ptr(p), ptr(m), ptr(v), ptr(g), n, int(threads), mode)
 
 

@@ -146,8 +146,8 @@ class Request:
                 raise RuntimeError("the AioEngine was closed before this request was waited for")
             r = native.wait(self.id, t)
             if r is None:
-                raise TimeoutError(f"I/O request on {self.file.path} not finished after {timeout} "
-                                   "s")
+                raise TimeoutError(f"I/O request on {self.file.path} not finished "
+                                   f"after {timeout} s")
             self._result = r
             self._engine._pending.pop(self.id, None)
             self._buf = None
@@ -156,10 +156,10 @@ class Request:
             what = "read" if self.op == READ else "write"
             if err == -1:
                 raise OSError(_errno.EIO, f"unexpected end of file: {what} of {length} bytes at "
-                                          f"offset {off} of {self.file.path} (file is shorter "
-                                          "than expected)", self.file.path)
-            raise OSError(err, f"{os.strerror(err)} during {what} of {length} bytes at offset "
-                               f"{off}",
+                                          f"offset {off} of {self.file.path} (file is "
+                                          "shorter than expected)", self.file.path)
+            raise OSError(err, f"{os.strerror(err)} during {what} of {length} bytes "
+                               f"at offset {off}",
                           self.file.path)
         return nbytes
 
@@ -188,8 +188,8 @@ class AioEngine:
         if not isinstance(queue_depth, int) or not 1 <= queue_depth <= 256:
             raise ValueError(f"queue_depth must be an int in [1, 256], got {queue_depth!r}")
         if not isinstance(block_size, int) or block_size <= 0 or block_size % DIRECT_ALIGN:
-            raise ValueError(f"block_size must be a positive multiple of {DIRECT_ALIGN}, got "
-                             f"{block_size!r}")
+            raise ValueError(f"block_size must be a positive multiple of {DIRECT_ALIGN}, "
+                             f"got {block_size!r}")
         self._native = _C.AioEngine(queue_depth, block_size)
         self._pending: dict = {}
         self.direct_fallbacks: list = []

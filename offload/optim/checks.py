@@ -152,8 +152,8 @@ def check_options(params, lr, betas, eps, weight_decay, amsgrad, foreach, captur
     if differentiable:
         raise ValueError("differentiable=True is not supported by offload")
     if fused:
-        raise ValueError("fused=True selects torch's own kernel; offload always uses its native "
-                         "kernel")
+        raise ValueError("fused=True selects torch's own kernel; offload always uses "
+                         "its native kernel")
     if threads is not None and not (isinstance(threads, int) and 1 <= threads <= 1024):
         raise ValueError(f"threads must be an int in [1, 1024] or None, got {threads!r}")
     return params, moments
@@ -254,5 +254,5 @@ def check_threads(threads) -> None:
     """The ``kernel_threads`` setter's argument."""
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or not 0 <= threads <= 1024):
-        raise ValueError("threads must be None or an int in [0, 1024] (0 = the pool's size), got "
-                         f"{threads!r}")
+        raise ValueError("threads must be None or an int in [0, 1024] (0 = the pool's size), "
+                         f"got {threads!r}")

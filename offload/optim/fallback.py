@@ -151,8 +151,8 @@ class Router:
                           f"{nbytes / 2**20:.0f} MiB of optimizer state in host RAM instead of "
                           f"{self._elsewhere}: offload's native kernel takes contiguous "
                           "float32/bfloat16/float16 parameters listed once; convert these (e.g. "
-                          "model.float(), p.data = p.data.contiguous()) to keep their state "
-                          "there too",
+                          "model.float(), p.data = p.data.contiguous()) to keep their "
+                          "state there too",
                           UserWarning, stacklevel=4)
         if msg != self._logged:
             if msg is not None:
@@ -223,8 +223,8 @@ def check(state, fallback: list, groups: list) -> None:
             g = p.grad
             if g is None:
                 continue
-            where = (f"parameter {next(i for i, q in enumerate(group['params']) if q is p)} of "
-                     f"group {gi}")
+            where = ("parameter "
+                     f"{next(i for i, q in enumerate(group['params']) if q is p)} of group {gi}")
             if g.is_sparse:
                 raise RuntimeError("Adam does not support sparse gradients, please consider "
                                    "SparseAdam instead")
@@ -232,8 +232,8 @@ def check(state, fallback: list, groups: list) -> None:
                 raise RuntimeError(f"the gradient of {where} is a {g.dtype} tensor of shape "
                                    f"{tuple(g.shape)} on {g.device}, but the parameter is a "
                                    f"{p.dtype} tensor of shape {tuple(p.shape)} on {p.device}: "
-                                   "give it a gradient like the parameter (was p.grad.data "
-                                   "replaced?)")
+                                   "give it a gradient like the parameter (was "
+                                   "p.grad.data replaced?)")
             st = state.get(p)
             if not st:
                 continue   # fresh state, made by step()

@@ -72,8 +72,8 @@ def make_state_engine(param_groups: list, state: str, *, nvme_dir, host_budget, 
             raise ValueError(f"bucket_mb must be a positive number, got {mb!r}")
         # (0 bytes would read as no limit: one bucket for everything)
         if int(float(mb) * 2 ** 20) < 1:
-            raise ValueError(f"bucket_mb={mb!r} is under one byte: bucket_mb counts MiB (2**20 "
-                             "bytes)")
+            raise ValueError(f"bucket_mb={mb!r} is under one byte: bucket_mb counts "
+                             "MiB (2**20 bytes)")
         opts.setdefault("bucket_bytes", int(float(mb) * 2 ** 20))
         opts["exclude"] = small_params(param_groups, gpu_options.get("small_param_numel", 0)) | {
             (gi, i) for gi, g in enumerate(param_groups) for i, p in enumerate(g["params"])
@@ -104,8 +104,8 @@ def describe(opt, side: str, engine) -> str:
     fmt = ("fp32 Adam moments" if not moment_format(moments).compressed else
            f"{moments} Adam moments (fp32 for tensors under "
            f"{getattr(opt, 'moments_min_size', 4096)} elements)")
-    return (f"offload.{type(opt).__name__} with {n} parameter{'s' if n != 1 else ''}: {side}; "
-            f"{where}; {fmt}")
+    return (f"offload.{type(opt).__name__} with {n} parameter{'s' if n != 1 else ''}: "
+            f"{side}; {where}; {fmt}")
 
 
 STATE_DOC = """torch's ``opt.state``. With device parameters the overlapped schedules run the CPU

@@ -128,8 +128,8 @@ def map_saved(groups: list, state_dict: dict, host: bool) -> tuple:
                 want = local(p).shape if is_dtensor(p) and not is_dtensor(val) else p.shape
                 if val.shape != want:
                     raise ValueError(f"state '{key}' of saved parameter {k} has shape "
-                                     f"{tuple(val.shape)}, but the parameter has shape "
-                                     f"{tuple(want)}")
+                                     f"{tuple(val.shape)}, but the parameter has "
+                                     f"shape {tuple(want)}")
                 st[key] = val  # copied into the state's tier below (a file: one bucket at a time)
             else:
                 st[key] = deepcopy(val)

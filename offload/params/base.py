@@ -72,8 +72,8 @@ def check_param(p, gi: int, i: int, dtype, numel: int, mode: str, device_side: b
             f"parameter {i} of group {gi} changed dtype ({dtype} -> {lp.dtype}) since the "
             f"optimizer was created with storage={mode!r}: its state and buffers are laid out "
             f"for {dtype}: cast the parameters back (e.g. model.to({dtype})) before the next "
-            "step, or build a new optimizer for the cast model and load this one's state_dict() "
-            "into it")
+            "step, or build a new optimizer for the cast model and load this one's "
+            "state_dict() into it")
     if device_side and not lp.is_contiguous():
         raise RuntimeError(
             f"parameter {i} of group {gi} is not contiguous (strides {tuple(lp.stride())}); "

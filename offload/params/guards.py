@@ -100,8 +100,8 @@ class SpanIndex:
                 raise SharedMemoryError(f"the gradient of parameter {i} of group {gi} shares "
                                         f"memory with {other} (e.g. p.grad = p.data): the step "
                                         "overwrites that memory while it reads the gradient. "
-                                        "Give the parameter a gradient of its own (p.grad = "
-                                        "g.clone())")
+                                        "Give the parameter a gradient of its own "
+                                        "(p.grad = g.clone())")
 
     def check_spans(self, addrs: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
         """check_grads for gradients known only by (address, bytes) (int64 arrays, 0 bytes: empty,

@@ -76,8 +76,8 @@ def prepare(overlap: bool, step_during_backward, small_param_numel, engine, dela
     a delay, which steps the buckets after backward)."""
     given, delay_updates = delay_updates, _delay(delay_updates)
     if delay_updates is None:
-        raise ValueError("delay_updates must be 0 (exact) or 1 (one step of delay), "
-                         f"got {given!r}")
+        raise ValueError("delay_updates must be 0 (exact) or 1 (one step of "
+                         f"delay), got {given!r}")
     if delay_after is not None and (isinstance(delay_after, bool)
                                     or not isinstance(delay_after, int)
                                     or delay_after < 0):
@@ -281,8 +281,8 @@ class DelayedUpdates:
 
     def __init__(self, feed, side: HeldParams, device, after: int = 0):
         if not isinstance(side, HeldParams):   # (the side is fixed when the engine is built)
-            raise TypeError("delay_updates=1 needs a state engine built with the side of "
-                            "held_side()")
+            raise TypeError("delay_updates=1 needs a state engine built with the "
+                            "side of held_side()")
         self.feed, self.side, self.device, self.after = feed, side, device, after
         self.pending = False   # an update queued and not on the device yet (no synchronize since)
         self.update = False    # an update queued since the last release

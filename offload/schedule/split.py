@@ -43,8 +43,8 @@ def check_gpu_state(value):
     try:
         n = parse_size(value)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"gpu_state must be 'auto', a size such as '8GiB' or 0, got {value!r} "
-                         f"({e})") from None
+        raise ValueError("gpu_state must be 'auto', a size such as '8GiB' or 0, got "
+                         f"{value!r} ({e})") from None
     if n < 0:
         raise ValueError(f"gpu_state must be 'auto', a size such as '8GiB' or 0, got {value!r}")
     return n
@@ -64,8 +64,8 @@ def effective(value, delayed: bool, storage: str):
                          "stepped on the GPU would be updated at once, the others one step "
                          "later): leave gpu_state unset or 0")
     if value and in_process_group():
-        raise ValueError("gpu_state is not supported with torch.distributed ranks: leave it unset "
-                         "or 0")
+        raise ValueError("gpu_state is not supported with torch.distributed ranks: "
+                         "leave it unset or 0")
     return value
 
 

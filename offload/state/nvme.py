@@ -56,8 +56,8 @@ class NvmeTier(StateTier):
                  block_size: int = 1 << 20, direct: bool = True):
         super().__init__()
         if not isinstance(depth, int) or not 1 <= depth <= 64:
-            raise ValueError("depth (buckets read ahead) must be an int in [1, 64], got "
-                             f"{depth!r}")
+            raise ValueError("depth (buckets read ahead) must be an int in [1, "
+                             f"64], got {depth!r}")
         self.depth = depth
         self.keep = bool(keep)
         dirs = parse_dirs(nvme_dir)
@@ -170,8 +170,8 @@ class NvmeTier(StateTier):
             # a bucket out of the expected order: drop a read-ahead, read on demand
             self._evict_read()
         if not self._free and wait:
-            raise RuntimeError("offload NvmeTier: no free slot (more buckets acquired than the "
-                               "ring holds)")
+            raise RuntimeError("offload NvmeTier: no free slot (more buckets acquired than "
+                               "the ring holds)")
         return self._free.pop() if self._free else None
 
     def _drop_read(self, bi: int) -> None:

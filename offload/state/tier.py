@@ -102,8 +102,8 @@ class StateTier:
 
     def check_usable(self) -> None:
         if self.failed is not None:
-            raise StoreFailedError(failed_message(f"the {self.storage} optimizer state in "
-                                                  f"{self.where()}",
+            raise StoreFailedError(failed_message(f"the {self.storage} optimizer state "
+                                                  f"in {self.where()}",
                                                   self.failed)) from self.failed
         if self.closed:
             raise RuntimeError("the optimizer's state store is closed")
@@ -169,5 +169,5 @@ def check_budget(storage: str, state_cap: Optional[int], depth: int, staging_slo
         staging = (f" and 2/3 of one for each of {staging_slots} staging slots"
                    if staging_slots else "")
         raise ValueError(f"host_budget={host_budget!r} is too small: NVMe state needs at least "
-                         f"{need} bytes (a {ALIGN}-byte buffer for each of its {depth + 2} slots"
-                         f"{staging})")
+                         f"{need} bytes (a {ALIGN}-byte buffer for each of its {depth + 2} "
+                         f"slots{staging})")
