@@ -1,7 +1,8 @@
 """testing.py: the supported way for tests and benchmarks to look inside an ``offload.Adam``/``AdamW``:
 its state engine, state tier, parameter side, device schedule and device; the state's directory, file,
-bytes, buckets of a parameter and stored tensors; the cached row checks (dropped on demand), the device
-schedule's bookkeeping and trace; I/O fault injection and a slow drive (``slow_drive``).
+bytes, buckets of a parameter and stored tensors; the cached row checks (dropped on demand), the
+step plan, the device schedule's bookkeeping and trace; I/O fault injection and a slow drive
+(``slow_drive``).
 It is the one module that reads the optimizer's private attributes, so an internal rename touches
 this file only; nothing here is part of the training API.
 """
@@ -12,8 +13,8 @@ import time
 from typing import Optional
 
 __all__ = ["state_engine", "row_records", "tier", "side", "device_schedule", "device", "state_dir", "state_file",
-           "state_bytes", "pieces_of", "raw_state", "drop_row_caches", "bookkeeping_sizes", "trace_spans",
-           "inject_io_fault", "slow_drive"]
+           "state_bytes", "pieces_of", "raw_state", "drop_row_caches", "step_plan",
+           "bookkeeping_sizes", "trace_spans", "inject_io_fault", "slow_drive"]
 
 
 def state_engine(opt) -> Optional[object]:
@@ -100,6 +101,13 @@ def drop_row_caches(opt) -> None:
     if eng is not None:
         eng.side.rows = None
         eng.views.drop_records()
+
+
+def step_plan(opt):
+    """The plan the next step runs where nothing it depends on changed (offload/engine/fastpath.py
+    StepPlan), or None: the next step runs in full. The same object while steps run as planned."""
+    eng = state_engine(opt)
+    return eng.plans.plan if eng is not None else None
 
 
 def bookkeeping_sizes(opt) -> dict:

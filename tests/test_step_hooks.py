@@ -1,7 +1,8 @@
 # test_step_hooks.py: what torch.optim.Optimizer wraps around step() holds for offload's optimizers
 # (optim/stephooks.py): global and per-optimizer pre/post hooks in torch's order with torch's arguments,
 # a pre-hook's replacement arguments, its error for a bad return value, one profiler range per step
-# named as torch names it, and hooks run once when a subclass's own step() calls super().step().
+# named as torch names it, hooks run once when a subclass's own step() calls super().step(), and
+# gradients off inside step() with the caller's grad mode given back after it.
 import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -172,3 +173,21 @@ def test_a_wrapper_around_a_subclass_step_runs_the_hooks_once():
     inner = Mine.step
     Mine.step = functools.wraps(inner)(lambda self, *a, **k: inner(self, *a, **k))
     assert _hooks_of_one_step(opt) == ONCE
+
+
+def test_step_runs_with_gradients_off_and_gives_back_the_callers_mode():
+    # as torch's step wrapper: gradients off inside step() (torch's own code steps the float64
+    # parameter in place, which autograd refuses on a leaf otherwise), the caller's mode after it,
+    # also after a refused step
+    p = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+    p.grad = torch.randn(4, dtype=torch.float64)
+    opt = offload.AdamW([p], lr=1e-3)
+    for mode in (True, False):
+        with torch.set_grad_enabled(mode):
+            opt.step()
+            assert torch.is_grad_enabled() is mode
+            opt.param_groups[0]["lr"] = -1.0
+            with pytest.raises(ValueError, match="Invalid learning rate"):
+                opt.step()
+            assert torch.is_grad_enabled() is mode
+            opt.param_groups[0]["lr"] = 1e-3

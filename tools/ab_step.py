@@ -1,10 +1,12 @@
 """tools/ab_step.py: is a change slower? The warm offload.AdamW.step() of two source trees, paired round-robin.
 
-One resident worker process per tree (``PYTHONPATH=<tree>``; both use the native module built in the
-first tree, so give trees whose Python differs, or whose native module is compatible). Each round asks
-every worker, in turn, to time ``--reps`` steps of each case at each thread count and reports the median;
-the verdict is the median over rounds of the per-round ratio B/A (pairing cancels the VM's drift).
-Cases: ``rows`` (10000 tensors x 1024 fp32), ``flat`` (one 32M fp32 tensor), ``small`` (10000 x 64).
+One resident worker process per tree, started in the tree with ``PYTHONPATH=<tree>`` (it checks
+that ``offload`` comes from there: an editable install or the current directory would otherwise
+win); each tree's own native module is used, so build it in both. Each round asks every worker, in
+turn, to time ``--reps`` steps of each case at each thread count and reports the median; the
+verdict is the median over rounds of the per-round ratio B/A (pairing cancels the VM's drift).
+Cases: ``rows`` (10000 tensors x 1024 fp32), ``flat`` (one 32M fp32 tensor), ``small`` (10000 x
+64), ``one`` (one tensor of 1024: a step that is all fixed cost), ``mid`` (10 x 65536).
 
     python tools/ab_step.py /tmp/before . --rounds 15 --threads 1,2
 """
@@ -16,11 +18,11 @@ import subprocess
 import sys
 import time
 
-CASES = {"rows": (10000, 1024), "flat": (1, 32 << 20), "small": (10000, 64)}
+CASES = {"rows": (10000, 1024), "flat": (1, 32 << 20), "small": (10000, 64), "one": (1, 1024), "mid": (10, 65536)}
 
 WORKER = r"""
 import json, sys, time, statistics, torch, offload
-opts = {}
+print(offload.__file__, flush=True)
 def make(case, threads):
     n, size = json.loads(case)
     g = torch.Generator().manual_seed(0)
@@ -59,18 +61,26 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     trees = [os.path.abspath(a.before), os.path.abspath(a.after)]
-    work = [subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, PYTHONPATH=t)) for t in trees]
+    work = [subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, cwd=t, env=dict(os.environ, PYTHONPATH=t)) for t in trees]
+    pairs = list(zip(trees, work))
+    for t, w in pairs:
+        got = w.stdout.readline().strip()
+        if not got.startswith(os.path.join(t, "offload") + os.sep):
+            raise SystemExit(f"the worker for {t} imported offload from {got or 'nowhere'}")
     ratios, times = {}, {}
     try:
         for case in a.cases.split(","):
             for th in map(int, a.threads.split(",")):
                 for r in range(a.rounds):
                     got = []
-                    for k, w in enumerate(work if r % 2 == 0 else work[::-1]):
+                    for t, w in (pairs if r % 2 == 0 else pairs[::-1]):
                         w.stdin.write(f"{json.dumps(CASES[case])}|{th}|{a.reps}\n")
                         w.stdin.flush()
-                        got.append(float(w.stdout.readline()))
+                        line = w.stdout.readline()
+                        if not line:
+                            raise SystemExit(f"the worker for {t} stopped (its error is above)")
+                        got.append(float(line))
                     ms_a, ms_b = got if r % 2 == 0 else got[::-1]
                     times.setdefault((case, th), []).append((ms_a, ms_b))
                     ratios.setdefault((case, th), []).append(ms_b / ms_a)

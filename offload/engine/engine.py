@@ -11,7 +11,6 @@ schedule (schedule/device_step.py, schedule/backward.py) steps buckets itself, t
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import operator
@@ -31,31 +30,14 @@ from ..params import ParamSide, side_maker
 from ..state import make_tier
 from ..state.tier import check_budget, check_depth, split_budget
 from ..base.units import parse_size
-from . import grow, pipeline
+from . import fastpath, grow, pipeline
 from ..moments.format import MomentFormat, moment_format
 from ..moments.handouts import Handouts
 from .registry import Registry
+from .exclusive import check_process as _check_process, exclusive as _exclusive
 from .torchstate import TorchViews
 
 __all__ = ["StateEngine"]
-
-
-@contextlib.contextmanager
-def _exclusive(lock, pid: int, tier, mode: str, failed_ok: bool = False):
-    """StateEngine.exclusive, as a function of what it reads (TorchViews holds it without the engine)."""
-    _check_process(pid, mode)
-    with lock:
-        if not (failed_ok and tier.failed is not None and not tier.closed):
-            tier.check_usable()
-        yield
-
-
-def _check_process(pid: int, mode: str) -> None:
-    if os.getpid() != pid:
-        raise RuntimeError(
-            f"the {mode} optimizer state of process {pid} cannot be used after fork() (this is "
-            f"process {os.getpid()}): its state file, mapping and I/O threads belong to the parent. Create "
-            "the optimizer in the child (or start it with the 'spawn' method)")
 
 
 def _moment_format(numels: list, moments: MomentFormat, min_size: int, gi: int, i: int):
@@ -102,9 +84,11 @@ class StateEngine:
         self.telemetry = dict(steps=0, kernel_s=0.0, step_s=0.0)
         self.last_stats: Optional[dict] = None
         self._grads = None   # the gradients collect() checked, for the step that follows it
+        self.plans = fastpath.PlanSlot()   # the next step, planned (engine/fastpath.py)
         # (bound to what they read, not to the engine: the views hold no reference back to it)
         self._format = functools.partial(_moment_format, self.numels, self.moments, self.moments_min_size)
-        self._exclusive = functools.partial(_exclusive, self.lock, self._pid, self.tier, mode)
+        self._exclusive = functools.partial(_exclusive, self.lock, self._pid, self.tier, mode,
+                                            self.plans)
         self.views = TorchViews(self.layout, self.tier, self.registry, self.groups, Handouts(),
                                 local_groups=self.local_groups, numels=self.numels, amsgrad=self.amsgrad,
                                 moment_format=self._format, all_masters=self.side.all_masters,
@@ -246,11 +230,21 @@ class StateEngine:
         _check_process(self._pid, self.mode)
         with self.lock:
             try:
-                self._step(param_groups, hyper, state, mult, threads, active)
+                done = self._step(param_groups, hyper, state, mult, threads, active)
+                if active is None:   # (host parameters: the next step may run as this one did)
+                    self.plans.plan = fastpath.StepPlan.build(self, done)
             finally:
                 self._grads = self.side.grads = None   # no reference to this step's gradients survives it
 
-    def _step(self, param_groups, hyper, state, mult, threads, active) -> None:
+    def step_planned(self, param_groups: list, hyper: Callable[[int], dict], state: dict,
+                     mult: float, threads: int) -> bool:
+        """:meth:`step` as the last one ran, where nothing it depends on changed
+        (engine/fastpath.py); else False, and nothing changed."""
+        _check_process(self._pid, self.mode)
+        return self.plans.run(self, param_groups, hyper, state, mult, threads)
+
+    def _step(self, param_groups, hyper, state, mult, threads, active) -> list:
+        self.plans.plan = None
         self.tier.check_usable()
         self.views.adopt_user_state(state)
         if active is None:
@@ -287,6 +281,7 @@ class StateEngine:
         self.last_stats = dict(step=self.telemetry["steps"], kernel_s=self.telemetry["kernel_s"] - k0,
                                nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - io0, step_s=dt, buckets=len(jobs),
                                skipped=False, grad_multiplier=mult)
+        return active
 
     def _resync(self, which: set):
         """A bf16/fp16 parameter written by the user since its last step: its new values go into the master

@@ -81,6 +81,22 @@ class Registry:
         for gi in valid:   # a valid count one step on is still valid
             self._valid[gi] = (self.steps[gi], self.steps[gi]._version)
 
+    def advance_all(self, groups: Sequence[int]) -> None:
+        """advance() with every parameter of the (non-empty) groups ``groups`` active, every count
+        valid (:meth:`valid`): the planned step (engine/fastpath.py)."""
+        one, steps = np.float32(1), self.steps
+        for gi in groups:
+            s = self.counts(gi)
+            s += one
+        bump_versions([steps[gi] for gi in groups])
+        for gi in groups:
+            t = steps[gi]
+            self._valid[gi] = (t, t._version)
+
+    def valid(self) -> bool:
+        """Every group's step counts found valid by :meth:`check` and not written since."""
+        return all(self._checked(gi, t) for gi, t in enumerate(self.steps))
+
     def advance_params(self, gi: int, idx: Sequence[int]) -> None:
         """One more step for parameters ``idx`` of group ``gi`` (the device schedule, bucket by bucket
         as backward delivers them): the same additions and version counters as :meth:`advance`."""

@@ -32,7 +32,7 @@ __all__ = ["TorchViews"]
 # what the per-step check of opt.state compares (csrc/rows.cpp state_rows): these entries of each
 # parameter's state, by identity, and the data pointers of the tensors among them
 _SKIP = object()   # an entry the check does not look at
-_STATE_FNS = ((getattr(torch._C, "TensorBase", None) or torch._C._TensorBase).__dict__["data_ptr"], _SKIP)
+STATE_FNS = ((getattr(torch._C, "TensorBase", None) or torch._C._TensorBase).__dict__["data_ptr"], _SKIP)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -226,7 +226,7 @@ class TorchViews:
             if only is not None:
                 rows = [i for g, i in only if g == gi and ready[i]]
             elif fast:
-                rows = state_rows(state, ps, ready, rec.objs, _KEYS, rec.ptrs, _STATE_FNS, rec.hashes).tolist()
+                rows = state_rows(state, ps, ready, rec.objs, _KEYS, rec.ptrs, STATE_FNS, rec.hashes).tolist()
             else:
                 rows = np.flatnonzero(ready).tolist()
             for i in rows:

@@ -73,6 +73,10 @@ class Handouts:
                     held[(gi, i, key)] = refs
             self._held = held
 
+    def empty(self) -> bool:
+        """Nothing handed out is watched (not even a tensor dropped since the last step)."""
+        return not self._held
+
     def any_alive(self) -> bool:
         return bool(self._held) and bool(self._alive())
 

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _to_scalar
 
 from . import faces, fallback, gpu, stephooks, torch_state as sdict
-from .checks import check_group, check_options, check_threads, group_hyper
+from .checks import HyperCache, check_group, check_options, check_threads
 from .clipping import CLIP_GRAD_NORM_DOC, Clip
 from ..checkpoint.adapter import CheckpointPort
 from ..base.failstop import OptimizerFailedError, detached, failed_message
@@ -67,7 +67,7 @@ class _AdamBase(EngineSync, Optimizer):
                         maximize=maximize, foreach=foreach, capturable=False, differentiable=False,
                         fused=fused, decoupled_weight_decay=decoupled_weight_decay)
         self._threads = threads
-        self._clip = Clip()
+        self._clip, self._hyper = Clip(), HyperCache()   # (HyperCache: checked group hyperparameters)
         self._failure = None   # set when a step failed part-way (offload/base/failstop.py)
         # float64/complex/strided/duplicate params: torch's code, state in RAM (optim/fallback.py)
         self._router = fallback.Router(elsewhere=fallback.elsewhere(state, moments))
@@ -135,6 +135,7 @@ class _AdamBase(EngineSync, Optimizer):
             self.__dict__.setdefault(k, v)
         # (load_state_dict keeps its own parts: the router's split and what it logged, the clip coefficient)
         for k, v in dict(_clip=Clip(), _router=fallback.Router(), _slot=EngineSlot(moments=self.moments),
+                         _hyper=HyperCache(),
                          _wide=dict(moments=self.moments, moments_min_size=self.moments_min_size)).items():
             self.__dict__.setdefault(k, v)
         self._clip.forget()   # (load_state_dict: the coefficient stays, tied to no gradients)
@@ -153,7 +154,7 @@ class _AdamBase(EngineSync, Optimizer):
         return d
 
     # ------------------------------------------------------------------ step
-    @torch.no_grad()
+    @stephooks.grad_off
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_multiplier: Optional[float] = None):
         """Perform one optimization step.
 
@@ -198,8 +199,8 @@ class _AdamBase(EngineSync, Optimizer):
     def group_hyper(self, gi: int) -> dict:
         """The validated hyperparameters of param group ``gi`` as the kernels take them (lr, beta1,
         beta2, eps, weight_decay, decoupled, amsgrad, maximize); raises ValueError on a bad value."""
-        return group_hyper(self.param_groups[gi], len(self.defaults) + 1, OPTIMIZER_WIDE, self._wide,
-                           self._decoupled)
+        return self._hyper.get(gi, self.param_groups[gi], len(self.defaults) + 1, OPTIMIZER_WIDE,
+                               self._wide, self._decoupled)
 
     @property
     def kernel_threads(self) -> int:

@@ -3,6 +3,8 @@ parameters, hyperparameters, the constructor's flags and options, a param group'
 parameters, the `moments=` choice, and the hyperparameters of a group as the kernels take them."""
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ..moments import format as mformat
@@ -176,6 +178,44 @@ def group_hyper(group: dict, checked_keys: int, names, settings: dict, decoupled
     decoupled = decoupled if decoupled is not None else bool(group["decoupled_weight_decay"])
     return dict(lr=lr, beta1=_scalar(beta1), beta2=_scalar(beta2), eps=float(eps), weight_decay=float(wd),
                 decoupled=decoupled, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]))
+
+
+# what group_hyper reads of a group; a result is kept while the group holds these very objects
+_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
+               "decoupled_weight_decay")
+_VALUES = (float, int, bool, type(None))
+
+
+def _immutable(v) -> bool:
+    return type(v) in _VALUES or (type(v) is tuple and all(type(x) in _VALUES for x in v))
+
+
+class HyperCache:
+    """group_hyper per group, answered again without the checks while the group is the same dict
+    with as many keys and the same objects (by identity) under the keys it reads, each a float,
+    int, bool, None or a tuple of them (a tensor may be written in place: never kept). A group with
+    more keys than ``checked_keys`` (its options checked every time) is never kept. The same dict
+    is returned each time: read it, do not modify it."""
+
+    def __init__(self):
+        self._got: dict = {}   # gi -> ((group, size, checked_keys, settings, decoupled, *vals), h)
+
+    def get(self, gi: int, group: dict, checked_keys: int, names, settings: dict,
+            decoupled) -> dict:
+        got = self._got.get(gi)
+        if got is not None:
+            k = got[0]
+            if (k[0] is group and k[1] == len(group) and k[2] == checked_keys and k[3] is settings
+                    and k[4] is decoupled
+                    and all(map(operator.is_, map(group.get, _HYPER_KEYS), k[5:]))):
+                return got[1]
+        h = group_hyper(group, checked_keys, names, settings, decoupled)
+        values = tuple(map(group.get, _HYPER_KEYS))
+        if len(group) <= checked_keys and all(map(_immutable, values)):
+            self._got[gi] = ((group, len(group), checked_keys, settings, decoupled) + values, h)
+        else:
+            self._got.pop(gi, None)
+        return h
 
 
 def param_name(groups: list, gi: int, i: int) -> str:

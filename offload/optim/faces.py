@@ -135,6 +135,10 @@ class HostFace(StepFace):
         groups, state = port.groups(), port.state()
         mult = self.clip.multiplier(grad_multiplier)
         native, fb = self.router.split(groups)   # fb: torch's code steps them (optim/fallback.py)
+        if not fb and self.engine is not None and self.engine.step_planned(
+                native, port.hyper, state, mult, port.threads()):   # as planned: engine/fastpath.py
+            self.clip.clear()
+            return
         for group, _ in fb:
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         fallback.check(state, fb, groups)

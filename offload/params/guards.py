@@ -159,6 +159,10 @@ class WriteTracker:
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         return rows[low[0][rows]].tolist() if rows.size else []
 
+    def low_rows(self, gi: int) -> np.ndarray:
+        """Indices of group gi's parameters that may be bf16/fp16 (``dtypes`` set: created so)."""
+        return np.asarray(self._rows(gi, None), dtype=np.int64).reshape(-1)
+
     def record(self, gi: int, rows: Iterable[int]) -> None:
         """The masters of these parameters match the parameters now."""
         seen, params = self.seen[gi], self.groups[gi]

@@ -34,6 +34,9 @@ class HostParams(ParamSide):
     def revalidated(self) -> list:
         return getattr(self.rows, "revalidated", [])
 
+    def row_records(self):
+        return self.rows
+
     def user_writes(self, tracker, ready) -> set:
         """bf16/fp16 parameters written since their last step: the kernel takes the elements that
         differ from round(master) into the master first (engine/engine.py _resync)."""

@@ -188,6 +188,47 @@ class HostRows:
                 if slow:
                     spans.check_grads((gi, i, grads[gi][i]) for i in slow)
 
+    @property
+    def rows_epoch(self) -> int:
+        """Moves with every full check (``collect``): records made, write spans built again."""
+        return self.steps
+
+    def steady(self, groups: Sequence[list]) -> Optional[list]:
+        """The row check of a planned step (engine/fastpath.py): per group (its gradients, the rows
+        with a new gradient) when every parameter is as recorded and has its recorded gradient or
+        a new plain one (which the native check accepted and which is checked here against the
+        write spans, as ``collect`` checks it); None, the records left as they were, when anything
+        else changed (``collect`` then looks at every row)."""
+        spans, out = self.spans, []
+        if spans is None or len(self.groups) != len(groups):
+            return None
+        try:
+            for gi, params in enumerate(groups):
+                r = self.groups[gi]
+                got = [None] * len(params)
+                ready, newgrad, _, _ = collect_rows(params, r.g_ref, r.meta, r.layouts, r.table,
+                                                    ROW_FNS, got)
+                out.append((got, newgrad))
+                if len(ready) + len(newgrad) != len(params):
+                    for (_, fresh), r in zip(out, self.groups):   # collect sees them as new again
+                        for i in fresh.tolist():
+                            r.g_ref[i] = no_grad_ref
+                    return None
+            for gi, (got, fresh) in enumerate(out):
+                if len(fresh):
+                    r = self.groups[gi]
+                    if len(spans.check_spans(r.table[fresh, COL_G], _row_bytes(r.meta[fresh]))):
+                        spans.check_grads((gi, i, got[i]) for i in fresh.tolist())
+        except BaseException:
+            self.spans = None   # as after a failed collect: nothing is trusted
+            self.steps += 1
+            raise
+        return out
+
+    def bumped_all(self) -> None:
+        """:meth:`bumped` with every parameter active."""
+        self.bumped([np.ones(len(r.plain), dtype=bool) for r in self.groups])
+
     def bumped(self, active: list) -> None:
         """The step raised the version counter of the parameters ``active`` by one (HostParams.stepped):
         the recorded version of each bf16/fp16 row among them follows. Every such row was checked

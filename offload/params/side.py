@@ -8,9 +8,10 @@ of staging slots: the gradients go down (``arrive``), the new weights go up (``p
 side implements every method below; those with a body here are right for a side without staging
 (nothing is copied).
 
-The engine calls, per step: ``collect`` (validate parameters and gradients), ``user_writes``,
-``begin``, then per bucket (engine/pipeline.py, the device worker of schedule/backward.py)
-``arrive``, ``ptrs``, ``read_master``, ``publish``, and ``finish`` and ``stepped`` at the end; on
+The engine calls, per step: ``collect`` (validate parameters and gradients; ``row_records`` for
+a planned step), ``user_writes``, ``begin``, then per bucket (engine/pipeline.py, the device
+worker of schedule/backward.py) ``arrive``, ``ptrs``, ``read_master``, ``publish``, and ``finish``
+and ``stepped`` at the end; on
 growth ``extend``, ``allocate``, ``drop_buckets``; ``read_master`` for loads; ``info`` and
 ``close``. The device schedule (schedule/) also calls ``next_slot_free``, ``flat_param``,
 ``grad_sumsq``, ``synchronize``, ``collect_times`` and reads ``stats`` and ``publishes``.
@@ -61,6 +62,11 @@ class ParamSide:
     def revalidated(self) -> list:
         """(group, rows) that the last ``collect`` checked again because they changed."""
         return []
+
+    def row_records(self):
+        """The native per-row records that ``collect`` keeps (params/hostrows.py HostRows), which a
+        planned step checks its rows against (engine/fastpath.py); None: steps are not planned."""
+        return None
 
     def user_writes(self, tracker, ready) -> set:
         """(gi, i) whose fp32 master the kernel must take from the parameter first: parameters

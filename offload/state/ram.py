@@ -16,6 +16,7 @@ __all__ = ["RamTier"]
 class RamTier(StateTier):
     kind = "ram"
     resident = True
+    inline = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -41,6 +41,7 @@ class Block:
 class StateTier:
     kind = "abstract"
     resident = False
+    inline = False   # acquire() gives a bucket the same bytes; prefetch/release/drain do nothing
 
     def __init__(self) -> None:
         self.failed: Optional[BaseException] = None
