@@ -176,6 +176,12 @@ class StateEngine:
     def begin(self, state: dict) -> None:
         """Before a step the device schedule runs itself: exclusive use, and the user's edits of
         ``opt.state`` (``state``) since the last step honoured as torch would (TorchViews.adopt_user_state)."""
+        self.adopt(state)
+
+    def adopt(self, state: dict) -> None:
+        """The user's edits of ``opt.state`` (``state``) since the last step honoured now, as torch
+        would (TorchViews.adopt_user_state): before a step, and before the state is handed out
+        (``state_dict()``, a checkpoint), which must hold a replaced tensor, not the one it replaced."""
         with self.exclusive():
             self.views.adopt_user_state(state)
 

@@ -269,6 +269,7 @@ class _AdamBase(EngineSync, Optimizer):
         self._check_usable()
         self.synchronize()
         self._sync_engine()
+        self._store.adopt(self.state)   # a state tensor replaced since the last step is the state
 
     @property
     def checkpoint_tensors(self):
@@ -282,6 +283,7 @@ class _AdamBase(EngineSync, Optimizer):
         if create_from is not None:  # never asked: this state loads through load_state_dict (loads_itself)
             raise RuntimeError("compressed-moment state loads through load_state_dict")
         self._sync_engine()
+        self._store.adopt(self.state)
         return sdict.checkpoint_tensors(self.param_groups, self.state, self._store, self._engine_index(), self._router)
 
     def load_state_dict(self, state_dict: dict) -> None:
