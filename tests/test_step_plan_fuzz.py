@@ -1,0 +1,159 @@
+"""test_step_plan_fuzz.py: random sequences of what a user does between steps (new or edited
+gradients, a missing gradient, hyperparameters, edits and replacements in ``opt.state`` and of
+``p.data``, a state_dict round trip), run three ways: offload.AdamW as it runs (its steps planned
+where nothing changed, offload/engine/fastpath.py), offload.AdamW with every step run in full, and
+torch.optim.AdamW. The first two must agree bitwise (outcomes, parameters, state); fp32 runs must
+agree with torch to its rounding (where no step count was made invalid: offload refuses those by
+name, torch steps with them). Seeded: a failure names the seed and the actions.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import offload
+from offload import testing
+
+SHAPES = [(12, 10), (257,), (5,)]
+
+
+def _grad(p, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(p.shape, generator=gen) * 0.1).to(p.dtype)
+
+
+def _new_grads(ps, opt, r):
+    for i, p in enumerate(ps):
+        p.grad = _grad(p, r + i)
+
+
+def _edit_grad(ps, opt, r):
+    ps[r % len(ps)].grad.mul_(0.5)
+
+
+def _no_grad(ps, opt, r):   # a parameter backward did not reach this time
+    ps[r % len(ps)].grad = None
+
+
+def _lr(ps, opt, r):
+    opt.param_groups[0]["lr"] = 1e-2 / (1 + r % 5)
+
+
+def _betas(ps, opt, r):
+    opt.param_groups[0]["betas"] = (0.8 + 0.01 * (r % 5), 0.99)
+
+
+def _weight_decay(ps, opt, r):
+    opt.param_groups[0]["weight_decay"] = 0.1 * (r % 3)
+
+
+def _maximize(ps, opt, r):
+    opt.param_groups[0]["maximize"] = not opt.param_groups[0]["maximize"]
+
+
+def _edit_moment(ps, opt, r):
+    st = opt.state.get(ps[r % len(ps)])
+    if st:
+        st["exp_avg"].mul_(0.9)
+
+
+def _replace_moment(ps, opt, r):
+    st = opt.state.get(ps[r % len(ps)])
+    if st:
+        st["exp_avg_sq"] = st["exp_avg_sq"].clone() * 1.5
+
+
+def _write_step(ps, opt, r):
+    st = opt.state.get(ps[r % len(ps)])
+    if st:
+        st["step"].fill_(float(3 + r % 4))
+
+
+def _bad_step(ps, opt, r):   # refused by name until a valid count is written (_write_step)
+    st = opt.state.get(ps[r % len(ps)])
+    if st:
+        st["step"].fill_(float("nan") if r % 2 else -2.0)
+
+
+def _edit_param(ps, opt, r):
+    with torch.no_grad():
+        ps[r % len(ps)].add_(0.01)
+
+
+def _replace_param(ps, opt, r):
+    p = ps[r % len(ps)]
+    p.data = p.data.clone() * 0.5
+
+
+def _round_trip(ps, opt, r):
+    opt.load_state_dict(opt.state_dict())
+
+
+ACTIONS = [_new_grads, _new_grads, _new_grads, _edit_grad, _no_grad, _lr, _betas, _weight_decay,
+           _maximize, _edit_moment, _replace_moment, _write_step, _edit_param, _replace_param,
+           _round_trip, _bad_step]
+
+
+def _script(seed: int, steps: int) -> list:
+    rnd = random.Random(seed)
+    return [[(rnd.choice(ACTIONS), rnd.randrange(1000)) for _ in range(rnd.randrange(3))]
+            for _ in range(steps)]
+
+
+def _run(make, script, dtype, full: bool):
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+    _new_grads(ps, None, 0)
+    opt = make(ps)
+    out = []
+    for acts in script:
+        for act, r in acts:
+            try:
+                act(ps, opt, r)
+            except ValueError as e:   # compressed moments are not replaced one by one
+                out.append((act.__name__, str(e)))
+        if full:
+            testing.drop_row_caches(opt)
+            opt.param_groups[:] = [dict(g) for g in opt.param_groups]
+        try:
+            opt.step()
+            out.append("ok")
+        except ValueError as e:   # (a step count refused: _bad_step)
+            out.append((type(e).__name__, str(e)))
+    state = [{k: v.clone() for k, v in opt.state[p].items()} if p in opt.state else {}
+             for p in ps]
+    return out, [p.detach().clone() for p in ps], state
+
+
+@pytest.mark.parametrize("moments", ["fp32", "8bit"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("seed", range(8))
+def test_random_user_actions_planned_equal_full_and_torch(seed, dtype, moments):
+    script = _script(seed * 31 + 7, steps=10)
+    names = [[a.__name__ for a, _ in acts] for acts in script]
+
+    def ours(ps):
+        return offload.AdamW(ps, lr=1e-2, weight_decay=0.0, threads=1, moments=moments,
+                             moments_min_size=100)
+    planned = _run(ours, script, dtype, full=False)
+    full = _run(ours, script, dtype, full=True)
+    assert planned[0] == full[0], names
+    bad = any(a is _bad_step for acts in script for a, _ in acts)
+    assert bad or moments != "fp32" or planned[0] == ["ok"] * len(script), names
+    for a, b in zip(planned[1], full[1]):
+        assert torch.equal(a, b), names
+    for sa, sb in zip(planned[2], full[2]):
+        assert sa.keys() == sb.keys(), names
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), names
+    if dtype is torch.float32 and moments == "fp32" and not bad:
+        ref = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.0, foreach=False),
+                   script, dtype, full=False)
+        for a, b in zip(planned[1], ref[1]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{names}: {m}")
+        for sa, sb in zip(planned[2], ref[2]):
+            assert sa.keys() == sb.keys(), names
+            for k in sa:
+                torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=1e-7,
+                                           msg=lambda m: f"{names} {k}: {m}")
