@@ -28,7 +28,7 @@ def _grad(p, seed):
     return (torch.randn(p.shape, generator=gen) * 0.1).to(p.dtype)
 
 
-def _synchronize(opt):   # device parameters: the copies and uploads land before a write (docs/gpu.md)
+def _synchronize(opt):   # device parameters: copies and uploads land before a write (docs/gpu.md)
     if hasattr(opt, "synchronize"):
         opt.synchronize()
 
@@ -129,7 +129,11 @@ def _script(seed: int, steps: int) -> list:
             for _ in range(steps)]
 
 
-def _run(make, script, dtype, full: bool):
+def _valid_script(seed: int, steps: int) -> list:   # no step count made invalid
+    return [[(a, r) for a, r in acts if a is not _bad_step] for acts in _script(seed, steps)]
+
+
+def _run(make, script, dtype, full: bool, before_step=None):
     gen = torch.Generator().manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
     _new_grads(ps, None, 0)
@@ -145,6 +149,8 @@ def _run(make, script, dtype, full: bool):
             testing.drop_row_caches(opt)
             opt.param_groups[:] = [dict(g) for g in opt.param_groups]
         try:
+            if before_step is not None:
+                before_step(ps, opt)
             opt.step()
             out.append("ok")
         except ValueError as e:   # (a step count refused: _bad_step)
@@ -192,7 +198,7 @@ def test_random_user_actions_planned_equal_full_and_torch(seed, dtype, moments):
 @pytest.mark.parametrize("seed", range(SEEDS or 3))
 def test_random_user_actions_every_tier_and_side_equal_torch(seed, cfg, make_opt):
     # the same sequences where no step is planned: state in files, parameters on a device
-    script = [[(a, r) for a, r in acts if a is not _bad_step] for acts in _script(seed * 17 + 3, 8)]
+    script = _valid_script(seed * 17 + 3, 8)
     names = [[a.__name__ for a, _ in acts] for acts in script]
     ours = _run(lambda ps: make_opt(cfg, ps, lr=1e-2, weight_decay=0.0), script, torch.float32,
                 full=False)
@@ -205,4 +211,50 @@ def test_random_user_actions_every_tier_and_side_equal_torch(seed, cfg, make_opt
         assert sa.keys() - {"master_param"} == sb.keys(), names
         for k in sb:
             torch.testing.assert_close(sa[k].cpu(), sb[k], rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"{names} {k}: {m}")
+
+
+class _ClippedAdamW(torch.optim.AdamW):
+    """torch's clip_grad_norm_ then AdamW, the gradients given back unclipped after the step: the
+    rule of offload's clipping, a coefficient the step applies (optim/clipping.py)."""
+
+    def __init__(self, params, norm, **kw):
+        super().__init__(params, **kw)
+        self.norm = norm
+
+    def step(self):
+        ps = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        kept = [p.grad.clone() for p in ps]
+        torch.nn.utils.clip_grad_norm_(ps, self.norm)
+        super().step()
+        for p, g in zip(ps, kept):
+            p.grad.copy_(g)
+
+
+@pytest.mark.parametrize("cfg", configs(moments=("fp32",), schedules=("eager", "deferred")),
+                         ids=lambda c: c.id)
+@pytest.mark.parametrize("how", ["clip_grad_norm_", "max_grad_norm"])
+@pytest.mark.parametrize("seed", range(SEEDS or 2))
+def test_random_user_actions_with_clipping_equal_torch(seed, how, cfg, make_opt):
+    # clipped steps (the norm over every gradient, a coefficient applied in the step) against
+    # torch.nn.utils.clip_grad_norm_ then torch.optim.AdamW
+    if how == "max_grad_norm" and not cfg.device:
+        pytest.skip("max_grad_norm= is an option of device parameters")
+    if cfg.schedule == "eager" and cfg.device:
+        pytest.skip("clipping needs every gradient first: refused while stepping during backward")
+    norm = 0.5 + 0.25 * seed % 3
+    script = _valid_script(seed * 13 + 5, 8)
+    names = [[a.__name__ for a, _ in acts] for acts in script]
+    kw = dict(max_grad_norm=norm) if how == "max_grad_norm" else {}
+    ours = _run(lambda ps: make_opt(cfg, ps, lr=1e-2, weight_decay=0.0, **kw), script,
+                torch.float32, full=False,
+                before_step=None if kw else lambda ps, opt: opt.clip_grad_norm_(norm))
+    ref = _run(lambda ps: _ClippedAdamW(ps, norm, lr=1e-2, weight_decay=0.0, foreach=False),
+               script, torch.float32, full=False)
+    assert ours[0] == ref[0] == ["ok"] * len(script), names
+    for a, b in zip(ours[1], ref[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{names}: {m}")
+    for sa, sb in zip(ours[2], ref[2]):
+        for k in sb:
+            torch.testing.assert_close(sa[k].cpu(), sb[k], rtol=1e-4, atol=1e-7,
                                        msg=lambda m: f"{names} {k}: {m}")
