@@ -109,13 +109,27 @@ def _zero_grad_keep(ps, opt, r):   # gradients zeroed in place (waits for the la
     opt.zero_grad(set_to_none=False)
 
 
+def _add_group(ps, opt, r):   # a new parameter in a group of its own (a layer unfrozen, say)
+    gen = torch.Generator().manual_seed(r)
+    q = torch.nn.Parameter(torch.randn(7 + r % 5, generator=gen).to(ps[0].dtype))
+    q.grad = _grad(q, r)
+    opt.add_param_group({"params": [q], "lr": 3e-3})
+    ps.append(q)
+
+
+def _move_param(ps, opt, r):   # the last parameter of group 0 to a group of its own lr
+    if len(opt.param_groups[0]["params"]) > 1:
+        q = opt.param_groups[0]["params"].pop()
+        opt.add_param_group({"params": [q], "lr": 1e-3 * (1 + r % 3)})
+
+
 def _round_trip(ps, opt, r):
     opt.load_state_dict(opt.state_dict())
 
 
 ACTIONS = [_new_grads, _new_grads, _new_grads, _edit_grad, _no_grad, _lr, _betas, _weight_decay,
            _maximize, _edit_moment, _replace_moment, _write_step, _edit_param, _replace_param,
-           _round_trip, _del_state, _zero_grad_keep, _bad_step]
+           _round_trip, _del_state, _zero_grad_keep, _add_group, _move_param, _bad_step]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:   # bitwise (a NaN step count equals itself)
