@@ -26,20 +26,16 @@ RAM-state GPU scheduler does). Anything that fails after a bucket was stepped ma
 from __future__ import annotations
 
 import threading
-import time
-import weakref
 from typing import Optional
 
 import numpy as np
 
-from ..base.dist import local
-from ..params.base import check_grad
 from .backwardwatch import BackwardWatch, unfinished
 from .feedstep import FeedStep
 from .frameworks import accelerate_accumulating
 from .hooks import weak_hook
-from .uploads import Upload, UploadWaits
-from .worker import StepJob, Worker
+from .uploads import UploadWaits
+from .worker import Worker
 
 __all__ = ["BackwardFeed", "HELD_BUCKETS"]
 
@@ -210,12 +206,12 @@ class BackwardFeed:
             first = False
         else:
             first = True
-        self.capture(gi, i, p)
+        self.stepper.capture(gi, i, p)
         if first:
             for bi in self.buckets_of[key]:
                 self.missing[bi] -= 1
                 if self.missing[bi] == 0:
-                    self.dispatch(bi, 1.0)
+                    self.stepper.dispatch(bi, 1.0)
             if self.release_grads:
                 self._hold_back()
 
@@ -228,43 +224,6 @@ class BackwardFeed:
         with self._down_cv:
             while len(self.dispatched) - self.down > HELD_BUCKETS and self.error is None:
                 self._down_cv.wait(0.05)
-
-    def capture(self, gi: int, i: int, p) -> None:
-        eng = self.engine
-        g = p.grad
-        check_grad(p, g, gi, i, eng.dtypes[gi][i], eng.numels[gi][i], eng.mode, True)
-        self.grads[gi][i] = local(g)   # held until the D2H of its last bucket is issued (_sent_down)
-        self.unsent[(gi, i)] = len(self.buckets_of[(gi, i)])
-        # the gradient itself is not held here: it is freed once copied down (and, with release_grads, at once)
-        self.sent[(gi, i)] = (None if self.release_grads else weakref.ref(g), g._version)
-        if self.release_grads:
-            p.grad = None
-
-    def dispatch(self, bi: int, mult: float, hypers: Optional[dict] = None) -> None:
-        eng = self.engine
-        b = eng.layout.buckets[bi]
-        sent = self.sent
-        act = [pc for pc in b.pieces if (b.group, pc.param) in sent]
-        if not act:
-            return
-        if hypers is None:   # (during backward: once per group and step, not per bucket)
-            hypers = self.hypers
-            if b.group not in hypers:
-                hypers[b.group] = self.face.port.hyper(b.group)
-        h = hypers[b.group]
-        adv = self.advanced[b.group]
-        first = sorted({pc.param for pc in act if not adv[pc.param]})
-        adv[first] = True
-        eng.registry.advance_params(b.group, first)
-        if not self.dispatched:
-            self.marks["first"] = time.perf_counter()   # the optimizer's part of the step starts here
-        self.dispatched.append(bi)
-        self.done.add(bi)
-        up = Upload(bi)
-        self.ups.append(up)
-        gr = self.grads[b.group]
-        reads = [(b.group, pc.param, gr[pc.param], gr[pc.param]._version) for pc in act]   # see _unchanged
-        self.worker.put(StepJob(b, act, eng.registry.has_state(b), h, mult, self.device.record(), reads, up))
 
     def _sent_down(self, gi: int, pieces) -> None:
         """The D2H of these pieces was issued: a gradient whose last bucket this was is no longer held

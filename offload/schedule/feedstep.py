@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
+from typing import Optional
 
 import numpy as np
 import torch
 
+from ..base.dist import local
+from ..params.base import check_grad
 from .hooks import weak_module_hook
 from .owners import ForwardObserver
-from .worker import FinishJob, NudgeJob
+from .uploads import Upload
+from .worker import FinishJob, NudgeJob, StepJob
 
 __all__ = ["FeedStep", "WriteRaceError"]
 
@@ -116,7 +121,7 @@ class FeedStep:
                 for gi, ps in enumerate(eng.groups):
                     for i, p in enumerate(ps):
                         if (gi, i) not in feed.sent and p.grad is not None and (gi, i) in feed.buckets_of:
-                            feed.capture(gi, i, p)
+                            self.capture(gi, i, p)
                 order = feed.order if feed.eager else self.forward_order()
                 if feed.eager:
                     self.end_observation()
@@ -126,7 +131,7 @@ class FeedStep:
                 groups = {buckets[bi].group for bi in todo}
                 hypers = {gi: feed.hypers.get(gi) or feed.face.port.hyper(gi) for gi in groups}
                 for bi in todo:
-                    feed.dispatch(bi, mult, hypers)
+                    self.dispatch(bi, mult, hypers)
             active = [np.zeros(len(g), dtype=bool) for g in eng.groups]
             if not skip:
                 for gi, i in feed.sent:
@@ -149,6 +154,45 @@ class FeedStep:
                 feed.give_up_uploads()   # (this step raised the failure)
             feed.worker.put(NudgeJob())   # read ahead the next step's first buckets during forward
         return rec
+
+    def capture(self, gi: int, i: int, p) -> None:
+        feed = self.feed
+        eng = feed.engine
+        g = p.grad
+        check_grad(p, g, gi, i, eng.dtypes[gi][i], eng.numels[gi][i], eng.mode, True)
+        feed.grads[gi][i] = local(g)   # held until the D2H of its last bucket is issued (_sent_down)
+        feed.unsent[(gi, i)] = len(feed.buckets_of[(gi, i)])
+        # the gradient itself is not held here: it is freed once copied down (and, with release_grads, at once)
+        feed.sent[(gi, i)] = (None if feed.release_grads else weakref.ref(g), g._version)
+        if feed.release_grads:
+            p.grad = None
+
+    def dispatch(self, bi: int, mult: float, hypers: Optional[dict] = None) -> None:
+        feed = self.feed
+        eng = feed.engine
+        b = eng.layout.buckets[bi]
+        sent = feed.sent
+        act = [pc for pc in b.pieces if (b.group, pc.param) in sent]
+        if not act:
+            return
+        if hypers is None:   # (during backward: once per group and step, not per bucket)
+            hypers = feed.hypers
+            if b.group not in hypers:
+                hypers[b.group] = feed.face.port.hyper(b.group)
+        h = hypers[b.group]
+        adv = feed.advanced[b.group]
+        first = sorted({pc.param for pc in act if not adv[pc.param]})
+        adv[first] = True
+        eng.registry.advance_params(b.group, first)
+        if not feed.dispatched:
+            feed.marks["first"] = time.perf_counter()   # the optimizer's part of the step starts here
+        feed.dispatched.append(bi)
+        feed.done.add(bi)
+        up = Upload(bi)
+        feed.ups.append(up)
+        gr = feed.grads[b.group]
+        reads = [(b.group, pc.param, gr[pc.param], gr[pc.param]._version) for pc in act]   # see _unchanged
+        feed.worker.put(StepJob(b, act, eng.registry.has_state(b), h, mult, feed.device.record(), reads, up))
 
     def _finish(self, active: list, fresh: list, rec: dict, order: list) -> None:
         """The worker, after the step's last bucket: write-backs done, the state committed."""
@@ -211,5 +255,5 @@ class FeedStep:
             feed.unsent.pop((gi, i), None)
             feed.grads[gi][i] = None
             if now is not None:
-                feed.capture(gi, i, p)
+                self.capture(gi, i, p)
 
