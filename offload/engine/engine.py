@@ -123,6 +123,26 @@ class StateEngine:
         with self.exclusive():
             grow.add_group(self, params, amsgrad)
 
+    def append_group(self, params: list, amsgrad: bool) -> None:
+        """Group ``params`` at the end of the per-group lists (``groups``, ``local_groups``,
+        ``amsgrad``, ``dtypes``, ``numels``, the tracker's): changed in place, since the views and
+        the tracker hold the same lists. Only engine/grow.py's add_group calls it."""
+        self.groups.append(list(params))
+        self.local_groups.append([local(p) for p in params])
+        self.tracker.add_group(len(params))
+        self.amsgrad.append(bool(amsgrad))
+        self.dtypes.append([local(p).dtype for p in params])
+        self.numels.append([local(p).numel() for p in params])
+
+    def drop_groups(self, gi: int) -> None:
+        """Undo append_group (and the registry's growth) from group ``gi`` on: the per-group lists,
+        the step counts and the layout's entries of those groups (its buckets: Layout.truncate)."""
+        for per_group in (self.groups, self.local_groups, self.amsgrad, self.dtypes, self.numels):
+            del per_group[gi:]
+        self.tracker.drop_groups(gi)
+        self.registry.drop_groups(gi)
+        self.layout.drop_groups(gi)
+
     def exclusive(self, failed_ok: bool = False):
         """Context manager for exclusive use: the right process, ``lock`` held, not closed, not failed
         (``failed_ok``: a load that replaces the whole state may run on a failed tier); close() waits for it."""
@@ -197,8 +217,9 @@ class StateEngine:
         active, grads = self.side.collect(self.groups, self.local_groups, self.dtypes, self.numels,
                                           self.tier.own_memory(), self.mode)
         self._grads = grads   # the step uses exactly the tensors checked here
+        unplaced = self.layout.unplaced
         grow.lay_out_late(self, [(gi, int(i)) for gi, a in enumerate(active)
-                                 for i in np.flatnonzero(a & grow.unplaced(self, gi))], state)
+                                 for i in np.flatnonzero(a & unplaced(gi, self.numels[gi]))], state)
         return active
 
     def reserve(self, keys: list) -> bool:
