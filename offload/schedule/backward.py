@@ -11,18 +11,20 @@ one CPU worker thread, per bucket,
   * keeps up to ``depth`` state reads ahead in the *expected backward order* (reverse layout order
     at the first step, the order observed in the previous step afterwards; a bucket that arrives
     out of that order is read on demand: slower, never wrong);
-  * issues the gradients' D2H into a staging slot as soon as one is free (up to the ring size ahead),
+  * issues the gradients' D2H into a staging slot as soon as one is free (up to the ring size
+    ahead),
   * acquires the bucket's state, runs the kernel, writes the state back (asynchronously) and
     issues the H2D of the new weights.
 So NVMe reads, D2H, the kernel, write-back and H2D overlap each other and backward. ``step()``
 queues the buckets that never completed (parameters without a hooked gradient) and returns; the
 worker finishes the step (write-backs drained, state committed) while forward runs, and each
-module waits only for the uploads of its own buckets (schedule/uploads.py). Host memory is the tier's
-slots plus the staging ring (offload/params/device.py), whatever the model size.
+module waits only for the uploads of its own buckets (schedule/uploads.py). Host memory is the
+tier's slots plus the staging ring (offload/params/device.py), whatever the model size.
 
 Bitwise equal to every other mode: the same rows and step counts reach the same kernel. Step
 counts advance when a parameter's first bucket is queued; hyperparameters are read then (as the
-RAM-state GPU scheduler does). Anything that fails after a bucket was stepped marks the tier failed.
+RAM-state GPU scheduler does). Anything that fails after a bucket was stepped marks the tier
+failed.
 """
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ class BackwardFeed:
             for i, p in enumerate(groups[gi]):
                 if not p.requires_grad:
                     continue   # frozen: if it gets a gradient later, step() sends it
-                # accumulating into p.grad in place: not while the last step's D2H may still read it
+                # accumulating into p.grad in place: not while the last step's D2H may read it
                 self._hooks.append(p.register_hook(weak_hook(self, "_before_accumulate")))
                 if self.eager:
                     hook = weak_hook(self, "_on_grad", gi, i)
@@ -135,7 +137,7 @@ class BackwardFeed:
         """The step's beginning failed part-way (delay_updates): the next one begins afresh."""
         self.round.close()
 
-    # ------------------------------------------------------------------ backward (training / autograd thread)
+    # ---------------------------------------------------- backward (training / autograd thread)
     def begin_cycle(self, in_backward: bool = False) -> None:
         """The first gradient (or step()) of a step: the last one done, opt.state edits and
         parameter writes adopted; the counters at its start marked. What can be checked before
@@ -170,9 +172,9 @@ class BackwardFeed:
                              kernel=self.engine.telemetry["kernel_s"], side=dict(self.side.stats)))
 
     def _before_accumulate(self, grad) -> None:
-        """Tensor hook before a gradient accumulates: a step still in flight may read p.grad (D2H); and
-        the compute stream waits for the uploads no forward waited for (modules that did not run), so
-        that writes after backward are ordered after them."""
+        """Tensor hook before a gradient accumulates: a step still in flight may read p.grad (D2H);
+        and the compute stream waits for the uploads no forward waited for (modules that did not
+        run), so that writes after backward are ordered after them."""
         if self.uploads.pending:
             self.wait_idle()
             self.uploads.wait_all()
@@ -189,8 +191,8 @@ class BackwardFeed:
             raise
 
     def fail_stepped(self, e: BaseException) -> bool:
-        """Buckets of this step were queued (and nothing failed before): the step can no longer
-        complete, and the feed fails with ``e``, reported. True when it did."""
+        """Buckets of this step were queued (and nothing failed before): the step cannot complete,
+        and the feed fails with ``e``, reported. True when it did."""
         if self.round.dispatched and self.error is None:
             self.fail(e, True)
             return True
@@ -232,18 +234,18 @@ class BackwardFeed:
                 self._hold_back()
 
     def _hold_back(self) -> None:
-        """release_grads: wait while more than HELD_BUCKETS queued buckets still hold their gradients.
-        A gradient is allocated when its backward is enqueued, and on a GPU backward is enqueued far
-        ahead of the copies: without this wait every gradient exists before the first one is freed,
-        and the peak is that of release_grads=False. Waiting here holds the rest of backward back,
-        so the gradients alive at once stay a few buckets' worth."""
+        """release_grads: wait while more than HELD_BUCKETS queued buckets still hold their
+        gradients. A gradient is allocated when its backward is enqueued, and on a GPU backward is
+        enqueued far ahead of the copies: without this wait every gradient exists before the first
+        one is freed, and the peak is that of release_grads=False. Waiting here holds the rest of
+        backward back, so the gradients alive at once stay a few buckets' worth."""
         with self._down_cv:
             while self.round.held() > HELD_BUCKETS and self.error is None:
                 self._down_cv.wait(0.05)
 
     def _sent_down(self, gi: int, pieces) -> None:
-        """The D2H of these pieces was issued: a gradient whose last bucket this was is no longer
-        held (the device keeps it alive until the copy read it: record_stream on CUDA), so it is
+        """The D2H of these pieces was issued: the feed drops a gradient whose last bucket this
+        was (the device keeps it alive until the copy read it: record_stream on CUDA), so it is
         freed as the step goes (release_grads; torch's zero_grad during the next forward) instead
         of at its end."""
         with self._down_cv:
@@ -251,9 +253,10 @@ class BackwardFeed:
             self._down_cv.notify_all()
 
     def raise_if_failed(self) -> None:
-        """Report the worker's failure: StoreFailedError naming it, every time until a load. The first
-        report gives up the uploads (give_up_uploads), so that no forward or model.load_state_dict
-        waits for them again (and raises again) and none lands after the user restored the weights."""
+        """Report the worker's failure: StoreFailedError naming it, every time until a load. The
+        first report gives up the uploads (give_up_uploads), so that no forward or
+        model.load_state_dict waits for them again (and raises again) and none lands after the user
+        restored the weights."""
         if self.error is not None:
             if not self.reported or self.uploads.pending:
                 self.give_up_uploads()
@@ -269,9 +272,9 @@ class BackwardFeed:
         self.tier.check_usable()
 
     def give_up_uploads(self) -> None:
-        """The worker failed: it finishes what is queued (it steps and uploads nothing more), the compute
-        stream waits for the uploads it issued before the failure (those of a step still in backward
-        too: a failure raised by a gradient hook), and none is waited for again."""
+        """The worker failed: it finishes what is queued (it steps and uploads nothing more), the
+        compute stream waits for the uploads it issued before the failure (those of a step still in
+        backward too: a failure raised by a gradient hook), and none is waited for again."""
         self.wait_idle()
         self.uploads.abandon(self.round.ups)
 
@@ -332,7 +335,8 @@ class BackwardFeed:
         self.worker.park()
 
     def step(self, mult: float, grad_scale, found_inf, skip: bool = False, before=None) -> dict:
-        """Queue what is left of this step and return at once (schedule/feedstep.py FeedStep.step)."""
+        """Queue what is left of this step and return at once (schedule/feedstep.py
+        FeedStep.step)."""
         t_step = time.perf_counter()
         if not self.in_cycle:
             self.begin_cycle()
@@ -357,8 +361,8 @@ class BackwardFeed:
 
     # ------------------------------------------------------------------ lifecycle
     def synchronize(self) -> None:
-        """Wait for the worker; a failure not reported yet is raised (later uses of the state then raise
-        StoreFailedError through the tier; close() still works)."""
+        """Wait for the worker; a failure not reported yet is raised (later uses of the state then
+        raise StoreFailedError through the tier; close() still works)."""
         self.settle_backward()
         self.wait_idle()
         if self.error is not None and self.reported:

@@ -66,8 +66,8 @@ class FeedStep:
         self.forward.saw(module)
 
     def end_observation(self) -> None:
-        """At the first step() after a forward: the forward order of the buckets, and the parameters
-        modules read without running their owner (their waits and state_dict hooks)."""
+        """At the first step() after a forward: the forward order of the buckets, and the
+        parameters modules read without running their owner (their waits and state_dict hooks)."""
         feed = self.feed
         if self._observer is None or not self.forward:
             return
@@ -115,7 +115,8 @@ class FeedStep:
         try:
             self._check_sent(rnd)
             if any(eng.groups[gi][i].grad is not None for gi, i in feed.unlaid):
-                feed.wait_idle()   # the layout grows (tier, staging ring): nothing may be in flight
+                # the layout grows (tier, staging ring): nothing may be in flight
+                feed.wait_idle()
                 feed.raise_if_failed()
             # validates the other gradients; lays out late ones (with the entries they have)
             eng.collect(port.groups(), keep_grads=False, state=port.state())
@@ -155,7 +156,7 @@ class FeedStep:
             order = rnd.pending(feed.order)
             self.worker.put(FinishJob(lambda: self._finish(rnd, active, fresh, rec, order)))
         except BaseException as e:
-            # buckets were stepped: the state no longer matches any whole step
+            # buckets were stepped: the state matches no whole step
             feed.fail_stepped(e)
             raise
         finally:
@@ -191,8 +192,8 @@ class FeedStep:
         gr = rnd.grads[b.group]
         # the versions the worker checks (worker.py _unchanged)
         reads = [(b.group, pc.param, gr[pc.param], gr[pc.param]._version) for pc in act]
-        self.worker.put(StepJob(b, act, eng.registry.has_state(b), h, mult, self.feed.device.record(),
-                                reads, up))
+        self.worker.put(StepJob(b, act, eng.registry.has_state(b), h, mult,
+                                self.feed.device.record(), reads, up))
 
     def _finish(self, rnd, active: list, fresh: list, rec: dict, order: list) -> None:
         """The worker, after the last bucket of step ``rnd``: write-backs done, the state
@@ -248,10 +249,10 @@ class FeedStep:
                 continue
             if any(bi in rnd.done for bi in feed.buckets_of[(gi, i)]):
                 raise RuntimeError(
-                    "offload: gradients changed after they were sent to the CPU and stepped during "
-                    "backward (e.g. torch.nn.utils.clip_grad_norm_ or GradScaler.unscale_ on the "
-                    "device gradients). Use optimizer.clip_grad_norm_ / max_grad_norm= and "
-                    "check_overflow=True (which turn off stepping during backward), or pass "
+                    "offload: gradients changed after they were sent to the CPU and stepped "
+                    "during backward (e.g. torch.nn.utils.clip_grad_norm_ or GradScaler.unscale_ "
+                    "on the device gradients). Use optimizer.clip_grad_norm_ / max_grad_norm= "
+                    "and check_overflow=True (which turn off stepping during backward), or pass "
                     "step_during_backward=False. With transformers' Trainer or accelerate's "
                     "clip_grad_norm_: TrainingArguments(max_grad_norm=0) (no clipping by the "
                     "framework) and offload.AdamW(..., max_grad_norm=...).")

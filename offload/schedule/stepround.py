@@ -23,8 +23,10 @@ class StepRound:
         """``groups``: the parameter lists; ``params_of``: per bucket, its parameters; ``hypers``:
         group -> its hyperparameters, read as the step began (the others are read when needed)."""
         self.open = False      # between the step's beginning and the end of its step()
-        self.sent: dict = {}   # (gi, i) -> (weakref to the grad, or None with release_grads; version)
-        self.unsent: dict = {}   # (gi, i) -> how many of its buckets' copies down are not issued yet
+        # (gi, i) -> (weakref to the grad, or None with release_grads; its version)
+        self.sent: dict = {}
+        # (gi, i) -> how many of its buckets' copies down are not issued yet
+        self.unsent: dict = {}
         self.hypers: dict = {} if hypers is None else hypers
         self.missing = [len(ps) for ps in params_of]   # per bucket: parameters without a gradient
         self.dispatched: list = []   # queued buckets, in queue order
@@ -46,7 +48,8 @@ class StepRound:
         self.open = False
 
     def mark(self, counters: dict) -> None:
-        """The counters at the step's start (BackwardFeed.mark); ``first``: its first bucket queued."""
+        """The counters at the step's start (BackwardFeed.mark); ``first``: its first bucket
+        queued."""
         self.marks = dict(counters, first=None)
 
     def hyper(self, gi: int, read: Callable[[int], dict]) -> dict:
@@ -62,19 +65,20 @@ class StepRound:
         self.advanced += [np.zeros(len(g), dtype=bool) for g in groups[len(self.advanced):]]
 
     def add_buckets(self, params_of: list) -> None:
-        """The layout grew by buckets of these parameter lists: each waits for all its gradients."""
+        """The layout grew by buckets of these parameter lists: each waits for all its
+        gradients."""
         self.missing += [len(ps) for ps in params_of]
 
     def capture(self, gi: int, i: int, g, nbuckets: int, release: bool) -> None:
-        """Gradient ``g`` of parameter (gi, i) goes to its ``nbuckets`` buckets: held until the copy
-        down of its last bucket is issued (sent_down); ``release``: p.grad goes at once."""
+        """Gradient ``g`` of parameter (gi, i) goes to its ``nbuckets`` buckets: held until the
+        copy down of its last bucket is issued (sent_down); ``release``: p.grad goes at once."""
         self.grads[gi][i] = local(g)
         self.unsent[(gi, i)] = nbuckets
         self.sent[(gi, i)] = (None if release else weakref.ref(g), g._version)
 
     def arrived(self, key, buckets: list) -> list:
-        """The first gradient of parameter ``key`` arrived: the buckets of ``buckets`` that now have
-        all theirs."""
+        """The first gradient of parameter ``key`` arrived: those of its ``buckets`` that have
+        all their gradients with it."""
         ready = []
         for bi in buckets:
             self.missing[bi] -= 1
@@ -83,7 +87,8 @@ class StepRound:
         return ready
 
     def forget(self, key) -> None:
-        """Parameter ``key``'s gradient changed after it was sent: it is captured again (or not)."""
+        """Parameter ``key``'s gradient changed after it was sent: it is captured again (or
+        not)."""
         del self.sent[key]
         self.unsent.pop(key, None)
         self.grads[key[0]][key[1]] = None
