@@ -6,8 +6,7 @@ any tier and moment format): it validates a step's gradients before any I/O, run
 (engine/pipeline.py) over the buckets that have gradients, installs torch-layout views of the state
 in ``opt.state`` and serves ``state_dict`` / ``load_state_dict`` bucket by bucket. It never reads
 the optimizer's private attributes: hyperparameters come through ``hyper(group)``. The device
-schedule (schedule/device_step.py, schedule/backward.py) steps buckets itself, through the public seam
-``lock`` / ``exclusive()`` / ``begin()`` / ``collect()`` / ``commit()``.
+schedule steps buckets itself, through the names StateEngine's docstring lists for it.
 """
 from __future__ import annotations
 
@@ -45,6 +44,16 @@ def _moment_format(numels: list, moments: MomentFormat, min_size: int, gi: int, 
 
 
 class StateEngine:
+    """The optimizer state of one optimizer: its layout, tier and parameter side.
+
+    The device schedule (offload/schedule/) steps buckets itself and reads of the engine these
+    names only (tests/test_schedule_seam.py): what is stepped, ``groups`` (its per-group lists
+    ``dtypes`` and ``numels``), ``excluded``, ``mode``, ``layout``, ``registry``, ``side``,
+    ``tier`` and ``depth``; a step, under ``lock``: ``check_groups()``, ``reserve()``,
+    ``begin()``, ``collect()``, ``commit()`` or ``step()``, its ``telemetry`` and ``last_stats``;
+    parameters written by the user: ``reload_masters()`` and ``holds_moment_copies()``.
+    """
+
     def __init__(self, groups: list, amsgrad: list, *, mode: str, nvme_dir=None, host_budget="2GiB",
                  keep: bool = False, side: Callable[[list, list], ParamSide] = side_maker(),
                  bucket_bytes: Optional[int] = None,
@@ -122,6 +131,25 @@ class StateEngine:
         """``add_param_group``: lay the new group out after the existing state and grow the file."""
         with self.exclusive():
             grow.add_group(self, params, amsgrad)
+
+    def append_group(self, params: list, amsgrad: bool) -> None:
+        """Group ``params`` at the end of the per-group lists (the tracker's too), in place: the
+        views and the tracker hold the same lists (engine/grow.py add_group)."""
+        self.groups.append(list(params))
+        self.local_groups.append([local(p) for p in params])
+        self.tracker.add_group(len(params))
+        self.amsgrad.append(bool(amsgrad))
+        self.dtypes.append([local(p).dtype for p in params])
+        self.numels.append([local(p).numel() for p in params])
+
+    def drop_groups(self, gi: int) -> None:
+        """Undo append_group and Registry.grow from group ``gi`` on, and the layout's entries of
+        those groups (its buckets: Layout.truncate)."""
+        for per_group in (self.groups, self.local_groups, self.amsgrad, self.dtypes, self.numels):
+            del per_group[gi:]
+        self.tracker.drop_groups(gi)
+        self.registry.drop_groups(gi)
+        self.layout.drop_groups(gi)
 
     def exclusive(self, failed_ok: bool = False):
         """Context manager for exclusive use: the right process, ``lock`` held, not closed, not failed
@@ -203,8 +231,9 @@ class StateEngine:
         active, grads = self.side.collect(self.groups, self.local_groups, self.dtypes, self.numels,
                                           self.tier.own_memory(), self.mode)
         self._grads = grads   # the step uses exactly the tensors checked here
+        unplaced = self.layout.unplaced
         grow.lay_out_late(self, [(gi, int(i)) for gi, a in enumerate(active)
-                                 for i in np.flatnonzero(a & grow.unplaced(self, gi))], state)
+                                 for i in np.flatnonzero(a & unplaced(gi, self.numels[gi]))], state)
         return active
 
     def reserve(self, keys: list) -> bool:
