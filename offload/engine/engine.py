@@ -50,7 +50,7 @@ class StateEngine:
     names only (tests/test_schedule_seam.py): what is stepped, ``groups`` (its per-group lists
     ``dtypes`` and ``numels``), ``excluded``, ``mode``, ``layout``, ``registry``, ``side``,
     ``tier`` and ``depth``; a step, under ``lock``: ``check_groups()``, ``reserve()``,
-    ``begin()``, ``collect()``, ``commit()`` or ``step()``, its ``telemetry`` and ``last_stats``;
+    ``adopt()``, ``collect()``, ``commit()`` or ``step()``, its ``telemetry`` and ``last_stats``;
     parameters written by the user: ``reload_masters()`` and ``holds_moment_copies()``.
     """
 
@@ -201,15 +201,10 @@ class StateEngine:
                 self._grads = None
             return active
 
-    def begin(self, state: dict) -> None:
-        """Before a step the device schedule runs itself: exclusive use, and the user's edits of
-        ``opt.state`` (``state``) since the last step honoured as torch would (TorchViews.adopt_user_state)."""
-        self.adopt(state)
-
     def adopt(self, state: dict) -> None:
         """The user's edits of ``opt.state`` (``state``) since the last step honoured now, as torch
-        would (TorchViews.adopt_user_state): before a step, and before the state is handed out
-        (``state_dict()``, a checkpoint), which must hold a replaced tensor, not the one it replaced."""
+        would (TorchViews.adopt_user_state): before a step the device schedule runs itself, and
+        before the state is handed out (``state_dict()``, a checkpoint)."""
         with self.exclusive():
             self.views.adopt_user_state(state)
 

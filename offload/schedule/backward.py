@@ -157,7 +157,7 @@ class BackwardFeed:
         if self.engine.reserve(self.unlaid):
             self.maps()
         self._reset(hypers)
-        eng.begin(self.face.port.state())
+        eng.adopt(self.face.port.state())
         if self.face.on_device:   # (stepped at step(), after the buckets this backward steps)
             self.face.on_device.check()
         self.face.reload_changed()
