@@ -18,7 +18,7 @@ import offload
 from atomic_util import (assert_same, every_call_refused, model_backward, train_model, snapshot,
                          uninterrupted)
 from conftest import configs
-from offload.schedule import backward
+from offload.schedule import feedstep
 from tiny_models import on_backward
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(60)]
@@ -84,14 +84,14 @@ def _out_of_memory(model, opt, monkeypatch):
 
 
 def _own_hook(model, opt, monkeypatch):
-    count, real = [0], backward.check_grad
+    count, real = [0], feedstep.check_grad
 
     def failing(*a):
         count[0] += 1
         if count[0] == 3:   # the third gradient: the last layer's bucket was stepped already
             raise Fault("injected")
         return real(*a)
-    monkeypatch.setattr(backward, "check_grad", failing)
+    monkeypatch.setattr(feedstep, "check_grad", failing)
     with pytest.raises(Fault):
         model_backward(model, CKPT)
     monkeypatch.undo()

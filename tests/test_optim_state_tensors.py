@@ -104,3 +104,30 @@ def test_state_dict_holds_plain_dicts(make, tmp_path):
     torch.save(sd, tmp_path / "sd.pt")
     loaded = torch.load(tmp_path / "sd.pt", weights_only=True)
     torch.testing.assert_close(loaded["state"][0]["exp_avg"], opt.state[ours[0]]["exp_avg"])
+
+
+@pytest.mark.parametrize("cfg", configs(moments=("fp32",)), ids=lambda c: c.id)
+def test_state_dict_holds_replaced_state_before_a_step(make, cfg):
+    # torch's state_dict() hands out opt.state as it is: state tensors and a step count replaced
+    # after the last step are what a checkpoint holds, and what a load gives back
+    ours, _ = pair()
+    opt = make(ours, cfg)
+    for s in range(2):
+        set_grads(ours, s)
+        opt.step()
+    p = ours[0]
+    new = {k: opt.state[p][k].clone() * 1.5 for k in ("exp_avg", "exp_avg_sq")}
+    new["step"] = torch.tensor(7.0)
+    for k, v in new.items():
+        opt.state[p][k] = v.clone()
+    sd = opt.state_dict()
+    for k, v in new.items():
+        torch.testing.assert_close(sd["state"][0][k].cpu(), v, rtol=0, atol=0, msg=k)
+    opt.load_state_dict(sd)
+    for k, v in new.items():
+        torch.testing.assert_close(opt.state[p][k].cpu(), v, rtol=0, atol=0, msg=k)
+    opt.state[p]["step"] = torch.tensor(float("nan"))   # one the kernel cannot take: named
+    with pytest.raises(ValueError, match="state 'step' of parameter 0 of group 0 is nan"):
+        opt.state_dict()
+    if hasattr(opt, "close"):
+        opt.close()

@@ -18,6 +18,28 @@ MAX_GROWTH = 8  # lines; a per-tensor loop of one line would add 200
 MOMENTS = ["fp32", "bf16", "8bit"]   # host parameters, RAM state: the state engine in each moment format
 
 
+def step_lines(opt, where=lambda filename: True):
+    """(line events, Counter of lines per 'file:function') of one ``opt.step()``, counting the
+    lines of the files ``where`` accepts."""
+    lines = collections.Counter()
+
+    def local(frame, event, arg):
+        code = frame.f_code
+        if event == "line" and where(code.co_filename):
+            lines["/".join(code.co_filename.split("/")[-2:]) + ":" + code.co_name] += 1
+        return local
+
+    gc.collect()
+    gc.disable()  # no finalizer may run inside the traced step
+    sys.settrace(lambda frame, event, arg: local)
+    try:
+        opt.step()
+    finally:
+        sys.settrace(None)
+        gc.enable()
+    return sum(lines.values()), lines
+
+
 def traced_step(n: int, moments: str):
     """(line events, Counter of lines per 'file:function') of the 4th step() over n small tensors."""
     gen = torch.Generator().manual_seed(n)
@@ -30,23 +52,7 @@ def traced_step(n: int, moments: str):
     try:
         for _ in range(3):  # warm: state created, row caches and lazy imports done
             opt.step()
-        where = collections.Counter()
-
-        def local(frame, event, arg):
-            if event == "line":
-                code = frame.f_code
-                where["/".join(code.co_filename.split("/")[-2:]) + ":" + code.co_name] += 1
-            return local
-
-        gc.collect()
-        gc.disable()  # no finalizer may run inside the traced step
-        sys.settrace(lambda frame, event, arg: local)
-        try:
-            opt.step()
-        finally:
-            sys.settrace(None)
-            gc.enable()
-        return sum(where.values()), where
+        return step_lines(opt)
     finally:
         opt.close()
 

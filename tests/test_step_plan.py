@@ -10,9 +10,6 @@ fails if its rule is not applied.
 """
 from __future__ import annotations
 
-import collections
-import gc
-import sys
 
 import pytest
 import torch
@@ -20,6 +17,7 @@ import torch
 import offload
 from offload import testing
 from offload.params.guards import SharedMemoryError
+from test_step_cost import step_lines
 
 SHAPES = [(16, 16), (300,), (8,)]
 
@@ -206,19 +204,5 @@ def test_a_planned_step_runs_few_python_lines():
     for _ in range(3):
         opt.step()
     assert testing.step_plan(opt) is not None
-    lines = collections.Counter()
-
-    def local(frame, event, arg):
-        name = frame.f_code.co_filename
-        if event == "line" and "/offload/" in name:
-            lines[name.split("/offload/")[-1] + ":" + frame.f_code.co_name] += 1
-        return local
-    gc.collect()
-    gc.disable()
-    sys.settrace(lambda frame, event, arg: local)
-    try:
-        opt.step()
-    finally:
-        sys.settrace(None)
-        gc.enable()
-    assert sum(lines.values()) <= 230, lines.most_common(12)
+    count, lines = step_lines(opt, where=lambda name: "/offload/" in name)
+    assert count <= 230, lines.most_common(12)

@@ -6,8 +6,7 @@ shards, any tier and moment format): it validates a step's gradients before any 
 pipeline (engine/pipeline.py) over the buckets that have gradients, installs torch-layout views of
 the state in ``opt.state`` and serves ``state_dict`` / ``load_state_dict`` bucket by bucket. It
 never reads the optimizer's private attributes: hyperparameters come through ``hyper(group)``. The
-device schedule (schedule/device_step.py, schedule/backward.py) steps buckets itself, through the
-public seam ``lock`` / ``exclusive()`` / ``begin()`` / ``collect()`` / ``commit()``.
+device schedule steps buckets itself, through the names StateEngine's docstring lists for it.
 """
 from __future__ import annotations
 
@@ -45,6 +44,16 @@ def _moment_format(numels: list, moments: MomentFormat, min_size: int, gi: int, 
 
 
 class StateEngine:
+    """The optimizer state of one optimizer: its layout, tier and parameter side.
+
+    The device schedule (offload/schedule/) steps buckets itself and reads of the engine these
+    names only (tests/test_schedule_seam.py): what is stepped, ``groups`` (its per-group lists
+    ``dtypes`` and ``numels``), ``excluded``, ``mode``, ``layout``, ``registry``, ``side``,
+    ``tier`` and ``depth``; a step, under ``lock``: ``check_groups()``, ``reserve()``,
+    ``adopt()``, ``collect()``, ``commit()`` or ``step()``, its ``telemetry`` and ``last_stats``;
+    parameters written by the user: ``reload_masters()`` and ``holds_moment_copies()``.
+    """
+
     def __init__(self, groups: list, amsgrad: list, *, mode: str, nvme_dir=None,
                  host_budget="2GiB",
                  keep: bool = False, side: Callable[[list, list], ParamSide] = side_maker(),
@@ -133,6 +142,25 @@ class StateEngine:
         with self.exclusive():
             grow.add_group(self, params, amsgrad)
 
+    def append_group(self, params: list, amsgrad: bool) -> None:
+        """Group ``params`` at the end of the per-group lists (the tracker's too), in place: the
+        views and the tracker hold the same lists (engine/grow.py add_group)."""
+        self.groups.append(list(params))
+        self.local_groups.append([local(p) for p in params])
+        self.tracker.add_group(len(params))
+        self.amsgrad.append(bool(amsgrad))
+        self.dtypes.append([local(p).dtype for p in params])
+        self.numels.append([local(p).numel() for p in params])
+
+    def drop_groups(self, gi: int) -> None:
+        """Undo append_group and Registry.grow from group ``gi`` on, and the layout's entries of
+        those groups (its buckets: Layout.truncate)."""
+        for per_group in (self.groups, self.local_groups, self.amsgrad, self.dtypes, self.numels):
+            del per_group[gi:]
+        self.tracker.drop_groups(gi)
+        self.registry.drop_groups(gi)
+        self.layout.drop_groups(gi)
+
     def exclusive(self, failed_ok: bool = False):
         """Context manager for exclusive use: the right process, ``lock`` held, not closed, not
         failed (``failed_ok``: a load that replaces the whole state may run on a failed tier);
@@ -141,8 +169,7 @@ class StateEngine:
 
     @property
     def pieces(self) -> dict:
-        return {k: [(self.layout.buckets[bi], pc) for bi, pc in v]
-                for k, v in self.layout.of_param.items()}
+        return {k: [(self.layout.buckets[bi], pc) for bi, pc in v] for k, v in self.layout.of_param.items()}
 
     @property
     def side(self) -> ParamSide:
@@ -151,11 +178,9 @@ class StateEngine:
 
     # ------------------------------------------------------------------ step
     def holds(self, params: list, amsgrad: list) -> bool:
-        """Laid out for exactly these parameter lists (by identity) and amsgrad settings (None:
-        any)."""
-        return ((amsgrad is None or amsgrad == self.amsgrad) and len(params) == len(self.groups)
-                and all(len(ps) == len(mine) and all(map(operator.is_, ps, mine))
-                        for ps, mine in zip(params, self.groups)))
+        """Laid out for exactly these parameter lists (by identity) and amsgrad settings (None: any)."""
+        return (amsgrad is None or amsgrad == self.amsgrad) and len(params) == len(self.groups) and all(
+            len(ps) == len(mine) and all(map(operator.is_, ps, mine)) for ps, mine in zip(params, self.groups))
 
     def check_groups(self, groups: list, amsgrad: bool = False) -> None:
         """A guard: laid out for these groups (``amsgrad``: their settings too), or raise."""
@@ -178,10 +203,10 @@ class StateEngine:
                 self._grads = None
             return active
 
-    def begin(self, state: dict) -> None:
-        """Before a step the device schedule runs itself: exclusive use, and the user's edits of
-        ``opt.state`` (``state``) since the last step honoured as torch would
-        (TorchViews.adopt_user_state)."""
+    def adopt(self, state: dict) -> None:
+        """The user's edits of ``opt.state`` (``state``) since the last step honoured now, as torch
+        would (TorchViews.adopt_user_state): before a step the device schedule runs itself, and
+        before the state is handed out (``state_dict()``, a checkpoint)."""
         with self.exclusive():
             self.views.adopt_user_state(state)
 
@@ -193,29 +218,27 @@ class StateEngine:
         self.registry.commit(active)
         for gi, a in enumerate(active):
             self.tracker.record(gi, np.flatnonzero(a))
-        # (the step is done: opt.state must show it, or the tier fails)
-        self.views.install(fresh, state)
+        self.views.install(fresh, state)   # (the step is done: opt.state must show it, or the tier fails)
 
     def _collect(self, param_groups: list, state=None) -> list:
         """collect() without the lock: per group, the bool mask of active params."""
         self.check_groups(param_groups)
         for gi, group in enumerate(param_groups):
             if bool(group["amsgrad"]) != self.amsgrad[gi]:
-                raise ValueError(f"group {gi}: amsgrad cannot change after construction with "
-                                 f"storage={self.mode!r}")
+                raise ValueError(f"group {gi}: amsgrad cannot change after construction with storage={self.mode!r}")
         active, grads = self.side.collect(self.groups, self.local_groups, self.dtypes, self.numels,
                                           self.tier.own_memory(), self.mode)
         self._grads = grads   # the step uses exactly the tensors checked here
+        unplaced = self.layout.unplaced
         grow.lay_out_late(self, [(gi, int(i)) for gi, a in enumerate(active)
-                                 for i in np.flatnonzero(a & grow.unplaced(self, gi))], state)
+                                 for i in np.flatnonzero(a & unplaced(gi, self.numels[gi]))], state)
         return active
 
     def reserve(self, keys: list) -> bool:
         """Lay out the state of those of ``keys`` ([(gi, i)] with none yet: frozen at construction)
         that are unfrozen now or have a gradient, before a step that may need it starts; nothing
         changes if it cannot grow. True when any was laid out."""
-        late = [(gi, i) for gi, i in keys if self.groups[gi][i].requires_grad
-                or self.groups[gi][i].grad is not None]
+        late = [(gi, i) for gi, i in keys if self.groups[gi][i].requires_grad or self.groups[gi][i].grad is not None]
         if late:
             with self.exclusive():
                 grow.lay_out_late(self, late)
@@ -244,8 +267,7 @@ class StateEngine:
                 if active is None:   # (host parameters: the next step may run as this one did)
                     self.plans.plan = fastpath.StepPlan.build(self, done)
             finally:
-                # no reference to this step's gradients survives it
-                self._grads = self.side.grads = None
+                self._grads = self.side.grads = None   # no reference to this step's gradients survives it
 
     def step_planned(self, param_groups: list, hyper: Callable[[int], dict], state: dict,
                      mult: float, threads: int) -> bool:
@@ -261,10 +283,8 @@ class StateEngine:
         if active is None:
             active = self._collect(param_groups, state)
             self.views.follow_shapes(state, self.side.revalidated())
-        # validated before any change
-        hypers = {gi: hyper(gi) for gi, a in enumerate(active) if a.any()}
-        # the native kernel refuses these too, but only after I/O has started
-        for gi, h in hypers.items():
+        hypers = {gi: hyper(gi) for gi, a in enumerate(active) if a.any()}   # validated before any change
+        for gi, h in hypers.items():   # the native kernel refuses these too, but only after I/O has started
             for k in ("lr", "eps", "weight_decay", "beta1", "beta2"):
                 if not math.isfinite(h[k]):
                     raise ValueError(f"group {gi}: {k} = {h[k]} is not finite")
@@ -282,10 +302,8 @@ class StateEngine:
                          hyper=hypers.__getitem__, mult=mult, threads=threads, depth=self.depth,
                          ahead=self.side.staging_slots,
                          timing=self.telemetry, resync=resync and self._resync(resync))
-            # host: the kernel wrote them through their addresses (versions up)
-            self.side.stepped(active)
-            fresh = [(gi, i) for gi, a in enumerate(active)
-                     for i in np.flatnonzero(a & ~self.registry.ready[gi])]
+            self.side.stepped(active)   # host: the kernel wrote them through their addresses (versions up)
+            fresh = [(gi, i) for gi, a in enumerate(active) for i in np.flatnonzero(a & ~self.registry.ready[gi])]
             self.commit(active, fresh, state)
         except BaseException as e:
             self.tier.fail(e)
@@ -293,8 +311,7 @@ class StateEngine:
         dt = time.perf_counter() - t0
         self.telemetry["steps"] += 1
         self.telemetry["step_s"] += dt
-        self.last_stats = dict(step=self.telemetry["steps"],
-                               kernel_s=self.telemetry["kernel_s"] - k0,
+        self.last_stats = dict(step=self.telemetry["steps"], kernel_s=self.telemetry["kernel_s"] - k0,
                                nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - io0, step_s=dt,
                                buckets=len(jobs), skipped=False, grad_multiplier=mult)
         return active
@@ -311,8 +328,7 @@ class StateEngine:
                 if (b.group, pc.param) in which:
                     sec = b.section("master_param") // 4 + pc.pos
                     refresh_master(f32[sec:sec + pc.n],
-                                   self.local_groups[b.group][pc.param].detach().reshape(-1)[
-                                       pc.start:pc.start + pc.n])
+                                  self.local_groups[b.group][pc.param].detach().reshape(-1)[pc.start:pc.start + pc.n])
         return apply
 
     def io_pass(self) -> float:
@@ -327,8 +343,7 @@ class StateEngine:
         saved = dict(self.tier.telemetry)
         t = time.perf_counter()
         try:
-            pipeline.run([(b, b.pieces, True) for b in self.layout.buckets], tier=self.tier,
-                         side=self.side,
+            pipeline.run([(b, b.pieces, True) for b in self.layout.buckets], tier=self.tier, side=self.side,
                          registry=self.registry, hyper=None, mult=1.0, threads=0, depth=self.depth,
                          ahead=1, timing={}, compute=False)
         except BaseException as e:
@@ -339,31 +354,25 @@ class StateEngine:
         self.tier.telemetry.update(saved)
         return dt
 
-    # ------------------------------------------------------------------ the torch-layout state
-    # (TorchViews)
+    # ------------------------------------------------------------------ the torch-layout state (TorchViews)
     def torch_state(self, gi: int, i: int) -> dict:
-        """``state[p]`` for parameter ``i`` of group ``gi``: step counter and views of the
-        moments."""
+        """``state[p]`` for parameter ``i`` of group ``gi``: step counter and views of the moments."""
         return self.views.torch_state(gi, i)
 
     def state_tensors(self) -> dict:
-        """(gi, i) -> {key: fp32 tensor} for every parameter that has state (views, never
-        copies)."""
+        """(gi, i) -> {key: fp32 tensor} for every parameter that has state (views, never copies)."""
         return self.views.state_tensors()
 
     def raw_state_tensors(self) -> dict:
-        """(gi, i) -> {key: tensor} in the stored form (compressed moments under
-        ``<key>.<format>``)."""
+        """(gi, i) -> {key: tensor} in the stored form (compressed moments under ``<key>.<format>``)."""
         return self.views.raw_state_tensors()
 
     def load(self, entries: dict) -> None:
-        """Replace the whole state by ``entries`` ((gi, i) -> state dict); also the way back after
-        a failure."""
+        """Replace the whole state by ``entries`` ((gi, i) -> state dict); also the way back after a failure."""
         self.views.load(entries, self.side.read_master)
 
     def reload_masters(self, which: set) -> None:
-        """Re-read the fp32 master of the parameters ``which`` ({(gi, i)}) that have state, from
-        the parameters."""
+        """Re-read the fp32 master of the parameters ``which`` ({(gi, i)}) that have state, from the parameters."""
         self.views.reload_masters(which, self.side.read_master)
 
     def holds_moment_copies(self) -> bool:
@@ -385,8 +394,7 @@ class StateEngine:
     def info(self) -> dict:
         d = dict(self.tier.info())
         d.update(self.telemetry)
-        d.update(mode=self.mode, depth=self.depth, host_budget=self.budget,
-                 buckets=len(self.layout.buckets),
+        d.update(mode=self.mode, depth=self.depth, host_budget=self.budget, buckets=len(self.layout.buckets),
                  file_bytes=getattr(self.tier, "file_bytes", self.layout.nbytes))
         d.update(self.side.info(self.layout))
         return d

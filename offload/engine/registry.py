@@ -43,6 +43,11 @@ class Registry:
             self.steps.append(torch.zeros(n, dtype=torch.float32))
             self.ready.append(np.zeros(n, dtype=bool))
 
+    def drop_groups(self, gi: int) -> None:
+        """Undo ``grow`` from group ``gi`` on (an add_param_group that failed part-way)."""
+        del self.steps[gi:]
+        del self.ready[gi:]
+
     def has_state(self, b) -> bool:
         return bool(self.ready[b.group][piece_columns(b, b.pieces, "param")[0]].any())
 

@@ -261,14 +261,15 @@ class _AdamBase(EngineSync, Optimizer):
         self._settle()
         return sdict.plain(super().state_dict())["state"]
 
-    def _engine_index(self) -> dict:   # {(group, position in the engine's list): index in torch's numbering}
+    def _engine_index(self) -> dict:   # {(group, i in the engine's list): i in torch's numbering}
         return self._slot.index(self.param_groups, self._router)
 
     def _settle(self) -> None:
-        """Usable, the last step landed, the engine holds the groups as they are: what a save reads."""
+        """Usable, the last step landed, groups and opt.state taken in: what a save reads."""
         self._check_usable()
         self.synchronize()
         self._sync_engine()
+        self._engine.adopt(self.state)
 
     @property
     def checkpoint_tensors(self):
@@ -281,7 +282,7 @@ class _AdamBase(EngineSync, Optimizer):
     def _checkpoint_tensors(self, create_from):
         if create_from is not None:  # never asked: this state loads through load_state_dict (loads_itself)
             raise RuntimeError("compressed-moment state loads through load_state_dict")
-        self._sync_engine()
+        self._settle()
         return sdict.checkpoint_tensors(self.param_groups, self.state, self._engine, self._engine_index(), self._router)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -330,8 +331,7 @@ class _AdamBase(EngineSync, Optimizer):
         return self._face.steps_during_backward
 
     def io_only_pass(self) -> float:
-        """Benchmark helper (storage='nvme'): read and write back every bucket without computing;
-        returns the seconds it took (the I/O-only time of a full step)."""
+        """Seconds to read and write back every bucket, no compute (NVMe benchmark helper)."""
         return self._engine.io_pass()
 
     def export_chrome_trace(self, path: str) -> int:

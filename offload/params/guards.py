@@ -180,6 +180,14 @@ class WriteTracker:
         """Indices of group gi's parameters that may be bf16/fp16 (``dtypes`` set: created so)."""
         return np.asarray(self._rows(gi, None), dtype=np.int64).reshape(-1)
 
+    def add_group(self, n: int) -> None:
+        """A group of ``n`` parameters was added (``groups`` holds it): none recorded yet."""
+        self.seen.append(np.full((n, 2), -1, dtype=np.int64))
+
+    def drop_groups(self, gi: int) -> None:
+        """The groups from ``gi`` on went (an add_param_group that failed part-way)."""
+        del self.seen[gi:]
+
     def record(self, gi: int, rows: Iterable[int]) -> None:
         """The masters of these parameters match the parameters now."""
         seen, params = self.seen[gi], self.groups[gi]

@@ -1,6 +1,7 @@
-"""schedule/backward.py: BackwardFeed, the overlapped schedule that feeds the buckets of device parameters
-to a CPU worker: it composes the worker (schedule/worker.py Worker: thread, per-bucket step, read-ahead) and
-its ``step()`` on the training thread (schedule/feedstep.py FeedStep), and holds the step's bookkeeping.
+"""schedule/backward.py: BackwardFeed, the overlapped schedule that feeds the buckets of device
+parameters to a CPU worker: it composes the worker (schedule/worker.py Worker: thread, per-bucket
+step, read-ahead) and its ``step()`` on the training thread (schedule/feedstep.py FeedStep), and
+owns the step's bookkeeping (schedule/stepround.py StepRound, ``round``: one per step).
 
 ``offload.AdamW(cuda_params, storage=...)`` with ``overlap=True`` (any tier). With
 ``step_during_backward`` (the default without clipping / overflow check) a post-accumulate-grad
@@ -10,46 +11,45 @@ one CPU worker thread, per bucket,
   * keeps up to ``depth`` state reads ahead in the *expected backward order* (reverse layout order
     at the first step, the order observed in the previous step afterwards; a bucket that arrives
     out of that order is read on demand: slower, never wrong);
-  * issues the gradients' D2H into a staging slot as soon as one is free (up to the ring size ahead),
+  * issues the gradients' D2H into a staging slot as soon as one is free (up to the ring size
+    ahead),
   * acquires the bucket's state, runs the kernel, writes the state back (asynchronously) and
     issues the H2D of the new weights.
 So NVMe reads, D2H, the kernel, write-back and H2D overlap each other and backward. ``step()``
 queues the buckets that never completed (parameters without a hooked gradient) and returns; the
 worker finishes the step (write-backs drained, state committed) while forward runs, and each
-module waits only for the uploads of its own buckets (schedule/uploads.py). Host memory is the tier's
-slots plus the staging ring (offload/params/device.py), whatever the model size.
+module waits only for the uploads of its own buckets (schedule/uploads.py). Host memory is the
+tier's slots plus the staging ring (offload/params/device.py), whatever the model size.
 
 Bitwise equal to every other mode: the same rows and step counts reach the same kernel. Step
 counts advance when a parameter's first bucket is queued; hyperparameters are read then (as the
-RAM-state GPU scheduler does). Anything that fails after a bucket was stepped marks the tier failed.
+RAM-state GPU scheduler does). Anything that fails after a bucket was stepped marks the tier
+failed.
 """
 from __future__ import annotations
 
 import threading
 import time
-import weakref
 from typing import Optional
 
-import numpy as np
-
-from ..base.dist import local
-from ..params.base import check_grad
 from .backwardwatch import BackwardWatch, unfinished
 from .feedstep import FeedStep
 from .frameworks import accelerate_accumulating
 from .hooks import weak_hook
-from .uploads import Upload, UploadWaits
-from .worker import StepJob, Worker
+from .stepround import StepRound
+from .uploads import UploadWaits
+from .worker import NudgeJob, Worker
 
 __all__ = ["BackwardFeed", "HELD_BUCKETS"]
 
-# release_grads: backward waits while more queued buckets than this still hold their gradients (copies
-# down not issued yet); see BackwardFeed._hold_back
+# release_grads: backward waits while more queued buckets than this still hold their gradients
+# (copies down not issued yet); see BackwardFeed._hold_back
 HELD_BUCKETS = 2
 
 
 class BackwardFeed:
-    def __init__(self, face, engine, device, *, eager: bool = True, release_grads: bool = False, trace=None):
+    def __init__(self, face, engine, device, *, eager: bool = True, release_grads: bool = False,
+                 trace=None):
         self.face = face            # DeviceStep: the optimizer's hyperparameters and state dict
         self.engine = engine
         self.side = engine.side
@@ -59,9 +59,9 @@ class BackwardFeed:
         self.release_grads = bool(release_grads)
         self.trace = trace
         self.boundary = True
-        self.stepper = FeedStep(self)   # step() on the training thread; observes the first forward
         self.uploads = UploadWaits(device, lambda pid: self.buckets_of.get(self.key_of.get(pid)),
-                                   self.raise_if_failed, trace, self.stepper.unwritten)
+                                   self.raise_if_failed, trace,
+                                   lambda bi: self.stepper.unwritten(bi))
         self.error: Optional[BaseException] = None
         self.reported = False
         self.watch = BackwardWatch()   # backward passes that handed gradients over, not completed
@@ -71,13 +71,16 @@ class BackwardFeed:
         self._hooked = 0
         self._nb = -1
         self.order: list = []
-        self._down_cv = threading.Condition()   # the worker issued a bucket's copies down (_sent_down)
+        self._down_cv = threading.Condition()   # the worker issued a bucket's copies down
         self._hook_params()
         self.maps()
         self._reset()
-        self.worker = Worker(engine, threads=face.kernel_threads, failure=lambda: self.error, failed=self.fail,
-                             sent_down=self._sent_down, stepping=lambda bi: self.stepped.add(bi),
-                             wanted=self._wanted, trace=trace)
+        self.worker = Worker(engine, threads=face.kernel_threads, failure=lambda: self.error,
+                             failed=self.fail, sent_down=self._sent_down,
+                             stepping=lambda bi: self.round.stepping(bi), wanted=self._wanted,
+                             trace=trace)
+        # step() on the training thread; observes the first forward
+        self.stepper = FeedStep(self, engine, face, self.uploads, self.worker)
 
     # ------------------------------------------------------------------ shape
     def _hook_params(self) -> None:
@@ -88,14 +91,16 @@ class BackwardFeed:
             for i, p in enumerate(groups[gi]):
                 if not p.requires_grad:
                     continue   # frozen: if it gets a gradient later, step() sends it
-                # accumulating into p.grad in place: not while the last step's D2H may still read it
+                # accumulating into p.grad in place: not while the last step's D2H may read it
                 self._hooks.append(p.register_hook(weak_hook(self, "_before_accumulate")))
                 if self.eager:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(weak_hook(self, "_on_grad", gi, i)))
+                    hook = weak_hook(self, "_on_grad", gi, i)
+                    self._hooks.append(p.register_post_accumulate_grad_hook(hook))
         self._hooked = len(groups)
 
     def maps(self) -> None:
-        """Per bucket: its parameters; per parameter: its buckets; the expected order grows with the layout."""
+        """Per bucket: its parameters; per parameter: its buckets; the expected order grows with
+        the layout."""
         buckets = self.engine.layout.buckets
         if len(buckets) == self._nb:
             return
@@ -106,33 +111,33 @@ class BackwardFeed:
                 self.buckets_of.setdefault((b.group, i), []).append(b.index)
         known = set(self.order)
         self.order = self.order + [b.index for b in reversed(buckets) if b.index not in known]
-        if self._nb >= 0:   # mid-cycle growth (a frozen parameter's first gradient): new buckets wait
-            self.missing += [len(ps) for ps in self.params_of[self._nb:]]
+        if self._nb >= 0:   # growth during a step (a frozen parameter's first gradient)
+            self.round.add_buckets(self.params_of[self._nb:])   # (they wait for their gradients)
         self._nb = len(buckets)
-        eng = self.engine   # parameters with no state yet (frozen at construction): a gradient grows the layout
+        # parameters with no state yet (frozen at construction): a gradient grows the layout
+        eng = self.engine
         self.unlaid = [(gi, i) for gi, ps in enumerate(eng.groups) for i in range(len(ps))
-                       if eng.numels[gi][i] and (gi, i) not in self.buckets_of and (gi, i) not in eng.excluded]
+                       if eng.numels[gi][i] and (gi, i) not in self.buckets_of
+                       and (gi, i) not in eng.excluded]
 
     def extend(self) -> None:
         self._hook_params()
         self.maps()
 
-    def _reset(self) -> None:
-        self.in_cycle = False
-        self.sent: dict = {}                 # (gi, i) -> (weakref to the grad, or None with release_grads; version)
-        self.unsent: dict = {}               # (gi, i) -> its buckets whose D2H is not issued yet
-        self.hypers: dict = {}               # group -> its hyperparameters, read as the step began
-        self.missing = [len(ps) for ps in self.params_of]
-        self.dispatched: list = []   # queue order
-        self.down = 0                # buckets of this cycle whose copies down were issued (worker)
-        self.done = set()            # queued (training thread)
-        self.stepped = set()         # stepped (worker)
-        self.grads = [[None] * len(g) for g in self.engine.groups]
-        self.advanced = [np.zeros(len(g), dtype=bool) for g in self.engine.groups]
-        self.ups: list = []          # Upload of each queued bucket, in queue order
-        self.ahead = None            # set by the worker when a step finished: the next step's expected order
+    def _reset(self, hypers: Optional[dict] = None) -> None:
+        """A fresh StepRound (schedule/stepround.py): the bookkeeping of the step that begins."""
+        self.round = StepRound(self.engine.groups, self.params_of, hypers)
 
-    # ------------------------------------------------------------------ backward (training / autograd thread)
+    @property
+    def in_cycle(self) -> bool:
+        """Between a step's first gradient (or step()) and the end of its step()."""
+        return self.round.open
+
+    def end_cycle(self) -> None:
+        """The step's beginning failed part-way (delay_updates): the next one begins afresh."""
+        self.round.close()
+
+    # ---------------------------------------------------- backward (training / autograd thread)
     def begin_cycle(self, in_backward: bool = False) -> None:
         """The first gradient (or step()) of a step: the last one done, opt.state edits and
         parameter writes adopted; the counters at its start marked. What can be checked before
@@ -147,28 +152,29 @@ class BackwardFeed:
         self.face.check_params()
         n = len(self.engine.groups) if in_backward else 0
         hypers = {gi: self.face.port.hyper(gi) for gi in range(n)}   # (validated, finite)
-        if self.engine.reserve(self.unlaid):   # frozen at construction, unfrozen since: laid out before
-            self.maps()                         # any bucket is stepped (a full drive refuses, unchanged)
-        self._reset()
-        self.hypers = hypers
-        eng.begin(self.face.port.state())
+        # frozen at construction, unfrozen since: laid out before any bucket is stepped (a full
+        # drive refuses, nothing changed)
+        if self.engine.reserve(self.unlaid):
+            self.maps()
+        self._reset(hypers)
+        eng.adopt(self.face.port.state())
         if self.face.on_device:   # (stepped at step(), after the buckets this backward steps)
             self.face.on_device.check()
         self.face.reload_changed()
-        self.side.grads = self.grads
+        self.side.grads = self.round.grads
         self.mark()
-        self.in_cycle = True
+        self.round.start()
 
     def mark(self) -> None:
-        """``marks``: the counters at the start of a step (feedstep.py reports the differences)."""
+        """The step's marks: the counters at its start (feedstep.py reports the differences)."""
         tel = self.tier.telemetry
-        self.marks = dict(io=tel["read_wait_s"] + tel["write_wait_s"], first=None,
-                          kernel=self.engine.telemetry["kernel_s"], side=dict(self.side.stats))
+        self.round.mark(dict(io=tel["read_wait_s"] + tel["write_wait_s"],
+                             kernel=self.engine.telemetry["kernel_s"], side=dict(self.side.stats)))
 
     def _before_accumulate(self, grad) -> None:
-        """Tensor hook before a gradient accumulates: a step still in flight may read p.grad (D2H); and
-        the compute stream waits for the uploads no forward waited for (modules that did not run), so
-        that writes after backward are ordered after them."""
+        """Tensor hook before a gradient accumulates: a step still in flight may read p.grad (D2H);
+        and the compute stream waits for the uploads no forward waited for (modules that did not
+        run), so that writes after backward are ordered after them."""
         if self.uploads.pending:
             self.wait_idle()
             self.uploads.wait_all()
@@ -180,111 +186,77 @@ class BackwardFeed:
         try:
             self._take(gi, i, p)
         except BaseException as e:
-            if self.in_cycle and self.dispatched and self.error is None:
-                self.fail(e, True)   # buckets of this step were stepped: it can no longer complete
+            if self.in_cycle and self.fail_stepped(e):
                 self.give_up_uploads()
             raise
+
+    def fail_stepped(self, e: BaseException) -> bool:
+        """Buckets of this step were queued (and nothing failed before): the step cannot complete,
+        and the feed fails with ``e``, reported. True when it did."""
+        if self.round.dispatched and self.error is None:
+            self.fail(e, True)
+            return True
+        return False
 
     def _take(self, gi: int, i: int, p) -> None:
         if not self.in_cycle:
             self.begin_cycle(in_backward=True)
-        self.raise_if_failed()   # (failed in this cycle: StoreFailedError, not the 'second backward' below)
+        # (failed in this step: StoreFailedError, not the 'second backward' below)
+        self.raise_if_failed()
         key = (gi, i)
         if key not in self.buckets_of:
             return   # no state laid out (frozen at construction, or empty): step() handles it
-        if key in self.sent:
-            if self.dispatched:
+        rnd = self.round
+        if key in rnd.sent:
+            if rnd.dispatched:
                 if self.watch.others():   # an earlier backward is open: it raised part-way
                     # (or this one runs inside it: a reentrant activation checkpoint)
                     self.fail(RuntimeError(unfinished(
-                        "a backward raised part-way", len(self.dispatched),
+                        "a backward raised part-way", len(rnd.dispatched),
                         " (or a reentrant activation checkpoint's backward reached a parameter it "
                         "had stepped: construct the optimizer with step_during_backward=False)")))
                     self.raise_if_failed()
                 raise RuntimeError(
-                    "offload: a second backward reached parameters whose gradients were already sent to the CPU "
-                    "and stepped (step_during_backward mode). For gradient accumulation wrap the earlier backward "
-                    "passes in `with optimizer.no_sync():` (or call optimizer.set_accumulation_boundary(False)). "
-                    "With reentrant activation checkpointing that reuses a parameter in several segments, "
+                    "offload: a second backward reached parameters whose gradients were already "
+                    "sent to the CPU and stepped (step_during_backward mode). For gradient "
+                    "accumulation wrap the earlier backward passes in `with optimizer.no_sync():` "
+                    "(or call optimizer.set_accumulation_boundary(False)). With reentrant "
+                    "activation checkpointing that reuses a parameter in several segments, "
                     "construct the optimizer with step_during_backward=False.")
             first = False
         else:
             first = True
-        self.capture(gi, i, p)
+        self.stepper.capture(rnd, gi, i, p)
         if first:
-            for bi in self.buckets_of[key]:
-                self.missing[bi] -= 1
-                if self.missing[bi] == 0:
-                    self.dispatch(bi, 1.0)
+            for bi in rnd.arrived(key, self.buckets_of[key]):
+                self.stepper.dispatch(rnd, bi, 1.0)
             if self.release_grads:
                 self._hold_back()
 
     def _hold_back(self) -> None:
-        """release_grads: wait while more than HELD_BUCKETS queued buckets still hold their gradients.
-        A gradient is allocated when its backward is enqueued, and on a GPU backward is enqueued far
-        ahead of the copies: without this wait every gradient exists before the first one is freed,
-        and the peak is that of release_grads=False. Waiting here holds the rest of backward back,
-        so the gradients alive at once stay a few buckets' worth."""
+        """release_grads: wait while more than HELD_BUCKETS queued buckets still hold their
+        gradients. A gradient is allocated when its backward is enqueued, and on a GPU backward is
+        enqueued far ahead of the copies: without this wait every gradient exists before the first
+        one is freed, and the peak is that of release_grads=False. Waiting here holds the rest of
+        backward back, so the gradients alive at once stay a few buckets' worth."""
         with self._down_cv:
-            while len(self.dispatched) - self.down > HELD_BUCKETS and self.error is None:
+            while self.round.held() > HELD_BUCKETS and self.error is None:
                 self._down_cv.wait(0.05)
 
-    def capture(self, gi: int, i: int, p) -> None:
-        eng = self.engine
-        g = p.grad
-        check_grad(p, g, gi, i, eng.dtypes[gi][i], eng.numels[gi][i], eng.mode, True)
-        self.grads[gi][i] = local(g)   # held until the D2H of its last bucket is issued (_sent_down)
-        self.unsent[(gi, i)] = len(self.buckets_of[(gi, i)])
-        # the gradient itself is not held here: it is freed once copied down (and, with release_grads, at once)
-        self.sent[(gi, i)] = (None if self.release_grads else weakref.ref(g), g._version)
-        if self.release_grads:
-            p.grad = None
-
-    def dispatch(self, bi: int, mult: float, hypers: Optional[dict] = None) -> None:
-        eng = self.engine
-        b = eng.layout.buckets[bi]
-        sent = self.sent
-        act = [pc for pc in b.pieces if (b.group, pc.param) in sent]
-        if not act:
-            return
-        if hypers is None:   # (during backward: once per group and step, not per bucket)
-            hypers = self.hypers
-            if b.group not in hypers:
-                hypers[b.group] = self.face.port.hyper(b.group)
-        h = hypers[b.group]
-        adv = self.advanced[b.group]
-        first = sorted({pc.param for pc in act if not adv[pc.param]})
-        adv[first] = True
-        eng.registry.advance_params(b.group, first)
-        if not self.dispatched:
-            self.marks["first"] = time.perf_counter()   # the optimizer's part of the step starts here
-        self.dispatched.append(bi)
-        self.done.add(bi)
-        up = Upload(bi)
-        self.ups.append(up)
-        gr = self.grads[b.group]
-        reads = [(b.group, pc.param, gr[pc.param], gr[pc.param]._version) for pc in act]   # see _unchanged
-        self.worker.put(StepJob(b, act, eng.registry.has_state(b), h, mult, self.device.record(), reads, up))
-
     def _sent_down(self, gi: int, pieces) -> None:
-        """The D2H of these pieces was issued: a gradient whose last bucket this was is no longer held
-        (the device keeps it alive until the copy read it: record_stream on CUDA), so it is freed as the
-        step goes (release_grads; torch's zero_grad during the next forward) instead of at its end."""
-        for pc in pieces:
-            key = (gi, pc.param)
-            left = self.unsent.get(key, 0) - 1
-            if left > 0:
-                self.unsent[key] = left
-            elif self.unsent.pop(key, None) is not None:
-                self.grads[gi][pc.param] = None
+        """The D2H of these pieces was issued: the feed drops a gradient whose last bucket this
+        was (the device keeps it alive until the copy read it: record_stream on CUDA), so it is
+        freed as the step goes (release_grads; torch's zero_grad during the next forward) instead
+        of at its end."""
         with self._down_cv:
-            self.down += 1
+            self.round.sent_down(gi, pieces)
             self._down_cv.notify_all()
 
     def raise_if_failed(self) -> None:
-        """Report the worker's failure: StoreFailedError naming it, every time until a load. The first
-        report gives up the uploads (give_up_uploads), so that no forward or model.load_state_dict
-        waits for them again (and raises again) and none lands after the user restored the weights."""
+        """Report the worker's failure: StoreFailedError naming it, every time until a load. The
+        first report gives up the uploads (give_up_uploads), so that no forward or
+        model.load_state_dict waits for them again (and raises again) and none lands after the user
+        restored the weights."""
         if self.error is not None:
             if not self.reported or self.uploads.pending:
                 self.give_up_uploads()
@@ -300,11 +272,11 @@ class BackwardFeed:
         self.tier.check_usable()
 
     def give_up_uploads(self) -> None:
-        """The worker failed: it finishes what is queued (it steps and uploads nothing more), the compute
-        stream waits for the uploads it issued before the failure (those of a step still in backward
-        too: a failure raised by a gradient hook), and none is waited for again."""
+        """The worker failed: it finishes what is queued (it steps and uploads nothing more), the
+        compute stream waits for the uploads it issued before the failure (those of a step still in
+        backward too: a failure raised by a gradient hook), and none is waited for again."""
         self.wait_idle()
-        self.uploads.abandon(self.ups)
+        self.uploads.abandon(self.round.ups)
 
     def settle_backward(self, discarded: bool = False) -> None:
         """Outside backward: buckets stepped during a backward that then raised part-way (or,
@@ -314,13 +286,13 @@ class BackwardFeed:
         aborted = self.watch.aborted()
         if not self.in_cycle or self.error is not None or not (aborted or discarded):
             return
-        if not self.dispatched:
+        if not self.round.dispatched:
             if discarded:
                 self._reset()   # (nothing was stepped: as if the backward had not run)
             return
         why = ("a backward raised part-way" if aborted else
                "zero_grad() discarded the gradients of a step")
-        self.fail(RuntimeError(unfinished(why, len(self.dispatched))), True)
+        self.fail(RuntimeError(unfinished(why, len(self.round.dispatched))), True)
         self.give_up_uploads()
 
     def discard(self) -> None:
@@ -328,13 +300,13 @@ class BackwardFeed:
         self.settle_backward(discarded=True)
 
     def recover(self) -> None:
-        """After a complete load_state_dict (which recovered the tier): a failed step's error goes, and the
-        next backward or step() starts a fresh cycle."""
+        """After a complete load_state_dict (which recovered the tier): a failed step's error goes,
+        and the next backward or step() starts a fresh step."""
         self.watch.open.clear()
         if self.error is not None:
             self.wait_idle()
             self.error, self.reported = None, False
-            self.uploads.abandon(self.ups)
+            self.uploads.abandon(self.round.ups)
             self._reset()
 
     def fail(self, e: BaseException, reported: bool = False) -> None:
@@ -347,14 +319,9 @@ class BackwardFeed:
                 pass
 
     def _wanted(self, depth: int) -> list:
-        """The next ``depth`` buckets the worker reads ahead: queued ones first (the worker may lag behind
-        backward), then the expected order; between a finished step and the next backward, ``ahead``."""
-        n = len(self.engine.layout.buckets)
-        ahead = self.ahead
-        if ahead is not None:
-            return [bi for bi in ahead if bi < n][:depth]
-        return [bi for bi in list(self.dispatched) + [bi for bi in self.order if bi not in self.done]
-                if bi not in self.stepped and bi < n][:depth]
+        """The next ``depth`` buckets the worker reads ahead (StepRound.wanted): the step's queued
+        ones, then the expected order."""
+        return self.round.wanted(self.order, len(self.engine.layout.buckets), depth)
 
     def wait_idle(self) -> None:
         """Every queued bucket stepped and its upload issued."""
@@ -368,8 +335,25 @@ class BackwardFeed:
         self.worker.park()
 
     def step(self, mult: float, grad_scale, found_inf, skip: bool = False, before=None) -> dict:
-        """Queue what is left of this step and return at once (schedule/feedstep.py FeedStep.step)."""
-        return self.stepper.step(mult, grad_scale, found_inf, skip=skip, before=before)
+        """Queue what is left of this step and return at once (schedule/feedstep.py
+        FeedStep.step)."""
+        t_step = time.perf_counter()
+        if not self.in_cycle:
+            self.begin_cycle()
+        return self.stepper.step(self.round, t_step, mult, grad_scale, found_inf, skip=skip,
+                                 before=before)
+
+    def after_step(self) -> None:
+        """The end of step() (whether it raised or not): the expected order is the one observed,
+        the step's uploads are waited for by forward (or given up after a failure it raised), and
+        the worker reads ahead the next step's first buckets during forward."""
+        rnd = self.round
+        self.order = rnd.pending(self.order)
+        rnd.close()
+        self.uploads.start(rnd.ups)   # forward waits bucket by bucket
+        if self.error is not None and self.reported:
+            self.give_up_uploads()   # (this step raised the failure)
+        self.worker.put(NudgeJob())
 
     def forward_order(self) -> list:
         """Buckets in first-use order (observed in the first forward), the rest in layout order."""
@@ -377,12 +361,13 @@ class BackwardFeed:
 
     # ------------------------------------------------------------------ lifecycle
     def synchronize(self) -> None:
-        """Wait for the worker; a failure not reported yet is raised (later uses of the state then raise
-        StoreFailedError through the tier; close() still works)."""
+        """Wait for the worker; a failure not reported yet is raised (later uses of the state then
+        raise StoreFailedError through the tier; close() still works)."""
         self.settle_backward()
         self.wait_idle()
         if self.error is not None and self.reported:
-            self.uploads.abandon(self.ups)   # reported already: later uses raise StoreFailedError
+            # reported already: later uses raise StoreFailedError
+            self.uploads.abandon(self.round.ups)
             return
         self.raise_if_failed()
         self.uploads.wait_all()

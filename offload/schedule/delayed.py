@@ -309,7 +309,7 @@ class DelayedUpdates:
             ups = self._release(actual=skip)
             feed.mark()   # (the release's copies belong to the step before)
         except BaseException:
-            feed.in_cycle = False
+            feed.end_cycle()
             raise
         self.side.hold = self.steps() >= self.after
         if not self.side.hold:   # an exact update: the feed's step starts its own uploads

@@ -273,7 +273,7 @@ class DeviceStep:
         s0 = dict(side.stats)
         stats = dict(kernel_s=0.0, nvme_s=0.0, buckets=0)
         if not skip:
-            self.engine.begin(port.state())   # opt.state's edits taken and checked first
+            self.engine.adopt(port.state())   # opt.state's edits taken and checked first
             self._on_device_step(mult)()
             self.reload_changed()   # the user wrote parameters (e.g. model.load_state_dict): masters follow
             self.engine.step(port.groups(), port.hyper, port.state(),

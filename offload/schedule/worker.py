@@ -71,12 +71,13 @@ def _unchanged(reads) -> None:
                 f"offload: the gradient of parameter {i} of group {gi} changed while the CPU "
                 "worker still had to copy it to the host (gradients changed after they were sent "
                 "to the CPU). Either it was modified between backward and step() while buckets "
-                "are stepped during backward (torch.nn.utils.clip_grad_norm_, "
-                "GradScaler.unscale_, a framework's gradient clipping: pass max_grad_norm= / "
-                "check_overflow=True, or step_during_backward=False), or written in place after "
-                "step() (p.grad.zero_(), model.zero_grad(set_to_none=False), a refilled gradient "
-                "buffer: call optimizer.synchronize() first, or use optimizer.zero_grad(), which "
-                "waits). The optimizer state is now partially updated.")
+                "are stepped during backward (a second backward before step(), which accumulates "
+                "into it, torch.nn.utils.clip_grad_norm_, GradScaler.unscale_, a framework's "
+                "gradient clipping: pass max_grad_norm= / check_overflow=True, or "
+                "step_during_backward=False), or written in place after step() (p.grad.zero_(), "
+                "model.zero_grad(set_to_none=False), a refilled gradient buffer: call "
+                "optimizer.synchronize() first, or use optimizer.zero_grad(), which waits). The "
+                "optimizer state is now partially updated.")
 
 
 @dataclass

@@ -130,6 +130,8 @@ class Layout:
     # (group, index) -> [(bucket index, piece)]
     of_param: Dict[Tuple[int, int], List[Tuple[int, Piece]]]
     nbytes: int                                                # total state bytes (ALIGN multiple)
+    # group -> (what it was computed for, the mask of unplaced())
+    _unplaced: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def max_bucket_bytes(self) -> int:
@@ -150,6 +152,36 @@ class Layout:
             self.of_param[k] = [(bi + shift, pc) for bi, pc in v]
         self.nbytes += other.nbytes
         return self
+
+    def truncate(self, nb: int, nbytes: int, was: dict) -> set:
+        """Back to the first ``nb`` buckets (``nbytes`` bytes): the entries of ``of_param`` that
+        point into the buckets that go are removed, those of ``was`` ((group, index) -> entry;
+        None: none) put back. Returns the indices of the buckets that went."""
+        gone = {b.index for b in self.buckets[nb:]}
+        del self.buckets[nb:]
+        self.nbytes = nbytes
+        for key in [k for k, v in self.of_param.items() if any(bi in gone for bi, _pc in v)]:
+            del self.of_param[key]
+        for key, v in was.items():
+            if v is not None:
+                self.of_param[key] = v
+        return gone
+
+    def drop_groups(self, gi: int) -> None:
+        """The ``of_param`` entries of the groups from ``gi`` on go (their buckets: truncate)."""
+        for key in [k for k in self.of_param if k[0] >= gi]:
+            del self.of_param[key]
+
+    def unplaced(self, gi: int, numels: list) -> np.ndarray:
+        """Bool mask of group gi's non-empty parameters (``numels``: their element counts) that
+        have no state laid out (yet); cached until the layout or the group changes."""
+        key = (len(self.buckets), len(self.of_param), len(numels))
+        got = self._unplaced.get(gi)
+        if got is None or got[0] != key:
+            mask = np.array([bool(n) and not self.of_param.get((gi, i))
+                             for i, n in enumerate(numels)], dtype=bool)
+            got = self._unplaced[gi] = (key, mask)
+        return got[1]
 
 
 @lru_cache(maxsize=None)
