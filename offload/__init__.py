@@ -1,8 +1,9 @@
 """offload: optimizer-state offload for PyTorch with a vectorized native Adam kernel.
 
 Public API:
-- ``Adam``, ``AdamW``: drop-in ``torch.optim`` optimizers. State in host RAM (default), in a file on
-  NVMe (``storage="nvme"``) or mapped (``storage="mmap"``); CUDA parameters switch to GPU offload.
+- ``Adam``, ``AdamW``: drop-in ``torch.optim`` optimizers. State in host RAM (default), in a file
+  on NVMe (``storage="nvme"``) or mapped (``storage="mmap"``); CUDA parameters switch to GPU
+  offload.
 - ``save``, ``load``, ``save_async``: streaming, atomic, checksummed checkpoints (safetensors).
 - ``plan``: the memory planner (bytes per place before training).
 - ``build_info()``; the validated kernel entry points in ``offload.kernels``.
@@ -27,10 +28,11 @@ from .checkpoint import CheckpointError, load, save, save_async
 from .planner import MemoryPlan, plan
 from .doctor import format_report as _format_report, report as _report
 
-_logging.getLogger("offload").addHandler(_logging.NullHandler())   # silent unless the application configures logging
+# silent unless the application configures logging
+_logging.getLogger("offload").addHandler(_logging.NullHandler())
 
-__all__ = ["Adam", "AdamW", "build_info", "kernels", "__version__", "OptimizerFailedError", "StoreFailedError",
-           "SharedMemoryError",
+__all__ = ["Adam", "AdamW", "build_info", "kernels", "__version__", "OptimizerFailedError",
+           "StoreFailedError", "SharedMemoryError",
            "save", "load", "save_async", "CheckpointError", "plan", "MemoryPlan", "doctor"]
 
 
@@ -40,9 +42,10 @@ def build_info() -> dict:
 
 
 def doctor(dir=None, *, print_report: bool = False, speed_test: bool = True) -> dict:
-    """Versions, CPU, memory, CUDA and the filesystem of ``dir`` (default: the temporary directory),
-    as a dict (keys: ``offload.doctor.KEYS``; printed as text with ``print_report=True``). The same
-    as ``python -m offload``; ``speed_test=False`` skips the ~2 s write+read test of ``dir``."""
+    """Versions, CPU, memory, CUDA and the filesystem of ``dir`` (default: the temporary
+    directory), as a dict (keys: ``offload.doctor.KEYS``; printed as text with
+    ``print_report=True``). The same as ``python -m offload``; ``speed_test=False`` skips the ~2 s
+    write+read test of ``dir``."""
     rep = _report(build_info(), dir, speed_test=speed_test)
     if print_report:
         print(_format_report(rep))

@@ -1,4 +1,5 @@
-"""__main__.py: ``python -m offload [--dir DIR] [--json]``, the environment report of offload/doctor.py."""
+"""__main__.py: ``python -m offload [--dir DIR] [--json]``, the environment report of
+offload/doctor.py."""
 import sys
 
 import offload

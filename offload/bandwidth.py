@@ -1,15 +1,16 @@
-"""bandwidth.py: the bandwidths behind the planner's step-time prediction, measured on this machine in
-a few seconds or read from saved benchmark JSON (``python -m offload.bench kernel|io --json PATH``).
+"""bandwidth.py: the bandwidths behind the planner's step-time prediction, measured on this machine
+in a few seconds or read from saved benchmark JSON (``python -m offload.bench kernel|io --json
+PATH``).
 
 Four figures, all in bytes per second:
-  kernel   the Adam pass at the planned format and thread count, counted as the bytes one pass must move
-           (:func:`pass_bytes` per parameter, as ``bench kernel``'s GB/s column): an ``offload.AdamW``
-           step over 16M parameters in RAM (out of any L3), median of a few steps
-  read, write   the state directory's O_DIRECT reads / writes alone, with the planned bucket size as the
-           request size and ``depth`` requests queued (as the NVMe tier issues them)
-  mixed    reads and writes in flight together (what the NVMe step does between its first read and
-           its last write): the bytes of both per second. Where unknown (an io JSON without it) the disk
-           is taken to serve them one after the other: ``2 / (1/read + 1/write)``
+  kernel   the Adam pass at the planned format and thread count, counted as the bytes one pass
+           must move (:func:`pass_bytes` per parameter, as ``bench kernel``'s GB/s column): an
+           ``offload.AdamW`` step over 16M parameters in RAM (out of any L3), median of a few steps
+  read, write   the state directory's O_DIRECT reads / writes alone, with the planned bucket size
+           as the request size and ``depth`` requests queued (as the NVMe tier issues them)
+  mixed    reads and writes in flight together (what the NVMe step does between its first read
+           and its last write): the bytes of both per second. Where unknown (an io JSON without
+           it) the disk is taken to serve them one after the other: ``2 / (1/read + 1/write)``
   h2d, d2h pinned host <-> GPU copies (PCIe), when CUDA is present
 Several directories (several drives) are measured each alone, once per filesystem, and added up.
 """
@@ -29,7 +30,8 @@ import torch
 from .base.dtypes import LOW_PRECISION
 from .moments.format import moment_format
 
-__all__ = ["Bandwidths", "pass_bytes", "measure", "measure_kernel", "measure_disk", "measure_pcie", "from_json"]
+__all__ = ["Bandwidths", "pass_bytes", "measure", "measure_kernel", "measure_disk", "measure_pcie",
+           "from_json"]
 
 GB = 1e9
 FIGURES = ("kernel", "read", "write", "mixed", "h2d", "d2h")
@@ -38,7 +40,8 @@ PROBE_PARAMS = 16 << 20   # 16M parameters: state + grads + weights ~ 5x a 48 Mi
 
 @dataclass
 class Bandwidths:
-    """Bytes per second of each part of a step (None: not known); ``sources``: where each came from."""
+    """Bytes per second of each part of a step (None: not known); ``sources``: where each came
+    from."""
     kernel: Optional[float] = None
     read: Optional[float] = None
     write: Optional[float] = None
@@ -48,7 +51,8 @@ class Bandwidths:
     sources: dict = field(default_factory=dict)
 
     def disk_mixed(self) -> Optional[float]:
-        """Bytes/s of reads and writes in flight together (the serial assumption where not measured)."""
+        """Bytes/s of reads and writes in flight together (the serial assumption where not
+        measured)."""
         if self.mixed:
             return self.mixed
         if self.read and self.write:
@@ -73,8 +77,8 @@ class Bandwidths:
         for k in FIGURES:
             v = getattr(self, k)
             if v is not None and not _positive(v, (int, float)):
-                raise ValueError(f"bandwidth {k} must be a positive number of bytes/s (or None), "
-                                 f"got {v!r}")
+                raise ValueError(f"bandwidth {k} must be a positive number of bytes/s (or "
+                                 f"None), got {v!r}")
         return self
 
     @classmethod
@@ -90,11 +94,11 @@ class Bandwidths:
 
 def pass_bytes(moments="fp32", grad_bytes: int = 4, out_bytes: int = 0, amsgrad: bool = False,
                numel: Optional[int] = None) -> float:
-    """Bytes one Adam pass must move per parameter: the fp32 master (or fp32 parameter) read and written,
-    the gradient read, the low-precision weight written (``out_bytes``: 2 for bf16/fp16 parameters, 0 for
-    fp32), the moments read and written (fp32 16, bf16 8, 8-bit 4 + the per-256-element fp32 scales),
-    and max_exp_avg_sq (8) with amsgrad. fp32 parameters with fp32 gradients: 28 B. ``moments``: a
-    format's name or the format (offload/moments/format.py)."""
+    """Bytes one Adam pass must move per parameter: the fp32 master (or fp32 parameter) read and
+    written, the gradient read, the low-precision weight written (``out_bytes``: 2 for bf16/fp16
+    parameters, 0 for fp32), the moments read and written (fp32 16, bf16 8, 8-bit 4 + the
+    per-256-element fp32 scales), and max_exp_avg_sq (8) with amsgrad. fp32 parameters with fp32
+    gradients: 28 B. ``moments``: a format's name or the format (offload/moments/format.py)."""
     mom = 2 * moment_format(moments).moment_bytes(numel)
     return 8 + grad_bytes + out_bytes + mom + (8 if amsgrad else 0)
 
@@ -110,7 +114,8 @@ def _median_time(fn, reps: int) -> float:
 
 
 def measure_kernel(*, param_dtype=torch.float32, moments: str = "fp32", amsgrad: bool = False,
-                   threads: Optional[int] = None, numel: int = PROBE_PARAMS, reps: int = 9) -> float:
+                   threads: Optional[int] = None, numel: int = PROBE_PARAMS,
+                   reps: int = 9) -> float:
     """Bytes/s of ``offload.AdamW.step()`` in RAM on ``numel`` parameters of ``param_dtype``."""
     from .optim.adam import AdamW
     p = torch.empty(numel, dtype=param_dtype).uniform_(-1, 1)
@@ -125,7 +130,8 @@ def measure_kernel(*, param_dtype=torch.float32, moments: str = "fp32", amsgrad:
 
 
 def _disk_one(directory: str, size: int, request: int, inflight: int, reps: int) -> dict:
-    """read, write, mixed bytes/s of one directory's filesystem (O_DIRECT where it is supported)."""
+    """read, write, mixed bytes/s of one directory's filesystem (O_DIRECT where it is
+    supported)."""
     from .native.aio import AioEngine
     from .base.memory import aligned_empty
     work = tempfile.mkdtemp(prefix="offload-plan-probe-", dir=directory)
@@ -146,8 +152,8 @@ def _disk_one(directory: str, size: int, request: int, inflight: int, reps: int)
                     if len(pending) >= queued:
                         pending.pop(0).wait()
                     s = (k % nslot) * request
-                    pending.append((eng.write if op == "w" else eng.read)(f, buf[s:s + request], off,
-                                                                           min(request, size - off)))
+                    pending.append((eng.write if op == "w" else eng.read)(
+                        f, buf[s:s + request], off, min(request, size - off)))
                 for r in pending:
                     r.wait()
                 if any(op == "w" for op, _, _ in jobs):
@@ -156,7 +162,8 @@ def _disk_one(directory: str, size: int, request: int, inflight: int, reps: int)
                 return time.perf_counter() - t
 
             offs = range(0, size, request)
-            run([("w", f, o) for f in files for o in offs], inflight)   # lay both files out (untimed)
+            # lay both files out (untimed)
+            run([("w", f, o) for f in files for o in offs], inflight)
             out = {"write": [], "read": [], "mixed": []}
             for _ in range(reps):
                 out["write"].append(size / run([("w", files[0], o) for o in offs], inflight))
@@ -214,22 +221,27 @@ def measure_pcie(size: int = 256 << 20, reps: int = 5) -> Optional[dict]:
 
 def measure(*, param_dtype=torch.float32, moments: str = "fp32", amsgrad: bool = False,
             threads: Optional[int] = None, dirs=None, request: int = 64 << 20, inflight: int = 2,
-            cuda: bool = False, params: int = PROBE_PARAMS, state_bytes: int = 256 << 20) -> Bandwidths:
-    """What a plan needs, measured here: the kernel always; the disk when ``dirs`` is given (a list:
-    the state directories); PCIe when ``cuda`` and a GPU is present. ``params``, ``state_bytes``: the
-    plan's sizes; the probes are no larger (a model that fits in the caches runs at cache speed) and
-    no larger than 16M parameters / 256 MiB (enough to leave any cache)."""
+            cuda: bool = False, params: int = PROBE_PARAMS,
+            state_bytes: int = 256 << 20) -> Bandwidths:
+    """What a plan needs, measured here: the kernel always; the disk when ``dirs`` is given (a
+    list: the state directories); PCIe when ``cuda`` and a GPU is present. ``params``,
+    ``state_bytes``: the plan's sizes; the probes are no larger (a model that fits in the caches
+    runs at cache speed) and no larger than 16M parameters / 256 MiB (enough to leave any
+    cache)."""
     when = time.strftime("%Y-%m-%d %H:%M")
     bw = Bandwidths()
     n = max(1 << 20, min(PROBE_PARAMS, params))
-    bw.kernel = measure_kernel(param_dtype=param_dtype, moments=moments, amsgrad=amsgrad, threads=threads, numel=n)
+    bw.kernel = measure_kernel(param_dtype=param_dtype, moments=moments, amsgrad=amsgrad,
+                               threads=threads, numel=n)
     bw.sources["kernel"] = f"measured {when}: offload.AdamW.step on {n:,} parameters in RAM"
     if dirs is not None:
-        d = measure_disk(dirs, request=request, inflight=inflight, size=max(request, min(256 << 20, state_bytes)))
+        d = measure_disk(dirs, request=request, inflight=inflight,
+                         size=max(request, min(256 << 20, state_bytes)))
         bw.read, bw.write, bw.mixed = d["read"], d["write"], d["mixed"]
         where = ", ".join(x or tempfile.gettempdir() for x in dirs)
         for k in ("read", "write", "mixed"):
-            bw.sources[k] = f"measured {when} in {where} ({'O_DIRECT' if d['direct'] else 'buffered'})"
+            bw.sources[k] = (f"measured {when} in {where} "
+                             f"({'O_DIRECT' if d['direct'] else 'buffered'})")
     if cuda:
         p = measure_pcie()
         if p is not None:
@@ -243,7 +255,8 @@ def _cases_of(moments) -> str:
     return "moments" if moment_format(moments).compressed else "flat,bf16"
 
 
-def _kernel_from(js: dict, path: str, moments: str, low: bool, threads: Optional[int]) -> Optional[tuple]:
+def _kernel_from(js: dict, path: str, moments: str, low: bool,
+                 threads: Optional[int]) -> Optional[tuple]:
     """(bytes/s, label) of the matching kernel record: offload.AdamW.step of the flat case (fp32
     moments), or the compressed-moment kernel call of that format."""
     recs = [r if isinstance(r, dict) else {} for r in js.get("results", [])]
@@ -262,20 +275,21 @@ def _kernel_from(js: dict, path: str, moments: str, low: bool, threads: Optional
             v = recs[i].get(key)
             if not _positive(v, kind):
                 raise ValueError(f"{path}: kernel record {i} ({recs[i].get('case')}, "
-                                 f"{recs[i].get('impl')}): {key} must be a positive number, "
-                                 f"got {v!r}")
+                                 f"{recs[i].get('impl')}): {key} must be a positive "
+                                 f"number, got {v!r}")
     cand = [recs[i] for i in cand]
     same = [r for r in cand if threads and r.get("threads") == threads]
     r = same[0] if same else max(cand, key=lambda r: r.get("threads", 0))
     bpp = pass_bytes(moments, 2 if low else 4, 2 if low else 0, False, r["params"])
-    return r["params"] * bpp / r["seconds"], f"{path}: {r['impl']}, {r['case']}, {r['threads']} threads"
+    return (r["params"] * bpp / r["seconds"], f"{path}: {r['impl']}, {r['case']}, "
+                                              f"{r['threads']} threads")
 
 
-def from_json(paths: Union[str, Iterable[str]], *, moments: str = "fp32", param_dtype=torch.float32,
-              threads: Optional[int] = None) -> Bandwidths:
+def from_json(paths: Union[str, Iterable[str]], *, moments: str = "fp32",
+              param_dtype=torch.float32, threads: Optional[int] = None) -> Bandwidths:
     """Bandwidths from ``bench kernel --json`` and/or ``bench io --json`` files (a path, a list, or
-    comma-separated). Kernel: the record matching the format and thread count (else the most threads);
-    io: our engine's medians (several drives: all at once)."""
+    comma-separated). Kernel: the record matching the format and thread count (else the most
+    threads); io: our I/O engine's medians (several drives: all at once)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [p for p in os.fspath(paths).split(",") if p]
     low = param_dtype in LOW_PRECISION
@@ -286,21 +300,25 @@ def from_json(paths: Union[str, Iterable[str]], *, moments: str = "fp32", param_
             res = js.get("results")
             ours = js.get("aggregate") or (res.get("ours") if isinstance(res, dict) else 0) or {}
             if not isinstance(ours, dict) or "read" not in ours or "write" not in ours:
-                raise ValueError(f"{path}: an io benchmark JSON without our engine's read/write figures")
+                raise ValueError(f"{path}: an io benchmark JSON without our I/O engine's "
+                                 "read/write figures")
             bw.read, bw.write, bw.mixed = ours["read"], ours["write"], ours.get("mixed")
             for k in ("read", "write", "mixed"):
                 bw.sources[k] = f"{path}: bench io in {js.get('dir') or js.get('dirs')}"
             if bw.mixed is None:
-                bw.sources["mixed"] = f"{path} has no mixed figure: reads and writes taken to run one after the other"
+                bw.sources["mixed"] = (f"{path} has no mixed figure: reads and writes taken to "
+                                       "run one after the other")
         elif isinstance(js.get("results"), list):
             got = _kernel_from(js, path, moments, low, threads)
             if got is None:
                 raise ValueError(f"{path}: no kernel record for moments={moments!r} with "
-                                 f"{'bf16' if low else 'fp32'} parameters; run python -m offload.bench kernel "
-                                 f"--cases {_cases_of(moments)} --json {path}")
+                                 f"{'bf16' if low else 'fp32'} parameters; run python -m "
+                                 "offload.bench kernel --cases "
+                                 f"{_cases_of(moments)} --json {path}")
             bw.kernel, bw.sources["kernel"] = got
         else:
-            raise ValueError(f"{path}: not a JSON of python -m offload.bench kernel or io (--json PATH)")
+            raise ValueError(f"{path}: not a JSON of python -m offload.bench kernel or "
+                             "io (--json PATH)")
     try:
         return bw.checked()
     except ValueError as e:
@@ -317,8 +335,8 @@ def _load(path) -> dict:
         except (ValueError, UnicodeDecodeError) as e:   # json.JSONDecodeError is a ValueError
             raise ValueError(f"{path}: not JSON ({e})") from None
     if not isinstance(js, dict):
-        raise ValueError(f"{path}: not a JSON of python -m offload.bench kernel or io "
-                         "(--json PATH)")
+        raise ValueError(f"{path}: not a JSON of python -m offload.bench kernel or "
+                         "io (--json PATH)")
     return js
 
 

@@ -1,15 +1,16 @@
-"""doctor.py: ``python -m offload`` / ``offload.doctor()``, what a bug report needs, in a few seconds.
+"""doctor.py: ``python -m offload`` / ``offload.doctor()``, what a bug report needs, in a few
+seconds.
 
 ``report(build_info, dir)`` returns a dict (the keys of ``KEYS``): offload's and the native core's
-versions (they must match), Python, torch (version, CUDA/HIP build), OS and kernel, the CPU model and
-ISA flags (read from /proc/cpuinfo: no external tools), the kernel ISA offload chose and those
+versions (they must match), Python, torch (version, CUDA/HIP build), OS and kernel, the CPU model
+and ISA flags (read from /proc/cpuinfo: no external tools), the kernel ISA offload chose and those
 available, thread count and CPU affinity, RAM, CUDA devices and whether pinned memory can be
 allocated (only when ``torch.cuda.is_available()``; CUDA is never initialized otherwise),
 transparent huge pages, and, for a directory (default: the system's temporary directory): its
 filesystem, free space, whether it takes O_DIRECT (opened the way the NVMe state file is, through
-offload/native/aio.py) and a write+read speed of at most about 2 s, on a file in a new subdirectory that
-is removed afterwards (nothing else there is touched). ``problems`` lists what looks wrong, each
-with what to do. ``format_report`` renders the text form; ``main`` is the command line.
+offload/native/aio.py) and a write+read speed of at most about 2 s, on a file in a new subdirectory
+that is removed afterwards (nothing else there is touched). ``problems`` lists what looks wrong,
+each with what to do. ``format_report`` renders the text form; ``main`` is the command line.
 """
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ import torch
 
 __all__ = ["KEYS", "report", "format_report", "main"]
 
-KEYS = ("offload", "python", "torch", "os", "cpu", "memory", "cuda", "transparent_hugepages", "env", "dir",
-        "problems")
-_CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
-              "avx512_fp16", "amx_bf16", "asimd", "sve", "sve2")
+KEYS = ("offload", "python", "torch", "os", "cpu", "memory", "cuda", "transparent_hugepages",
+        "env", "dir", "problems")
+_CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+              "avx512_bf16", "avx512_fp16", "amx_bf16", "asimd", "sve", "sve2")
 _ENV = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF")
 _SPEED_CHUNK = 4 << 20          # bytes per transfer of the speed test
 _SPEED_MAX = 512 << 20          # never more than this, nor a quarter of the free space
@@ -61,8 +62,8 @@ def _offload(info: dict) -> dict:
 
 
 def _python() -> dict:
-    return {"version": platform.python_version(), "implementation": platform.python_implementation(),
-            "executable": sys.executable}
+    return {"version": platform.python_version(),
+            "implementation": platform.python_implementation(), "executable": sys.executable}
 
 
 def _torch() -> dict:
@@ -76,7 +77,8 @@ def _os() -> dict:
     rel = _read("/etc/os-release") or ""
     pretty = next((line.split("=", 1)[1].strip().strip('"') for line in rel.splitlines()
                    if line.startswith("PRETTY_NAME=")), None)
-    return {"system": platform.system(), "kernel": platform.release(), "machine": platform.machine(),
+    return {"system": platform.system(), "kernel": platform.release(),
+            "machine": platform.machine(),
             "distribution": pretty, "libc": " ".join(platform.libc_ver()).strip() or None}
 
 
@@ -87,7 +89,8 @@ def _cpu() -> dict:
         if ":" in line:
             k, v = line.split(":", 1)
             fields.setdefault(k.strip(), v.strip())
-    model = fields.get("model name") or fields.get("Model") or fields.get("Hardware") or platform.processor() or None
+    model = (fields.get("model name") or fields.get("Model") or fields.get("Hardware")
+             or platform.processor() or None)
     flags = set((fields.get("flags") or fields.get("Features") or "").split())
     try:
         affinity = len(os.sched_getaffinity(0))
@@ -130,7 +133,8 @@ def _thp() -> Optional[str]:
     text = _read("/sys/kernel/mm/transparent_hugepage/enabled")
     if text is None:
         return None
-    return next((w[1:-1] for w in text.split() if w.startswith("[") and w.endswith("]")), text.strip())
+    return next((w[1:-1] for w in text.split() if w.startswith("[") and w.endswith("]")),
+                text.strip())
 
 
 def _env() -> dict:
@@ -138,14 +142,16 @@ def _env() -> dict:
 
 
 def _filesystem(path: str) -> Optional[str]:
-    """The type of the filesystem holding ``path`` (the longest mount point above it, /proc/self/mountinfo)."""
+    """The type of the filesystem holding ``path`` (the longest mount point above it,
+    /proc/self/mountinfo)."""
     best, fstype = -1, None
     for line in (_read("/proc/self/mountinfo") or "").splitlines():
         left, sep, right = line.partition(" - ")
         parts = left.split()
         if not sep or len(parts) < 5 or not right:
             continue
-        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])   # \040 is a space
+        # \040 is a space
+        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])
         inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
         if inside and len(mnt) >= best:
             best, fstype = len(mnt), right.split()[0]
@@ -153,7 +159,8 @@ def _filesystem(path: str) -> Optional[str]:
 
 
 def _speed(directory: str, free: int, speed_test: bool) -> dict:
-    """O_DIRECT and, with ``speed_test``, MB/s of writing then reading a file of a new subdirectory."""
+    """O_DIRECT and, with ``speed_test``, MB/s of writing then reading a file of a new
+    subdirectory."""
     from .native.aio import AioEngine
     from .base.memory import aligned_empty
 
@@ -164,7 +171,8 @@ def _speed(directory: str, free: int, speed_test: bool) -> dict:
     try:
         eng = AioEngine(queue_depth=8, block_size=1 << 20)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)   # the refusal is what is reported here
+            # the refusal is what is reported here
+            warnings.simplefilter("ignore", RuntimeWarning)
             fh = eng.open(path, create=True, direct=True)
         out["o_direct"] = bool(fh.direct)
         if not speed_test:
@@ -188,7 +196,8 @@ def _speed(directory: str, free: int, speed_test: bool) -> dict:
         os.fsync(fd)
         tw = time.perf_counter() - t0
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # buffered reads: not from the page cache
+            # buffered reads: not from the page cache
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         done, t0 = 0, time.perf_counter()
         while done < written and time.perf_counter() - t0 < _SPEED_PHASE_S:
             n = min(4, (written - done) // _SPEED_CHUNK)
@@ -220,7 +229,8 @@ def _dir(directory: Optional[str], speed_test: bool) -> dict:
     st = os.statvfs(path)
     out["free_bytes"] = st.f_bavail * st.f_frsize
     if not os.access(path, os.W_OK | os.X_OK):
-        out["error"] = f"{path} is not writable by this user: pass a directory you can write with --dir"
+        out["error"] = (f"{path} is not writable by this user: pass a directory you can "
+                        "write with --dir")
         return out
     try:
         out.update(_speed(path, out["free_bytes"], speed_test))
@@ -233,29 +243,34 @@ def _problems(rep: dict) -> list:
     out = []
     off = rep["offload"]
     if not off.get("versions_match", True):
-        out.append(f"the native core (offload._C {off.get('native_version')}) does not match the package "
-                   f"({off.get('version')}): rebuild it with `pip install -e .`")
+        out.append(f"the native core (offload._C {off.get('native_version')}) does not match the "
+                   f"package ({off.get('version')}): rebuild it with `pip install -e .`")
     aff, thr = rep["cpu"].get("affinity_cpus"), off.get("threads")
     if aff and thr and thr > aff:
-        out.append(f"offload uses {thr} threads on {aff} CPUs this process may run on: set OFFLOAD_NUM_THREADS={aff} "
-                   "or threads= in the optimizer")
+        out.append(f"offload uses {thr} threads on {aff} CPUs this process may run on: set "
+                   f"OFFLOAD_NUM_THREADS={aff} or threads= in the optimizer")
     cuda = rep["cuda"]
     if cuda.get("available") and not cuda.get("pinned_memory"):
-        out.append("pinned host memory cannot be allocated: GPU offload copies will fail or be slow; "
-                   "check the locked-memory limit (ulimit -l) and the container's memory settings")
+        out.append("pinned host memory cannot be allocated: GPU offload copies will fail or be "
+                   "slow; check the locked-memory limit (ulimit -l) and the container's "
+                   "memory settings")
     d = rep["dir"]
     if d.get("error"):
         out.append(d["error"])
     elif d.get("o_direct") is False:
-        out.append(f"{d['path']} ({d.get('filesystem')}) refuses O_DIRECT: NVMe state there is buffered through "
-                   "the page cache; point nvme_dir at a directory on the NVMe disk (ext4/xfs)")
+        out.append(f"{d['path']} ({d.get('filesystem')}) refuses O_DIRECT: NVMe state there is "
+                   "buffered through the page cache; point nvme_dir at a directory on the NVMe "
+                   "disk (ext4/xfs)")
     return out
 
 
 def report(build_info: dict, dir=None, *, speed_test: bool = True) -> dict:
-    """The environment as a dict with the keys of ``KEYS``; ``build_info`` is ``offload.build_info()``."""
-    rep = {"offload": _guard(_offload, build_info), "python": _guard(_python), "torch": _guard(_torch),
-           "os": _guard(_os), "cpu": _guard(_cpu), "memory": _guard(_memory), "cuda": _guard(_cuda),
+    """The environment as a dict with the keys of ``KEYS``; ``build_info`` is
+    ``offload.build_info()``."""
+    rep = {"offload": _guard(_offload, build_info), "python": _guard(_python),
+           "torch": _guard(_torch),
+           "os": _guard(_os), "cpu": _guard(_cpu), "memory": _guard(_memory),
+           "cuda": _guard(_cuda),
            "transparent_hugepages": _thp(), "env": _env(), "dir": _guard(_dir, dir, speed_test)}
     try:
         rep["problems"] = _problems(rep)
@@ -276,25 +291,31 @@ def _size(n) -> str:
 
 def format_report(rep: dict) -> str:
     """The report as text, one fact a line (what ``python -m offload`` prints)."""
-    o, py, t, s, c, m, cu, d = (rep[k] for k in ("offload", "python", "torch", "os", "cpu", "memory", "cuda", "dir"))
+    o, py, t, s, c, m, cu, d = (rep[k] for k in ("offload", "python", "torch", "os", "cpu",
+                                                 "memory", "cuda", "dir"))
     lines = [
         f"offload         {o.get('version')} (native core {o.get('native_version')}"
         f"{'' if o.get('versions_match') else ', MISMATCH'})",
-        f"python          {py.get('version')} ({py.get('implementation')}, {py.get('executable')})",
-        f"torch           {t.get('version')} ({t.get('build')}), {t.get('threads')} intra-op threads",
+        f"python          {py.get('version')} ({py.get('implementation')}, "
+        f"{py.get('executable')})",
+        f"torch           {t.get('version')} ({t.get('build')}), {t.get('threads')} "
+        "intra-op threads",
         f"os              {s.get('system')} {s.get('kernel')} {s.get('machine')}"
-        + (f", {s['distribution']}" if s.get("distribution") else "") + (f", {s['libc']}" if s.get("libc") else ""),
+        + (f", {s['distribution']}" if s.get("distribution") else "")
+        + (f", {s['libc']}" if s.get("libc") else ""),
         f"cpu             {c.get('model')}, {c.get('logical_cpus')} logical CPUs, "
         f"flags: {' '.join(c.get('flags') or []) or '-'}",
         f"kernel isa      {o.get('isa')} (available: {', '.join(o.get('available_isas') or [])}), "
         f"software prefetch {o.get('stream_prefetch')}",
         f"threads         {o.get('threads')} by default, affinity {o.get('affinity_cpus')} CPUs",
-        f"memory          {_size(m.get('total_bytes'))} total, {_size(m.get('available_bytes'))} available",
+        f"memory          {_size(m.get('total_bytes'))} total, "
+        f"{_size(m.get('available_bytes'))} available",
     ]
     if cu.get("available"):
         for dev in cu.get("devices", []):
-            lines.append(f"cuda:{dev['index']:<10} {dev['name']}, {_size(dev['total_memory_bytes'])}, "
-                         f"compute capability {dev['capability']}")
+            lines.append(f"cuda:{dev['index']:<10} {dev['name']}, "
+                         f"{_size(dev['total_memory_bytes'])}, compute capability "
+                         f"{dev['capability']}")
         pinned = "yes" if cu.get("pinned_memory") else "NO " + cu.get("pinned_memory_error", "")
         lines.append(f"pinned memory   {pinned}")
     else:
@@ -302,11 +323,13 @@ def format_report(rep: dict) -> str:
     lines.append(f"huge pages      transparent_hugepage={rep.get('transparent_hugepages')}")
     if rep.get("env"):
         lines.append("environment     " + " ".join(f"{k}={v}" for k, v in rep["env"].items()))
-    lines.append(f"dir             {d.get('path')}: {d.get('filesystem')}, {_size(d.get('free_bytes'))} free, "
-                 f"O_DIRECT {'?' if d.get('o_direct') is None else 'yes' if d['o_direct'] else 'no'}")
+    lines.append(f"dir             {d.get('path')}: {d.get('filesystem')}, "
+                 f"{_size(d.get('free_bytes'))} free, O_DIRECT "
+                 f"{'?' if d.get('o_direct') is None else 'yes' if d['o_direct'] else 'no'}")
     if "write_mb_s" in d:
         lines.append(f"dir speed       write {d['write_mb_s']} MB/s, read {d['read_mb_s']} MB/s "
-                     f"({_size(d['speed_test_bytes'])}{'' if d.get('o_direct') else ', buffered'})")
+                     f"({_size(d['speed_test_bytes'])}"
+                     f"{'' if d.get('o_direct') else ', buffered'})")
     for section in ("offload", "python", "torch", "os", "cpu", "memory", "cuda"):
         if "error" in rep[section]:
             lines.append(f"{section}: could not be read: {rep[section]['error']}")
@@ -316,12 +339,14 @@ def format_report(rep: dict) -> str:
 
 def main(argv, build_info: Callable[[], dict]) -> int:
     ap = argparse.ArgumentParser(prog="python -m offload",
-                                 description="Print what a bug report about offload needs: versions, CPU, memory, "
-                                             "CUDA and the filesystem of the state directory.")
+                                 description="Print what a bug report about offload needs: "
+                                             "versions, CPU, memory, CUDA and the filesystem of "
+                                             "the state directory.")
     ap.add_argument("--dir", default=None, help="the directory to check (where nvme_dir will be; "
                                                 "default: the system's temporary directory)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of text")
-    ap.add_argument("--no-speed", action="store_true", help="skip the write+read speed test (about 2 s)")
+    ap.add_argument("--no-speed", action="store_true",
+                    help="skip the write+read speed test (about 2 s)")
     args = ap.parse_args(argv)
     rep = report(build_info(), args.dir, speed_test=not args.no_speed)
     print(json.dumps(rep, indent=2) if args.json else format_report(rep))

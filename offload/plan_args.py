@@ -117,7 +117,8 @@ def seconds(x, what: str) -> Optional[float]:
 
 
 def gpu_state(x):
-    """``gpu_state``: "auto", or bytes >= 0 (an int or a size string), as the optimizer takes it."""
+    """``gpu_state``: "auto", or bytes >= 0 (an int or a size string), as the optimizer takes
+    it."""
     if x == "auto":
         return x
     if x == 0 and type(x) is int:
@@ -201,8 +202,8 @@ def inventory(what, param_dtype: Optional[torch.dtype]) -> List[Tuple[int, torch
                         f"{torch.typename(what)}")
     if isinstance(what, set):
         raise TypeError("optimizer parameters need to be organized in ordered collections, but "
-                        "the ordering of tensors in sets will change between runs. Please use a "
-                        "list instead.")
+                        "the ordering of tensors in sets will change between runs. Please use "
+                        "a list instead.")
     if isinstance(what, torch.nn.Module):
         items = what.parameters()
     else:

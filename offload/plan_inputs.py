@@ -1,6 +1,6 @@
-"""plan_inputs.py: what ``offload.plan`` (offload/planner.py) takes beyond its own arithmetic: a model from
-a local Hugging Face config.json, the bandwidths of its step-time prediction (offload/bandwidth.py), and
-the setup it suggests when the chosen one does not fit this machine.
+"""plan_inputs.py: what ``offload.plan`` (offload/planner.py) takes beyond its own arithmetic: a
+model from a local Hugging Face config.json, the bandwidths of its step-time prediction
+(offload/bandwidth.py), and the setup it suggests when the chosen one does not fit this machine.
 """
 from __future__ import annotations
 
@@ -18,19 +18,22 @@ __all__ = ["hf_config_model", "config_file", "read_config", "bandwidths_of", "su
 
 
 # cheapest first: compressed moments in RAM (faster than fp32 moments), then the state on NVMe
-_CANDIDATES = (("ram", "bf16"), ("ram", "8bit"), ("nvme", "fp32"), ("nvme", "bf16"), ("nvme", "8bit"))
+_CANDIDATES = (("ram", "bf16"), ("ram", "8bit"), ("nvme", "fp32"), ("nvme", "bf16"),
+               ("nvme", "8bit"))
 
 
 def suggest_setup(plan, model_or_params, args: dict, chosen: tuple, mp) -> str:
-    """The first of _CANDIDATES that fits this machine (``plan``: offload.planner.plan, called again for
-    each), as the optimizer arguments to pass; ``mp``: the plan that does not fit."""
+    """The first of _CANDIDATES that fits this machine (``plan``: offload.planner.plan, called
+    again for each), as the optimizer arguments to pass; ``mp``: the plan that does not fit."""
     if mp.fits().get("gpu") is False:
-        return ("the weights and gradients alone do not fit the GPU: shard them (FSDP, docs/distributed.md) "
-                "or use a GPU with more memory; offloading the optimizer state cannot help with them")
+        return ("the weights and gradients alone do not fit the GPU: shard them (FSDP, "
+                "docs/distributed.md) or use a GPU with more memory; offloading the optimizer "
+                "state cannot help with them")
     fixed = mp.bytes_of("host", "weights") + mp.bytes_of("host", "gradients")
     if mp.capacity.get("host") is not None and fixed > mp.capacity["host"]:
-        return (f"the weights and gradients alone need {_fmt(fixed)} of host memory: no optimizer setup fits; "
-                "shard the model across processes (docs/distributed.md) or use a machine with more memory")
+        return (f"the weights and gradients alone need {_fmt(fixed)} of host memory: no optimizer "
+                "setup fits; shard the model across processes (docs/distributed.md) or use a "
+                "machine with more memory")
     first = _dirs(args.get("nvme_dir"))[0] or os.getcwd()
     try:
         disk = shutil.disk_usage(first).free
@@ -58,12 +61,13 @@ def suggest_setup(plan, model_or_params, args: dict, chosen: tuple, mp) -> str:
             mom = f'moments="{moments}"' if fmt.compressed else ""
             kw = ", ".join(x for x in (kw, mom) if x)
             nvme = f", nvme {_fmt(alt.total('nvme'))}" if state != "ram" else ""
-            return (f"{kw} fits (host {_fmt(alt.total('host'))}{nvme}): docs/moments.md, "
-                    "docs/nvme.md")
+            return (f"{kw} fits (host {_fmt(alt.total('host'))}{nvme}): "
+                    "docs/moments.md, docs/nvme.md")
     return "no setup of state location and moment format fits this machine"
 
 
-def bandwidths_of(spec, inv, moments, amsgrad, threads, dirs, bucket_bytes, depth, on_gpu, state_bytes):
+def bandwidths_of(spec, inv, moments, amsgrad, threads, dirs, bucket_bytes, depth, on_gpu,
+                  state_bytes):
     """A Bandwidths from plan()'s ``bandwidths=`` argument (offload/bandwidth.py)."""
     from . import bandwidth
     if isinstance(spec, bandwidth.Bandwidths):
@@ -75,8 +79,10 @@ def bandwidths_of(spec, inv, moments, amsgrad, threads, dirs, bucket_bytes, dept
         weight[dt] = weight.get(dt, 0) + n
     dtype = max(weight, key=weight.get) if weight else torch.float32
     if isinstance(spec, str) and spec == "measure":
-        return bandwidth.measure(param_dtype=dtype, moments=moments, amsgrad=amsgrad, threads=threads, dirs=dirs,
-                                 request=bucket_bytes, inflight=depth, cuda=on_gpu, state_bytes=state_bytes,
+        return bandwidth.measure(param_dtype=dtype, moments=moments, amsgrad=amsgrad,
+                                 threads=threads, dirs=dirs,
+                                 request=bucket_bytes, inflight=depth, cuda=on_gpu,
+                                 state_bytes=state_bytes,
                                  params=sum(n for n, _, active in inv if active))
     return bandwidth.from_json(spec, moments=moments, param_dtype=dtype, threads=threads)
 
@@ -92,8 +98,8 @@ def hf_config_model(path) -> torch.nn.Module:
     try:
         import transformers
     except ImportError:
-        raise ImportError("planning from a config.json needs transformers (pip install "
-                          "transformers)") from None
+        raise ImportError("planning from a config.json needs transformers (pip "
+                          "install transformers)") from None
     try:
         cfg = transformers.AutoConfig.from_pretrained(file, local_files_only=True)
     except Exception as e:
@@ -105,8 +111,8 @@ def hf_config_model(path) -> torch.nn.Module:
             except ValueError:   # not a causal LM (an encoder, a classifier): the base model
                 return transformers.AutoModel.from_config(cfg)
         except Exception as e:
-            raise ValueError(f"{file}: transformers could not build this model: "
-                             f"{_one_line(e)}") from None
+            raise ValueError(f"{file}: transformers could not build this "
+                             f"model: {_one_line(e)}") from None
 
 
 def config_file(path) -> str:

@@ -1,18 +1,19 @@
-"""steptime.py: the planner's step-time model: seconds of one optimizer step from a plan's buckets and
-the bandwidths of offload/bandwidth.py.
+"""steptime.py: the planner's step-time model: seconds of one optimizer step from a plan's buckets
+and the bandwidths of offload/bandwidth.py.
 
-Per state tier, with the plan's own buckets (the engine's layout: same bucket sizes, the same budget
-split into ``depth + 2`` NVMe slots):
+Per state tier, with the plan's own buckets (the engine's layout: same bucket sizes, the same
+budget split into ``depth + 2`` NVMe slots):
   ram (host parameters)   the kernel: the bytes one Adam pass moves / kernel bandwidth
-  nvme                    a three-stage pipeline, bucket k computed while k+1 is read and k-1 written:
-                          fill (read bucket 0) + sum over k of max(kernel k, disk I/O of reads k+1 and
-                          writes k-1) + drain (write the last bucket). The disk I/O of a slot is at the
-                          ``mixed`` rate when it both reads and writes, else at the read or write rate.
+  nvme                    a three-stage pipeline, bucket k computed while k+1 is read and k-1
+                          written: fill (read bucket 0) + sum over k of max(kernel k, disk I/O
+                          of reads k+1 and writes k-1) + drain (write the last bucket). The disk
+                          I/O of a slot is at the ``mixed`` rate when it both reads and writes,
+                          else at the read or write rate.
   device parameters       the gradients come down and the new weights go up per bucket (PCIe, both
                           directions at once): two more stages of the same pipeline
-The model predicts the optimizer's own time once the gradients exist (what ``bench step`` measures);
-with device parameters the step can also hide behind backward, which the model does not count.
-mmap state is not modelled (the page cache does its I/O inside the kernel's page faults).
+The model predicts the optimizer's own time once the gradients exist (what ``bench step``
+measures); with device parameters the step can also hide behind backward, which the model does not
+count. mmap state is not modelled (the page cache does its I/O inside the kernel's page faults).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ __all__ = ["StepTime", "Stage", "pipeline_seconds", "predict", "split", "stages_
 
 @dataclass
 class Stage:
-    """One bucket's work in bytes: the Adam pass, the state read and written, the copies down and up."""
+    """One bucket's work in bytes: the Adam pass, the state read and written, the copies down and
+    up."""
     kernel: float
     read: float = 0
     write: float = 0
@@ -44,24 +46,26 @@ class StepTime:
     buckets: int
     sources: dict = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
-    split: Optional[dict] = None   # the iteration with state kept on the GPU (gpu_state=): :func:`split`
+    # the iteration with state kept on the GPU (gpu_state=): :func:`split`
+    split: Optional[dict] = None
 
     def to_dict(self) -> dict:
-        return dict(seconds=self.seconds, parts=self.parts, bottleneck=self.bottleneck, buckets=self.buckets,
-                    sources=self.sources, notes=self.notes, split=self.split)
+        return dict(seconds=self.seconds, parts=self.parts, bottleneck=self.bottleneck,
+                    buckets=self.buckets, sources=self.sources, notes=self.notes, split=self.split)
 
     def __str__(self) -> str:
         alone = ", ".join(f"{k.replace('_s', '')} {v:.3f} s" for k, v in self.parts.items() if v)
-        lines = [f"predicted step  {self.seconds:.3f} s  ({self.buckets} bucket{'s' * (self.buckets != 1)}; "
-                 f"bound by {self.bottleneck}; alone: {alone})"]
+        lines = [f"predicted step  {self.seconds:.3f} s  ({self.buckets} "
+                 f"bucket{'s' * (self.buckets != 1)}; bound by {self.bottleneck}; alone: {alone})"]
         lines += [f"  {k:<7} {v}" for k, v in self.sources.items()]
         sp = self.split
         if sp is not None:
-            lines.append(f"predicted iteration  {sp['iteration_s']:.3f} s with {sp['gpu_buckets']} of "
-                         f"{self.buckets} buckets' state on the GPU ({sp['gpu_bytes'] / 1e9:.2f} GB of "
-                         f"{sp['budget'] / 1e9:.2f} GB; CPU step exposed {sp['exposed_s']:.3f} s), "
-                         f"{sp['host_only_s']:.3f} s with every state on the host (exposed "
-                         f"{sp['host_only_exposed_s']:.3f} s): forward {sp['forward_s']:.3f} s + backward "
+            lines.append(f"predicted iteration  {sp['iteration_s']:.3f} s with "
+                         f"{sp['gpu_buckets']} of {self.buckets} buckets' state on the GPU "
+                         f"({sp['gpu_bytes'] / 1e9:.2f} GB of {sp['budget'] / 1e9:.2f} GB; CPU "
+                         f"step exposed {sp['exposed_s']:.3f} s), {sp['host_only_s']:.3f} s with "
+                         f"every state on the host (exposed {sp['host_only_exposed_s']:.3f} s): "
+                         f"forward {sp['forward_s']:.3f} s + backward "
                          f"{sp['backward_s']:.3f} s + exposed")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -69,8 +73,9 @@ class StepTime:
 
 def _need(value: Optional[float], what: str) -> float:
     if not value:
-        raise ValueError(f"the step-time model needs the {what} bandwidth: measure it (bandwidths='measure') "
-                         "or pass a JSON of python -m offload.bench kernel/io")
+        raise ValueError(f"the step-time model needs the {what} bandwidth: measure it "
+                         "(bandwidths='measure') or pass a JSON of python -m "
+                         "offload.bench kernel/io")
     return value
 
 
@@ -104,7 +109,8 @@ def pipeline_seconds(stages: List[Stage], bw: Bandwidths) -> dict:
     drain = max(disk(0, at(n - 1, "write")), pcie(n - 1, "h2d", h2d)) if n else 0.0
     slots, bound = 0.0, {"kernel": 0.0, "disk": 0.0, "copies": 0.0}
     for k in range(n):
-        parts = {"kernel": stages[k].kernel / kbw, "disk": disk(at(k + 1, "read"), at(k - 1, "write")),
+        parts = {"kernel": stages[k].kernel / kbw,
+                 "disk": disk(at(k + 1, "read"), at(k - 1, "write")),
                  "copies": max(pcie(k + 1, "d2h", d2h), pcie(k - 1, "h2d", h2d))}
         top = max(parts, key=parts.get)
         bound[top] += parts[top]
@@ -117,34 +123,41 @@ def pipeline_seconds(stages: List[Stage], bw: Bandwidths) -> dict:
     if has_pcie:
         alone["d2h_s"] = sum(s.d2h for s in stages) / d2h
         alone["h2d_s"] = sum(s.h2d for s in stages) / h2d
-    names = {"kernel": "the kernel (memory bandwidth)", "disk": "the disk", "copies": "PCIe copies"}
+    names = {"kernel": "the kernel (memory bandwidth)", "disk": "the disk",
+             "copies": "PCIe copies"}
     return dict(seconds=fill + slots + drain, fill_s=fill, drain_s=drain, alone=alone,
                 bottleneck=names[max(bound, key=bound.get)])
 
 
 def predict(stages: List[Stage], bw: Bandwidths, *, state: str) -> Optional[StepTime]:
-    """The step time of a plan's stages (offload/planner.py builds them), or None for mmap state."""
+    """The step time of a plan's stages (offload/planner.py builds them), or None for mmap
+    state."""
     if state == "mmap":
         return None
     r = pipeline_seconds(stages, bw)
     notes = []
     if any(s.read for s in stages) and not bw.mixed:
-        notes.append("no measurement of reads and writes at once: the disk is taken to serve them one after the other")
-    used = {k: v for k, v in bw.sources.items() if r["alone"].get(f"{k}_s") or (k == "mixed" and "read_s" in r["alone"])}
-    return StepTime(seconds=r["seconds"], parts=dict(r["alone"], fill_s=r["fill_s"], drain_s=r["drain_s"]),
+        notes.append("no measurement of reads and writes at once: the disk is taken to serve them "
+                     "one after the other")
+    used = {k: v for k, v in bw.sources.items() if r["alone"].get(f"{k}_s")
+            or (k == "mixed" and "read_s" in r["alone"])}
+    return StepTime(seconds=r["seconds"], parts=dict(r["alone"], fill_s=r["fill_s"],
+                                                     drain_s=r["drain_s"]),
                     bottleneck=r["bottleneck"], buckets=len(stages), sources=used, notes=notes)
 
 
-def stages_of(layout, *, state: str, on_gpu: bool, grad_itemsize: Optional[int], amsgrad: bool) -> List[Stage]:
-    """The pipeline stages of a layout (offload/state/layout.py) as the engine runs it: one kernel pass over
-    the whole RAM state with host parameters, else one stage per bucket with its state reads and
-    writes (nvme) and its gradient and weight copies (device parameters)."""
+def stages_of(layout, *, state: str, on_gpu: bool, grad_itemsize: Optional[int],
+              amsgrad: bool) -> List[Stage]:
+    """The pipeline stages of a layout (offload/state/layout.py) as the engine runs it: one kernel
+    pass over the whole RAM state with host parameters, else one stage per bucket with its state
+    reads and writes (nvme) and its gradient and weight copies (device parameters)."""
     stages = []
     for b in layout.buckets:
         kernel = 0.0
         for pc in b.pieces:
             g = grad_itemsize or pc.itemsize
-            kernel += pc.n * pass_bytes(b.moments, g, pc.itemsize if b.master else 0, amsgrad, pc.n)
+            kernel += pc.n * pass_bytes(b.moments, g, pc.itemsize if b.master else 0, amsgrad,
+                                        pc.n)
         io = b.nbytes if state == "nvme" else 0
         copy = b.stage_bytes if on_gpu else 0
         stages.append(Stage(kernel=kernel, read=io, write=io, d2h=copy, h2d=copy))
@@ -153,18 +166,22 @@ def stages_of(layout, *, state: str, on_gpu: bool, grad_itemsize: Optional[int],
     return stages
 
 
-def split(stages: List[Stage], layout, bw: Bandwidths, *, backward_s: float, forward_s: float, budget: int) -> dict:
-    """The iteration of device parameters with the buckets backward reaches last keeping their state on
-    the GPU (``gpu_state=``; schedule/split.py decides it by the same rule, base/overlap.py): gradients
-    arrive in backward's order (the reverse of the layout), spread over ``backward_s`` by size; the CPU
-    takes each bucket's pipeline slot (kernel, or its copies where longer); what it has not done when
-    backward ends is exposed. ``budget``: the GPU bytes the state may take."""
+def split(stages: List[Stage], layout, bw: Bandwidths, *, backward_s: float, forward_s: float,
+          budget: int) -> dict:
+    """The iteration of device parameters with the buckets backward reaches last keeping their
+    state on the GPU (``gpu_state=``; schedule/split.py decides it by the same rule,
+    base/overlap.py): gradients arrive in backward's order (the reverse of the layout), spread over
+    ``backward_s`` by size; the CPU takes each bucket's pipeline slot (kernel, or its copies where
+    longer); what it has not done when backward ends is exposed. ``budget``: the GPU bytes the
+    state may take."""
     kbw = _need(bw.kernel, "kernel")
     d2h, h2d = bw.d2h or 0.0, bw.h2d or 0.0
     order = list(range(len(stages)))[::-1]
     elems = [sum(pc.n for pc in layout.buckets[k].pieces) for k in order]
-    gpu = [sum(pc.n * (16 if pc.itemsize < 4 else 12) for pc in layout.buckets[k].pieces) for k in order]
-    cpu = [max(stages[k].kernel / kbw, stages[k].d2h / d2h if d2h else 0.0, stages[k].h2d / h2d if h2d else 0.0)
+    gpu = [sum(pc.n * (16 if pc.itemsize < 4 else 12) for pc in layout.buckets[k].pieces)
+           for k in order]
+    cpu = [max(stages[k].kernel / kbw, stages[k].d2h / d2h if d2h else 0.0,
+               stages[k].h2d / h2d if h2d else 0.0)
            for k in order]
     total = sum(elems) or 1
     arrive, seen = [], 0
@@ -177,5 +194,6 @@ def split(stages: List[Stage], layout, bw: Bandwidths, *, backward_s: float, for
     host = max(0.0, cpu_end(arrive, cpu) - backward_s)
     return dict(gpu_buckets=k, gpu_bytes=sum(gpu[n - k:]), budget=budget, exposed_s=exposed,
                 iteration_s=forward_s + backward_s + exposed, host_only_exposed_s=host,
-                host_only_s=forward_s + backward_s + host, forward_s=forward_s, backward_s=backward_s)
+                host_only_s=forward_s + backward_s + host, forward_s=forward_s,
+                backward_s=backward_s)
 

@@ -166,7 +166,7 @@ def test_failing_drive_names_itself_and_fails_the_optimizer(tmp_path, nth):
         run_steps(ps, opt, 1, start=2)
     assert ei.value.errno == errno.EIO and ds[1] in str(ei.value)
     assert ei.value.filename == t.drives[1].path
-    assert all(dr.engine.outstanding() == 0 for dr in t.drives)
+    assert all(dr.aio.outstanding() == 0 for dr in t.drives)
     with pytest.raises(StoreFailedError, match="earlier failure"):
         run_steps(ps, opt, 1, start=3)
     dirs = [dr.directory for dr in t.drives]

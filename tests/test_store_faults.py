@@ -24,7 +24,7 @@ def test_injected_eio_poisons_optimizer(tmp_path, nth):
     with pytest.raises(OSError) as ei:
         run_steps(ps, opt, 1, start=2)
     assert ei.value.errno == errno.EIO and ei.value.filename == state_file(opt)
-    assert tier(opt).engine.outstanding() == 0  # nothing left in flight
+    assert tier(opt).drives[0].aio.outstanding() == 0  # nothing left in flight
     with pytest.raises(StoreFailedError, match="earlier failure"):
         run_steps(ps, opt, 1, start=3)
     with pytest.raises(StoreFailedError):

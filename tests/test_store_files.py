@@ -15,6 +15,7 @@ import torch
 import offload
 from offload.testing import state_dir, state_file, tier
 from offload import store as store_mod
+from offload.state import statedir
 from offload.store import parse_size
 from conftest import configs
 from store_util import _run_script, make_opt, make_params, run_steps
@@ -284,10 +285,11 @@ def test_leftovers_of_killed_runs_reported_and_removed(tmp_path):
     # pid reuse: the marker names a running process (this one) but another start time
     reused = tmp_path / "offload-state-reused01"
     reused.mkdir(mode=0o700)
-    m = store_mod.statedir._identity()
+    statedir.write_marker(str(reused))   # this process's identity, then another start time
+    m = json.loads((reused / statedir.MARKER).read_text())
     m.update(start_ticks=m["start_ticks"] - 1, created="x", kept=False)
-    (reused / store_mod.statedir.MARKER).write_text(json.dumps(m))
-    (reused / store_mod.STATE_FILE).write_bytes(b"\0" * 8192)
+    (reused / statedir.MARKER).write_text(json.dumps(m))
+    (reused / statedir.STATE_FILE).write_bytes(b"\0" * 8192)
 
     with pytest.warns(RuntimeWarning, match="processes that no longer run") as rec:
         opt = offload.AdamW([torch.zeros(10)], storage="nvme", nvme_dir=tmp_path)
@@ -301,7 +303,7 @@ def test_leftovers_of_killed_runs_reported_and_removed(tmp_path):
     removed = store_mod.remove_stale_state(tmp_path)
     assert sorted(removed) == sorted([dead[0], str(reused)])
     assert not os.path.exists(dead[0]) and not reused.exists()
-    assert sorted(os.listdir(extra)) == sorted([store_mod.statedir.MARKER, store_mod.STATE_FILE, "user.txt"])
+    assert sorted(os.listdir(extra)) == sorted([statedir.MARKER, statedir.STATE_FILE, "user.txt"])
     assert (tmp_path / "offload-state-user0001" / "notes.txt").read_text() == "mine"
     assert (tmp_path / "offload-state-file0001").read_text() == "a file"
     assert (tmp_path / "ranking.csv").exists()

@@ -18,8 +18,8 @@ try:  # torch >= 2.4
 except Exception:  # pragma: no cover - torch built without distributed
     _DTensor = None
 
-__all__ = ["is_dtensor", "local", "like", "world", "allreduce_sumsq", "layout_key", "global_sumsq", "nonfinite_norm",
-           "in_process_group", "multi_rank"]
+__all__ = ["is_dtensor", "local", "like", "world", "allreduce_sumsq", "layout_key", "global_sumsq",
+           "nonfinite_norm", "in_process_group", "multi_rank"]
 
 
 def is_dtensor(t) -> bool:
@@ -27,7 +27,8 @@ def is_dtensor(t) -> bool:
 
 
 def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The tensor the kernel may write into: ``t`` itself, or a DTensor's local shard (same storage)."""
+    """The tensor the kernel may write into: ``t`` itself, or a DTensor's local shard (same
+    storage)."""
     if t is not None and is_dtensor(t):
         with torch.no_grad():
             return t.to_local()
@@ -35,10 +36,11 @@ def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def like(p: torch.Tensor, local_tensor: torch.Tensor) -> torch.Tensor:
-    """Wrap ``local_tensor`` (the local part of something shaped like ``p``) the way ``p`` is wrapped,
-    without moving it: ``DTensor.from_local`` copies a host tensor to the mesh's device (a CUDA mesh
-    would get a GPU copy of the offloaded state, 12 B/param, and a stale one), so a local tensor on
-    another device type is wrapped directly, as FSDP2 wraps its own CPU-offloaded shards."""
+    """Wrap ``local_tensor`` (the local part of something shaped like ``p``) the way ``p`` is
+    wrapped, without moving it: ``DTensor.from_local`` copies a host tensor to the mesh's device (a
+    CUDA mesh would get a GPU copy of the offloaded state, 12 B/param, and a stale one), so a local
+    tensor on another device type is wrapped directly, as FSDP2 wraps its own CPU-offloaded
+    shards."""
     if not is_dtensor(p):
         return local_tensor
     mesh = p.device_mesh
@@ -47,7 +49,8 @@ def like(p: torch.Tensor, local_tensor: torch.Tensor) -> torch.Tensor:
         spec = DTensorSpec(mesh, tuple(p.placements),
                            tensor_meta=TensorMeta(p.shape, p.stride(), local_tensor.dtype))
         return _DTensor(local_tensor, spec, requires_grad=False)
-    return _DTensor.from_local(local_tensor, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return _DTensor.from_local(local_tensor, mesh, p.placements, run_check=False, shape=p.shape,
+                               stride=p.stride())
 
 
 def world(group=None) -> Tuple[int, int]:
@@ -76,8 +79,8 @@ def allreduce_sumsq(local_sumsq: dict, fallback: float = 0.0) -> float:
         t = torch.tensor([sumsq], dtype=torch.float64, device=mesh.device_type)
         for dim, placement in enumerate(ref.placements):
             if placement.is_partial():
-                raise RuntimeError("clip_grad_norm_: a gradient is a Partial DTensor (not yet reduced); "
-                                   "reduce the gradients before clipping")
+                raise RuntimeError("clip_grad_norm_: a gradient is a Partial DTensor (not yet "
+                                   "reduced); reduce the gradients before clipping")
             if placement.is_shard():
                 dist.all_reduce(t, group=mesh.get_group(dim))
         total += float(t.item())
@@ -92,21 +95,25 @@ def layout_key(t) -> Optional[tuple]:
 
 
 def nonfinite_norm(total: float) -> RuntimeError:
-    """clip_grad_norm_(error_if_nonfinite=True) on a non-finite global norm: torch's message, and what to do."""
-    return RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total}), so it cannot be clipped: "
-                        "find the inf/NaN in the loss or gradients (torch.amp.GradScaler skips such steps; offload's "
+    """clip_grad_norm_(error_if_nonfinite=True) on a non-finite global norm: torch's message, and
+    what to do."""
+    return RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total}), so "
+                        "it cannot be clipped: find the inf/NaN in the loss or gradients "
+                        "(torch.amp.GradScaler skips such steps; offload's "
                         "check_overflow=True does too)")
 
 
 def global_sumsq(grads: list, local_sumsq) -> float:
     """Sum of squares of ``grads`` over the whole model: ``local_sumsq(tensors)`` of each group of
-    local tensors, all-reduced across ranks for DTensor (FSDP2) shards (:func:`allreduce_sumsq`)."""
+    local tensors, all-reduced across ranks for DTensor (FSDP2) shards
+    (:func:`allreduce_sumsq`)."""
     if not any(is_dtensor(g) for g in grads):
         return local_sumsq(grads) if grads else 0.0
     parts: dict = {}
     for g in grads:
         parts.setdefault(layout_key(g), []).append(g)
-    return allreduce_sumsq({k: (local_sumsq([local(g) for g in gs]), gs[0] if k else None) for k, gs in parts.items()})
+    return allreduce_sumsq({k: (local_sumsq([local(g) for g in gs]), gs[0] if k else None)
+                            for k, gs in parts.items()})
 
 
 def in_process_group() -> bool:
@@ -120,17 +127,18 @@ def multi_rank() -> bool:
     return world()[1] > 1
 
 
-PARTITION_NORM = ("{what} under torch's ZeroRedundancyOptimizer: each rank's offload optimizer holds only its "
-                  "partition of the parameters, so the norm it computes is its partition's, not the model's, "
-                  "and every rank would clip by another coefficient (or skip other steps). Clip the whole "
-                  "model before step() instead: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) "
+PARTITION_NORM = ("{what} under torch's ZeroRedundancyOptimizer: each rank's offload optimizer "
+                  "holds only its partition of the parameters, so the norm it computes is its "
+                  "partition's, not the model's, and every rank would clip by another coefficient "
+                  "(or skip other steps). Clip the whole model before step() instead: "
+                  "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) "
                   "(docs/distributed.md)")
 
 
 def zero_partition(depth: int = 16) -> bool:
-    """Is this optimizer being built by torch's ZeroRedundancyOptimizer, for this rank's partition of
-    the parameters? (Its ``_init_local_optimizer`` is on the call stack: at construction and when a
-    param group is added.)"""
+    """Is this optimizer being built by torch's ZeroRedundancyOptimizer, for this rank's partition
+    of the parameters? (Its ``_init_local_optimizer`` is on the call stack: at construction and
+    when a param group is added.)"""
     zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
     if zero is None:
         return False

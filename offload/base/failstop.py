@@ -10,8 +10,9 @@ from __future__ import annotations
 
 __all__ = ["OptimizerFailedError", "RECOVERY", "detached", "failed_message"]
 
-RECOVERY = ("load the last checkpoint into the model and the optimizer (offload.load(opt, directory), or "
-            "model.load_state_dict(...) and opt.load_state_dict(...)) to continue from it")
+RECOVERY = ("load the last checkpoint into the model and the optimizer (offload.load(opt, "
+            "directory), or model.load_state_dict(...) and opt.load_state_dict(...)) to "
+            "continue from it")
 
 
 class OptimizerFailedError(RuntimeError):
@@ -20,7 +21,8 @@ class OptimizerFailedError(RuntimeError):
 
 
 def detached(exc: BaseException) -> BaseException:
-    """A copy of ``exc`` without its traceback (whose frames would keep the step's gradients alive)."""
+    """A copy of ``exc`` without its traceback (whose frames would keep the step's gradients
+    alive)."""
     try:
         return type(exc)(*exc.args)
     except Exception:
@@ -28,5 +30,6 @@ def detached(exc: BaseException) -> BaseException:
 
 
 def failed_message(what: str, cause: BaseException) -> str:
-    return (f"{what} is unusable after an earlier failure: a step failed part-way ({type(cause).__name__}: {cause}); "
-            f"parameters and state may be partially updated. To recover, {RECOVERY}")
+    return (f"{what} is unusable after an earlier failure: a step failed part-way "
+            f"({type(cause).__name__}: {cause}); parameters and state may be partially updated. "
+            f"To recover, {RECOVERY}")

@@ -42,7 +42,8 @@ class HostArena:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if slot_bytes <= 0 or slot_bytes % ALIGN:
-            raise ValueError(f"slot_bytes must be a positive multiple of {ALIGN}, got {slot_bytes}")
+            raise ValueError(f"slot_bytes must be a positive multiple of {ALIGN}, "
+                             f"got {slot_bytes}")
         self.slot_bytes = slot_bytes
         self.memory = aligned_empty(slots * slot_bytes)
         self.slots = [self.memory[i * slot_bytes:(i + 1) * slot_bytes] for i in range(slots)]

@@ -9,7 +9,8 @@ __all__ = ["choose", "cpu_end"]
 
 
 def cpu_end(arrive: List[float], cpu_s: List[float]) -> float:
-    """When the CPU is done with buckets that arrive at ``arrive`` and take ``cpu_s`` each, in order."""
+    """When the CPU is done with buckets that arrive at ``arrive`` and take ``cpu_s`` each, in
+    order."""
     done = 0.0
     for a, c in zip(arrive, cpu_s):
         done = max(done, a) + c

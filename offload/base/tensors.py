@@ -4,8 +4,8 @@
 ``check_storage`` (the view lies inside its storage), ``check_no_overlap`` (nothing written shares
 bytes with anything else), ``tensor_signature`` (what a cached pointer-table row depends on) and
 ``ptr`` (the address, 0 for none), ``bump_versions`` (what an in-place torch op does to the version
-counter, for memory written through an address). Used by offload/native/ before every native call and by the
-parameter checks of offload/params/.
+counter, for memory written through an address). Used by offload/native/ before every native call
+and by the parameter checks of offload/params/.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["bump_versions", "check_storage", "check_tensor", "check_no_overlap", "ptr", "tensor_signature"]
+__all__ = ["bump_versions", "check_storage", "check_tensor", "check_no_overlap", "ptr",
+           "tensor_signature"]
 
 
 def check_storage(t: torch.Tensor, name: str) -> None:
@@ -28,13 +29,15 @@ def check_storage(t: torch.Tensor, name: str) -> None:
         st = t.untyped_storage()
         nbytes = st.nbytes()
     except (RuntimeError, NotImplementedError, TypeError) as e:
-        raise RuntimeError(f"{name} has no accessible storage ({e}); offload needs plain CPU tensors") from None
+        raise RuntimeError(f"{name} has no accessible storage ({e}); offload needs "
+                           "plain CPU tensors") from None
     last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     need = (last + 1) * t.element_size()
     if t.storage_offset() < 0 or min(t.stride(), default=0) < 0 or need > nbytes:
-        raise RuntimeError(f"{name} reaches byte {need} of its storage, but the storage holds only {nbytes} bytes "
-                           "(was its untyped_storage() resized or set_() to a smaller one?); the native kernel "
-                           "would read or write out of bounds. Give it a tensor whose storage covers the view.")
+        raise RuntimeError(f"{name} reaches byte {need} of its storage, but the storage holds "
+                           f"only {nbytes} bytes (was its untyped_storage() resized or set_() to "
+                           "a smaller one?); the native kernel would read or write out of "
+                           "bounds. Give it a tensor whose storage covers the view.")
 
 
 def tensor_signature(t: torch.Tensor) -> tuple:
@@ -51,12 +54,12 @@ def tensor_signature(t: torch.Tensor) -> tuple:
         sptr, snb = st.data_ptr(), st.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):
         sptr, snb = -1, -1
-    return (t.data_ptr(), sptr, snb, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device,
-            t.is_neg(), t.is_conj())
+    return (t.data_ptr(), sptr, snb, t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+            t.dtype, t.device, t.is_neg(), t.is_conj())
 
 
-def check_tensor(t: torch.Tensor, name: str, *, dtypes=(torch.float32,), numel: Optional[int] = None,
-                 shape: Optional[torch.Size] = None) -> torch.Tensor:
+def check_tensor(t: torch.Tensor, name: str, *, dtypes=(torch.float32,),
+                 numel: Optional[int] = None, shape: Optional[torch.Size] = None) -> torch.Tensor:
     """Raise a clear exception unless ``t`` is a dense, contiguous CPU tensor we may hand to C++.
 
     Checks type, layout, device, dtype, contiguity, shape/numel, the neg/conj bits (their values
@@ -70,13 +73,15 @@ def check_tensor(t: torch.Tensor, name: str, *, dtypes=(torch.float32,), numel: 
         raise RuntimeError(f"{name} is on {t.device}; the native kernel works on CPU tensors")
     if t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of: {names}")
+        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected "
+                        f"one of: {names}")
     if not t.is_contiguous():
         raise RuntimeError(f"{name} is not contiguous (strides {tuple(t.stride())}); "
                            "offload never updates a temporary copy: make it contiguous first")
     if t.is_neg() or t.is_conj():
-        raise RuntimeError(f"{name} is a lazy {'negative' if t.is_neg() else 'conjugate'}-bit view: its memory does "
-                           "not hold its values; call .resolve_neg() / .resolve_conj() first")
+        raise RuntimeError(f"{name} is a lazy {'negative' if t.is_neg() else 'conjugate'}-bit "
+                           "view: its memory does not hold its values; call .resolve_neg() / "
+                           ".resolve_conj() first")
     if shape is not None and t.shape != shape:
         raise RuntimeError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
     if numel is not None and t.numel() != numel:
@@ -101,8 +106,8 @@ def check_no_overlap(written, read=()) -> None:
     for start, end, is_written, name in spans:
         other = reach_any if is_written else reach_written
         if other is not None and start < other[0]:
-            raise ValueError(f"{name} overlaps {other[1]} in memory and one of them is written by the update; "
-                             "give each parameter and state its own memory")
+            raise ValueError(f"{name} overlaps {other[1]} in memory and one of them is written by "
+                             "the update; give each parameter and state its own memory")
         if reach_any is None or end > reach_any[0]:
             reach_any = (end, name)
         if is_written and (reach_written is None or end > reach_written[0]):
@@ -110,7 +115,8 @@ def check_no_overlap(written, read=()) -> None:
 
 
 def ptr(t: Optional[torch.Tensor]) -> int:
-    """The address of ``t``'s first element; 0 for None or an empty tensor (the native tables' "absent")."""
+    """The address of ``t``'s first element; 0 for None or an empty tensor (the native tables'
+    "absent")."""
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 

@@ -15,16 +15,19 @@ def check_state(p: torch.Tensor, st: dict, group: dict, where: str) -> None:
     """The entries of ``st`` (parameter ``p``'s state, not empty) that torch's update of ``p`` with
     the hyperparameters of ``group`` reads: a ValueError naming ``where`` (the parameter) if it
     would raise on one."""
-    keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] and "max_exp_avg_sq" in st
+    keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"]
+                                        and "max_exp_avg_sq" in st
                                         else ())
     for key in keys:
         t = st.get(key)
-        if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != p.dtype or t.device != p.device:
-            have = (f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+        if (not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != p.dtype
+            or t.device != p.device):
+            have = (f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+                    if isinstance(t, torch.Tensor)
                     else "missing" if t is None else type(t).__name__)
-            raise ValueError(f"state '{key}' of {where} is {have}, but the parameter is a {p.dtype} tensor of "
-                             f"shape {tuple(p.shape)} on {p.device}: fix or delete opt.state[p] (deleted: the "
-                             "parameter starts afresh)")
+            raise ValueError(f"state '{key}' of {where} is {have}, but the parameter is a "
+                             f"{p.dtype} tensor of shape {tuple(p.shape)} on {p.device}: fix or "
+                             "delete opt.state[p] (deleted: the parameter starts afresh)")
     why = step_refused(st.get("step"), group)
     if why is not None:
         raise ValueError(f"state 'step' of {where} {why}; torch's Adam code would "

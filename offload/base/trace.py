@@ -15,7 +15,8 @@ __all__ = ["Trace"]
 
 
 class Trace:
-    """Spans (name, lane, start, end) in host perf_counter seconds; exported as Chrome trace JSON."""
+    """Spans (name, lane, start, end) in host perf_counter seconds; exported as Chrome trace
+    JSON."""
 
     def __init__(self, limit: int = 200_000):
         self._spans: List[Tuple[str, str, float, float]] = []
@@ -44,7 +45,8 @@ class Trace:
             events.append({"name": name, "ph": "X", "pid": 1, "tid": tid,
                            "ts": (a - self._t0) * 1e6, "dur": max(b - a, 0.0) * 1e6})
         for lane, tid in lanes.items():
-            events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}})
+            events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid,
+                           "args": {"name": lane}})
         with open(path, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
         return len(spans)

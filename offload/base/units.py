@@ -1,4 +1,5 @@
-"""base/units.py: byte sizes: ``parse_size('2GiB')`` (text to bytes) and ``human(n)`` (bytes to text)."""
+"""base/units.py: byte sizes: ``parse_size('2GiB')`` (text to bytes) and ``human(n)`` (bytes to
+text)."""
 from __future__ import annotations
 
 import re
@@ -8,7 +9,8 @@ __all__ = ["parse_size", "human"]
 
 
 def parse_size(x) -> int:
-    """Bytes from an int or a string like '2GiB', '512MB', '64M', '1.5G' (binary multiples for 'K/M/G/T')."""
+    """Bytes from an int or a string like '2GiB', '512MB', '64M', '1.5G' (binary multiples for
+    'K/M/G/T')."""
     if isinstance(x, bool):
         raise TypeError("size must be an int or a string like '2GiB'")
     if isinstance(x, int):
@@ -23,7 +25,8 @@ def parse_size(x) -> int:
     unit = m.group(2).upper()
     decimal = m.group(3) is not None and m.group(3).lower() == "b" and unit != ""
     base = 1000 if decimal else 1024
-    v = int(float(m.group(1)) * base ** " KMGT".index(unit or " ")) if unit else int(float(m.group(1)))
+    v = (int(float(m.group(1)) * base ** " KMGT".index(unit or " ")) if unit
+         else int(float(m.group(1))))
     if v <= 0:
         raise ValueError(f"size must be positive, got {x!r}")
     return v
@@ -32,7 +35,8 @@ def parse_size(x) -> int:
 def human(n: Optional[float], digits: int = 1) -> str:
     """Bytes as text in binary units: ``human(100) == '100 B'``, ``human(1536) == '1.5 KiB'``,
     ``human(3 * 2**30, digits=2) == '3.00 GiB'`` (``digits`` after the point from KiB up; the
-    planner's tables use 2); ``None`` (unknown) gives ``'?'``. The one byte formatter of offload."""
+    planner's tables use 2); ``None`` (unknown) gives ``'?'``. The one byte formatter of
+    offload."""
     if n is None:
         return "?"
     for unit in ("B", "KiB", "MiB", "GiB"):

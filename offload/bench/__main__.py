@@ -1,4 +1,5 @@
-"""bench/__main__.py: entry point of ``python -m offload.bench``: dispatches to the subcommand modules.
+"""bench/__main__.py: entry point of ``python -m offload.bench``: dispatches to the subcommand
+modules.
 
 With no subcommand it runs ``kernel`` on its default sizes (about 30 s on 2 cores).
 """
@@ -14,7 +15,8 @@ from .common import output_path_problem
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m offload.bench",
-                                     description="offload throughput benchmarks (ours vs peers vs physical limits)")
+                                     description="offload throughput benchmarks (ours vs peers vs "
+                                                 "physical limits)")
     sub = parser.add_subparsers(dest="command")
     for name in SUBCOMMANDS:
         try:

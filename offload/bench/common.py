@@ -1,4 +1,5 @@
-"""bench/common.py: helpers shared by the benchmark subcommands: timing, medians, progress, tables, JSON."""
+"""bench/common.py: helpers shared by the benchmark subcommands: timing, medians, progress, tables,
+JSON."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,8 @@ from typing import Iterable, Optional
 
 def add_common_options(p, *, reps: int, what: str = "repetitions") -> None:
     """Options every benchmark subcommand takes, spelled and meaning the same everywhere."""
-    p.add_argument("--reps", type=int, default=reps, help=f"timed {what} (median reported; default {reps})")
+    p.add_argument("--reps", type=int, default=reps,
+                   help=f"timed {what} (median reported; default {reps})")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
 
@@ -34,7 +36,8 @@ def paired_ratio(num: list, den: list) -> float:
     see the same memory bandwidth, so the per-round ratio cancels the drift that a ratio of two
     medians (each from a different mix of fast and slow moments) keeps. The targets use it."""
     if len(num) != len(den) or not num:
-        raise ValueError("paired_ratio needs two equally long, non-empty series (one time per round)")
+        raise ValueError("paired_ratio needs two equally long, non-empty series (one "
+                         "time per round)")
     return statistics.median([a / b for a, b in zip(num, den)])
 
 
@@ -42,9 +45,10 @@ def time_warm(contender) -> float:
     """Seconds of one ``contender.step()``, timed right after an untimed one (each preceded by
     ``contender.prepare()`` where it has one). On some machines a pass over memory costs more the
     longer that memory went untouched (up to 1.6x after 3 s on a VM measured: docs/benchmarks.md),
-    whatever ran meanwhile; timing the second of two steps in a row puts every contender on memory it
-    walked a moment ago, however long a round takes and whichever contenders share memory (the
-    probe's ways of walking one set of streams, the kernel call and the step on the same tensors)."""
+    whatever ran meanwhile; timing the second of two steps in a row puts every contender on memory
+    it walked a moment ago, however long a round takes and whichever contenders share memory (the
+    probe's ways of walking one set of streams, the kernel call and the step on the same
+    tensors)."""
     prepare = getattr(contender, "prepare", None)
     for _ in range(2):
         if prepare is not None:
@@ -55,13 +59,13 @@ def time_warm(contender) -> float:
     return dt
 
 
-def verdict(ours: float, peers: dict, *, higher_is_better: bool = False, ours_name: str = "offload",
-            label: str = "", ceiling: bool = False) -> Optional[dict]:
-    """One line comparing ``ours`` with the best of ``peers`` (name -> figure of the same run): times
-    (lower is better) or rates (``higher_is_better``). Against peers ``speedup`` > 1 means ours is
-    faster (within 2 %: even). With ``ceiling`` the one entry of ``peers`` is a limit (a disk's fio
-    figure, a step's slowest part alone) and ``speedup`` is ours / the ceiling: how close ours gets to
-    it. None when nothing was measured to compare with."""
+def verdict(ours: float, peers: dict, *, higher_is_better: bool = False,
+            ours_name: str = "offload", label: str = "", ceiling: bool = False) -> Optional[dict]:
+    """One line comparing ``ours`` with the best of ``peers`` (name -> figure of the same run):
+    times (lower is better) or rates (``higher_is_better``). Against peers ``speedup`` > 1 means
+    ours is faster (within 2 %: even). With ``ceiling`` the one entry of ``peers`` is a limit (a
+    disk's fio figure, a step's slowest part alone) and ``speedup`` is ours / the ceiling: how
+    close ours gets to it. None when nothing was measured to compare with."""
     peers = {k: v for k, v in peers.items() if v}
     if ours is None or not peers:
         return None
@@ -72,10 +76,13 @@ def verdict(ours: float, peers: dict, *, higher_is_better: bool = False, ours_na
         word = ("at the ceiling (within 2 %)" if abs(ratio - 1) <= 0.02 else
                 f"{abs(ratio - 1) * 100:.0f} % {'over' if ratio > 1 else 'under'} it")
         verb = "reaches" if higher_is_better else "takes"
-        return dict(peer=best, speedup=ratio, line=f"{head}{ours_name} {verb} {ratio:.2f}x its ceiling ({best}): {word}")
+        return dict(peer=best, speedup=ratio, line=f"{head}{ours_name} {verb} {ratio:.2f}x its "
+                                                   f"ceiling ({best}): {word}")
     ratio = ours / peers[best] if higher_is_better else peers[best] / ours
-    word = "offload faster" if ratio >= 1.02 else "the peer faster" if ratio <= 0.98 else "even (within 2 %)"
-    return dict(peer=best, speedup=ratio, line=f"{head}{ours_name} is {ratio:.2f}x the fastest peer ({best}): {word}")
+    word = ("offload faster" if ratio >= 1.02 else "the peer faster" if ratio <= 0.98
+            else "even (within 2 %)")
+    return dict(peer=best, speedup=ratio, line=f"{head}{ours_name} is {ratio:.2f}x the fastest "
+                                               f"peer ({best}): {word}")
 
 
 class Progress:
@@ -113,14 +120,16 @@ def format_table(headers: list, rows: list) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = []
     for j, r in enumerate(cells):
-        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        lines.append("  ".join(c.rjust(w) if i else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))))
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
 def machine_info() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "cpus": os.cpu_count()}
     try:
         fields = {}
         with open("/proc/cpuinfo") as f:
@@ -145,8 +154,8 @@ def machine_info() -> dict:
 
 
 def output_path_problem(path: str) -> Optional[str]:
-    """Why a result file could not be written at `path` (None: it can), asked before a run so
-    that minutes of measurements are not lost to a missing folder at the end. Creates the folder."""
+    """Why a result file could not be written at `path` (None: it can), asked before a run so that
+    minutes of measurements are not lost to a missing folder at the end. Creates the folder."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(folder, exist_ok=True)

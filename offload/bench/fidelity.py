@@ -1,4 +1,5 @@
-"""bench/fidelity.py: ``python -m offload.bench fidelity``: does training with compressed Adam moments match fp32?
+"""bench/fidelity.py: ``python -m offload.bench fidelity``: does training with compressed Adam
+moments match fp32?
 
 A small causal transformer LM (``offload/bench/gpt.py``) learns a synthetic token stream with a
 known entropy floor: an order-2 Markov process (the last token picks 8 possible successors, the
@@ -55,10 +56,10 @@ class Size:
 
 
 SIZES = {
-    "default": Size(vocab=128, contexts=8192, seq=64, batch=16, d_model=128, n_layer=2, n_head=4, steps=400,
-                    warmup=40, lr=3e-3),
-    "quick": Size(vocab=64, contexts=2048, seq=32, batch=8, d_model=64, n_layer=2, n_head=4, steps=300,
-                  warmup=30, lr=3e-3),
+    "default": Size(vocab=128, contexts=8192, seq=64, batch=16, d_model=128, n_layer=2, n_head=4,
+                    steps=400, warmup=40, lr=3e-3),
+    "quick": Size(vocab=64, contexts=2048, seq=32, batch=8, d_model=64, n_layer=2, n_head=4,
+                  steps=300, warmup=30, lr=3e-3),
 }
 
 
@@ -74,8 +75,10 @@ class MarkovStream:
         self.vocab, self.contexts = vocab, contexts
         self.R = torch.randint(0, contexts, (vocab,), generator=g)
         k = min(successors, vocab)
-        self.succ = torch.argsort(torch.rand(vocab, vocab, generator=g), dim=1)[:, :k]  # k distinct per token
-        e = torch.randn(contexts, k, generator=g, dtype=torch.float64).square()  # Gamma(1/2) -> Dirichlet(1/2)
+        # k distinct per token
+        self.succ = torch.argsort(torch.rand(vocab, vocab, generator=g), dim=1)[:, :k]
+        # Gamma(1/2) -> Dirichlet(1/2)
+        e = torch.randn(contexts, k, generator=g, dtype=torch.float64).square()
         self.probs = (e + 1e-12) / (e + 1e-12).sum(1, keepdim=True)
         self.cum = self.probs.cumsum(1)
 
@@ -144,18 +147,19 @@ def build_size(args) -> Size:
     s = SIZES["quick" if args.quick else "default"]
     if args.preset:
         c = PRESETS[args.preset]
-        s = replace(s, vocab=c.vocab, contexts=max(s.contexts, c.vocab * 4), seq=c.seq, d_model=c.d_model,
-                    n_layer=c.n_layer, n_head=c.n_head, batch=8)
+        s = replace(s, vocab=c.vocab, contexts=max(s.contexts, c.vocab * 4), seq=c.seq,
+                    d_model=c.d_model, n_layer=c.n_layer, n_head=c.n_head, batch=8)
     for k in ("steps", "batch", "lr", "warmup", "seq"):
         if getattr(args, k, None) is not None:
             s = replace(s, **{k: getattr(args, k)})
     if s.steps <= LAST:
-        raise SystemExit(f"--steps must exceed {LAST} (the loss is averaged over the last {LAST} steps)")
+        raise SystemExit(f"--steps must exceed {LAST} (the loss is averaged over the "
+                         f"last {LAST} steps)")
     return s
 
 
-def run(size: Size, contenders, *, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, seed=0, moment_step=50,
-        progress=True) -> dict:
+def run(size: Size, contenders, *, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, seed=0,
+        moment_step=50, progress=True) -> dict:
     """Train every contender on the same stream; return the figures (see module docstring)."""
     stream = MarkovStream(size.vocab, size.contexts, seed=seed + 1234)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -165,7 +169,8 @@ def run(size: Size, contenders, *, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay
         batches.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
         nlls.append(nll[:, 1:])
     floor = float(torch.stack(nlls).mean())
-    cfg = GPTConfig(vocab=size.vocab, seq=size.seq, n_layer=size.n_layer, n_head=size.n_head, d_model=size.d_model)
+    cfg = GPTConfig(vocab=size.vocab, seq=size.seq, n_layer=size.n_layer, n_head=size.n_head,
+                    d_model=size.d_model)
     torch.manual_seed(seed)
     init = GPT(cfg).state_dict()
     hyper = dict(lr=size.lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
@@ -191,7 +196,8 @@ def run(size: Size, contenders, *, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay
             except Exception as e:  # a peer that constructs but cannot step on this CPU
                 if step > 0 or r.name == "torch" or r.name in FORMATS:   # torch, offload
                     raise
-                skipped[r.name] = f"step failed on this machine ({type(e).__name__}: {str(e).splitlines()[0][:100]})"
+                skipped[r.name] = (f"step failed on this machine ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:100]})")
                 runs.remove(r)
                 continue
             if step + 1 in checkpoints:
@@ -206,8 +212,10 @@ def summarize(runs, skipped, size, floor, checkpoints, hyper) -> dict:
     rows = []
     for r in runs:
         last = sum(r.losses[-LAST:]) / LAST
-        row = dict(name=r.name, impl=implementation(r.name, r.opt), moments=CONTENDERS[r.name][1], last50=last,
-                   step_ms=median(r.step_s[5:] or r.step_s) * 1e3, iter_ms=median(r.iter_s[5:] or r.iter_s) * 1e3,
+        row = dict(name=r.name, impl=implementation(r.name, r.opt), moments=CONTENDERS[r.name][1],
+                   last50=last,
+                   step_ms=median(r.step_s[5:] or r.step_s) * 1e3,
+                   iter_ms=median(r.iter_s[5:] or r.iter_s) * 1e3,
                    compressed=compressed_fraction(r.opt, r.params), losses=r.losses, error={})
         for n in checkpoints:
             e = row["error"][n] = {}
@@ -227,10 +235,11 @@ def summarize(runs, skipped, size, floor, checkpoints, hyper) -> dict:
             lim = TARGETS[row["name"]]
             ok = row["ratio"] <= lim
             row["target"] = lim
-            targets.append(f"{'PASS' if ok else 'MISS'} {row['name']} moments: last-{LAST} loss {row['last50']:.5f} = "
-                           f"{row['ratio']:.5f} x fp32 ({base['last50']:.5f}; target <= {lim:.3f})")
-    return dict(size=asdict(size), floor=floor, hyper={**hyper, "betas": list(hyper["betas"])}, rows=rows,
-                skipped=skipped, checkpoints=checkpoints, targets=targets,
+            targets.append(f"{'PASS' if ok else 'MISS'} {row['name']} moments: last-{LAST} loss "
+                           f"{row['last50']:.5f} = {row['ratio']:.5f} x fp32 "
+                           f"({base['last50']:.5f}; target <= {lim:.3f})")
+    return dict(size=asdict(size), floor=floor, hyper={**hyper, "betas": list(hyper["betas"])},
+                rows=rows, skipped=skipped, checkpoints=checkpoints, targets=targets,
                 params=sum(p.numel() for p in runs[0].params) if runs else 0)
 
 
@@ -241,9 +250,12 @@ def _f(x, spec):
 def tables(out: dict) -> str:
     rows = out["rows"]
     lines = [format_table(
-        ["contender", "moments", f"loss last {LAST}", "vs fp32", "excess vs fp32", "opt.step ms", "iter ms"],
-        [[r["name"] + ": " + r["impl"], r["moments"], f"{r['last50']:.5f}", _f(r.get("ratio"), ".5f"),
-          _f(r.get("excess_ratio"), ".3f"), f"{r['step_ms']:.2f}", f"{r['iter_ms']:.1f}"] for r in rows])]
+        ["contender", "moments", f"loss last {LAST}", "vs fp32", "excess vs fp32", "opt.step ms",
+         "iter ms"],
+        [[r["name"] + ": " + r["impl"], r["moments"], f"{r['last50']:.5f}",
+          _f(r.get("ratio"), ".5f"),
+          _f(r.get("excess_ratio"), ".3f"), f"{r['step_ms']:.2f}", f"{r['iter_ms']:.1f}"]
+         for r in rows])]
     n0, n1 = out["checkpoints"][0], out["checkpoints"][-1]
     hdr = ["contender", "compressed"]
     if len(out["checkpoints"]) > 1:
@@ -258,8 +270,8 @@ def tables(out: dict) -> str:
         cells += [_f(e1.get("m_vs_fp32_run"), ".2e"), _f(e1.get("v_vs_fp32_run"), ".2e"),
                   _f(e1["m_vs_own_exact"], ".2e"), _f(e1["v_vs_own_exact"], ".2e")]
         body.append(cells)
-    lines += ["", "relative L2 error of the moments over all parameters ('exact own' = fp32 moments of the "
-              "contender's own gradients):", format_table(hdr, body)]
+    lines += ["", "relative L2 error of the moments over all parameters ('exact own' = fp32 "
+                  "moments of the contender's own gradients):", format_table(hdr, body)]
     return "\n".join(lines)
 
 
@@ -271,18 +283,21 @@ def plot(path: str, out: dict) -> None:
     except ImportError:
         print("--plot needs matplotlib (pip install 'offload[bench]')")
         return
-    fig, (ax, dx) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw=dict(height_ratios=[3, 2]))
+    fig, (ax, dx) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
+                                 gridspec_kw=dict(height_ratios=[3, 2]))
     base = next((r["losses"] for r in out["rows"] if r["name"] == BASELINE), None)
 
     def smooth(ls, w):
-        return [sum(ls[max(0, i - w + 1):i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(ls))]
+        return [sum(ls[max(0, i - w + 1):i + 1]) / (i + 1 - max(0, i - w + 1))
+                for i in range(len(ls))]
 
     for r in out["rows"]:
         ls = r["losses"]
         steps = range(1, len(ls) + 1)
         ax.plot(steps, smooth(ls, 10), label=f"{r['name']} ({r['last50']:.4f})", lw=1.2)
         if base is not None:
-            dx.plot(steps, smooth([100 * (a / b - 1) for a, b in zip(ls, base)], 25), label=r["name"], lw=1.2)
+            dx.plot(steps, smooth([100 * (a / b - 1) for a, b in zip(ls, base)], 25),
+                    label=r["name"], lw=1.2)
     ax.axhline(out["floor"], color="k", ls=":", lw=1, label=f"entropy floor {out['floor']:.3f}")
     ax.set_ylabel("training loss (moving mean of 10)")
     ax.set_yscale("log")
@@ -305,19 +320,23 @@ def main(args) -> int:
     names = [c.strip() for c in args.contenders.split(",") if c.strip()]
     unknown = sorted(set(names) - set(CONTENDERS))
     if unknown:
-        raise SystemExit(f"--contenders: unknown {', '.join(unknown)} (choose from {','.join(CONTENDERS)})")
+        raise SystemExit(f"--contenders: unknown {', '.join(unknown)} (choose from "
+                         f"{','.join(CONTENDERS)})")
     size = build_size(args)
     info = offload.build_info()
-    print(f"CPU: {cpu_model()}  |  kernel ISA: {info['isa']} (available: {', '.join(info['available_isas'])})"
-          f"  |  torch threads {torch.get_num_threads()}, offload threads {offload.kernels.get_num_threads()}")
-    out = run(size, names, beta1=args.beta1, beta2=args.beta2, weight_decay=args.weight_decay, seed=args.seed,
-              moment_step=args.moment_step, progress=not args.no_progress)
+    print(f"CPU: {cpu_model()}  |  kernel ISA: {info['isa']} (available: "
+          f"{', '.join(info['available_isas'])})  |  torch threads {torch.get_num_threads()}, "
+          f"offload threads {offload.kernels.get_num_threads()}")
+    out = run(size, names, beta1=args.beta1, beta2=args.beta2, weight_decay=args.weight_decay,
+              seed=args.seed, moment_step=args.moment_step, progress=not args.no_progress)
     s = out["size"]
-    print(f"GPT {out['params'] / 1e3:.0f}K params (d_model {s['d_model']}, {s['n_layer']} layers, {s['n_head']} heads, "
-          f"vocab {s['vocab']}, seq {s['seq']}), batch {s['batch']}, {s['steps']} steps, lr {s['lr']:g} "
-          f"(warm-up {s['warmup']}, cosine to 10%), betas {tuple(out['hyper']['betas'])}, wd {args.weight_decay}")
-    print(f"stream: order-2 Markov, {s['contexts']} contexts x 8 successors; entropy floor {out['floor']:.4f} nats "
-          f"(uniform {math.log(s['vocab']):.4f}); 'excess' = (loss - floor) / (fp32 loss - floor)")
+    print(f"GPT {out['params'] / 1e3:.0f}K params (d_model {s['d_model']}, {s['n_layer']} layers, "
+          f"{s['n_head']} heads, vocab {s['vocab']}, seq {s['seq']}), batch {s['batch']}, "
+          f"{s['steps']} steps, lr {s['lr']:g} (warm-up {s['warmup']}, cosine to 10%), betas "
+          f"{tuple(out['hyper']['betas'])}, wd {args.weight_decay}")
+    print(f"stream: order-2 Markov, {s['contexts']} contexts x 8 successors; entropy floor "
+          f"{out['floor']:.4f} nats (uniform {math.log(s['vocab']):.4f}); 'excess' = (loss - "
+          "floor) / (fp32 loss - floor)")
     for name, why in out["skipped"].items():
         print(f"skipped {name}: {why}")
     print(tables(out))
@@ -331,15 +350,20 @@ def main(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("fidelity", help="training loss with fp32 / bf16 / 8-bit Adam moments vs torch and peers",
+    p = sub.add_parser("fidelity", help="training loss with fp32 / bf16 / 8-bit Adam moments vs "
+                                        "torch and peers",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the test-sized run (300 steps of a 2-layer d=64 model)")
+    p.add_argument("--quick", action="store_true",
+                   help="the test-sized run (300 steps of a 2-layer d=64 model)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="use the GPT preset of 'bench train' (e.g. small) instead of the fidelity model")
-    p.add_argument("--contenders", default=",".join(CONTENDERS), help=f"subset of {','.join(CONTENDERS)}")
+                   help="use the GPT preset of 'bench train' (e.g. small) instead of "
+                        "the fidelity model")
+    p.add_argument("--contenders", default=",".join(CONTENDERS),
+                   help=f"subset of {','.join(CONTENDERS)}")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the size's / preset's)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="sequence length (default: the size's / preset's)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--beta1", type=float, default=0.9)
@@ -348,7 +372,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--moment-step", dest="moment_step", type=int, default=50,
                    help="also compare the moments after this many steps (and always at the end)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.add_argument("--plot", metavar="PATH", help="loss curves as a PNG (needs matplotlib)")

@@ -1,4 +1,5 @@
-"""bench/fidelity_optim.py: the optimizers ``python -m offload.bench fidelity`` compares, and how to read their moments.
+"""bench/fidelity_optim.py: the optimizers ``python -m offload.bench fidelity`` compares, and how
+to read their moments.
 
 Contenders (``CONTENDERS``): torch.optim.AdamW (reference), offload fp32/bf16/8bit moments,
 torchao's and bitsandbytes' AdamW8bit (when importable and runnable on this CPU). Each factory
@@ -19,14 +20,16 @@ import offload
 from offload import kernels
 from offload.moments.format import FORMATS, moment_format
 
-__all__ = ["Skip", "KernelMomentsAdamW", "CONTENDERS", "make_optimizer", "read_moments", "set_lr", "StochasticBf16AdamW",
-           "offload_has_moments", "compressed_fraction", "implementation"]
+__all__ = ["Skip", "KernelMomentsAdamW", "CONTENDERS", "make_optimizer", "read_moments", "set_lr",
+           "StochasticBf16AdamW", "offload_has_moments", "compressed_fraction", "implementation"]
 
-MIN_8BIT_SIZE = 4096  # parameters with fewer elements keep fp32 moments (bitsandbytes' min_8bit_size)
+# parameters with fewer elements keep fp32 moments (bitsandbytes' min_8bit_size)
+MIN_8BIT_SIZE = 4096
 
 
 class Skip(Exception):
-    """A contender that cannot run here (not importable, not supported on CPU); str() is the reason."""
+    """A contender that cannot run here (not importable, not supported on CPU); str() is the
+    reason."""
 
 
 class KernelMomentsAdamW(torch.optim.Optimizer):
@@ -34,14 +37,16 @@ class KernelMomentsAdamW(torch.optim.Optimizer):
 
     fp32 master weights (the parameters themselves, fp32), moments as made by
     ``offload.kernels.moment_state(numel, fmt)``; parameters under ``min_size`` elements keep fp32
-    moments (as ``offload.AdamW(moments_min_size=4096)``). Every step validates and calls the kernel
-    once per group and kind, so its step time includes that validation (not the wired optimizer's).
+    moments (as ``offload.AdamW(moments_min_size=4096)``). Every step validates and calls the
+    kernel once per group and kind, so its step time includes that validation (not the wired
+    optimizer's).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, moments="8bit",
-                 min_size=MIN_8BIT_SIZE):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
+                 moments="8bit", min_size=MIN_8BIT_SIZE):
         if moments not in kernels.MOMENT_FORMATS:
-            raise ValueError(f"moments must be one of {', '.join(kernels.MOMENT_FORMATS)}, got {moments!r}")
+            raise ValueError(f"moments must be one of {', '.join(kernels.MOMENT_FORMATS)}, "
+                             f"got {moments!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.fmt = moments
         self.min_size = min_size
@@ -85,8 +90,10 @@ class KernelMomentsAdamW(torch.optim.Optimizer):
                     m_scales=[s["exp_avg_scale"] for _, s in comp] if q8 else None,
                     v_scales=[s["exp_avg_sq_scale"] for _, s in comp] if q8 else None, **hyper)
             if plain:
-                kernels.adam_step([p.view(-1) for p, _ in plain], [p.grad.contiguous().view(-1) for p, _ in plain],
-                                  [s["exp_avg"] for _, s in plain], [s["exp_avg_sq"] for _, s in plain], None,
+                kernels.adam_step([p.view(-1) for p, _ in plain],
+                                  [p.grad.contiguous().view(-1) for p, _ in plain],
+                                  [s["exp_avg"] for _, s in plain],
+                                  [s["exp_avg_sq"] for _, s in plain], None,
                                   [s["step"] for _, s in plain], **hyper)
         return loss
 
@@ -96,8 +103,8 @@ class KernelMomentsAdamW(torch.optim.Optimizer):
             return torch.zeros_like(p), torch.zeros_like(p)
         if not self.compressed(p):
             return st["exp_avg"].view_as(p), st["exp_avg_sq"].view_as(p)
-        m, v = kernels.decode_moments(st["exp_avg"], st["exp_avg_sq"], self.fmt, st.get("exp_avg_scale"),
-                                      st.get("exp_avg_sq_scale"))
+        m, v = kernels.decode_moments(st["exp_avg"], st["exp_avg_sq"], self.fmt,
+                                      st.get("exp_avg_scale"), st.get("exp_avg_sq_scale"))
         return m.view_as(p), v.view_as(p)
 
 
@@ -108,8 +115,8 @@ class StochasticBf16AdamW(torch.optim.Optimizer):
     stochastic rounding measurably helps bf16 moments; ``rounding="nearest"`` is the same emulation
     with round-to-nearest-even (it should track the kernel's bf16 closely)."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, rounding="stochastic",
-                 min_size=MIN_8BIT_SIZE, seed=0):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
+                 rounding="stochastic", min_size=MIN_8BIT_SIZE, seed=0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.rounding, self.min_size = rounding, min_size
         self.gen = torch.Generator().manual_seed(seed)
@@ -120,8 +127,10 @@ class StochasticBf16AdamW(torch.optim.Optimizer):
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
         if self.rounding == "nearest":
             return x.to(torch.bfloat16)
-        bits = x.view(torch.int32) + torch.randint(0, 1 << 16, x.shape, generator=self.gen, dtype=torch.int32)
-        return (bits & -65536).view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
+        bits = x.view(torch.int32) + torch.randint(0, 1 << 16, x.shape, generator=self.gen,
+                                                   dtype=torch.int32)
+        # exact: the low 16 bits are zero
+        return (bits & -65536).view(torch.float32).to(torch.bfloat16)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -135,7 +144,8 @@ class StochasticBf16AdamW(torch.optim.Optimizer):
                 st = self.state[p]
                 if not st:
                     dt = torch.bfloat16 if self.compressed(p) else torch.float32
-                    st.update(step=0, exp_avg=torch.zeros_like(p, dtype=dt), exp_avg_sq=torch.zeros_like(p, dtype=dt))
+                    st.update(step=0, exp_avg=torch.zeros_like(p, dtype=dt),
+                              exp_avg_sq=torch.zeros_like(p, dtype=dt))
                 st["step"] += 1
                 t = st["step"]
                 m, v = st["exp_avg"].float(), st["exp_avg_sq"].float()
@@ -155,7 +165,8 @@ _HAS_MOMENTS = None
 
 
 def offload_has_moments() -> bool:
-    """Whether this build's ``offload.AdamW`` takes ``moments=`` (tried once on a dummy parameter)."""
+    """Whether this build's ``offload.AdamW`` takes ``moments=`` (tried once on a dummy
+    parameter)."""
     global _HAS_MOMENTS
     if _HAS_MOMENTS is None:
         try:
@@ -169,7 +180,8 @@ def offload_has_moments() -> bool:
 
 
 def _torch(groups, h):
-    return torch.optim.AdamW(groups, lr=h["lr"], betas=h["betas"], eps=h["eps"], weight_decay=h["weight_decay"])
+    return torch.optim.AdamW(groups, lr=h["lr"], betas=h["betas"], eps=h["eps"],
+                             weight_decay=h["weight_decay"])
 
 
 def _offload(fmt):
@@ -188,15 +200,18 @@ def _torchao(groups, h):
         from torchao.optim import AdamW8bit
     except Exception as e:  # ImportError, or a torchao build that does not match this torch
         raise Skip(f"torchao not importable ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
-    return AdamW8bit(groups, lr=h["lr"], betas=h["betas"], eps=h["eps"], weight_decay=h["weight_decay"])
+    return AdamW8bit(groups, lr=h["lr"], betas=h["betas"], eps=h["eps"],
+                     weight_decay=h["weight_decay"])
 
 
 def _bnb(groups, h):
     try:
         from bitsandbytes.optim import AdamW8bit
     except Exception as e:
-        raise Skip(f"bitsandbytes not importable ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
-    return AdamW8bit(groups, lr=h["lr"], betas=h["betas"], eps=h["eps"], weight_decay=h["weight_decay"])
+        raise Skip(f"bitsandbytes not importable ({type(e).__name__}: "
+                   f"{str(e).splitlines()[0][:80]})")
+    return AdamW8bit(groups, lr=h["lr"], betas=h["betas"], eps=h["eps"],
+                     weight_decay=h["weight_decay"])
 
 
 # name -> (factory, moments format label, what it is); offload's own are named after their format
@@ -221,7 +236,8 @@ def make_optimizer(name: str, groups, hyper: dict):
     except Skip:
         raise
     except Exception as e:  # e.g. a peer without a CPU implementation
-        raise Skip(f"cannot construct on this machine ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
+        raise Skip(f"cannot construct on this machine ({type(e).__name__}: "
+                   f"{str(e).splitlines()[0][:100]})")
 
 
 def implementation(name: str, opt) -> str:
@@ -238,7 +254,8 @@ def compressed_fraction(opt, params):
         return sum(p.numel() for p in params if opt.compressed(p)) / total
     if isinstance(opt, torch.optim.AdamW):
         return 0.0
-    if isinstance(opt, offload.AdamW):  # its documented rule: tensors under moments_min_size keep fp32 moments
+    # its documented rule: tensors under moments_min_size keep fp32 moments
+    if isinstance(opt, offload.AdamW):
         if not moment_format(getattr(opt, "moments", "fp32")).compressed:
             return 0.0
         return sum(p.numel() for p in params if p.numel() >= max(1, opt.moments_min_size)) / total
@@ -258,7 +275,8 @@ def compressed_fraction(opt, params):
 
 def set_lr(opt, lr: float) -> None:
     for g in opt.param_groups:
-        if isinstance(g["lr"], torch.Tensor):  # torchao keeps lr as a tensor (it must be filled, not replaced)
+        # torchao keeps lr as a tensor (it must be filled, not replaced)
+        if isinstance(g["lr"], torch.Tensor):
             g["lr"].fill_(lr)
         else:
             g["lr"] = lr
@@ -268,15 +286,18 @@ def _bnb_decode(st, key: str, p):
     import bitsandbytes.functional as F
     x = st[f"state{key}"]
     if x.dtype == torch.uint8:
-        x = F.dequantize_blockwise(x, absmax=st[f"absmax{key}"], code=st[f"qmap{key}"], blocksize=256)
+        x = F.dequantize_blockwise(x, absmax=st[f"absmax{key}"], code=st[f"qmap{key}"],
+                                   blocksize=256)
     return x.float().view_as(p).clone()  # a non-quantized state1 is the live tensor: copy it
 
 
 def read_moments(opt, params) -> list:
-    """[(exp_avg, exp_avg_sq)] as fp32 tensors shaped like each parameter (zeros before the first step)."""
+    """[(exp_avg, exp_avg_sq)] as fp32 tensors shaped like each parameter (zeros before the first
+    step)."""
     if isinstance(opt, KernelMomentsAdamW):
         return [tuple(t.clone() for t in opt.decoded_moments(p)) for p in params]
-    if isinstance(opt, offload.AdamW):  # torch's keys; compressed moments exported dequantized to fp32
+    # torch's keys; compressed moments exported dequantized to fp32
+    if isinstance(opt, offload.AdamW):
         sd = opt.state_dict()["state"]
         out = []
         for i, p in enumerate(params):
@@ -295,7 +316,8 @@ def read_moments(opt, params) -> list:
             t = st.get(k)
             if t is None:
                 pair.append(torch.zeros_like(p))
-            elif hasattr(t, "dequantize") and not isinstance(t, torch.nn.Parameter) and type(t) is not torch.Tensor:
+            elif (hasattr(t, "dequantize") and not isinstance(t, torch.nn.Parameter)
+                  and type(t) is not torch.Tensor):
                 pair.append(t.dequantize().float().view_as(p))  # torchao's OptimState8bit
             else:
                 pair.append(t.detach().float().view_as(p).clone())

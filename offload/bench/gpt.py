@@ -1,4 +1,5 @@
-"""bench/gpt.py: a small GPT-style language model (no downloads) for the train benchmark and gpu_check.
+"""bench/gpt.py: a small GPT-style language model (no downloads) for the train benchmark and
+gpu_check.
 
 Token + position embeddings, pre-norm transformer blocks (causal self-attention, GELU MLP), final
 LayerNorm, output head tied to the token embedding (``F.linear(x, wte.weight)``), cross-entropy
@@ -31,7 +32,8 @@ PRESETS = {
     "small": GPTConfig(vocab=4096, seq=128, n_layer=4, n_head=4, d_model=256),
     "125m": GPTConfig(vocab=50304, seq=512, n_layer=12, n_head=12, d_model=768),
     "350m": GPTConfig(vocab=50304, seq=512, n_layer=24, n_head=16, d_model=1024),
-    # 4.23B: fp32 weights, gradients and Adam moments (68 GB) do not fit next to activations on an 80 GB GPU
+    # 4.23B: fp32 weights, gradients and Adam moments (68 GB) do not fit next to activations on an
+    # 80 GB GPU
     "4b": GPTConfig(vocab=50304, seq=512, n_layer=20, n_head=32, d_model=4096),
 }
 
@@ -41,7 +43,8 @@ class Block(nn.Module):
         super().__init__()
         self.n_head = c.n_head
         self.ln1 = nn.LayerNorm(c.d_model)
-        self.qkv = nn.Linear(c.d_model, 3 * c.d_model, bias=False)  # a key bias gets only rounding noise
+        # a key bias gets only rounding noise
+        self.qkv = nn.Linear(c.d_model, 3 * c.d_model, bias=False)
         self.proj = nn.Linear(c.d_model, c.d_model)
         self.ln2 = nn.LayerNorm(c.d_model)
         self.fc = nn.Linear(c.d_model, 4 * c.d_model)
@@ -66,7 +69,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(c.d_model)
         for name, p in self.named_parameters():
             if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * c.n_layer) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                std = (0.02 / math.sqrt(2 * c.n_layer)
+                       if name.endswith(("proj.weight", "out.weight")) else 0.02)
                 nn.init.normal_(p, std=std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
@@ -80,7 +84,8 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def param_groups(model: nn.Module, weight_decay: float = 0.1, lr_scale_no_decay: float = 1.0, lr=None):
+def param_groups(model: nn.Module, weight_decay: float = 0.1, lr_scale_no_decay: float = 1.0,
+                 lr=None):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     g2 = {"params": no_decay, "weight_decay": 0.0}

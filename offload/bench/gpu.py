@@ -1,14 +1,15 @@
-"""bench/gpu.py: ``python -m offload.bench gpu`` - every way to train a GPT whose Adam state does not stay
-on the GPU, side by side on one GPU: forward + backward alone, torch's fused AdamW on the GPU, offload
-in its schedules, DeepSpeed ZeRO-Offload (ZeRO-2, Twin-Flow, ZenFlow), torchao's CPUOffloadOptimizer
-and FSDP2's CPUOffloadPolicy.
+"""bench/gpu.py: ``python -m offload.bench gpu`` - every way to train a GPT whose Adam state does
+not stay on the GPU, side by side on one GPU: forward + backward alone, torch's fused AdamW on the
+GPU, offload in its schedules, DeepSpeed ZeRO-Offload (ZeRO-2, Twin-Flow, ZenFlow), torchao's
+CPUOffloadOptimizer and FSDP2's CPUOffloadPolicy.
 
-Each row runs in a process of its own (offload/bench/gpu_child.py) with its own timeout, in priority
-order, until a global time budget is spent; each result is appended to ``gpu_bench.jsonl`` as it comes
-(one JSON line per row), and a markdown table (``gpu_bench.md``) is written and printed at the end. The
-loss of iteration 0 must be the same in every row: every row starts from the same bf16 weights, and a
-different first loss means a row trains something else. With ``--device cpu`` the rows run on a tiny
-model on the CPU (offload through its fake device) to check their plumbing; the times mean nothing there.
+Each row runs in a process of its own (offload/bench/gpu_child.py) with its own timeout, in
+priority order, until a global time budget is spent; each result is appended to ``gpu_bench.jsonl``
+as it comes (one JSON line per row), and a markdown table (``gpu_bench.md``) is written and printed
+at the end. The loss of iteration 0 must be the same in every row: every row starts from the same
+bf16 weights, and a different first loss means a row trains something else. With ``--device cpu``
+the rows run on a tiny model on the CPU (offload through its fake device) to check their plumbing;
+the times mean nothing there.
 """
 from __future__ import annotations
 
@@ -22,16 +23,19 @@ import time
 
 from .gpu_table import markdown, targets
 
-QUESTION = ("How long is a training iteration of a GPT on one GPU with its Adam state on the host, with offload "
-            "and with each peer, against forward + backward alone?")
+QUESTION = ("How long is a training iteration of a GPT on one GPU with its Adam state on the "
+            "host, with offload and with each peer, against forward + backward alone?")
 
 # (size, row) in the order they run; the budget cuts the tail
-PRIORITY = [("350m", r) for r in ("baseline", "offload", "offload_clip", "offload_host", "offload_delayed",
+PRIORITY = [("350m", r) for r in ("baseline", "offload", "offload_clip", "offload_host",
+                                  "offload_delayed",
                                   "deepspeed_zero2", "torchao", "torch_fused")] + \
-           [("4b", r) for r in ("baseline", "offload", "deepspeed_zero2", "torchao", "torch_fused")] + \
-           [("350m", r) for r in ("fsdp2_torch", "fsdp2_offload", "offload_8bit", "deepspeed_twinflow",
-                                  "deepspeed_zenflow")] + \
-           [("4b", r) for r in ("offload_clip", "offload_host", "offload_delayed", "offload_8bit", "fsdp2_torch",
+           [("4b", r) for r in ("baseline", "offload", "deepspeed_zero2", "torchao",
+                                "torch_fused")] + \
+           [("350m", r) for r in ("fsdp2_torch", "fsdp2_offload", "offload_8bit",
+                                  "deepspeed_twinflow", "deepspeed_zenflow")] + \
+           [("4b", r) for r in ("offload_clip", "offload_host", "offload_delayed", "offload_8bit",
+                                "fsdp2_torch",
                                 "fsdp2_offload", "deepspeed_twinflow", "deepspeed_zenflow")]
 BATCH = {"350m": 16, "4b": 8, "tiny": 2, "small": 4}
 ITERS = {"350m": (3, 8), "4b": (2, 4), "tiny": (1, 3), "small": (1, 3)}   # warm-up, timed
@@ -40,7 +44,8 @@ MIN_ROW_S = 20   # a row is not started with less than this left of the budget
 
 
 def plan(args) -> list:
-    sizes = args.sizes.split(",") if args.sizes else (["350m", "4b"] if args.device == "cuda" else ["tiny"])
+    sizes = args.sizes.split(",") if args.sizes else (["350m", "4b"] if args.device == "cuda"
+                                                      else ["tiny"])
     wanted = args.rows.split(",") if args.rows else None
     from .gpu_child import all_rows
     known = all_rows()
@@ -48,9 +53,11 @@ def plan(args) -> list:
     if bad:
         raise SystemExit(f"--rows: unknown row(s) {', '.join(bad)}; known: {', '.join(known)}")
     order = [(s, r) for s, r in PRIORITY if s in sizes] + \
-            [(s, r) for s in sizes if s not in {x for x, _ in PRIORITY} for r in dict.fromkeys(r for _, r in PRIORITY)]
+            [(s, r) for s in sizes if s not in {x for x, _ in PRIORITY}
+             for r in dict.fromkeys(r for _, r in PRIORITY)]
     order = [(s, r) for s, r in order if wanted is None or r in wanted]
-    if wanted:   # rows named on the command line that the priority list does not hold still run, last
+    # rows named on the command line that the priority list does not hold still run, last
+    if wanted:
         order += [(s, r) for s in sizes for r in wanted if (s, r) not in order]
     return [(s, known[r]) for s, r in order]
 
@@ -67,15 +74,19 @@ def _skip_reason(row, args) -> str:
 
 def run_row(size: str, row, args, timeout: float) -> dict:
     warmup, iters = ITERS.get(size, (1, 3))
-    cmd = [sys.executable, "-m", "offload.bench.gpu_child", row.name, "--size", size, "--device", args.device,
-           "--batch", str(args.batch or BATCH.get(size, 4)), "--warmup", str(args.warmup or warmup),
-           "--iters", str(args.iters or iters)]
+    cmd = [sys.executable, "-m", "offload.bench.gpu_child", row.name, "--size", size, "--device",
+           args.device,
+           "--batch", str(args.batch or BATCH.get(size, 4)), "--warmup",
+           str(args.warmup or warmup), "--iters", str(args.iters or iters)]
     if args.bucket_mb is not None:
         cmd += ["--bucket-mb", str(args.bucket_mb)]
-    log = open(os.path.join(args.out, f"row-{size}-{row.name}.log"), "w") if args.keep_logs else subprocess.DEVNULL
+    log = open(os.path.join(args.out, f"row-{size}-{row.name}.log"),
+               "w") if args.keep_logs else subprocess.DEVNULL
     t0 = time.perf_counter()
-    # a session of its own: a peer's helper processes (ZenFlow's optimizer process) end with the row
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    # a session of its own: a peer's helper processes (ZenFlow's optimizer process) end with the
+    # row
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                            start_new_session=True)
     try:
         stdout, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -84,7 +95,8 @@ def run_row(size: str, row, args, timeout: float) -> dict:
     else:
         lines = [ln for ln in stdout.splitlines() if ln.startswith("GPU_BENCH_ROW ")]
         out = json.loads(lines[-1][len("GPU_BENCH_ROW "):]) if lines else \
-            {"row": row.name, "size": size, "error": f"the row's process exited with {proc.returncode} and no result"}
+            {"row": row.name, "size": size, "error": "the row's process exited with "
+                                                     f"{proc.returncode} and no result"}
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -127,11 +139,12 @@ def _header(args) -> dict:
 
 
 def _prebuild_deepspeed(args):
-    """DeepSpeed JIT-builds its CPU Adam at first use (tens of seconds): built once, beside the baseline
-    row, into torch's extension cache (TORCH_EXTENSIONS_DIR), which every DeepSpeed row then reuses."""
+    """DeepSpeed JIT-builds its CPU Adam at first use (tens of seconds): built once, beside the
+    baseline row, into torch's extension cache (TORCH_EXTENSIONS_DIR), which every DeepSpeed row
+    then reuses."""
     code = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def run(args) -> list:
@@ -142,7 +155,8 @@ def run(args) -> list:
     start = time.perf_counter()
     order = plan(args)
     build = None
-    if not args.no_prebuild and any(r.needs == ("deepspeed",) and not _skip_reason(r, args) for _, r in order):
+    if not args.no_prebuild and any(r.needs == ("deepspeed",) and not _skip_reason(r, args)
+                                    for _, r in order):
         build = _prebuild_deepspeed(args)
     results = []
     for size, row in order:
@@ -179,19 +193,24 @@ def _progress_line(res: dict) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                   help="cuda (default when present) or cpu: a tiny model, to check every row's plumbing")
-    p.add_argument("--sizes", default=None, help="GPT presets, comma-separated (default: 350m,4b on CUDA, tiny on CPU)")
-    p.add_argument("--rows", default=None, help="rows to run, comma-separated (default: all, in priority order)")
+                   help="cuda (default when present) or cpu: a tiny model, to check "
+                        "every row's plumbing")
+    p.add_argument("--sizes", default=None,
+                   help="GPT presets, comma-separated (default: 350m,4b on CUDA, tiny on CPU)")
+    p.add_argument("--rows", default=None,
+                   help="rows to run, comma-separated (default: all, in priority order)")
     p.add_argument("--budget-s", dest="budget_s", type=float, default=420.0,
                    help="stop starting rows once this many seconds are spent (default 420)")
     p.add_argument("--out", default=None, help="folder for gpu_bench.jsonl and gpu_bench.md "
                    "(default: $OUT when set, else ./bench-results)")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default: 16 at 350m, 8 at 4b)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="batch size (default: 16 at 350m, 8 at 4b)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--bucket-mb", dest="bucket_mb", type=float, default=None,
                    help="offload's bucket_mb (default: offload's own default)")
-    p.add_argument("--keep-logs", dest="keep_logs", action="store_true", help="keep each row's stderr in --out")
+    p.add_argument("--keep-logs", dest="keep_logs", action="store_true",
+                   help="keep each row's stderr in --out")
     p.add_argument("--no-prebuild", dest="no_prebuild", action="store_true",
                    help="do not build DeepSpeed's CPU Adam before its rows")
 
@@ -211,7 +230,9 @@ def _cmd(args) -> int:
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("gpu", help="one GPU: offload vs DeepSpeed, torchao, FSDP2 offload, per iteration",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser("gpu", help="one GPU: offload vs DeepSpeed, torchao, FSDP2 "
+                                          "offload, per iteration",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=_cmd)

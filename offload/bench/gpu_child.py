@@ -1,9 +1,9 @@
 """bench/gpu_child.py: times one row of ``python -m offload.bench gpu`` in a process of its own.
 
-``measure`` builds the model, hands it to the row's builder (offload/bench/gpu_rows.py, gpu_peers.py),
-runs warm-up and timed iterations and returns one JSON-able dict: wall and CUDA-event times per
-iteration, the loss of every iteration, GPU peak memory, the host's peak RSS (with child processes),
-setup time and thread counts. The parent (offload/bench/gpu.py) starts
+``measure`` builds the model, hands it to the row's builder (offload/bench/gpu_rows.py,
+gpu_peers.py), runs warm-up and timed iterations and returns one JSON-able dict: wall and
+CUDA-event times per iteration, the loss of every iteration, GPU peak memory, the host's peak RSS
+(with child processes), setup time and thread counts. The parent (offload/bench/gpu.py) starts
 ``python -m offload.bench.gpu_child ROW --size ...`` once per row and reads the line it prints.
 """
 from __future__ import annotations
@@ -49,9 +49,9 @@ def _peak_rss_with_children() -> int:
 
 
 def _model(setup: Setup):
-    """The GPT in fp32, its weights rounded to bf16 values: every row starts from the same bf16 weights
-    and the same fp32 master (a row that keeps the master in fp32 would otherwise start from other
-    values than one that takes the bf16 weights as its master)."""
+    """The GPT in fp32, its weights rounded to bf16 values: every row starts from the same bf16
+    weights and the same fp32 master (a row that keeps the master in fp32 would otherwise start
+    from other values than one that takes the bf16 weights as its master)."""
     torch.manual_seed(0)
     if setup.cuda:
         with torch.device(setup.device):   # initialised on the GPU: seconds, not minutes, at 4B
@@ -123,15 +123,17 @@ def _rss_threads() -> int:
 
 
 def _per_iteration(setup: Setup, marks: list) -> dict:
-    """Median and mean of the per-iteration times between consecutive marks (CUDA events on the compute
-    stream, or the host clock on the CPU)."""
+    """Median and mean of the per-iteration times between consecutive marks (CUDA events on the
+    compute stream, or the host clock on the CPU)."""
     ms = [elapsed_ms(setup, a, b) for a, b in zip(marks, marks[1:])]
     key = "event" if setup.cuda else "host"
-    return {f"{key}_median_ms": statistics.median(ms), f"{key}_mean_ms": statistics.fmean(ms), "iter_ms": ms}
+    return {f"{key}_median_ms": statistics.median(ms), f"{key}_mean_ms": statistics.fmean(ms),
+            "iter_ms": ms}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m offload.bench.gpu_child", description="one row of the GPU bench")
+    p = argparse.ArgumentParser(prog="python -m offload.bench.gpu_child",
+                                description="one row of the GPU bench")
     p.add_argument("row")
     p.add_argument("--size", required=True, choices=sorted(PRESETS))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -148,7 +150,8 @@ def main(argv=None) -> int:
         traceback.print_exc()
         oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
         out = {"row": a.row, "size": a.size, "error": ("out of memory: " if oom else "") +
-               f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]}
+               f"{type(e).__name__}: "
+               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]}
         if setup.cuda:
             out["gpu_peak_gb"] = torch.cuda.max_memory_allocated(setup.device) / 1e9
     sys.stdout.flush()

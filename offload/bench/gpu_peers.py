@@ -1,9 +1,11 @@
-"""bench/gpu_peers.py: the peers' rows of ``python -m offload.bench gpu``, each configured as its own
-documentation says (DeepSpeed 0.19.8 ZeRO-2 with ``offload_optimizer: cpu``, Twin-Flow and ZenFlow,
-torchao's CPUOffloadOptimizer, FSDP2 with CPUOffloadPolicy under torch's fused AdamW or offload.AdamW).
+"""bench/gpu_peers.py: the peers' rows of ``python -m offload.bench gpu``, each configured as its
+own documentation says (DeepSpeed 0.19.8 ZeRO-2 with ``offload_optimizer: cpu``, Twin-Flow and
+ZenFlow, torchao's CPUOffloadOptimizer, FSDP2 with CPUOffloadPolicy under torch's fused AdamW or
+offload.AdamW).
 
-Each builder takes the fp32 model on the device and returns a Trainer (offload/bench/gpu_rows.py). Rows that need a
-process group (DeepSpeed, FSDP2) make one of world size 1 (NCCL on a GPU, gloo on the CPU) first.
+Each builder takes the fp32 model on the device and returns a Trainer (offload/bench/gpu_rows.py).
+Rows that need a process group (DeepSpeed, FSDP2) make one of world size 1 (NCCL on a GPU, gloo on
+the CPU) first.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ def _process_group(setup) -> None:
     dist.init_process_group("nccl" if setup.cuda else "gloo")
 
 
-# ----------------------------------------------------------------------------------------- DeepSpeed
+# -----------------------------------------------------------------------------------------
+# DeepSpeed
 def _ds_config(setup, zero: dict) -> dict:
     return {"train_micro_batch_size_per_gpu": setup.batch, "gradient_accumulation_steps": 1,
             "bf16": {"enabled": True}, "gradient_clipping": 0.0,
@@ -47,7 +50,8 @@ def _ds_config(setup, zero: dict) -> dict:
 ZERO2 = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 5e8,
          "allgather_bucket_size": 5e8, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
 TWIN_FLOW = {"stage": 3, "offload_param": {"device": "none"}, "sub_group_size": 5e7,
-             "stage3_param_persistence_threshold": 1e9, "overlap_comm": True, "contiguous_gradients": True,
+             "stage3_param_persistence_threshold": 1e9, "overlap_comm": True,
+             "contiguous_gradients": True,
              "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": 0.5}}
 ZEN_FLOW = dict(ZERO2, zenflow={"topk_ratio": 0.1, "update_interval": 4, "overlap_step": True})
 
@@ -67,7 +71,8 @@ def deepspeed_row(zero: dict):
     def build(setup, model):
         _process_group(setup)
         import deepspeed
-        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.1),
+        engine, opt, _, _ = deepspeed.initialize(model=model,
+                                                 model_parameters=param_groups(model, 0.1),
                                                  config=_ds_config(setup, zero))
 
         class DSTrainer(Trainer):
@@ -86,7 +91,8 @@ def deepspeed_row(zero: dict):
     return build
 
 
-# -------------------------------------------------------------------------------------------- torchao
+# --------------------------------------------------------------------------------------------
+# torchao
 def _torchao(setup, model):
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     from torchao.optim import CPUOffloadOptimizer
@@ -96,7 +102,8 @@ def _torchao(setup, model):
     return Trainer(model, opt)
 
 
-# ---------------------------------------------------------------------------------------------- FSDP2
+# ----------------------------------------------------------------------------------------------
+# FSDP2
 def _fully_shard_all(model, **kw):
     from torch.distributed.fsdp import fully_shard
     for blk in model.blocks:
@@ -111,23 +118,25 @@ def _fsdp2_torch(setup, model):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
     _process_group(setup)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = _fully_shard_all(model, offload_policy=CPUOffloadPolicy(pin_memory=setup.cuda), mp_policy=mp)
+    model = _fully_shard_all(model, offload_policy=CPUOffloadPolicy(pin_memory=setup.cuda),
+                             mp_policy=mp)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=setup.lr, fused=True)
     return Trainer(model, opt)
 
 
 def _fsdp2_offload(setup, model):
-    """The same FSDP2 CPUOffloadPolicy model in bf16, with offload.AdamW on its host shards (offload keeps
-    the fp32 master and steps in its host mode)."""
+    """The same FSDP2 CPUOffloadPolicy model in bf16, with offload.AdamW on its host shards
+    (offload keeps the fp32 master and steps in its host mode)."""
     import offload
     from torch.distributed.fsdp import CPUOffloadPolicy
     _process_group(setup)
-    model = _fully_shard_all(model.to(torch.bfloat16), offload_policy=CPUOffloadPolicy(pin_memory=setup.cuda))
+    model = _fully_shard_all(model.to(torch.bfloat16),
+                             offload_policy=CPUOffloadPolicy(pin_memory=setup.cuda))
     groups = param_groups(model, 0.1)
     where = {p.device.type for g in groups for p in g["params"]}
     if where != {"cpu"}:
-        raise RuntimeError(f"FSDP2 CPUOffloadPolicy left parameters on {sorted(where)}: offload would step "
-                           "them in its device mode")
+        raise RuntimeError(f"FSDP2 CPUOffloadPolicy left parameters on {sorted(where)}: offload "
+                           "would step them in its device mode")
     opt = offload.AdamW(groups, lr=setup.lr)
     threads = {"offload": opt.kernel_threads or offload.kernels.get_num_threads()}
     return Trainer(model, opt, close=opt.close, threads=threads)
@@ -137,15 +146,17 @@ def rows() -> list:
     """The peers' rows."""
     ds = ("deepspeed",)
     return [
-        Row("deepspeed_zero2", "DeepSpeed ZeRO-2, offload_optimizer cpu", deepspeed_row(ZERO2), needs=ds,
-            note="fp32 gradients to the host; the whole CPU Adam inside step()"),
+        Row("deepspeed_zero2", "DeepSpeed ZeRO-2, offload_optimizer cpu", deepspeed_row(ZERO2),
+            needs=ds, note="fp32 gradients to the host; the whole CPU Adam inside step()"),
         Row("torchao", "torchao CPUOffloadOptimizer", _torchao, needs=("torchao",), cuda_only=True,
             note="bf16 state, no fp32 master; no clipping"),
         Row("fsdp2_torch", "FSDP2 CPUOffloadPolicy + torch AdamW(fused)", _fsdp2_torch),
-        Row("fsdp2_offload", "FSDP2 CPUOffloadPolicy + offload.AdamW", _fsdp2_offload, offload=True),
-        Row("deepspeed_twinflow", "DeepSpeed Twin-Flow (ZeRO-3, ratio 0.5)", deepspeed_row(TWIN_FLOW), needs=ds,
-            note="ratio set by hand"),
-        Row("deepspeed_zenflow", "DeepSpeed ZenFlow (timed only)", deepspeed_row(ZEN_FLOW), needs=ds,
-            note="timings only: not Adam every step, and DeepSpeed 0.19.8 transposes 2-D weights at "
-                 "initialize, so its losses are not comparable"),
+        Row("fsdp2_offload", "FSDP2 CPUOffloadPolicy + offload.AdamW", _fsdp2_offload,
+            offload=True),
+        Row("deepspeed_twinflow", "DeepSpeed Twin-Flow (ZeRO-3, ratio 0.5)",
+            deepspeed_row(TWIN_FLOW), needs=ds, note="ratio set by hand"),
+        Row("deepspeed_zenflow", "DeepSpeed ZenFlow (timed only)", deepspeed_row(ZEN_FLOW),
+            needs=ds,
+            note="timings only: not Adam every step, and DeepSpeed 0.19.8 transposes 2-D weights "
+                 "at initialize, so its losses are not comparable"),
     ]

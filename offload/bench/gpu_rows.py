@@ -1,9 +1,11 @@
-"""bench/gpu_rows.py: the rows of ``python -m offload.bench gpu`` that are not peers: what a row is (a Row
-builds a Trainer from the model), forward + backward alone, torch's fused AdamW on the GPU with an fp32
-master, and offload in its schedules; and the clocks a row is timed with (CUDA events, or the host's).
+"""bench/gpu_rows.py: the rows of ``python -m offload.bench gpu`` that are not peers: what a row is
+(a Row builds a Trainer from the model), forward + backward alone, torch's fused AdamW on the GPU
+with an fp32 master, and offload in its schedules; and the clocks a row is timed with (CUDA events,
+or the host's).
 
-A row is a way to train the same GPT (offload/bench/gpt.py) from the same initial weights on the same
-batches. The peers' rows are in offload/bench/gpu_peers.py; offload/bench/gpu_child.py times one row.
+A row is a way to train the same GPT (offload/bench/gpt.py) from the same initial weights on the
+same batches. The peers' rows are in offload/bench/gpu_peers.py; offload/bench/gpu_child.py times
+one row.
 """
 from __future__ import annotations
 
@@ -36,12 +38,12 @@ class Setup:
 
 
 class Trainer:
-    """A model and whatever updates it: ``iteration`` runs forward, backward and the update and returns
-    the loss (not read back yet: reading it would wait for the GPU); ``finish`` waits until the last
-    update landed; ``threads`` names the thread counts the row's library chose."""
+    """A model and whatever updates it: ``iteration`` runs forward, backward and the update and
+    returns the loss (not read back yet: reading it would wait for the GPU); ``finish`` waits until
+    the last update landed; ``threads`` names the thread counts the row's library chose."""
 
-    def __init__(self, model, opt=None, *, finish: Optional[Callable] = None, close: Optional[Callable] = None,
-                 threads: Optional[dict] = None):
+    def __init__(self, model, opt=None, *, finish: Optional[Callable] = None,
+                 close: Optional[Callable] = None, threads: Optional[dict] = None):
         self.model, self.opt = model, opt
         self._finish, self._close = finish, close
         self.threads = dict(threads or {})
@@ -77,9 +79,11 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
-# ---------------------------------------------------------------------------------------------- rows
+# ----------------------------------------------------------------------------------------------
+# rows
 class SplitTrainer(Trainer):
-    """Forward + backward alone, with the forward and the backward timed apart (the targets' terms)."""
+    """Forward + backward alone, with the forward and the backward timed apart (the targets'
+    terms)."""
 
     def __init__(self, model, setup):
         super().__init__(model)
@@ -98,7 +102,8 @@ class SplitTrainer(Trainer):
 
     def split(self, skip: int) -> dict:
         sync(self.setup)
-        return {"fwd_ms": span_median(self.setup, self.fwd[skip:]), "bwd_ms": span_median(self.setup, self.bwd[skip:])}
+        return {"fwd_ms": span_median(self.setup, self.fwd[skip:]),
+                "bwd_ms": span_median(self.setup, self.bwd[skip:])}
 
 
 def _baseline(setup, model):
@@ -106,14 +111,16 @@ def _baseline(setup, model):
 
 
 class MasterAdamW:
-    """Exact mixed-precision Adam on the GPU with torch's own pieces: bf16 weights for compute, an fp32
-    master and fp32 moments stepped by ``torch.optim.AdamW(fused=True)``; each bf16 gradient is turned
-    into the master's fp32 gradient as soon as it is accumulated (18 B/param at the step)."""
+    """Exact mixed-precision Adam on the GPU with torch's own pieces: bf16 weights for compute, an
+    fp32 master and fp32 moments stepped by ``torch.optim.AdamW(fused=True)``; each bf16 gradient
+    is turned into the master's fp32 gradient as soon as it is accumulated (18 B/param at the
+    step)."""
 
     def __init__(self, model, lr):
         self.pairs = [(p, p.detach().float()) for p in model.parameters()]
         master = {id(p): m for p, m in self.pairs}
-        groups = [dict(g, params=[master[id(p)] for p in g["params"]]) for g in param_groups(model, 0.1)]
+        groups = [dict(g, params=[master[id(p)] for p in g["params"]])
+                  for g in param_groups(model, 0.1)]
         self.opt = torch.optim.AdamW(groups, lr=lr, fused=True)
         for p, m in self.pairs:
             p.register_post_accumulate_grad_hook(lambda p, m=m: self._to_master(p, m))
@@ -134,7 +141,8 @@ class MasterAdamW:
 
 
 def _torch_fused(setup, model):
-    master = MasterAdamW(model, setup.lr)   # master from the fp32 weights, then the model goes bf16
+    # master from the fp32 weights, then the model goes bf16
+    master = MasterAdamW(model, setup.lr)
     return Trainer(model.to(torch.bfloat16), master)
 
 
@@ -146,7 +154,8 @@ def offload_row(**opts):
         if setup.bucket_mb is not None:
             kw["bucket_mb"] = setup.bucket_mb
         dev = None
-        if not setup.cuda:   # the device schedule, on the CPU: the fake device (timings mean nothing)
+        # the device schedule, on the CPU: the fake device (timings mean nothing)
+        if not setup.cuda:
             from offload.device import FakeDevice
             dev = kw["offload_device"] = FakeDevice(max_delay=0.0, poison=False, check=False)
         opt = offload.AdamW(param_groups(model, 0.1), lr=setup.lr, **kw)
@@ -169,13 +178,17 @@ def our_rows() -> list:
             note="fp32 master and moments on the GPU (18 B/param at the step)"),
         Row("offload", "offload.AdamW, stepped during backward", offload_row(), offload=True,
             note="gpu_state='auto': spare GPU memory holds the state of the first layers"),
-        Row("offload_host", "offload.AdamW, every state on the host", offload_row(gpu_state=0), offload=True,
-            note="gpu_state=0"),
-        Row("offload_clip", "offload.AdamW, max_grad_norm=1.0", offload_row(max_grad_norm=1.0), offload=True),
-        # delayed from the second update on (delay_after=1), so that every timed iteration is a delayed one
-        Row("offload_delayed", "offload.AdamW, delay_updates=1", offload_row(delay_updates=1, delay_after=1),
+        Row("offload_host", "offload.AdamW, every state on the host", offload_row(gpu_state=0),
+            offload=True, note="gpu_state=0"),
+        Row("offload_clip", "offload.AdamW, max_grad_norm=1.0", offload_row(max_grad_norm=1.0),
+            offload=True),
+        # delayed from the second update on (delay_after=1), so that every timed iteration is a
+        # delayed one
+        Row("offload_delayed", "offload.AdamW, delay_updates=1",
+            offload_row(delay_updates=1, delay_after=1),
             offload=True, note="one step of staleness"),
-        Row("offload_8bit", "offload.AdamW, 8-bit moments", offload_row(moments="8bit"), offload=True),
+        Row("offload_8bit", "offload.AdamW, 8-bit moments", offload_row(moments="8bit"),
+            offload=True),
     ]
 
 

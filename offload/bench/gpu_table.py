@@ -1,5 +1,6 @@
-"""bench/gpu_table.py: the markdown table and the target lines of ``python -m offload.bench gpu``, from the
-rows offload/bench/gpu.py collected (one dict per row, as offload/bench/gpu_rows.py measured it)."""
+"""bench/gpu_table.py: the markdown table and the target lines of ``python -m offload.bench gpu``,
+from the rows offload/bench/gpu.py collected (one dict per row, as offload/bench/gpu_rows.py
+measured it)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -29,11 +30,13 @@ def _threads(t: Optional[dict]) -> str:
 
 def markdown(head: dict, results: list) -> str:
     gpu = head.get("gpu") or "CPU (plumbing only: a tiny model, offload through its fake device)"
+    others = ", ".join(f"{k} {v}" for k, v in head.get("versions", {}).items() if k != "torch")
     lines = [f"GPU: {gpu}; torch {head.get('versions', {}).get('torch')}; "
-             f"{', '.join(f'{k} {v}' for k, v in head.get('versions', {}).items() if k != 'torch')}; "
-             f"host CPU: {head.get('machine', {}).get('cpu', '?')}, {head.get('machine', {}).get('cpus')} CPUs; "
-             f"{head.get('time')}", ""]
-    cols = ["size", "row", "iter ms (median)", "mean", "wall", "exposed ms", "x fwd+bwd", "GPU peak GB",
+             f"{others}; "
+             f"host CPU: {head.get('machine', {}).get('cpu', '?')}, "
+             f"{head.get('machine', {}).get('cpus')} CPUs; {head.get('time')}", ""]
+    cols = ["size", "row", "iter ms (median)", "mean", "wall", "exposed ms", "x fwd+bwd",
+            "GPU peak GB",
             "host GB", "host B/param", "loss[0]", "loss[last]", "setup s", "threads", "note"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for size, rows in _by_size(results).items():
@@ -45,8 +48,9 @@ def markdown(head: dict, results: list) -> str:
             if "skipped" in r or "error" in r:
                 why = r.get("skipped") or r["error"]
                 extra = f" (GPU peak {r['gpu_peak_gb']:.1f} GB)" if r.get("gpu_peak_gb") else ""
-                lines.append(f"| {size} | {r.get('label', name)} | {'skipped' if 'skipped' in r else 'error'}: "
-                             f"{why}{extra} |" + " |" * (len(cols) - 3))
+                lines.append(f"| {size} | {r.get('label', name)} | "
+                             f"{'skipped' if 'skipped' in r else 'error'}: {why}{extra} |"
+                             + " |" * (len(cols) - 3))
                 continue
             t = iter_ms(r)
             mean = r.get("event_mean_ms", r.get("host_mean_ms"))
@@ -59,9 +63,10 @@ def markdown(head: dict, results: list) -> str:
             note = r.get("note", "")
             lines.append("| " + " | ".join([
                 size, r.get("label", name), _f(t), _f(mean), _f(r.get("wall_ms")), _f(exposed),
-                _f(t / b_ms if b_ms else None, ".2f"), _f(r.get("gpu_peak_gb"), ".2f"), _f(r.get("host_growth_gb"), ".1f"),
-                _f(per_param, ".1f"), f"{loss0:.6f}{mark}", f"{r['losses'][-1]:.6f}", _f(r.get("setup_s")),
-                _threads(r.get("threads")), note]) + " |")
+                _f(t / b_ms if b_ms else None, ".2f"), _f(r.get("gpu_peak_gb"), ".2f"),
+                _f(r.get("host_growth_gb"), ".1f"),
+                _f(per_param, ".1f"), f"{loss0:.6f}{mark}", f"{r['losses'][-1]:.6f}",
+                _f(r.get("setup_s")), _threads(r.get("threads")), note]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -78,22 +83,26 @@ def targets(results: list) -> list:
 
         def line(cond, text):
             out.append(f"{size}: {'PASS' if cond else 'MISS'} {text}")
-        for name in ("offload", "offload_clip"):   # spare GPU memory may hold state (gpu_state='auto')
+        # spare GPU memory may hold state (gpu_state='auto')
+        for name in ("offload", "offload_clip"):
             r = ok.get(name)
             if r is not None:
-                line(iter_ms(r) <= 1.10 * fb, f"{name} {iter_ms(r):.1f} ms <= 1.10x forward + backward "
-                     f"({1.10 * fb:.1f} ms)")
+                line(iter_ms(r) <= 1.10 * fb, f"{name} {iter_ms(r):.1f} ms <= 1.10x forward + "
+                                              f"backward ({1.10 * fb:.1f} ms)")
         r = ok.get("offload_host")   # every state on the host
-        if r is not None and fwd is not None and bwd is not None and r.get("cpu_step_ms") is not None:
+        if (r is not None and fwd is not None and bwd is not None
+            and r.get("cpu_step_ms") is not None):
             cpu = r["cpu_step_ms"]
             bound = 1.10 * (fwd + max(bwd, cpu))
-            line(iter_ms(r) <= bound, f"offload_host {iter_ms(r):.1f} ms <= forward {fwd:.1f} + max(backward "
-                 f"{bwd:.1f}, CPU step {cpu:.1f}) + 10 % = {bound:.1f} ms")
+            line(iter_ms(r) <= bound, f"offload_host {iter_ms(r):.1f} ms <= forward {fwd:.1f} + "
+                                      f"max(backward {bwd:.1f}, CPU step {cpu:.1f}) + 10 % "
+                                      f"= {bound:.1f} ms")
         r = ok.get("offload_delayed")
         if r is not None and r.get("cpu_step_ms") is not None:
             bound = 1.05 * max(fb, r["cpu_step_ms"])
-            line(iter_ms(r) <= bound, f"offload_delayed {iter_ms(r):.1f} ms <= 1.05x max(forward + backward, CPU step "
-                 f"{r['cpu_step_ms']:.1f}) = {bound:.1f} ms")
+            line(iter_ms(r) <= bound, f"offload_delayed {iter_ms(r):.1f} ms <= 1.05x max(forward "
+                                      f"+ backward, CPU step {r['cpu_step_ms']:.1f}) "
+                                      f"= {bound:.1f} ms")
         ours = ok.get("offload")
         for peer in ("deepspeed_zero2", "torchao"):
             p = ok.get(peer)
@@ -101,8 +110,9 @@ def targets(results: list) -> list:
                 continue
             speed = iter_ms(p) / iter_ms(ours)
             mem_ok = (ours.get("gpu_peak_gb") or 0) <= (p.get("gpu_peak_gb") or 0) * 1.001
-            line(speed >= 1.5 and mem_ok, f"offload {speed:.2f}x faster than {peer} (target >= 1.5x), GPU peak "
-                 f"{_f(ours.get('gpu_peak_gb'), '.1f')} vs {_f(p.get('gpu_peak_gb'), '.1f')} GB")
+            line(speed >= 1.5 and mem_ok, f"offload {speed:.2f}x faster than {peer} (target >= "
+                                          f"1.5x), GPU peak {_f(ours.get('gpu_peak_gb'), '.1f')} "
+                                          f"vs {_f(p.get('gpu_peak_gb'), '.1f')} GB")
         first = {k: r["losses"][0] for k, r in ok.items() if k != "deepspeed_zenflow"}
         if first:
             same = len(set(first.values())) == 1

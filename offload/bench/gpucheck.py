@@ -1,15 +1,17 @@
-"""bench/gpucheck.py: the runner behind ``bench/gpu_check.py`` - check registry, time budgets, verdicts, JSON lines.
+"""bench/gpucheck.py: the runner behind ``bench/gpu_check.py`` - check registry, time budgets,
+verdicts, JSON lines.
 
-Every check is a function ``fn(ctx, res)`` (the gpucheck_ modules next to this one) with its own time budget.
-The runner skips a check (verdict SKIP, with the reason) when its budget does not fit in what is
-left of ``--budget-s``, runs it under try/except (an exception is a FAIL verdict carrying the error,
-never the end of the script), appends one JSON line per check to ``--out`` (flushed and fsynced, so
-that a run killed by a timeout still leaves its results) and prints one verdict line per check:
-``PASS|FAIL|SKIP|INFO  <name>  <detail>``. A watchdog ends the process, after recording the hung check
-as FAIL and dumping every thread's stack, if one check runs far past its budget.
+Every check is a function ``fn(ctx, res)`` (the gpucheck_ modules next to this one) with its own
+time budget. The runner skips a check (verdict SKIP, with the reason) when its budget does not fit
+in what is left of ``--budget-s``, runs it under try/except (an exception is a FAIL verdict
+carrying the error, never the end of the script), appends one JSON line per check to ``--out``
+(flushed and fsynced, so that a run killed by a timeout still leaves its results) and prints one
+verdict line per check: ``PASS|FAIL|SKIP|INFO  <name>  <detail>``. A watchdog ends the process,
+after recording the hung check as FAIL and dumping every thread's stack, if one check runs far past
+its budget.
 
-Also kept here: ``run_checks`` / ``check_case`` / ``print_checks``, the GPT-model parity cases against
-torch.optim.AdamW on the same device (offload/bench/gpucheck_parity.py), used by the tests.
+Also kept here: ``run_checks`` / ``check_case`` / ``print_checks``, the GPT-model parity cases
+against torch.optim.AdamW on the same device (offload/bench/gpucheck_parity.py), used by the tests.
 """
 from __future__ import annotations
 
@@ -82,7 +84,8 @@ def all_checks():
     for name, mod, fn in _REGISTRY:
         try:
             out.append((name, getattr(importlib.import_module(f"offload.bench.{mod}"), fn)))
-        except Exception as e:  # noqa: BLE001 - a broken module is that check's FAIL, not the script's end
+        # a broken module is that check's FAIL, not the script's end
+        except Exception as e:  # noqa: BLE001
             out.append((name, _broken(f"offload.bench.{mod}.{fn}", e)))
     return out
 
@@ -113,7 +116,8 @@ class Runner:
             self._fh.flush()
             os.fsync(self._fh.fileno())
             detail = rec["detail"].replace("\n", " ")
-            print(f"{rec['verdict']:<4}  {rec['name']}  {detail}  ({rec['seconds']:.1f} s)", flush=True)
+            print(f"{rec['verdict']:<4}  {rec['name']}  {detail}  ({rec['seconds']:.1f} s)",
+                  flush=True)
 
     def _watch(self) -> None:
         while not self._stop.wait(1.0):
@@ -121,11 +125,12 @@ class Runner:
             if cur is None or time.time() < cur[2]:
                 continue
             name, t0, _ = cur
-            sys.stderr.write(f"\ngpu_check: {name} hung ({time.time() - t0:.0f} s); stacks of every thread:\n")
+            sys.stderr.write(f"\ngpu_check: {name} hung ({time.time() - t0:.0f} s); stacks of "
+                             "every thread:\n")
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             self._emit(dict(name=name, verdict="FAIL", seconds=time.time() - t0,
-                            detail="hung: ran far past its time budget; the watchdog ended the script "
-                                   "(stacks on stderr)", data={}, device=self.ctx.kind))
+                            detail="hung: ran far past its time budget; the watchdog ended the "
+                                   "script (stacks on stderr)", data={}, device=self.ctx.kind))
             self.summary()
             sys.stdout.flush()
             try:
@@ -171,9 +176,11 @@ class Runner:
             self.run_one(name, fn)
 
     def summary(self) -> int:
-        counts = {v: sum(r["verdict"] == v for r in self.results) for v in ("PASS", "FAIL", "SKIP", "INFO")}
-        print(f"\nsummary: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP, {counts['INFO']} INFO "
-              f"in {time.time() - self.ctx.t_start:.0f} s; JSON lines in {self.out_path}", flush=True)
+        counts = {v: sum(r["verdict"] == v for r in self.results)
+                  for v in ("PASS", "FAIL", "SKIP", "INFO")}
+        print(f"\nsummary: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP, "
+              f"{counts['INFO']} INFO in {time.time() - self.ctx.t_start:.0f} s; JSON lines in "
+              f"{self.out_path}", flush=True)
         for r in self.results:
             if r["verdict"] == "FAIL":
                 print(f"  FAIL {r['name']}: {r['detail'][:300]}", flush=True)
@@ -186,19 +193,26 @@ class Runner:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python bench/gpu_check.py",
-                                description="Correctness and timing of GPU offload on one device, fail-soft.")
+                                description="Correctness and timing of GPU offload on one "
+                                            "device, fail-soft.")
     p.add_argument("--device", choices=["cuda", "fake"], default="cuda",
-                   help="cuda (default) or fake: the same checks on the CPU through offload's FakeDevice")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, fewer steps, perf reduced to one variant")
+                   help="cuda (default) or fake: the same checks on the CPU through "
+                        "offload's FakeDevice")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes, fewer steps, perf reduced to one variant")
     p.add_argument("--budget-s", dest="budget_s", type=float, default=None,
-                   help="global time budget in seconds (default: 480 on CUDA, 170 fake, 40 fake --quick)")
-    p.add_argument("--out", default=None, help="JSON lines file (default: $OUT/gpu_check.jsonl, else a temp dir)")
+                   help="global time budget in seconds (default: 480 on CUDA, 170 fake, "
+                        "40 fake --quick)")
+    p.add_argument("--out", default=None,
+                   help="JSON lines file (default: $OUT/gpu_check.jsonl, else a temp dir)")
     p.add_argument("--only", default=None, help="comma-separated check names (or prefixes) to run")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per correctness case")
     p.add_argument("--perf-preset", dest="perf_preset", default=None,
-                   help="GPT preset of the performance section (offload/bench/gpt.py; default 350m on CUDA, tiny fake)")
+                   help="GPT preset of the performance section (offload/bench/gpt.py; default "
+                        "350m on CUDA, tiny fake)")
     p.add_argument("--nvme-dir", dest="nvme_dir", default=None,
-                   help="directory on a real disk for the NVMe/mmap state (default: a temp dir under the cwd)")
+                   help="directory on a real disk for the NVMe/mmap state (default: a temp "
+                        "dir under the cwd)")
     p.add_argument("--inject-fail", dest="inject_fail", default="", help=argparse.SUPPRESS)
     return p
 
@@ -215,15 +229,16 @@ def _out_path(arg) -> str:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device in this process (torch %s, cuda %s): nothing to check here. "
-              "Run it on a machine with a GPU, or use --device fake for the CPU run of the same checks."
+        print("gpu_check: no CUDA device in this process (torch %s, cuda %s): nothing to check "
+              "here. Run it on a machine with a GPU, or use --device fake for the CPU run of "
+              "the same checks."
               % (torch.__version__, torch.version.cuda))
         return 0
     ctx = Ctx(args)
     out = _out_path(args.out)
     ctx.out_dir = os.path.dirname(os.path.abspath(out))
-    print(f"gpu_check: device {ctx.kind}{' (quick)' if ctx.quick else ''}, budget {ctx.budget_s:.0f} s, "
-          f"JSON lines -> {out}", flush=True)
+    print(f"gpu_check: device {ctx.kind}{' (quick)' if ctx.quick else ''}, budget "
+          f"{ctx.budget_s:.0f} s, JSON lines -> {out}", flush=True)
     checks = all_checks()
     if args.only:
         want = [w.strip() for w in args.only.split(",") if w.strip()]

@@ -1,6 +1,6 @@
-"""bench/gpucheck_common.py: what every check of ``bench/gpu_check.py`` shares - the run context (device kind,
-sizes, budgets, deterministic settings, the race amplifier), the per-check result, small models,
-training loops and the bitwise / per-element comparisons.
+"""bench/gpucheck_common.py: what every check of ``bench/gpu_check.py`` shares - the run context
+(device kind, sizes, budgets, deterministic settings, the race amplifier), the per-check result,
+small models, training loops and the bitwise / per-element comparisons.
 
 On CUDA the parameters live on the GPU and the optimizer drives a ``CudaDevice``; with
 ``--device fake`` they are CPU tensors driven through offload's ``FakeDevice`` (copies on threads
@@ -56,7 +56,8 @@ class Result:
         self.skipped = reason
 
     def error(self, e: BaseException, tb: str) -> None:
-        self.failures.append(f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400])
+        self.failures.append(f"raised {type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}"[:400])
         self.err = tb
 
     def record(self, seconds: float, budget, kind: str) -> dict:
@@ -74,8 +75,8 @@ class Result:
         if verdict == "PASS":
             parts.append(f"{self.n_expect} assertions")
         parts += self.notes
-        rec = dict(name=self.name, verdict=verdict, seconds=round(seconds, 3), detail="; ".join(parts),
-                   budget_s=budget, device=kind, data=self.data)
+        rec = dict(name=self.name, verdict=verdict, seconds=round(seconds, 3),
+                   detail="; ".join(parts), budget_s=budget, device=kind, data=self.data)
         if self.err:
             rec["traceback"] = self.err
         return rec
@@ -90,20 +91,24 @@ def _short(v):
 
 # per-check budgets in seconds: (cuda, fake, fake --quick); None: not run in that mode
 _BUDGETS = {
-    "00_environment": (40, 6, 3), "01_schedule_equivalence": (25, 14, 4), "02_engine_claim": (12, 6, 2),
+    "00_environment": (40, 6, 3), "01_schedule_equivalence": (25, 14, 4),
+    "02_engine_claim": (12, 6, 2),
     "03_parity_torch_adamw": (15, 10, 3), "04_tiers": (15, 8, 3), "05_moments": (12, 8, 3),
     "06_accumulation": (8, 5, 2), "07_clipping": (8, 5, 2), "08_gradscaler": (12, 7, 2),
     "09_bf16_autocast": (8, 4, 2), "10_release_grads": (8, 4, 1.5), "11_small_params": (6, 3, 1),
-    "12_user_writes": (10, 6, 2), "13_non_owner_reads": (15, 6, 2), "14_torch_compile": (45, 45, None),
-    "15_user_stream": (6, 1, 1), "16_fsdp2": (20, 10, 3), "17_ddp": (12, 6, 2), "18_robustness": (25, 20, 8),
-    "19_delayed_updates": (12, 6, 2), "20_two_ranks": (75, 60, None),
+    "12_user_writes": (10, 6, 2), "13_non_owner_reads": (15, 6, 2),
+    "14_torch_compile": (45, 45, None),
+    "15_user_stream": (6, 1, 1), "16_fsdp2": (20, 10, 3), "17_ddp": (12, 6, 2),
+    "18_robustness": (25, 20, 8), "19_delayed_updates": (12, 6, 2), "20_two_ranks": (75, 60, None),
     "perf_setup": (8, 2, 1), "perf_baseline": (12, 3, 2), "perf_torch_fused": (12, 3, None),
-    "perf_offload_eager": (15, 4, 3), "perf_offload_deferred_clip": (15, 4, None), "perf_offload_sync": (15, 4, None),
+    "perf_offload_eager": (15, 4, 3), "perf_offload_deferred_clip": (15, 4, None),
+    "perf_offload_sync": (15, 4, None),
     "perf_offload_nvme": (45, 5, None), "perf_offload_8bit": (15, 4, None),
     "perf_offload_delayed": (15, 4, None), "perf_profiler": (15, 5, None),
-    "perf_thread_sweep": (40, 6, None), "perf_bucket_sweep": (35, 6, None), "perf_fingerprint_cost": (12, 3, None),
-    "perf_memory_vs_plan": (10, 2, None), "perf_trace_lanes": (10, 3, None), "perf_peers": (30, 3, None),
-    "perf_summary": (1, 1, 1),
+    "perf_thread_sweep": (40, 6, None), "perf_bucket_sweep": (35, 6, None),
+    "perf_fingerprint_cost": (12, 3, None),
+    "perf_memory_vs_plan": (10, 2, None), "perf_trace_lanes": (10, 3, None),
+    "perf_peers": (30, 3, None), "perf_summary": (1, 1, 1),
 }
 
 
@@ -127,13 +132,15 @@ class Ctx:
         else:
             self.gpt_cfg = GPTConfig(vocab=64, seq=16, n_layer=2, n_head=2, d_model=32)
             self.width, self.bucket_mb, self.batch = 32, 0.002, 2
-        self.bitwise: Optional[bool] = None   # two identical overlap=False runs agree bitwise (set lazily)
+        # two identical overlap=False runs agree bitwise (set lazily)
+        self.bitwise: Optional[bool] = None
         self.fake_delay = (0.0, 0.002)
         self._owned: list = []   # optimizers and devices to close after the check
         self._patches: list = []
         self._tmp = None
         self.perf: dict = {}     # shared by the perf checks
-        self.out_dir: Optional[str] = None   # beside the JSON lines: traces worth reading afterwards
+        # beside the JSON lines: traces worth reading afterwards
+        self.out_dir: Optional[str] = None
 
     # -------------------------------------------------------------- budgets and lifecycle
     def budget_of(self, name: str):
@@ -141,11 +148,12 @@ class Ctx:
         return b[0] if self.cuda else (b[2] if self.quick else b[1])
 
     def tick(self) -> None:
-        """Cooperative per-check deadline (loops call it): a check stops at twice its budget, or when
-        the global budget is spent."""
+        """Cooperative per-check deadline (loops call it): a check stops at twice its budget, or
+        when the global budget is spent."""
         now = time.time()
         if now > self.check_deadline + self.check_budget:
-            raise Skip(f"ran out of its time budget ({self.check_budget:.0f} s, stopped at twice that)")
+            raise Skip(f"ran out of its time budget ({self.check_budget:.0f} s, "
+                       "stopped at twice that)")
         if now > self.global_deadline:
             raise Skip("the global budget (--budget-s) ran out")
 
@@ -156,7 +164,8 @@ class Ctx:
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
         else:
-            torch.set_num_threads(1)   # 2 busy cores: the fake device's stream threads and the worker need the rest
+            # 2 busy cores: the fake device's stream threads and the worker need the rest
+            torch.set_num_threads(1)
         base = self.args.nvme_dir or (os.getcwd() if os.access(os.getcwd(), os.W_OK) else None)
         self._tmp = tempfile.mkdtemp(prefix=".gpu-check-", dir=base)
 
@@ -179,9 +188,10 @@ class Ctx:
         self._owned.clear()
         self.unpatch()
         self.fake_delay = (0.0, 0.002)
-        # a check that compiled (14) leaves dynamo's frame counter set, and device parameters then wait
-        # for every upload in step() (schedule/uploads.compiled_code_in_use) in all later checks and perf
-        # rows: cleared, so that they run the overlapped schedules a process without compiled code runs
+        # a check that compiled (14) leaves dynamo's frame counter set, and device parameters then
+        # wait for every upload in step() (schedule/uploads.compiled_code_in_use) in all later
+        # checks and perf rows: cleared, so that they run the overlapped schedules a process
+        # without compiled code runs
         utils = sys.modules.get("torch._dynamo.utils")
         if utils is not None:
             utils.counters.clear()
@@ -196,7 +206,8 @@ class Ctx:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
             except Exception as e:  # noqa: BLE001
-                res.failures.append(f"torch.cuda.synchronize() after the check raised {type(e).__name__}: {e}"[:300])
+                res.failures.append("torch.cuda.synchronize() after the check raised "
+                                    f"{type(e).__name__}: {e}"[:300])
 
     def close(self, obj) -> None:
         """Close an optimizer or device now (once: it is no longer closed after the check)."""
@@ -204,7 +215,8 @@ class Ctx:
         obj.close()
 
     def forget(self, obj) -> None:
-        """Close ``obj`` now, ignoring errors and fake-device hazards (a deliberately wrong sub-case)."""
+        """Close ``obj`` now, ignoring errors and fake-device hazards (a deliberately wrong
+        sub-case)."""
         self._owned = [o for o in self._owned if o is not obj]
         try:
             obj.close()
@@ -238,7 +250,8 @@ class Ctx:
         if self.cuda:
             dev = CudaDevice(self.tdev)
         else:
-            dev = FakeDevice(max_delay=self.fake_delay[1], min_delay=self.fake_delay[0], seed=len(self._owned))
+            dev = FakeDevice(max_delay=self.fake_delay[1], min_delay=self.fake_delay[0],
+                             seed=len(self._owned))
         self._owned.append(dev)
         return dev
 
@@ -256,9 +269,10 @@ class Ctx:
 
     @contextlib.contextmanager
     def amplified(self):
-        """The race amplifier: on CUDA every side-stream copy first sleeps ~2e6 cycles and poisons its
-        destination with NaN (device destinations on the side stream after its wait, pinned host slots
-        on the host before the copy is issued); on the fake device, longer random copy delays."""
+        """The race amplifier: on CUDA every side-stream copy first sleeps ~2e6 cycles and poisons
+        its destination with NaN (device destinations on the side stream after its wait, pinned
+        host slots on the host before the copy is issued); on the fake device, longer random copy
+        delays."""
         if not self.cuda:
             old = self.fake_delay
             self.fake_delay = (0.0005, 0.005)
@@ -319,8 +333,8 @@ class Ctx:
             torch.cuda.synchronize()
 
     # -------------------------------------------------------------- comparisons
-    def compare(self, res: Result, what: str, ref: list, got: list, rtol: float = 1e-5, atol: float = 1e-7,
-                exact: Optional[bool] = None) -> bool:
+    def compare(self, res: Result, what: str, ref: list, got: list, rtol: float = 1e-5,
+                atol: float = 1e-7, exact: Optional[bool] = None) -> bool:
         """Bitwise when runs are reproducible here (or ``exact``), else per element within rtol/atol."""
         exact = (self.bitwise is not False) if exact is None else exact
         if len(ref) != len(got):
@@ -336,14 +350,15 @@ class Ctx:
             if not ok and bad is None:
                 bad = i
             worst = max(worst, m)
-        return res.expect(bad is None, what, bitwise=bool(exact), first_bad_tensor=bad, max_abs_diff=worst,
-                          new_nonfinite=nonfinite)
+        return res.expect(bad is None, what, bitwise=bool(exact), first_bad_tensor=bad,
+                          max_abs_diff=worst, new_nonfinite=nonfinite)
 
     def compare_moved(self, res: Result, what: str, init: list, ref: list, got: list, tol: float) -> bool:
-        """For runs that cannot agree bitwise (torch's CUDA kernels round differently from the CPU kernel,
-        and through the forward the differences grow with every step): the L2 distance between the two
-        runs' parameters over how far the reference moved from ``init`` (L2 over all of them), at most
-        ``tol``. Adam moves an element by ~lr whatever its gradient, so per-element bounds do not hold."""
+        """For runs that cannot agree bitwise (torch's CUDA kernels round differently from the CPU
+        kernel, and through the forward the differences grow with every step): the L2 distance
+        between the two runs' parameters over how far the reference moved from ``init`` (L2 over
+        all of them), at most ``tol``. Adam moves an element by ~lr whatever its gradient, so
+        per-element bounds do not hold."""
         moved, dist = l2_dist(ref, init), l2_dist(ref, got)
         finite = all(bool(torch.isfinite(t.float()).all()) for t in got)
         return res.expect(finite and dist <= tol * moved, what, dist_over_moved=dist / moved if moved else math.inf,

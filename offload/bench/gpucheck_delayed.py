@@ -1,11 +1,12 @@
-"""bench/gpucheck_delayed.py: check 19 of ``bench/gpu_check.py`` - the delayed update (``delay_updates=1``)
-against its rule written out on the same device.
+"""bench/gpucheck_delayed.py: check 19 of ``bench/gpu_check.py`` - the delayed update
+(``delay_updates=1``) against its rule written out on the same device.
 
-The rule (docs/gpu.md): with w_t the master weights after update t, w_t = AdamW(w_{t-1}, g_t), where g_t is
-computed on w_{t-1} for the first ``delay_after`` updates and on w_{t-2} after them. The reference keeps
-a second copy of the model on the GPU holding the weights the rule says forward sees, and fp32 masters
-on the host stepped by offload's host-mode AdamW (the same native kernel): where two identical runs
-agree bitwise on this GPU, the delayed schedule must match it bitwise, under the race amplifier.
+The rule (docs/gpu.md): with w_t the master weights after update t, w_t = AdamW(w_{t-1}, g_t),
+where g_t is computed on w_{t-1} for the first ``delay_after`` updates and on w_{t-2} after them.
+The reference keeps a second copy of the model on the GPU holding the weights the rule says forward
+sees, and fp32 masters on the host stepped by offload's host-mode AdamW (the same native kernel):
+where two identical runs agree bitwise on this GPU, the delayed schedule must match it bitwise,
+under the race amplifier.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def _reference(ctx: Ctx, dtype, data) -> list:
         for m, p in zip(masters, model.parameters()):
             m.grad = p.grad.float().cpu()
         opt.step()
-        new = [m.detach().to(device=p.device, dtype=p.dtype) for m, p in zip(masters, model.parameters())]
+        new = [m.detach().to(device=p.device, dtype=p.dtype)
+               for m, p in zip(masters, model.parameters())]
         if updates < AFTER:
             with torch.no_grad():
                 for p, w in zip(model.parameters(), new):
@@ -61,7 +63,8 @@ def _ours(ctx: Ctx, dtype, data) -> list:
         opt.synchronize()   # the pending update lands
     params = list(model.parameters())
     st = opt.state_dict()["state"]
-    return [st.get(i, {}).get("master_param", p).detach().float().cpu() for i, p in enumerate(params)]
+    return [st.get(i, {}).get("master_param", p).detach().float().cpu()
+            for i, p in enumerate(params)]
 
 
 def check_delayed(ctx: Ctx, res: Result) -> None:
@@ -74,4 +77,5 @@ def check_delayed(ctx: Ctx, res: Result) -> None:
         if exact:
             ctx.compare(res, what, ref, got)
         else:
-            ctx.compare_moved(res, what, snapshot(p.float() for p in ctx.mlp(dtype).parameters()), ref, got, tol=1e-3)
+            ctx.compare_moved(res, what, snapshot(p.float() for p in ctx.mlp(dtype).parameters()),
+                              ref, got, tol=1e-3)

@@ -1,7 +1,8 @@
-"""bench/gpucheck_dist.py: checks 16-18 of ``bench/gpu_check.py`` - FSDP2 and DDP with world size 1 (NCCL on
-CUDA, gloo on the fake device; a file store in a temp dir, destroyed after the check) against the plain
-model with overlap=False, and robustness: a process that exits right after step(), a kernel failure in
-the worker surfacing at the next forward, create/close cycles keeping RSS and threads flat.
+"""bench/gpucheck_dist.py: checks 16-18 of ``bench/gpu_check.py`` - FSDP2 and DDP with world size 1
+(NCCL on CUDA, gloo on the fake device; a file store in a temp dir, destroyed after the check)
+against the plain model with overlap=False, and robustness: a process that exits right after
+step(), a kernel failure in the worker surfacing at the next forward, create/close cycles keeping
+RSS and threads flat.
 """
 from __future__ import annotations
 
@@ -75,11 +76,13 @@ def check_fsdp2(ctx: Ctx, res: Result) -> None:
         st = opt.state.get(p0, {})
         ea = st.get("exp_avg")
         where = None if ea is None else local(ea).device.type
-        res.expect(where == "cpu", f"FSDP2 {label}: opt.state[p]['exp_avg'] is on the CPU", device=where)
+        res.expect(where == "cpu", f"FSDP2 {label}: opt.state[p]['exp_avg'] is on the CPU",
+                   device=where)
         if ctx.cuda:
             ctx.sync()
             grown = torch.cuda.memory_allocated() - mem0
-            res.expect(grown < 4 * nparams, f"FSDP2 {label}: GPU memory did not grow by ~12 B/param after the steps",
+            res.expect(grown < 4 * nparams, f"FSDP2 {label}: GPU memory did not grow by ~12 "
+                                            "B/param after the steps",
                        grown_bytes=grown, params=nparams)
         ctx.close(opt)
 
@@ -107,7 +110,8 @@ def check_ddp(ctx: Ctx, res: Result) -> None:
                 err = f"{type(e).__name__}: {str(e)[:160]}"
         res.expect(err is None, f"DDP {label} options: trains without error", error=err)
         if err is None:
-            ctx.compare(res, f"DDP {label} options == plain model overlap=False", ref, snapshot(inner.parameters()))
+            ctx.compare(res, f"DDP {label} options == plain model overlap=False", ref,
+                        snapshot(inner.parameters()))
             res.data[f"ddp_{label}_steps_during_backward"] = bool(opt.steps_during_backward)
         else:
             ctx.forget(opt)
@@ -119,8 +123,10 @@ _EXIT_SCRIPT = textwrap.dedent("""
     from offload.device import FakeDevice
     cuda = sys.argv[1] == "cuda"
     dev = torch.device("cuda" if cuda else "cpu")
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).to(dev)
-    opt = offload.AdamW(model.parameters(), bucket_mb=0.1, offload_device=None if cuda else FakeDevice(max_delay=0.01))
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
+                                torch.nn.Linear(512, 256)).to(dev)
+    opt = offload.AdamW(model.parameters(), bucket_mb=0.1,
+                        offload_device=None if cuda else FakeDevice(max_delay=0.01))
     model(torch.randn(8, 256, device=dev)).square().mean().backward()
     opt.step()
     print("stepped", flush=True)
@@ -140,13 +146,13 @@ def check_robustness(ctx: Ctx, res: Result) -> None:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     t0 = time.time()
     try:
-        r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, ctx.kind], capture_output=True, text=True,
-                           timeout=90, cwd=root, env={**os.environ, "PYTHONPATH": root})
+        r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, ctx.kind], capture_output=True,
+                           text=True, timeout=90, cwd=root, env={**os.environ, "PYTHONPATH": root})
         rc, tail = r.returncode, (r.stdout + r.stderr)[-300:]
     except subprocess.TimeoutExpired:
         rc, tail = "timeout (90 s)", ""
-    res.expect(rc == 0, "a process that exits right after step() returns 0", rc=rc, seconds=round(time.time() - t0, 1),
-               output=tail if rc != 0 else "")
+    res.expect(rc == 0, "a process that exits right after step() returns 0", rc=rc,
+               seconds=round(time.time() - t0, 1), output=tail if rc != 0 else "")
     # the kernel raises in the worker: the next forward raises within 1 s, close() works
     def boom(*a, **k):
         raise RuntimeError("kernel failure injected by gpu_check")
@@ -174,12 +180,14 @@ def check_robustness(ctx: Ctx, res: Result) -> None:
         raised = f"{type(e).__name__}: {str(e)[:120]}"
         dt = time.time() - t1 if "t1" in locals() else 0.0
     res.expect(raised is not None and dt is not None and dt <= 1.0,
-               "a kernel failure in the worker: the next forward/backward raises within 1 s", error=raised, seconds=dt)
+               "a kernel failure in the worker: the next forward/backward raises within 1 s",
+               error=raised, seconds=dt)
     done = {}
     th = threading.Thread(target=lambda: done.update(ok=_try_close(ctx, opt)), daemon=True)
     th.start()
     th.join(15)
-    res.expect(done.get("ok") is True, "close() after the worker failed returns (within 15 s, no hang)",
+    res.expect(done.get("ok") is True, "close() after the worker failed returns "
+                                       "(within 15 s, no hang)",
                outcome=done.get("ok", "still running after 15 s"))
     ctx.unpatch()
     # create/close cycles keep RSS and the thread count flat
@@ -206,13 +214,15 @@ def check_robustness(ctx: Ctx, res: Result) -> None:
     gc.collect()
     time.sleep(0.2)
     rss1, th1 = _rss(), threading.active_count()
-    res.expect(th1 <= th0, f"{cycles} create/close cycles: thread count flat", before=th0, after=th1)
+    res.expect(th1 <= th0, f"{cycles} create/close cycles: thread count flat", before=th0,
+               after=th1)
     res.expect(rss1 - rss0 < 64 * 2 ** 20, f"{cycles} create/close cycles: RSS grows < 64 MiB",
                growth_mib=(rss1 - rss0) / 2 ** 20)
     if ctx.cuda:
         try:
             torch.cuda.host_memory_stats
-            res.data["host_memory_stats"] = {k: v for k, v in torch.cuda.host_memory_stats().items()
+            res.data["host_memory_stats"] = {k: v
+                                             for k, v in torch.cuda.host_memory_stats().items()
                                              if "allocated" in k and "current" in k}
         except Exception:  # noqa: BLE001
             pass

@@ -1,7 +1,8 @@
-"""bench/gpucheck_env.py: check 00 of ``bench/gpu_check.py`` - the environment: versions, GPU, CPU affinity,
-the locked-memory limit, offload's build, a ``cudaHostRegister`` of 64 MiB followed by a trivial
-kernel launch (a swallowed registration error would make that launch raise), pinned and pageable
-copy probes at 4/32/128 MB in both directions, and the native kernel's memory-bandwidth probe.
+"""bench/gpucheck_env.py: check 00 of ``bench/gpu_check.py`` - the environment: versions, GPU, CPU
+affinity, the locked-memory limit, offload's build, a ``cudaHostRegister`` of 64 MiB followed by a
+trivial kernel launch (a swallowed registration error would make that launch raise), pinned and
+pageable copy probes at 4/32/128 MB in both directions, and the native kernel's memory-bandwidth
+probe.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ MB = 1 << 20
 
 def _cuda_probe(nbytes: int, pinned: bool, reps: int = 5) -> dict:
     from .train import copy_probe
-    return {k: round(v, 2) for k, v in copy_probe(torch.device("cuda"), nbytes, reps, pinned).items()}
+    return {k: round(v, 2)
+            for k, v in copy_probe(torch.device("cuda"), nbytes, reps, pinned).items()}
 
 
 def _host_probe(nbytes: int, reps: int = 5) -> float:
@@ -53,7 +55,8 @@ def _register_probe(res: Result) -> None:
     except Exception as e:  # a sticky error from the register call shows up here
         launched = f"{type(e).__name__}: {e}"
     res.expect(launched is True, "a kernel launch after cudaHostRegister works", outcome=launched)
-    if rc == 0:   # (offload registers nothing itself: its host buffers come from torch's pinned allocator)
+    # (offload registers nothing itself: its host buffers come from torch's pinned allocator)
+    if rc == 0:
         res.data["torch is_pinned() of a cudaHostRegister'ed buffer"] = bool(buf.is_pinned())
         cudart.cudaHostUnregister(buf.data_ptr())
     from offload.device import CudaDevice
@@ -67,7 +70,8 @@ def _register_probe(res: Result) -> None:
 
 def check_environment(ctx: Ctx, res: Result) -> None:
     import offload
-    info = dict(python=platform.python_version(), torch=torch.__version__, torch_cuda=torch.version.cuda,
+    info = dict(python=platform.python_version(), torch=torch.__version__,
+                torch_cuda=torch.version.cuda,
                 cpus=os.cpu_count(), memlock_rlimit=resource.getrlimit(resource.RLIMIT_MEMLOCK),
                 CUBLAS_WORKSPACE_CONFIG=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                 deterministic=torch.are_deterministic_algorithms_enabled())
@@ -78,16 +82,20 @@ def check_environment(ctx: Ctx, res: Result) -> None:
     try:
         info["build_info"] = offload.build_info()
     except Exception as e:  # noqa: BLE001
-        res.expect(False, "offload.build_info() works (rebuild with pip install -e . if _C is stale)", error=str(e))
+        res.expect(False, "offload.build_info() works (rebuild with pip install -e . "
+                          "if _C is stale)", error=str(e))
     from .common import cpu_model
     info["cpu_model"] = cpu_model()   # the host's memory bandwidth sets the CPU step's speed
     lim = info["memlock_rlimit"][0]
-    res.note(f"CPU {info['cpu_model']}; torch {torch.__version__}, affinity {info['affinity_cpus']} CPUs, ulimit -l "
-             f"{'unlimited' if lim == resource.RLIM_INFINITY else lim // 1024}, "
-             f"isa {info.get('build_info', {}).get('isa')}, threads {info.get('build_info', {}).get('threads')}")
+    res.note(f"CPU {info['cpu_model']}; torch {torch.__version__}, affinity "
+             f"{info['affinity_cpus']} CPUs, ulimit -l "
+             f"{'unlimited' if lim == resource.RLIM_INFINITY else lim // 1024}, isa "
+             f"{info.get('build_info', {}).get('isa')}, threads "
+             f"{info.get('build_info', {}).get('threads')}")
     if ctx.cuda:
         p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, capability=f"{p.major}.{p.minor}", gpu_mem_gb=round(p.total_memory / 1e9, 1))
+        info.update(gpu=p.name, capability=f"{p.major}.{p.minor}",
+                    gpu_mem_gb=round(p.total_memory / 1e9, 1))
         try:
             info["driver"] = torch._C._cuda_getDriverVersion()
         except Exception:  # noqa: BLE001
@@ -97,14 +105,16 @@ def check_environment(ctx: Ctx, res: Result) -> None:
         probes = {}
         for mb in (4, 32, 128):
             ctx.tick()
-            probes[f"{mb}MB"] = dict(pinned=_cuda_probe(mb * MB, True), pageable=_cuda_probe(mb * MB, False))
+            probes[f"{mb}MB"] = dict(pinned=_cuda_probe(mb * MB, True),
+                                     pageable=_cuda_probe(mb * MB, False))
         info["copy_probe_gbps"] = probes
         ctx.perf["probe"] = probes
         res.note("pinned 32MB D2H/H2D %.1f/%.1f GB/s, pageable %.1f/%.1f GB/s" % (
             probes["32MB"]["pinned"]["d2h"], probes["32MB"]["pinned"]["h2d"],
             probes["32MB"]["pageable"]["d2h"], probes["32MB"]["pageable"]["h2d"]))
     else:
-        probes = {f"{mb}MB": dict(host_memcpy=_host_probe(mb * MB)) for mb in ((4, 32) if ctx.quick else (4, 32, 128))}
+        probes = {f"{mb}MB": dict(host_memcpy=_host_probe(mb * MB))
+                  for mb in ((4, 32) if ctx.quick else (4, 32, 128))}
         info["copy_probe_gbps"] = probes
         ctx.perf["probe"] = probes
         res.note("fake device: no GPU, no cudaHostRegister; host memcpy probe only")
@@ -119,7 +129,8 @@ def check_environment(ctx: Ctx, res: Result) -> None:
         for _ in range(reps):
             kernels.bandwidth_probe(p, m, v, g)
         dt = (time.perf_counter() - t0) / reps
-        info["kernel_probe_gbps"] = round(28 * n / dt / 1e9, 2)   # reads p, m, v, g; writes p, m, v
+        # reads p, m, v, g; writes p, m, v
+        info["kernel_probe_gbps"] = round(28 * n / dt / 1e9, 2)
         ctx.perf["kernel_probe_gbps"] = info["kernel_probe_gbps"]
         res.note(f"native bandwidth probe {info['kernel_probe_gbps']} GB/s")
     else:

@@ -1,16 +1,17 @@
-"""bench/gpucheck_parity.py: GPT-model parity of GPU offload against torch.optim.AdamW on the same device
-(an L2-ratio check over whole training runs), part of check 03 of ``bench/gpu_check.py`` and run
-by the tests through ``offload.bench.gpucheck.run_checks``.
+"""bench/gpucheck_parity.py: GPT-model parity of GPU offload against torch.optim.AdamW on the same
+device (an L2-ratio check over whole training runs), part of check 03 of ``bench/gpu_check.py`` and
+run by the tests through ``offload.bench.gpucheck.run_checks``.
 
 For each case (fp32 / bf16 parameters x clipping on/off x gradient accumulation 1/2) a small GPT is
 trained for a few steps twice from the same weights and batches:
   ours       offload.AdamW on the device parameters, state in host RAM (overlapped schedule);
   reference  torch.optim.AdamW on the device: on the parameters themselves for fp32, and for bf16
-             on fp32 master copies (gradients cast up, clipping with torch.nn.utils.clip_grad_norm_,
-             new weights rounded back into the bf16 model) - the standard master-weight recipe.
-A case passes when ||ours - reference|| (L2 over all fp32 masters) is below ``tol`` times how far the
-reference moved during the run (1e-4 for fp32 parameters, 2e-2 for bf16 where one flipped rounding
-in the forward changes later gradients); bf16 weights are compared the same way.
+             on fp32 master copies (gradients cast up, clipping with
+             torch.nn.utils.clip_grad_norm_, new weights rounded back into the bf16 model) - the
+             standard master-weight recipe.
+A case passes when ||ours - reference|| (L2 over all fp32 masters) is below ``tol`` times how far
+the reference moved during the run (1e-4 for fp32 parameters, 2e-2 for bf16 where one flipped
+rounding in the forward changes later gradients); bf16 weights are compared the same way.
 ``run_checks("fake")`` runs the same cases on CPU through the fake device (used by the tests).
 """
 from __future__ import annotations
@@ -53,7 +54,8 @@ def check_case(kind: str, dtype: torch.dtype, clip: bool, accum: int, steps: int
     else:
         masters = [p.detach().float().clone().requires_grad_(True) for p in ref_model.parameters()]
     mp = {id(p): m for p, m in zip(ref_model.parameters(), masters)}
-    ref_groups = [{**g, "params": [mp[id(p)] for p in g["params"]]} for g in param_groups(ref_model, 0.1)]
+    ref_groups = [{**g, "params": [mp[id(p)] for p in g["params"]]}
+                  for g in param_groups(ref_model, 0.1)]
     ref = torch.optim.AdamW(ref_groups, lr=LR)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -85,24 +87,27 @@ def check_case(kind: str, dtype: torch.dtype, clip: bool, accum: int, steps: int
     ours_master = []
     for p in model.parameters():
         st = state.get(index[id(p)], {})
-        ours_master.append(st["master_param"].float().to(device) if "master_param" in st else p.detach().float())
+        ours_master.append(st["master_param"].float().to(device) if "master_param" in st
+                           else p.detach().float())
     # how far the reference moved, and how far ours is from it (L2 over all parameters): Adam's
     # update is ~lr per element whatever the gradient, so one flipped bf16 rounding in the forward
     # can change single elements by ~lr; the L2 ratio measures the whole update
     ref_masters = [m.detach() for m in masters]
     moved = l2_dist(ref_masters, init)
     d_master = l2_dist(ours_master, ref_masters)
-    d_param = l2_dist([p.detach() for p in model.parameters()], [p.detach() for p in ref_model.parameters()])
+    d_param = l2_dist([p.detach() for p in model.parameters()],
+                      [p.detach() for p in ref_model.parameters()])
     finite = all(torch.isfinite(p).all().item() for p in model.parameters())
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     ok = finite and d_master <= tol * moved and d_param <= 2 * tol * moved
     stats = opt.last_step_stats(wait=True)
     opt.close()
     dev.close()
-    return {"device": kind, "dtype": str(dtype).replace("torch.", ""), "clip": clip, "accum": accum,
+    return {"device": kind, "dtype": str(dtype).replace("torch.", ""), "clip": clip,
+            "accum": accum,
             "steps": steps, "overlap": overlap, "moved": moved, "max_diff_master": d_master,
-            "max_diff_param": d_param, "rel_diff": d_master / moved if moved else 0.0, "ok": bool(ok),
-            "exposed_s": stats["exposed_s"] if stats else None}
+            "max_diff_param": d_param, "rel_diff": d_master / moved if moved else 0.0,
+            "ok": bool(ok), "exposed_s": stats["exposed_s"] if stats else None}
 
 
 def run_checks(kind: str, steps: int = 4, quick: bool = False) -> List[dict]:
@@ -121,6 +126,6 @@ def print_checks(results: List[dict]) -> None:
     print(f"{'dtype':<9} {'clip':<5} {'accum':>5} {'overlap':<8} {'moved':>9} {'|d| master':>14} "
           f"{'|d| param':>13} {'rel':>8}  result")
     for r in results:
-        print(f"{r['dtype']:<9} {str(r['clip']):<5} {r['accum']:>5} {str(r['overlap']):<8} {r['moved']:>9.2e} "
-              f"{r['max_diff_master']:>14.2e} {r['max_diff_param']:>13.2e} {r['rel_diff']:>8.1e}  "
-              f"{'ok' if r['ok'] else 'FAIL'}")
+        print(f"{r['dtype']:<9} {str(r['clip']):<5} {r['accum']:>5} {str(r['overlap']):<8} "
+              f"{r['moved']:>9.2e} {r['max_diff_master']:>14.2e} {r['max_diff_param']:>13.2e} "
+              f"{r['rel_diff']:>8.1e}  {'ok' if r['ok'] else 'FAIL'}")

@@ -1,10 +1,11 @@
-"""bench/gpucheck_perf.py: the performance section of ``bench/gpu_check.py`` - a GPT (offload/bench/gpt.py; 350M
-bf16 on CUDA, the tiny preset on the fake device) timed per variant with CUDA events and wall time:
-a no-optimizer baseline, torch AdamW fused, offload eager / deferred+clip / overlap=False / NVMe / 8-bit
-moments / the delayed update (the offload variants built by offload/bench/train.py from a Namespace its own parser makes),
-then the profiler's copy kinds and copy/compute overlap, last_step_stats vs the profiler, thread and
-bucket sweeps, the cost of synchronize() fingerprints, peak memory vs offload.plan, trace lanes, and
-torchao / DeepSpeed peers when importable (never installed here). Exposed time = iteration - baseline.
+"""bench/gpucheck_perf.py: the performance section of ``bench/gpu_check.py`` - a GPT
+(offload/bench/gpt.py; 350M bf16 on CUDA, the tiny preset on the fake device) timed per variant
+with CUDA events and wall time: a no-optimizer baseline, torch AdamW fused, offload eager /
+deferred+clip / overlap=False / NVMe / 8-bit moments / the delayed update (the offload variants
+built by offload/bench/train.py from a Namespace its own parser makes), then the profiler's copy
+kinds and copy/compute overlap, last_step_stats vs the profiler, thread and bucket sweeps, the cost
+of synchronize() fingerprints, peak memory vs offload.plan, trace lanes, and torchao / DeepSpeed
+peers when importable (never installed here). Exposed time = iteration - baseline.
 """
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ def perf_setup(ctx: Ctx, res: Result) -> None:
     train.add_arguments(p)
     preset = ctx.args.perf_preset or ("350m" if ctx.cuda else "tiny")
     bucket = 32.0 if ctx.cuda else 0.05
-    ns = p.parse_args(["--device", "cuda" if ctx.cuda else "cpu", "--preset", preset, "--bucket-mb", str(bucket),
-                       "--state", "nvme", "--nvme-dir", ctx.disk_dir("perf"), "--host-budget", "1GiB"])
+    ns = p.parse_args(["--device", "cuda" if ctx.cuda else "cpu", "--preset", preset,
+                       "--bucket-mb", str(bucket),
+                       "--state", "nvme", "--nvme-dir", ctx.disk_dir("perf"), "--host-budget",
+                       "1GiB"])
     train.apply_defaults(ns)
     cfg = PRESETS[preset]
     P = ctx.perf
@@ -41,10 +44,12 @@ def perf_setup(ctx: Ctx, res: Result) -> None:
         P["batch"] = int(max(4, min(64, round(8 * 0.15 / max(t, 1e-3) / 4) * 4)))
         res.note(f"batch 8 -> {t * 1e3:.0f} ms, using batch {P['batch']}")
     P["probe"] = train.copy_probe(ctx.tdev, int(bucket * MB))
-    res.data.update(preset=preset, params=sum(x.numel() for x in GPT(cfg).parameters()) if not ctx.cuda else None,
+    res.data.update(preset=preset,
+                    params=sum(x.numel() for x in GPT(cfg).parameters()) if not ctx.cuda else None,
                     batch=P["batch"], probe_gbps=P["probe"], namespace=vars(ns))
     res.info_only = True
-    res.note(f"GPT {preset}, bf16, batch {P['batch']}, bucket {bucket} MB, {P['warmup']}+{P['iters']} iterations")
+    res.note(f"GPT {preset}, bf16, batch {P['batch']}, bucket {bucket} MB, "
+             f"{P['warmup']}+{P['iters']} iterations")
 
 
 def _need(ctx: Ctx) -> dict:
@@ -53,7 +58,8 @@ def _need(ctx: Ctx) -> dict:
     return ctx.perf
 
 
-def _time(ctx: Ctx, make_opt, batch=None, warmup=None, iters=None, profile=False, sync_each=False) -> dict:
+def _time(ctx: Ctx, make_opt, batch=None, warmup=None, iters=None, profile=False,
+          sync_each=False) -> dict:
     P = ctx.perf
     cfg, dev = P["cfg"], ctx.tdev
     torch.manual_seed(0)
@@ -120,12 +126,15 @@ def _time(ctx: Ctx, make_opt, batch=None, warmup=None, iters=None, profile=False
             for k in ("d2h_s", "h2d_s", "kernel_s", "exposed_s", "nvme_s"):
                 out[k] = statistics.median(s.get(k, 0.0) for s in steady)
             for k in ("d2h", "h2d"):
-                byt, sec = sum(s.get(f"{k}_bytes", 0) for s in steady), sum(s.get(f"{k}_s", 0) for s in steady)
+                byt, sec = (sum(s.get(f"{k}_bytes", 0) for s in steady),
+                            sum(s.get(f"{k}_s", 0) for s in steady))
                 out[f"{k}_gbps"] = byt / sec / 1e9 if sec > 0 else None
         if prof is not None:
-            out["profile"] = profile_summary(ctx, prof, keep=profile if isinstance(profile, str) else "")
+            out["profile"] = profile_summary(ctx, prof,
+                                             keep=profile if isinstance(profile, str) else "")
         if opt is not None and hasattr(opt, "storage_info"):
-            out["storage_info"] = {k: v for k, v in opt.storage_info().items() if isinstance(v, (int, float, str, bool))}
+            out["storage_info"] = {k: v for k, v in opt.storage_info().items()
+                                   if isinstance(v, (int, float, str, bool))}
         return out
     finally:
         if opt is not None and hasattr(opt, "close"):
@@ -140,7 +149,8 @@ def _offload(ctx: Ctx, **opts):
     P = ctx.perf
 
     def make(model):
-        dev = CudaDevice(ctx.tdev) if ctx.cuda else FakeDevice(max_delay=0.0, poison=False, check=False)
+        dev = (CudaDevice(ctx.tdev) if ctx.cuda
+               else FakeDevice(max_delay=0.0, poison=False, check=False))
         o = offload.AdamW(param_groups(model, 0.1), lr=1e-4, offload_device=dev,
                           **{"bucket_mb": P["ns"].bucket_mb, **opts})
         return o, dev
@@ -178,13 +188,16 @@ def _row(ctx: Ctx, res: Result, name: str, make, **kw) -> dict:
         g = r.get(f"{k}_gbps")
         pr = P["probe"].get(k)
         if g:
-            parts.append(f"{k.upper()} {g:.1f} GB/s" + (f" ({100 * g / pr:.0f}% of pinned probe)" if ctx.cuda and pr else ""))
+            parts.append(f"{k.upper()} {g:.1f} GB/s"
+                         + (f" ({100 * g / pr:.0f}% of pinned probe)" if ctx.cuda and pr else ""))
     if r.get("kernel_s") is not None:
         parts.append(f"kernel {r['kernel_s'] * 1e3:.1f} ms")
     if ctx.cuda:
         parts.append(f"peak {r['peak_alloc_gb']:.2f} GB")
-        if r["wall_ms"] > 1.2 * r["iter_ms"]:   # the GPU timeline misses host time (e.g. the final synchronize())
-            parts.append(f"WALL {r['wall_ms'] / r['iter_ms']:.1f}x the GPU timeline: the host blocked outside it")
+        # the GPU timeline misses host time (e.g. the final synchronize())
+        if r["wall_ms"] > 1.2 * r["iter_ms"]:
+            parts.append(f"WALL {r['wall_ms'] / r['iter_ms']:.1f}x the GPU timeline: the host "
+                         "blocked outside it")
     res.note(", ".join(parts))
     return r
 
@@ -221,23 +234,27 @@ def perf_8bit(ctx, res):
 
 
 def perf_delayed(ctx, res):
-    # the schedule that runs the CPU step during the next forward and backward (one step of staleness):
-    # delayed from the second update on, so every timed iteration is a delayed one
+    # the schedule that runs the CPU step during the next forward and backward (one step of
+    # staleness): delayed from the second update on, so every timed iteration is a delayed one
     _row(ctx, res, "offload_delayed", _offload(ctx, delay_updates=1, delay_after=1))
 
 
 def perf_profiler(ctx, res):
     _need(ctx)
-    for name, make in (("eager", _offload(ctx)), ("deferred_clip", _offload(ctx, max_grad_norm=1.0))):
-        r = _time(ctx, make, warmup=2 if ctx.cuda else 1, iters=2, profile=name if ctx.cuda else True)
+    for name, make in (("eager", _offload(ctx)),
+                       ("deferred_clip", _offload(ctx, max_grad_norm=1.0))):
+        r = _time(ctx, make, warmup=2 if ctx.cuda else 1, iters=2,
+                  profile=name if ctx.cuda else True)
         prof = r.get("profile", {})
         res.data[name] = r
         if not ctx.cuda:
             continue
-        res.expect(prof.get("pageable", 0) == 0, f"{name}: no pageable memcpy in steady iterations",
+        res.expect(prof.get("pageable", 0) == 0,
+                   f"{name}: no pageable memcpy in steady iterations",
                    kinds=prof.get("copy_kinds"))
-        res.note(f"{name}: D2H overlap {prof.get('d2h_overlap')}, H2D overlap {prof.get('h2d_overlap')}; "
-                 f"stats d2h {r.get('d2h_s', 0) * 2e3:.1f} ms vs profiler {prof.get('d2h_ms', 0):.1f} ms (2 iters)")
+        res.note(f"{name}: D2H overlap {prof.get('d2h_overlap')}, H2D overlap "
+                 f"{prof.get('h2d_overlap')}; stats d2h {r.get('d2h_s', 0) * 2e3:.1f} ms vs "
+                 f"profiler {prof.get('d2h_ms', 0):.1f} ms (2 iters)")
     if not ctx.cuda:
         res.info_only = True
         res.note("fake device: the profiler sees no CUDA copies; timings recorded only")
@@ -253,7 +270,8 @@ def _sweep(ctx, res, key, values, label):
                            exposed_s=r.get("exposed_s"))
     res.data[label] = out
     res.info_only = True
-    res.note(", ".join(f"{label}={k}: {v['iter_ms']:.1f} ms (kernel {v['kernel_ms']:.1f})" for k, v in out.items()))
+    res.note(", ".join(f"{label}={k}: {v['iter_ms']:.1f} ms (kernel {v['kernel_ms']:.1f})"
+                       for k, v in out.items()))
 
 
 def perf_threads(ctx, res):
@@ -274,7 +292,8 @@ def perf_fingerprints(ctx, res):
     b = _time(ctx, _offload(ctx), sync_each=True)
     res.data.update(plain_ms=a["iter_ms"], with_synchronize_ms=b["iter_ms"])
     res.info_only = True
-    res.note(f"synchronize() before every step: {b['iter_ms']:.1f} ms vs {a['iter_ms']:.1f} ms per iteration")
+    res.note(f"synchronize() before every step: {b['iter_ms']:.1f} ms vs {a['iter_ms']:.1f} "
+             "ms per iteration")
 
 
 def perf_memory(ctx, res):
@@ -292,8 +311,9 @@ def perf_memory(ctx, res):
     res.info_only = True
     if ctx.cuda and eager:
         res.data["measured_peak_gb"] = eager["peak_alloc_gb"]
-        res.note(f"planned GPU {plan.total('gpu') / 1e9:.2f} GB (activations {act / 1e9 if act else 0:.2f}) vs measured "
-                 f"peak {eager['peak_alloc_gb']:.2f} GB; torch fused peak "
+        res.note(f"planned GPU {plan.total('gpu') / 1e9:.2f} GB (activations "
+                 f"{act / 1e9 if act else 0:.2f}) vs measured peak {eager['peak_alloc_gb']:.2f} "
+                 "GB; torch fused peak "
                  f"{P['rows'].get('torch_fused', {}).get('peak_alloc_gb', float('nan')):.2f} GB; "
                  f"planned host {plan.total('host') / 1e9:.2f} GB")
     else:
@@ -306,7 +326,8 @@ def perf_trace(ctx, res):
     from offload.device import CudaDevice, FakeDevice
     model = GPT(ctx.perf["cfg"]).to(device=ctx.tdev, dtype=torch.bfloat16)
     dev = CudaDevice(ctx.tdev) if ctx.cuda else FakeDevice(max_delay=0.0)
-    opt = offload.AdamW(model.parameters(), lr=1e-4, offload_device=dev, trace=True, bucket_mb=ctx.perf["ns"].bucket_mb)
+    opt = offload.AdamW(model.parameters(), lr=1e-4, offload_device=dev, trace=True,
+                        bucket_mb=ctx.perf["ns"].bucket_mb)
     try:
         gen = torch.Generator().manual_seed(1)
         for _ in range(4):   # at the timed rows' batch: the timeline of their iterations
@@ -346,7 +367,8 @@ def perf_peers(ctx, res):
         for og in (False, True):
             ctx.tick()
             _row(ctx, res, f"torchao_offload_gradients_{og}",
-                 lambda m, og=og: CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, offload_gradients=og, lr=1e-4))
+                 lambda m, og=og: CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW,
+                                                      offload_gradients=og, lr=1e-4))
             ran.append(f"torchao(offload_gradients={og})")
     import importlib.util
     if importlib.util.find_spec("deepspeed") is None:
@@ -364,6 +386,8 @@ def perf_peers(ctx, res):
 def perf_summary(ctx, res):
     P = _need(ctx)
     res.info_only = True
-    res.data["rows"] = {k: {kk: vv for kk, vv in v.items() if kk != "profile"} for k, v in P["rows"].items()}
-    res.note(" | ".join(f"{k} {v['iter_ms']:.1f} ms" + (f" (+{v['exposed_ms']:.1f})" if "exposed_ms" in v else "")
+    res.data["rows"] = {k: {kk: vv for kk, vv in v.items() if kk != "profile"}
+                        for k, v in P["rows"].items()}
+    res.note(" | ".join(f"{k} {v['iter_ms']:.1f} ms"
+                        + (f" (+{v['exposed_ms']:.1f})" if "exposed_ms" in v else "")
                         for k, v in P["rows"].items()))

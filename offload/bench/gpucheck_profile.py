@@ -1,7 +1,7 @@
-"""bench/gpucheck_profile.py: what ``bench/gpu_check.py``'s performance section reads from a torch.profiler
-run: the copy kinds (pinned or pageable), the copy time in each direction, and the share of it that
-overlaps GPU kernels; with ``keep``, a gzip of the Chrome trace beside the JSON lines, to read the
-timeline afterwards (chrome://tracing or ui.perfetto.dev).
+"""bench/gpucheck_profile.py: what ``bench/gpu_check.py``'s performance section reads from a
+torch.profiler run: the copy kinds (pinned or pageable), the copy time in each direction, and the
+share of it that overlaps GPU kernels; with ``keep``, a gzip of the Chrome trace beside the JSON
+lines, to read the timeline afterwards (chrome://tracing or ui.perfetto.dev).
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def profile_summary(ctx: Ctx, prof, keep: str = "") -> dict:
     path = os.path.join(ctx.disk_dir("prof"), "trace.json")
     prof.export_chrome_trace(path)
     if keep and ctx.out_dir:
-        with open(path, "rb") as src, gzip.open(os.path.join(ctx.out_dir, f"profile_{keep}.json.gz"), "wb") as dst:
+        with open(path, "rb") as src, gzip.open(
+                os.path.join(ctx.out_dir, f"profile_{keep}.json.gz"), "wb") as dst:
             shutil.copyfileobj(src, dst)
     with open(path) as f:
         evs = json.load(f).get("traceEvents", [])
@@ -40,7 +41,8 @@ def profile_summary(ctx: Ctx, prof, keep: str = "") -> dict:
         return sum(max(0, min(b, y) - max(a, x)) for x, y in merged if x < b and y > a)
     tot = {"d2h": [0.0, 0.0], "h2d": [0.0, 0.0]}
     for e in copies:
-        k = "d2h" if "DtoH" in e.get("name", "") else "h2d" if "HtoD" in e.get("name", "") else None
+        k = ("d2h" if "DtoH" in e.get("name", "") else "h2d" if "HtoD" in e.get("name", "")
+             else None)
         if k:
             a, d = e["ts"], e.get("dur", 0)
             tot[k][0] += d

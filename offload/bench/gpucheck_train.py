@@ -1,6 +1,7 @@
-"""bench/gpucheck_train.py: the training loops the checks of ``bench/gpu_check.py`` share - a GPT or MLP trained
-with offload.AdamW on the device (optionally under the race amplifier, keeping each step's gradients),
-and offload's CPU mode fed given gradients (the reference of the engine-claim and moments checks).
+"""bench/gpucheck_train.py: the training loops the checks of ``bench/gpu_check.py`` share - a GPT
+or MLP trained with offload.AdamW on the device (optionally under the race amplifier, keeping each
+step's gradients), and offload's CPU mode fed given gradients (the reference of the engine-claim
+and moments checks).
 """
 from __future__ import annotations
 
@@ -23,21 +24,24 @@ def mlp_loss(model, batch):
 
 
 def ensure_bitwise(ctx: Ctx, res=None) -> bool:
-    """Do two identical overlap=False GPT runs agree bitwise here? If not, later comparisons use tolerances."""
+    """Do two identical overlap=False GPT runs agree bitwise here? If not, later comparisons use
+    tolerances."""
     if ctx.bitwise is None:
         ctx.bitwise = True   # (also stops the recursion through run_gpt)
         a = run_gpt(ctx, torch.float32, dict(overlap=False), close=True)
         b = run_gpt(ctx, torch.float32, dict(overlap=False), close=True)
         ctx.bitwise = all(same_bits(x, y) for x, y in zip(a["params"], b["params"]))
         if not ctx.bitwise and res is not None:
-            res.note("two identical overlap=False runs differ: comparisons fall back to tolerances")
+            res.note("two identical overlap=False runs differ: comparisons fall "
+                     "back to tolerances")
     return ctx.bitwise
 
 
-def run_gpt(ctx: Ctx, dtype, opts: dict, steps: Optional[int] = None, amplify: bool = False, close: bool = True,
+def run_gpt(ctx: Ctx, dtype, opts: dict, steps: Optional[int] = None, amplify: bool = False,
+            close: bool = True,
             model=None, loss=gpt_loss, data=None, keep_grads: bool = False, autocast=None) -> dict:
-    """Train ``steps`` steps with offload.AdamW(**opts); returns params, state tensors, losses (and the
-    gradients fed to each step with ``keep_grads``)."""
+    """Train ``steps`` steps with offload.AdamW(**opts); returns params, state tensors, losses (and
+    the gradients fed to each step with ``keep_grads``)."""
     ensure_bitwise(ctx)
     steps = steps or ctx.steps
     model = model if model is not None else ctx.gpt(dtype)
@@ -48,7 +52,8 @@ def run_gpt(ctx: Ctx, dtype, opts: dict, steps: Optional[int] = None, amplify: b
         opt = ctx.opt(model.parameters(), weight_decay=0.1, **opts)
         for s in range(steps):
             ctx.tick()
-            ac = torch.autocast(ctx.tdev.type, dtype=autocast) if autocast else contextlib.nullcontext()
+            ac = (torch.autocast(ctx.tdev.type, dtype=autocast) if autocast
+                  else contextlib.nullcontext())
             with ac:
                 lo = loss(model, data[s % len(data)])
             lo.backward()
@@ -59,8 +64,8 @@ def run_gpt(ctx: Ctx, dtype, opts: dict, steps: Optional[int] = None, amplify: b
             opt.step()
             opt.zero_grad()
         opt.synchronize()
-        out = dict(params=snapshot(model.parameters()), state=state_tensors(opt), losses=losses, grads=grads,
-                   stats=opt.last_step_stats(wait=True), opt=opt, model=model)
+        out = dict(params=snapshot(model.parameters()), state=state_tensors(opt), losses=losses,
+                   grads=grads, stats=opt.last_step_stats(wait=True), opt=opt, model=model)
         if close:
             ctx.close(opt)
     return out

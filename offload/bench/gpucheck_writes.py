@@ -1,7 +1,7 @@
-"""bench/gpucheck_writes.py: checks 12-15 of ``bench/gpu_check.py`` - user writes to the weights (p.data after
-synchronize(), a write without it, model.load_state_dict between steps, save/resume), parameters read
-by modules other than their owner (nn.TransformerEncoderLayer), torch.compile, and forward/backward
-on a user CUDA stream.
+"""bench/gpucheck_writes.py: checks 12-15 of ``bench/gpu_check.py`` - user writes to the weights
+(p.data after synchronize(), a write without it, model.load_state_dict between steps, save/resume),
+parameters read by modules other than their owner (nn.TransformerEncoderLayer), torch.compile, and
+forward/backward on a user CUDA stream.
 """
 from __future__ import annotations
 
@@ -54,19 +54,21 @@ def check_user_writes(ctx: Ctx, res: Result) -> None:
                 for p in m.parameters():
                     (p.data.mul_(0.5) if how == "data" else p.mul_(0.5))
         with ctx.amplified():
-            _loop(ctx, model, opt, ctx.mlp_batches(ctx.steps, dtype=dtype), ctx.steps, between=between,
-                  torch_opt=torch_opt)
+            _loop(ctx, model, opt, ctx.mlp_batches(ctx.steps, dtype=dtype), ctx.steps,
+                  between=between, torch_opt=torch_opt)
         return snapshot(model.parameters())
     ref = run(torch.float32, None, "data", torch_opt=True)
     for sched in ("eager", "deferred", "sync"):
         got = run(torch.float32, sched, "data")
-        ctx.compare(res, f"fp32 {sched}: p.data.mul_ after synchronize() kept (vs torch AdamW)", ref, got,
-                    rtol=1e-4, atol=1e-6, exact=False)
+        ctx.compare(res, f"fp32 {sched}: p.data.mul_ after synchronize() kept (vs torch AdamW)",
+                    ref, got, rtol=1e-4, atol=1e-6, exact=False)
     for sched in ("eager", "deferred"):
         vis = run(torch.bfloat16, sched, "visible")
         got = run(torch.bfloat16, sched, "data")
-        ctx.compare(res, f"bf16 {sched}: p.data.mul_ == the same write through p.mul_ (bitwise)", vis, got, exact=True)
-    # a write without synchronize(): raises at the next use of that parameter; close() then still works
+        ctx.compare(res, f"bf16 {sched}: p.data.mul_ == the same write through p.mul_ (bitwise)",
+                    vis, got, exact=True)
+    # a write without synchronize(): raises at the next use of that parameter; close() then still
+    # works
     for sched in ("eager", "deferred"):
         model = ctx.mlp()
         with ctx.amplified():
@@ -86,7 +88,8 @@ def check_user_writes(ctx: Ctx, res: Result) -> None:
             except RuntimeError as e:
                 err = str(e)
         res.data[f"write_without_synchronize_{sched}"] = (err or "no error")[:160]
-        res.expect(err is not None and "synchronize" in err, f"{sched}: a write without synchronize() raises")
+        res.expect(err is not None and "synchronize" in err,
+                   f"{sched}: a write without synchronize() raises")
         before = _workers()
         close_err = None
         try:
@@ -94,9 +97,11 @@ def check_user_writes(ctx: Ctx, res: Result) -> None:
         except Exception as e:  # noqa: BLE001
             close_err = f"{type(e).__name__}: {str(e)[:100]}"
         ctx.forget(opt)
-        ctx.forget(dev)   # the write raced the first step's copies on purpose: its hazards are expected
+        # the write raced the first step's copies on purpose: its hazards are expected
+        ctx.forget(dev)
         res.expect(close_err is None and _workers() < before,
-                   f"{sched}: close() after the reported write works (no raise, worker thread ends)",
+                   f"{sched}: close() after the reported write works (no raise, "
+                   "worker thread ends)",
                    close_error=close_err, workers_before=before, workers_after=_workers())
     # model.load_state_dict between steps (after synchronize)
     m0 = ctx.mlp()
@@ -117,10 +122,11 @@ def check_user_writes(ctx: Ctx, res: Result) -> None:
     model = ctx.mlp()
     topt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     _loop(ctx, model, topt, data, ctx.steps, between=reload, torch_opt=True)
-    ctx.compare(res, "model.load_state_dict between steps (vs torch AdamW)", snapshot(model.parameters()),
-                outs["sync"], rtol=1e-4, atol=1e-6, exact=False)
+    ctx.compare(res, "model.load_state_dict between steps (vs torch AdamW)",
+                snapshot(model.parameters()), outs["sync"], rtol=1e-4, atol=1e-6, exact=False)
     for sched in ("eager", "deferred"):
-        ctx.compare(res, f"model.load_state_dict between steps, {sched} == overlap=False", outs["sync"], outs[sched])
+        ctx.compare(res, f"model.load_state_dict between steps, {sched} == overlap=False",
+                    outs["sync"], outs[sched])
     # save after 2 steps -> fresh model and optimizer -> load -> 2 more == 4 uninterrupted steps
     for dt in (torch.float32, torch.bfloat16):
         model = ctx.mlp(dt)
@@ -139,9 +145,10 @@ def check_user_writes(ctx: Ctx, res: Result) -> None:
         opt = ctx.opt(model.parameters(), weight_decay=0.1)
         opt.load_state_dict(osd)
         _loop(ctx, model, opt, data_d[2:], 2)
-        ctx.compare(res, f"{dt}: resume after 2 steps == 4 steps (params)", full[0], snapshot(model.parameters()),
-                    exact=True)
-        ctx.compare(res, f"{dt}: resume after 2 steps == 4 steps (state)", full[1], state_tensors(opt), exact=True)
+        ctx.compare(res, f"{dt}: resume after 2 steps == 4 steps (params)", full[0],
+                    snapshot(model.parameters()), exact=True)
+        ctx.compare(res, f"{dt}: resume after 2 steps == 4 steps (state)", full[1],
+                    state_tensors(opt), exact=True)
 
 
 # ------------------------------------------------------------------------ 13
@@ -154,7 +161,8 @@ def check_non_owner_reads(ctx: Ctx, res: Result) -> None:
     def build():
         torch.manual_seed(0)
         layer = dict(d_model=d, nhead=heads, dim_feedforward=ff, dropout=0.0, batch_first=True)
-        return nn.Sequential(*[nn.TransformerEncoderLayer(**layer) for _ in range(layers)]).to(ctx.tdev)
+        return nn.Sequential(*[nn.TransformerEncoderLayer(**layer)
+                               for _ in range(layers)]).to(ctx.tdev)
 
     def run(opts):
         model = build()
@@ -165,7 +173,8 @@ def check_non_owner_reads(ctx: Ctx, res: Result) -> None:
                 ctx.tick()
                 model(x).float().square().mean().backward()
                 opt.step()
-                right_after.append([v.detach().to("cpu", copy=True) for v in model.state_dict().values()])
+                right_after.append([v.detach().to("cpu", copy=True)
+                                    for v in model.state_dict().values()])
                 opt.zero_grad()
                 opt.synchronize()
                 synced = [v.detach().to("cpu", copy=True) for v in model.state_dict().values()]
@@ -174,14 +183,16 @@ def check_non_owner_reads(ctx: Ctx, res: Result) -> None:
     t0 = time.time()
     ref, _ = run(SCHED["sync"])
     res.data["seconds"] = {"overlap=False": round(time.time() - t0, 2)}
-    for label, opts in (("deferred", SCHED["deferred"]), ("max_grad_norm", dict(max_grad_norm=1e9)),
-                        ("eager", SCHED["eager"])):
+    for label, opts in (("deferred", SCHED["deferred"]),
+                        ("max_grad_norm", dict(max_grad_norm=1e9)), ("eager", SCHED["eager"])):
         t0 = time.time()
         got, snaps = run(opts)
         res.data["seconds"][label] = round(time.time() - t0, 2)
         ctx.compare(res, f"TransformerEncoderLayer stack, {label} == overlap=False", ref, got)
-        bad = [s for s, (a, b) in enumerate(snaps) if not all(torch.equal(x, y) for x, y in zip(a, b))]
-        res.expect(not bad, f"{label}: model.state_dict() right after step() == weights after synchronize()",
+        bad = [s for s, (a, b) in enumerate(snaps)
+               if not all(torch.equal(x, y) for x, y in zip(a, b))]
+        res.expect(not bad, f"{label}: model.state_dict() right after step() == weights "
+                            "after synchronize()",
                    steps_differing=bad)
 
 
@@ -206,7 +217,8 @@ def check_compile(ctx: Ctx, res: Result) -> None:
                 mlp_loss(fwd, data[s]).backward()
                 opt.step()
                 opt.zero_grad()
-            right_after = snapshot(model.parameters())   # no synchronize(): step() must have waited
+            # no synchronize(): step() must have waited
+            right_after = snapshot(model.parameters())
             opt.synchronize()
         graphs[tuple(sorted(opts.items()))] = (
             counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
@@ -214,8 +226,8 @@ def check_compile(ctx: Ctx, res: Result) -> None:
     t0 = time.time()
     ref, _ = run(SCHED["sync"])
     res.data["first_compile_s"] = round(time.time() - t0, 1)
-    # inductor may pick other kernel configs (another reduction order) each time it compiles: a second
-    # compiled overlap=False run says whether compiled runs can agree bitwise here at all
+    # inductor may pick other kernel configs (another reduction order) each time it compiles: a
+    # second compiled overlap=False run says whether compiled runs can agree bitwise here at all
     again, _ = run(SCHED["sync"]) if ctx.cuda else (ref, None)
     exact = all(same_bits(a, b) for a, b in zip(ref, again))
     init = snapshot(ctx.mlp().parameters())
@@ -225,13 +237,17 @@ def check_compile(ctx: Ctx, res: Result) -> None:
         got, right_after = run(SCHED[label])
         if exact:
             ctx.compare(res, f"compiled model, {label} == overlap=False", ref, got)
-        else:   # as near to overlap=False as a second compile of it is (a stale weight is ~1/steps off)
-            ctx.compare_moved(res, f"compiled model, {label} near overlap=False (within 10x two compiles' spread)",
+        else:
+            # as near to overlap=False as a second compile of it is (a stale weight is ~1/steps
+            # off)
+            ctx.compare_moved(res, f"compiled model, {label} near overlap=False (within 10x two "
+                                   "compiles' spread)",
                               init, ref, got, tol=max(1e-4, 10 * noise))
-        ctx.compare(res, f"compiled model, {label}: weights right after step() are the final ones", got, right_after,
-                    exact=True)
+        ctx.compare(res, f"compiled model, {label}: weights right after step() are the final ones",
+                    got, right_after, exact=True)
         n, breaks = graphs[tuple(sorted(SCHED[label].items()))]
-        res.expect(n >= 1 and breaks == 0, f"compiled model, {label}: compiled, without graph breaks",
+        res.expect(n >= 1 and breaks == 0, f"compiled model, {label}: compiled, "
+                                           "without graph breaks",
                    graphs=n, graph_breaks=breaks)
     if not ctx.cuda:
         res.note("reduce-overhead (CUDA graphs) smoke test on CUDA only")
@@ -243,8 +259,8 @@ def check_compile(ctx: Ctx, res: Result) -> None:
         res.note(f"reduce-overhead refused: {type(e).__name__}: {str(e)[:120]}")
         res.expect(True, "reduce-overhead: refused")
         return
-    ctx.compare(res, "reduce-overhead: correct (vs uncompiled overlap=False, per element)", plain, got,
-                rtol=1e-3, atol=1e-5, exact=False)
+    ctx.compare(res, "reduce-overhead: correct (vs uncompiled overlap=False, per element)", plain,
+                got, rtol=1e-3, atol=1e-5, exact=False)
 
 
 # ------------------------------------------------------------------------ 15
@@ -275,5 +291,6 @@ def check_user_stream(ctx: Ctx, res: Result) -> None:
         return snapshot(model.parameters())
     ref = run(SCHED["sync"], False)
     for label in ("eager", "deferred", "sync"):
-        ctx.compare(res, f"forward/backward/step inside torch.cuda.stream(s), {label} == overlap=False default stream",
+        ctx.compare(res, f"forward/backward/step inside torch.cuda.stream(s), {label} == "
+                         "overlap=False default stream",
                     ref, run(SCHED[label], True))

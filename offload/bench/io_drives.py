@@ -1,6 +1,7 @@
-"""bench/io_drives.py: ``python -m offload.bench io --dir A,B``: several drives, as the optimizer uses them.
+"""bench/io_drives.py: ``python -m offload.bench io --dir A,B``: several drives, as the optimizer
+uses them.
 
-Per drive: our engine alone on that drive (``--size`` bytes written then read) and fio's best
+Per drive: our I/O engine alone on that drive (``--size`` bytes written then read) and fio's best
 configuration on the same file (the drive's ceiling). Aggregate: every drive at once, each with its
 own ``AioEngine``, requests laid round-robin (request ``j`` on drive ``j % k``, like state buckets)
 with ``--inflight`` requests queued per drive; compared with the sum of the drives alone and with
@@ -28,13 +29,16 @@ GB = 1e9
 __all__ = ["bench_drives", "measure_drives"]
 
 
-def bench_drives(paths: list, size: int, buf, request: int, qd: int, block: int, inflight: int) -> dict:
-    """Write then read ``size`` bytes on every path at once, round-robin requests, ``inflight`` per drive."""
+def bench_drives(paths: list, size: int, buf, request: int, qd: int, block: int,
+                 inflight: int) -> dict:
+    """Write then read ``size`` bytes on every path at once, round-robin requests, ``inflight`` per
+    drive."""
     k = len(paths)
     engines = [AioEngine(queue_depth=qd, block_size=block) for _ in paths]
     try:
         files = [e.open(p) for e, p in zip(engines, paths)]
-        jobs = [(d, off) for off in range(0, size, request) for d in range(k)]   # bucket j on drive j % k
+        # bucket j on drive j % k
+        jobs = [(d, off) for off in range(0, size, request) for d in range(k)]
         nbuf = buf.numel() // request
         out = {}
         for op in ("write", "read"):
@@ -45,7 +49,8 @@ def bench_drives(paths: list, size: int, buf, request: int, qd: int, block: int,
                     pending.popleft().wait()
                 slot = buf[(j % nbuf) * request:(j % nbuf + 1) * request]
                 eng = engines[d]
-                pending.append((eng.write if op == "write" else eng.read)(files[d], slot, off, min(request, size - off)))
+                pending.append((eng.write if op == "write" else eng.read)(
+                    files[d], slot, off, min(request, size - off)))
             for r in pending:
                 r.wait()
             if op == "write":
@@ -62,9 +67,11 @@ def bench_drives(paths: list, size: int, buf, request: int, qd: int, block: int,
 
 
 def measure_drives(args, fill, bench_fio) -> dict:
-    """``fill`` (random bytes into a buffer), ``bench_fio``: bench/io.py's, passed in by its ``measure``."""
+    """``fill`` (random bytes into a buffer), ``bench_fio``: bench/io.py's, passed in by its
+    ``measure``."""
     dirs = parse_dirs(args.dir)
-    size, request, block = parse_size(args.size), parse_size(args.request), parse_size(args.block_size)
+    size, request, block = (parse_size(args.size), parse_size(args.request),
+                            parse_size(args.block_size))
     if size % 4096 or request % 4096 or block % 4096:
         raise SystemExit("--size, --request and --block-size must be multiples of 4 KiB")
     k = len(dirs)
@@ -84,7 +91,8 @@ def measure_drives(args, fill, bench_fio) -> dict:
         paths = [os.path.join(w, "region") for w in works]
         for p in paths:
             os.close(os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-        bench_drives(paths, size, buf, request, args.queue_depth, block, args.inflight)   # lay the regions out
+        # lay the regions out
+        bench_drives(paths, size, buf, request, args.queue_depth, block, args.inflight)
         for _ in range(args.reps):
             for i, p in enumerate(paths):
                 r = bench_drives([p], size, buf, request, args.queue_depth, block, args.inflight)
@@ -112,17 +120,20 @@ def measure_drives(args, fill, bench_fio) -> dict:
         total[f"sum_alone_{op}"] = sum(r[op] for r in rows)
         fios = [r[f"fio_{op}"] for r in rows]
         total[f"fio_{op}"] = sum(fios) if all(f is not None for f in fios) else None
-    report = dict(bench="io", dirs=dirs, size=size, request=request, block_size=block, queue_depth=args.queue_depth,
+    report = dict(bench="io", dirs=dirs, size=size, request=request, block_size=block,
+                  queue_depth=args.queue_depth,
                   inflight=args.inflight, reps=args.reps, drives=rows, aggregate=total,
-                  notes=[] if direct else ["our engine fell back to buffered I/O (O_DIRECT refused)"])
+                  notes=[] if direct else ["our I/O engine fell back to buffered I/O "
+                                           "(O_DIRECT refused)"])
     _print(report)
     write_json(args.json, report)
     return report
 
 
 def _print(r: dict) -> None:
-    print(f"io benchmark on {len(r['dirs'])} drives: {r['size'] / GB:.2f} GB per drive, median of {r['reps']} runs "
-          f"({r['request'] >> 20} MiB requests, {r['inflight']} queued per drive, one engine per drive)")
+    print(f"io benchmark on {len(r['dirs'])} drives: {r['size'] / GB:.2f} GB per drive, median of "
+          f"{r['reps']} runs ({r['request'] >> 20} MiB requests, {r['inflight']} queued per "
+          "drive, one engine per drive)")
     hdr = f"{'drive':<40}{'write GB/s':>12}{'vs fio':>9}{'read GB/s':>12}{'vs fio':>9}"
     print(hdr)
     print("-" * len(hdr))
@@ -131,9 +142,11 @@ def _print(r: dict) -> None:
         return f"{v / GB:>12.2f}" + (f"{v / ref:>9.2f}" if ref else f"{'-':>9}")
 
     for row in r["drives"]:
-        print(f"{row['dir'][-40:]:<40}" + cell(row["write"], row["fio_write"]) + cell(row["read"], row["fio_read"]))
+        print(f"{row['dir'][-40:]:<40}" + cell(row["write"], row["fio_write"])
+              + cell(row["read"], row["fio_read"]))
     a = r["aggregate"]
-    print(f"{'all drives at once':<40}" + cell(a["write"], a["fio_write"]) + cell(a["read"], a["fio_read"]))
+    print(f"{'all drives at once':<40}" + cell(a["write"], a["fio_write"])
+          + cell(a["read"], a["fio_read"]))
     print(f"{'  vs the drives alone, summed':<40}{a['write'] / a['sum_alone_write']:>12.2f}{'':>9}"
           f"{a['read'] / a['sum_alone_read']:>12.2f}")
     if a["fio_write"] is None:

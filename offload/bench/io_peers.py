@@ -1,7 +1,7 @@
-"""bench/io_peers.py: the peers of ``python -m offload.bench io`` (bench/io.py): buffered ``pwrite`` /
-``preadv``, ``numpy.memmap``, aiofiles and DeepSpeed's AIO handle, each writing then reading the same
-region as our engine; the buffered ones drop the file's cached pages before reading. Each returns
-{"write", "read"} in bytes/s, or None where the peer is not installed.
+"""bench/io_peers.py: the peers of ``python -m offload.bench io`` (bench/io.py): buffered
+``pwrite`` / ``preadv``, ``numpy.memmap``, aiofiles and DeepSpeed's AIO handle, each writing then
+reading the same region as our I/O engine; the buffered ones drop the file's cached pages before
+reading. Each returns {"write", "read"} in bytes/s, or None where the peer is not installed.
 """
 from __future__ import annotations
 
@@ -105,9 +105,11 @@ def bench_aiofiles(path: str, size: int, buf: torch.Tensor, chunk: int = 1 << 20
     return asyncio.run(run())
 
 
-def bench_deepspeed(path: str, size: int, request: int, qd: int, block: int, inflight: int, threads: int):
+def bench_deepspeed(path: str, size: int, request: int, qd: int, block: int, inflight: int,
+                    threads: int):
     """DeepSpeed's AIO handle (libaio, O_DIRECT) on its own page-locked buffer: batches of
-    ``inflight`` async requests of ``request`` bytes, then wait(). None if DeepSpeed is not usable."""
+    ``inflight`` async requests of ``request`` bytes, then wait(). None if DeepSpeed is not
+    usable."""
     try:
         import logging
         logging.getLogger("DeepSpeed").setLevel(logging.ERROR)

@@ -1,4 +1,5 @@
-"""bench/kernel_cases.py: the cases and contenders of ``python -m offload.bench kernel`` (bench/kernel.py).
+"""bench/kernel_cases.py: the cases and contenders of ``python -m offload.bench kernel``
+(bench/kernel.py).
 
 A ``Case`` is a list of tensor sizes (flat, many tensors, bf16 gradient + output); a ``Contender``
 is one implementation stepping that case: ``offload.AdamW.step()``, our raw kernel call (also
@@ -12,20 +13,21 @@ from dataclasses import dataclass, field
 import torch
 
 import offload
-from offload.native import adam as _kernels
+from offload.native import adam as native_adam
 
 from .moments import _streams
 
 STREAM_STAGGER = 16400  # floats between the probe's streams (as offload.optim's state arena)
-HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, amsgrad=False,
-             maximize=False)  # of the raw kernel call (OursKernel)
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True,
+             amsgrad=False, maximize=False)  # of the raw kernel call (OursKernel)
 BYTES_PER_PARAM = 28  # read g, p, m, v (16 B) + write p, m, v (12 B)
-# bf16 case: read p, m, v (12 B), the bf16 gradient (2 B) and the bf16 parameter (2 B: the step reads it
-# for the user's writes, and a write-only stream costs its line's read all the same); write p, m, v and
-# the parameter (14 B)
+# bf16 case: read p, m, v (12 B), the bf16 gradient (2 B) and the bf16 parameter (2 B: the step
+# reads it for the user's writes, and a write-only stream costs its line's read all the same);
+# write p, m, v and the parameter (14 B)
 BYTES_PER_PARAM_BF16 = 30
-# DeepSpeedCPUAdam on bf16 parameters: read the bf16 weight and gradient and fp32 m, v (12 B); write the
-# weight and m, v (10 B). It keeps no fp32 master: each update is rounded into the bf16 weight.
+# DeepSpeedCPUAdam on bf16 parameters: read the bf16 weight and gradient and fp32 m, v (12 B);
+# write the weight and m, v (10 B). It keeps no fp32 master: each update is rounded into the bf16
+# weight.
 DS_BF16_BYTES = 22
 
 
@@ -68,13 +70,15 @@ class Case:
 
 
 # Bytes per parameter a case holds at once (the gradients; every contender's tensors: offload's
-# parameters, master and moments, torch fused's and foreach's with foreach's temporaries, DeepSpeed's;
-# the probe's streams; the cached random source). The moments case: its six contenders (76 B) and the
-# probe regions all its probes share (20 B). kernel.run skips a case that would not fit in the memory
-# available instead of being killed by the kernel's out-of-memory killer halfway through the run.
-# Peak resident memory over the process's own, --full --scale 0.125, one case per run: flat 76.5,
-# many tensors 73, bf16 86.5, moments 96, isa 36 B/param (setup's temporaries included).
-FOOTPRINT = {"flat": 80, "multi": 80, "small": 80, "small-newgrads": 84, "isa": 40, "bf16": 90, "moments": 100}
+# parameters, master and moments, torch fused's and foreach's with foreach's temporaries,
+# DeepSpeed's; the probe's streams; the cached random source). The moments case: its six contenders
+# (76 B) and the probe regions all its probes share (20 B). kernel.run skips a case that would not
+# fit in the memory available instead of being killed by the kernel's out-of-memory killer halfway
+# through the run. Peak resident memory over the process's own, --full --scale 0.125, one case per
+# run: flat 76.5, many tensors 73, bf16 86.5, moments 96, isa 36 B/param (setup's temporaries
+# included).
+FOOTPRINT = {"flat": 80, "multi": 80, "small": 80, "small-newgrads": 84, "isa": 40, "bf16": 90,
+             "moments": 100}
 CASE_KEYS = ("flat", "multi", "small", "bf16", "isa", "moments", "small-newgrads")
 OPT_IN = ("small-newgrads",)  # only when named in --cases
 DEFAULT_FLAT = 32 * 2**20  # 32M params: 900 MB moved per step, 28x a 32 MiB L3
@@ -99,7 +103,8 @@ def make_cases(scale: float, only, full: bool = False) -> list:
         keys = [k.strip() for k in only.split(",") if k.strip()]
         unknown = sorted(set(keys) - set(CASE_KEYS))
         if unknown:
-            raise SystemExit(f"--cases: unknown case(s) {', '.join(unknown)} (choose from {','.join(CASE_KEYS)})")
+            raise SystemExit(f"--cases: unknown case(s) {', '.join(unknown)} (choose from "
+                             f"{','.join(CASE_KEYS)})")
         cases = [c for c in cases if c.key in keys]
     else:
         cases = [c for c in cases if c.key not in OPT_IN]
@@ -107,7 +112,7 @@ def make_cases(scale: float, only, full: bool = False) -> list:
 
 
 def has_avx512() -> bool:
-    return "avx512" in _kernels.available_isas()
+    return "avx512" in native_adam.available_isas()
 
 
 # --------------------------------------------------------------------------- contenders
@@ -151,8 +156,10 @@ class Ours(Contender):
         for p, g in zip(self.params, grads):
             p.grad = g
         self.opt = offload.AdamW(self.params, lr=1e-3, weight_decay=0.01, threads=threads)
-        # small-newgrads: fresh grad objects before every step (two sets, swapped: no allocation timed)
-        self.grad_sets = [grads, [g.clone() for g in grads]] if case.key == "small-newgrads" else None
+        # small-newgrads: fresh grad objects before every step (two sets, swapped: no allocation
+        # timed)
+        self.grad_sets = ([grads, [g.clone() for g in grads]] if case.key == "small-newgrads"
+                          else None)
         self.turn = 0
 
     def set_threads(self, threads: int) -> None:
@@ -178,17 +185,19 @@ class OursKernel(Contender):
         sts = [opt.state[p] for p in ps]
         masters = [st.get("master_param", p) for st, p in zip(sts, ps)]
         outs = [p if "master_param" in st else None for st, p in zip(sts, ps)]
-        self.table = _kernels.adam_table(masters, [p.grad for p in ps], [st["exp_avg"] for st in sts],
-                                         [st["exp_avg_sq"] for st in sts], None, [10] * len(ps), outs)
+        self.table = native_adam.adam_table(masters, [p.grad for p in ps],
+                                            [st["exp_avg"] for st in sts],
+                                         [st["exp_avg_sq"] for st in sts], None, [10] * len(ps),
+                                            outs)
         # a bf16/fp16 parameter is the step's own output: the step also checks it for the user's
         # writes since the last step (and adopts them), so the call does the same work
         for i, o in enumerate(outs):
-            if o is not None and o.dtype in _kernels.OUT_USER_PARAM:
-                self.table[i, _kernels.COL_OD] = _kernels.OUT_USER_PARAM[o.dtype]
+            if o is not None and o.dtype in native_adam.OUT_USER_PARAM:
+                self.table[i, native_adam.COL_OD] = native_adam.OUT_USER_PARAM[o.dtype]
         self.threads = threads
 
     def step(self) -> None:
-        _kernels.step_table(self.table, HYPER, 1.0, self.threads)
+        native_adam.step_table(self.table, HYPER, 1.0, self.threads)
 
 
 class OursKernelIsa(OursKernel):
@@ -200,11 +209,11 @@ class OursKernelIsa(OursKernel):
         self.name = f"offload kernel call [{isa}]"
 
     def step(self) -> None:
-        _kernels.set_isa(self.isa)
+        native_adam.set_isa(self.isa)
         try:
             super().step()
         finally:
-            _kernels.set_isa(self.native)
+            native_adam.set_isa(self.native)
 
 
 class TorchAdamW(Contender):
@@ -237,8 +246,9 @@ class TorchAdamW(Contender):
 
 
 class DeepSpeed(Contender):
-    """DeepSpeedCPUAdam on the case's parameters: fp32, or bf16 (its bf16 path keeps fp32 moments and
-    no fp32 master: it rounds each update into the bf16 weights; DS_BF16_BYTES against BYTES_PER_PARAM_BF16)."""
+    """DeepSpeedCPUAdam on the case's parameters: fp32, or bf16 (its bf16 path keeps fp32 moments
+    and no fp32 master: it rounds each update into the bf16 weights; DS_BF16_BYTES against
+    BYTES_PER_PARAM_BF16)."""
     name = "DeepSpeedCPUAdam"
 
     def __init__(self, case: Case, grads: list, threads: int):
@@ -260,11 +270,12 @@ class DeepSpeed(Contender):
 
 
 class MetadataFloor(Contender):
-    """What any correct per-step check of many tensors must at least do, and nothing else: read each
-    parameter's gradient, the parameter's data pointer and the gradient's (torch's own getters, called
-    from C by map). Timed in the same round-robin, after the other contenders have streamed their
-    memory through the caches, as the next step finds it. The optimizer reads more (dtype, shape,
-    strides, neg bit of both: `t.data = ...` keeps the object and the pointer while changing them)."""
+    """What any correct per-step check of many tensors must at least do, and nothing else: read
+    each parameter's gradient, the parameter's data pointer and the gradient's (torch's own
+    getters, called from C by map). Timed in the same round-robin, after the other contenders have
+    streamed their memory through the caches, as the next step finds it. The optimizer reads more
+    (dtype, shape, strides, neg bit of both: `t.data = ...` keeps the object and the pointer while
+    changing them)."""
     name = "floor: 3 torch reads per tensor"
 
     def __init__(self, ours: "Ours"):
@@ -278,16 +289,17 @@ class MetadataFloor(Contender):
 
 
 def _probe_streams(numel: int, lowp: bool) -> list:
-    """The probe's streams: g, p, m, v in fp32 (Adam's pattern), or for the bf16 case p, m, v in fp32
-    and the bf16 gradient and parameter (the fp32-moment streams of bench/moments.py). One allocation,
-    streams staggered like offload's state arena: separate allocations of a power-of-two size sit a
-    power of two (+ one page) apart, and on some machines that costs a third of the bandwidth (measured
-    on an AVX2 EPYC at 32M: 750 vs 1050 Mparam/s), which would make the "ceiling" lower than what a
-    kernel can reach."""
+    """The probe's streams: g, p, m, v in fp32 (Adam's pattern), or for the bf16 case p, m, v in
+    fp32 and the bf16 gradient and parameter (the fp32-moment streams of bench/moments.py). One
+    allocation, streams staggered like offload's state arena: separate allocations of a
+    power-of-two size sit a power of two (+ one page) apart, and on some machines that costs a
+    third of the bandwidth (measured on an AVX2 EPYC at 32M: 750 vs 1050 Mparam/s), which would
+    make the "ceiling" lower than what a kernel can reach."""
     if lowp:
         p, g, m, v, out = _streams(numel, "fp32", True)
         for t in (p, g, m, v, out):
-            t.fill_(0.5)   # as the fp32 streams below (and every page touched before the first round)
+            # as the fp32 streams below (and every page touched before the first round)
+            t.fill_(0.5)
         return [p, m, v, g, out]
     stride = numel + STREAM_STAGGER
     f32 = torch.full((4 * stride,), 0.5)
@@ -295,12 +307,13 @@ def _probe_streams(numel: int, lowp: bool) -> list:
 
 
 class Probe(Contender):
-    """Bandwidth probe: a native pass over the case's streams (7 fp32 streams, Adam's pattern; for the bf16
-    case fp32 p, m, v, the bf16 gradient and the bf16 parameter read and written), same size, trivial
-    arithmetic, walking memory in one of the probe's ways (PROBE_MODES). Without a mode it is the plain
-    ceiling (fused + prefetch); with one it is one of the ceiling's candidates (probe_modes): run_case
-    times them all in the round-robin and takes, round by round, the fastest as the ceiling, so that what
-    this machine's memory does at best, not what one loop shape gets out of it, is the 100 % line."""
+    """Bandwidth probe: a native pass over the case's streams (7 fp32 streams, Adam's pattern; for
+    the bf16 case fp32 p, m, v, the bf16 gradient and the bf16 parameter read and written), same
+    size, trivial arithmetic, walking memory in one of the probe's ways (PROBE_MODES). Without a
+    mode it is the plain ceiling (fused + prefetch); with one it is one of the ceiling's candidates
+    (probe_modes): run_case times them all in the round-robin and takes, round by round, the
+    fastest as the ceiling, so that what this machine's memory does at best, not what one loop
+    shape gets out of it, is the 100 % line."""
     name = CEILING = "bandwidth probe (ceiling)"
 
     def __init__(self, numel: int, threads: int, mode=None, bufs=None, lowp: bool = False):
@@ -308,15 +321,16 @@ class Probe(Contender):
         self.threads, self.numel, self.lowp = threads, numel, lowp
         self.mode = 0 if mode is None else mode
         if mode is not None:
-            self.name = f"{MODE_PREFIX}{_kernels.PROBE_MODES[mode]}"
+            self.name = f"{MODE_PREFIX}{native_adam.PROBE_MODES[mode]}"
 
     def step(self) -> None:
         if self.lowp:
             p, m, v, g, out = self.bufs
-            _kernels.bandwidth_probe_moments(p, m, v, g, out, threads=self.threads, mode=self.mode)
+            native_adam.bandwidth_probe_moments(p, m, v, g, out, threads=self.threads,
+                                                mode=self.mode)
         else:
             g, p, m, v = self.bufs
-            _kernels.bandwidth_probe(p, m, v, g, threads=self.threads, mode=self.mode)
+            native_adam.bandwidth_probe(p, m, v, g, threads=self.threads, mode=self.mode)
 
 
 MODE_PREFIX = "_probe: "  # contender names of the ceiling's candidates (hidden from the tables)
@@ -326,14 +340,15 @@ CEILING_MODES = (0, 1, 2)
 
 
 def probe_modes(numel: int, threads: int, lowp: bool = False, bufs=None) -> list:
-    """The ceiling's candidates, one per mode of CEILING_MODES, sharing one set of streams (they run in
-    turn): ``bufs`` as Probe's, or new ones."""
+    """The ceiling's candidates, one per mode of CEILING_MODES, sharing one set of streams (they
+    run in turn): ``bufs`` as Probe's, or new ones."""
     bufs = _probe_streams(numel, lowp) if bufs is None else bufs
     return [Probe(numel, threads, m, bufs=bufs, lowp=lowp) for m in CEILING_MODES]
 
 
 def ceiling_series(times: dict) -> list:
-    """Round by round, the fastest candidate's time: the ceiling each contender of that round is held to."""
+    """Round by round, the fastest candidate's time: the ceiling each contender of that round is
+    held to."""
     cands = [v for k, v in times.items() if k.startswith(MODE_PREFIX)]
     return [min(r) for r in zip(*cands)]
 

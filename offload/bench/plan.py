@@ -1,8 +1,9 @@
 """bench/plan.py: ``python -m offload.bench plan``: the planner from the command line.
 
-Prints the bytes each place will hold (GPU, host, NVMe) for a parameter count, a GPT-style shape or a
-local Hugging Face config.json, whether it fits this machine (and, if not, the first setup that does),
-and with ``--time`` or ``--from-json`` the predicted step time; see ``offload.plan`` for the API.
+Prints the bytes each place will hold (GPU, host, NVMe) for a parameter count, a GPT-style shape or
+a local Hugging Face config.json, whether it fits this machine (and, if not, the first setup that
+does), and with ``--time`` or ``--from-json`` the predicted step time; see ``offload.plan`` for the
+API.
 """
 from __future__ import annotations
 
@@ -96,8 +97,8 @@ def _what(args):
     equal tensors (on the meta device)."""
     if args.hf_config is not None:
         if args.tensors is not None:
-            args.error("--tensors applies to --params and --transformer (a config.json has its "
-                       "own tensors)")
+            args.error("--tensors applies to --params and --transformer (a config.json has "
+                       "its own tensors)")
         return args.hf_config
     n = args.params if args.params is not None else args.transformer
     k = args.tensors or 1
@@ -112,12 +113,17 @@ def _what(args):
 
 def _plan(args, bandwidths):
     from ..planner import plan
-    return plan(_what(args), device=args.device, param_dtype=args.param_dtype, grad_dtype=args.grad_dtype,
-                storage=args.storage, amsgrad=args.amsgrad, world_size=args.world_size, sharding=args.sharding,
-                bucket_bytes=int(args.bucket_mb * (1 << 20)), depth=args.depth, host_budget=args.host_budget,
+    return plan(_what(args), device=args.device, param_dtype=args.param_dtype,
+                grad_dtype=args.grad_dtype,
+                storage=args.storage, amsgrad=args.amsgrad, world_size=args.world_size,
+                sharding=args.sharding,
+                bucket_bytes=int(args.bucket_mb * (1 << 20)), depth=args.depth,
+                host_budget=args.host_budget,
                 nvme_dir=args.nvme_dir, staging_slots=args.staging_slots, moments=args.moments,
-                moments_min_size=args.moments_min_size, bandwidths=bandwidths, threads=args.threads,
-                activation_bytes=int(args.activations_gb * (1 << 30)) if args.activations_gb else None,
+                moments_min_size=args.moments_min_size, bandwidths=bandwidths,
+                threads=args.threads,
+                activation_bytes=int(args.activations_gb * (1 << 30)) if args.activations_gb
+                else None,
                 backward_s=None if args.backward_ms is None else args.backward_ms / 1e3,
                 forward_s=None if args.forward_ms is None else args.forward_ms / 1e3,
                 gpu_state=args.gpu_state)
@@ -153,47 +159,61 @@ def add_parser(subparsers) -> None:
     what.add_argument("--params", type=parse_count, help="parameter count, e.g. 350M, 7B")
     what.add_argument("--transformer", type=parse_transformer,
                       help="LAYERS,HIDDEN,VOCAB of a GPT-style decoder")
-    what.add_argument("--hf-config", metavar="PATH", help="a local Hugging Face config.json (or its folder): the "
-                      "model's real tensors, built on the meta device (needs transformers; nothing downloaded)")
+    what.add_argument("--hf-config", metavar="PATH", help="a local Hugging Face config.json (or "
+                                                          "its folder): the model's real tensors, "
+                                                          "built on the meta device (needs "
+                                                          "transformers; nothing downloaded)")
     sp.add_argument("--tensors", type=parse_tensors, default=None,
                     help="split --params/--transformer into this many equal tensors (as python -m "
                     f"offload.bench step --tensors; default 1, at most {MAX_TENSORS:,})")
-    sp.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present")
+    sp.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                    help="default: cuda if present")
     sp.add_argument("--param-dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
     sp.add_argument("--grad-dtype", default=None, choices=["fp32", "bf16", "fp16"])
     sp.add_argument("--storage", default=None, choices=["ram", "nvme", "mmap"],
-                    help="where the optimizer state lives, as the optimizer's storage= (default: nvme with --nvme-dir, "
-                    "else ram)")
-    sp.add_argument("--state", dest="storage", choices=["ram", "nvme", "mmap"], help=argparse.SUPPRESS)   # old name
+                    help="where the optimizer state lives, as the optimizer's storage= (default: "
+                         "nvme with --nvme-dir, else ram)")
+    # hidden alias of --storage
+    sp.add_argument("--state", dest="storage", choices=["ram", "nvme", "mmap"],
+                    help=argparse.SUPPRESS)
     sp.add_argument("--staging-slots", dest="staging_slots", type=int, default=3,
-                    help="device params with NVMe/mmap state: pinned staging ring slots (as nvme_options)")
+                    help="device params with NVMe/mmap state: pinned staging ring slots "
+                         "(as nvme_options)")
     sp.add_argument("--amsgrad", action="store_true")
     sp.add_argument("--world-size", type=int, default=1)
     sp.add_argument("--sharding", default="none", choices=["none", "zero1", "fsdp"])
     sp.add_argument("--bucket-mb", type=_number("MiB", True), default=32.0)
     sp.add_argument("--depth", type=int, default=2, help="buckets in flight per direction")
-    sp.add_argument("--host-budget", default="2GiB", help="NVMe state's host budget (as the optimizer's host_budget)")
+    sp.add_argument("--host-budget", default="2GiB",
+                    help="NVMe state's host budget (as the optimizer's host_budget)")
     sp.add_argument("--nvme-dir", dest="nvme_dir", default=None,
-                    help="where NVMe state would live, one directory or several comma-separated (free space; "
-                    "--time measures it)")
-    sp.add_argument("--nvme-path", dest="nvme_dir", default=None, help=argparse.SUPPRESS)   # the old spelling
-    sp.add_argument("--moments", default="fp32", choices=["fp32", "bf16", "8bit"], help="Adam moment format")
-    sp.add_argument("--moments-min-size", type=int, default=4096, help="smaller tensors keep fp32 moments")
-    sp.add_argument("--threads", type=int, default=None, help="the optimizer's threads= (default: every CPU)")
-    sp.add_argument("--time", action="store_true", help="predict the step time from bandwidths measured here in "
-                    "a few seconds (kernel; the --nvme-dir disk with --storage nvme; PCIe with a GPU)")
+                    help="where NVMe state would live, one directory or several comma-separated "
+                         "(free space; --time measures it)")
+    # hidden alias of --nvme-dir
+    sp.add_argument("--nvme-path", dest="nvme_dir", default=None, help=argparse.SUPPRESS)
+    sp.add_argument("--moments", default="fp32", choices=["fp32", "bf16", "8bit"],
+                    help="Adam moment format")
+    sp.add_argument("--moments-min-size", type=int, default=4096,
+                    help="smaller tensors keep fp32 moments")
+    sp.add_argument("--threads", type=int, default=None,
+                    help="the optimizer's threads= (default: every CPU)")
+    sp.add_argument("--time", action="store_true", help="predict the step time from bandwidths "
+                                                        "measured here in a few seconds (kernel; "
+                                                        "the --nvme-dir disk with --storage nvme; "
+                                                        "PCIe with a GPU)")
     sp.add_argument("--from-json", metavar="PATHS", type=_paths, default=None,
                     help="predict the step time from saved python -m offload.bench kernel/io "
                     "--json files (comma-separated) instead of measuring")
     sp.add_argument("--activations-gb", type=_number("GiB", False), default=None,
                     help="your activation memory estimate")
     sp.add_argument("--backward-ms", type=_number("milliseconds", False), default=None,
-                    help="with --time or --from-json and --device cuda: your measured backward, to predict the "
-                    "iteration with the state --gpu-state lets stay on the GPU (and with none)")
+                    help="with --time or --from-json and --device cuda: your measured backward, "
+                         "to predict the iteration with the state --gpu-state lets stay on the "
+                         "GPU (and with none)")
     sp.add_argument("--forward-ms", type=_number("milliseconds", False), default=None,
                     help="your measured forward (added to the predicted iteration)")
     sp.add_argument("--gpu-state", default="auto", type=_gpu_state,
-                    help="the optimizer's gpu_state=: auto (default: the GPU's free memory less the plan's GPU "
-                    "bytes and a margin), a size such as 8GiB, or 0")
+                    help="the optimizer's gpu_state=: auto (default: the GPU's free memory less "
+                         "the plan's GPU bytes and a margin), a size such as 8GiB, or 0")
     sp.add_argument("--json", default=None, help="also write the plan as JSON")
     sp.set_defaults(func=run, error=_one_line_errors(sp))

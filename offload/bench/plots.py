@@ -1,6 +1,7 @@
-"""bench/plots.py: ``--plot PATH`` of the benchmarks that have no chart of their own (io, step): grouped
-bars, one group per operation, and the ceiling as a dashed line where one was measured. matplotlib is
-optional (``pip install 'offload[bench]'``): without it the run says so and writes no file."""
+"""bench/plots.py: ``--plot PATH`` of the benchmarks that have no chart of their own (io, step):
+grouped bars, one group per operation, and the ceiling as a dashed line where one was measured.
+matplotlib is optional (``pip install 'offload[bench]'``): without it the run says so and writes no
+file."""
 from __future__ import annotations
 
 from typing import Optional
@@ -18,8 +19,9 @@ def have_matplotlib() -> bool:
 
 def grouped_bars(path: str, groups: list, series: dict, *, ylabel: str, title: str,
                  ceilings: Optional[dict] = None) -> bool:
-    """``series``: name -> one value per group (None: not measured); ``ceilings``: group -> value, drawn
-    as a dashed line over that group. Returns False (and says why) when matplotlib is missing."""
+    """``series``: name -> one value per group (None: not measured); ``ceilings``: group -> value,
+    drawn as a dashed line over that group. Returns False (and says why) when matplotlib is
+    missing."""
     if not have_matplotlib():
         print(f"--plot {path}: not drawn, matplotlib is not installed (pip install matplotlib, or "
               "pip install 'offload[bench]')")
@@ -38,7 +40,8 @@ def grouped_bars(path: str, groups: list, series: dict, *, ylabel: str, title: s
         c = (ceilings or {}).get(g)
         if c:
             ax.hlines(c, i - width / 2, i + 0.8 - width / 2, colors="k", linestyles="dashed",
-                      label="ceiling" if i == 0 or not any((ceilings or {}).get(x) for x in groups[:i]) else None)
+                      label="ceiling" if i == 0
+                      or not any((ceilings or {}).get(x) for x in groups[:i]) else None)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
     ax.set_xticklabels(groups)
     ax.set_ylabel(ylabel)

@@ -8,7 +8,8 @@ save.py, validate.py, load.py, pending.py + async_.py (background saves). See do
 """
 from .adapter import StateTensor
 from .async_ import SaveHandle, save_async
-from .format import DEFAULT_CHUNK, FORMAT, INDEX, VERSION, CheckpointError  # noqa: F401 (constants kept public)
+# (constants kept public)
+from .format import DEFAULT_CHUNK, FORMAT, INDEX, VERSION, CheckpointError  # noqa: F401
 from .load import load
 from .save import save
 

@@ -1,11 +1,12 @@
 """checkpoint/adapter.py: the optimizer-side extension point of the checkpoint.
 
-The checkpoint uses torch's optimizer API (``param_groups``, ``state`` / ``state_dict()``: offload's
-returns views of the NVMe/mmap state file and synchronizes the GPU engine; ``load_state_dict()``)
-and, for the rest, one port object: :class:`CheckpointPort`, which an optimizer offers as
-``checkpoint_port()`` (offload.Adam/AdamW do: offload/optim/adam.py); any other optimizer (torch.optim's)
-gets the port of state in plain tensors, with the ``checkpoint_tensors`` / ``checkpoint_state`` it
-defines (:func:`port`). What is not the optimizer's own API is read in ONE small function each:
+The checkpoint uses torch's optimizer API (``param_groups``, ``state`` / ``state_dict()``:
+offload's returns views of the NVMe/mmap state file and synchronizes the device schedule;
+``load_state_dict()``) and, for the rest, one port object: :class:`CheckpointPort`, which an
+optimizer offers as ``checkpoint_port()`` (offload.Adam/AdamW do: offload/optim/adam.py); any other
+optimizer (torch.optim's) gets the port of state in plain tensors, with the ``checkpoint_tensors``
+/ ``checkpoint_state`` it defines (:func:`port`). What is not the optimizer's own API is read in
+ONE small function each:
 
 - :func:`readopt`         ``opt.__setstate__`` (offload re-reads its state pointers there)
 - :func:`resolve` / :func:`sync_wrapper`  torch's ZeroRedundancyOptimizer
@@ -30,22 +31,28 @@ ADAM_KINDS = ("Adam", "AdamW")
 @dataclass(frozen=True)
 class CheckpointPort:
     """What offload.save / offload.load use of an optimizer beyond torch's API, in one place."""
-    keepalive: Callable[[], Any]             # what a background save holds: the state views stay mapped
-    loads_itself: Callable[[], bool]         # state loaded through load_state_dict, not into opt.state
+    # what a background save holds: the state views stay mapped
+    keepalive: Callable[[], Any]
+    # state loaded through load_state_dict, not into opt.state
+    loads_itself: Callable[[], bool]
     on_device: Callable[[], bool]            # parameters on a device (GPU offload)
-    pending: Callable[[], float]             # the clip coefficient left for the next step (1.0: none)
-    set_pending: Callable[[float], None]     # restore it (a checkpoint saved between clip and step)
-    tensors: Optional[Callable] = None       # StateTensors of state not in plain tensors (create_from)
+    # the clip coefficient left for the next step (1.0: none)
+    pending: Callable[[], float]
+    # restore it (a checkpoint saved between clip and step)
+    set_pending: Callable[[float], None]
+    # StateTensors of state not in plain tensors (create_from)
+    tensors: Optional[Callable] = None
     scalars: Optional[Callable[[], dict]] = None   # state_dict()['state'] without those tensors
 
 
 def port(opt) -> CheckpointPort:
-    """The optimizer's port: its ``checkpoint_port()``, else that of state in plain tensors, with the
-    ``checkpoint_tensors(create_from)`` / ``checkpoint_state()`` the optimizer defines."""
+    """The optimizer's port: its ``checkpoint_port()``, else that of state in plain tensors, with
+    the ``checkpoint_tensors(create_from)`` / ``checkpoint_state()`` the optimizer defines."""
     own = getattr(opt, "checkpoint_port", None)
     if callable(own):
         return own()
-    return CheckpointPort(keepalive=lambda: None, loads_itself=lambda: False, on_device=lambda: False,
+    return CheckpointPort(keepalive=lambda: None, loads_itself=lambda: False,
+                          on_device=lambda: False,
                           pending=lambda: 1.0, set_pending=lambda value: None,
                           tensors=getattr(opt, "checkpoint_tensors", None),
                           scalars=getattr(opt, "checkpoint_state", None))
@@ -119,7 +126,8 @@ def kind(opt) -> str:
 
 
 def resolve(optimizer, group):
-    """(the optimizer holding this rank's state, process group). ZeroRedundancyOptimizer: its shard."""
+    """(the optimizer holding this rank's state, process group). ZeroRedundancyOptimizer: its
+    shard."""
     inner = getattr(optimizer, "optim", None)
     if inner is not None and hasattr(optimizer, "_partition_parameters"):
         return inner, (group if group is not None else getattr(optimizer, "process_group", None))
@@ -134,12 +142,14 @@ def sync_wrapper(optimizer, opt) -> None:
 
 
 def keepalive(opt):
-    """What a background save must hold so that the views it reads stay mapped after ``del opt``."""
+    """What a background save must hold so that the views it reads stay mapped after ``del
+    opt``."""
     return port(opt).keepalive()
 
 
 def loads_itself(opt) -> bool:
-    """State the optimizer must load through load_state_dict (NVMe/mmap store or GPU engine)."""
+    """State the optimizer must load through load_state_dict (NVMe/mmap store or device
+    parameters)."""
     return bool(port(opt).loads_itself())
 
 
@@ -165,7 +175,8 @@ def saved_state(opt) -> tuple:
     """(per-parameter state dicts by index, StateTensors) of the optimizer, through public API:
     ``checkpoint_tensors`` if defined, else ``state_dict()`` (tensors are references or views)."""
     pt = port(opt)
-    if pt.tensors is not None:   # the tensors come from the hook: take the rest without reading any moment
+    # the tensors come from the hook: take the rest without reading any moment
+    if pt.tensors is not None:
         sd_state = pt.scalars() if callable(pt.scalars) else opt.state_dict()["state"]
         return sd_state, list(pt.tensors(None))
     sd_state = opt.state_dict()["state"]

@@ -40,11 +40,13 @@ class SaveHandle:
         self._hook = None
 
     def done(self) -> bool:
-        """True once this rank's files are written (distributed: the commit still happens in result())."""
+        """True once this rank's files are written (distributed: the commit still happens in
+        result())."""
         return self._future.done()
 
     def _settle(self, timeout: Optional[float]) -> None:
-        """Wait for the files; commit when distributed. Records (does not raise) the save's error."""
+        """Wait for the files; commit when distributed. Records (does not raise) the save's
+        error."""
         try:
             self._future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -141,8 +143,8 @@ def _at_exit() -> None:
             h._error = h._error or e
         if h._error is not None and not h._delivered:
             e = h._error
-            print(f"offload: save_async into {h._dir} failed: {type(e).__name__}: {e}\n"
-                  f"offload: that checkpoint was NOT committed; the previous checkpoint in {h._dir} "
+            print(f"offload: save_async into {h._dir} failed: {type(e).__name__}: {e}\noffload: "
+                  f"that checkpoint was NOT committed; the previous checkpoint in {h._dir} "
                   "(if any) is intact", file=sys.stderr, flush=True)
         pending.live.discard(h)
 
@@ -160,14 +162,16 @@ def save_async(optimizer, directory, *, group=None, chunk_bytes: int = DEFAULT_C
     pending.deliver(optimizer, group)
     target = adapter.resolve(optimizer, group)[0]
     if adapter.in_gpu_mode(target):
-        raise NotImplementedError("save_async with GPU offload: the engine may update the state during backward "
-                                  "(not only in step()), so a background save could mix two steps; use offload.save")
+        raise NotImplementedError("save_async with GPU offload: the engine may update the state "
+                                  "during backward (not only in step()), so a background save "
+                                  "could mix two steps; use offload.save")
     saver = Saver(optimizer, directory, group=group, chunk_bytes=chunk_bytes, progress=progress)
     handle = SaveHandle(saver, target)
     handle._hook = target.register_step_pre_hook(handle._step_pre_hook)
     pending.register(target, handle)
     if not _exit_registered:
-        atexit.register(_at_exit)  # registered late: runs before handlers registered earlier (torch's)
+        # registered late: runs before handlers registered earlier (torch's)
+        atexit.register(_at_exit)
         _exit_registered = True
     threading.Thread(target=_work, args=(handle, saver), name="offload-save", daemon=False).start()
     return handle

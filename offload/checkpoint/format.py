@@ -36,7 +36,8 @@ class CheckpointError(RuntimeError):
 # header names how it is stored (complex128/complex32 have no safetensors tag: stored as their
 # real view, a float tensor with a trailing dimension of 2).
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+          "U8": torch.uint8,
           "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
           "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
@@ -48,7 +49,8 @@ _AS_REAL = {"C128": "F64", "C32": "F16"}
 def dtype_tag(dtype: torch.dtype, where: str) -> str:
     tag = TAGS.get(dtype)
     if tag is None:
-        raise CheckpointError(f"{where}: state tensors of dtype {dtype} cannot be stored in a checkpoint")
+        raise CheckpointError(f"{where}: state tensors of dtype {dtype} cannot be stored "
+                              "in a checkpoint")
     return tag
 
 
@@ -98,11 +100,13 @@ def generation_of(name: str) -> Optional[str]:
 
 
 def check_plain_name(name, what: str) -> str:
-    """A plain file name inside the checkpoint directory: no separator, no '..', not absolute, no NUL."""
+    """A plain file name inside the checkpoint directory: no separator, no '..', not absolute, no
+    NUL."""
     if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
             or "\0" in name or os.sep in name or (os.altsep and os.altsep in name)):
-        raise CheckpointError(f"{what} names {name!r}, which is not a plain file name inside the checkpoint "
-                              "directory: refusing to follow it (the index is corrupted or crafted)")
+        raise CheckpointError(f"{what} names {name!r}, which is not a plain file name inside the "
+                              "checkpoint directory: refusing to follow it (the index is "
+                              "corrupted or crafted)")
     return name
 
 
@@ -153,24 +157,27 @@ def atomic_write_bytes(directory: str, name: str, data: bytes, tmp: Optional[str
 
 
 def open_regular(directory: str, name: str, what: str) -> int:
-    """fd of ``directory/name`` opened read-only: a regular file, not a symlink, never blocking (FIFO)."""
+    """fd of ``directory/name`` opened read-only: a regular file, not a symlink, never blocking
+    (FIFO)."""
     check_plain_name(name, what)
     path = os.path.join(directory, name)
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    flags = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+             | getattr(os, "O_CLOEXEC", 0))
     try:
         fd = os.open(path, flags)
     except FileNotFoundError:
         raise CheckpointError(f"{what} {path} does not exist") from None
     except OSError as e:
         if os.path.islink(path):
-            raise CheckpointError(f"{what} {path} is a symbolic link: refusing to follow it out of the "
-                                  "checkpoint directory (copy the file in instead)") from None
+            raise CheckpointError(f"{what} {path} is a symbolic link: refusing to follow it out "
+                                  "of the checkpoint directory (copy the "
+                                  "file in instead)") from None
         raise CheckpointError(f"cannot open {what} {path}: {e.strerror}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{what} {path} is not a regular file (a FIFO, device or directory): "
-                                  "not an offload checkpoint")
+            raise CheckpointError(f"{what} {path} is not a regular file (a FIFO, device or "
+                                  "directory): not an offload checkpoint")
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
     except BaseException:
@@ -194,16 +201,18 @@ def read_json(directory: str, name: str, what: str, limit: int = MAX_JSON) -> tu
         with os.fdopen(fd, "rb") as f:
             raw = f.read(limit + 1)
     except OSError as e:
-        raise CheckpointError(f"cannot read {what} {os.path.join(directory, name)}: {e.strerror}") from None
+        raise CheckpointError(f"cannot read {what} "
+                              f"{os.path.join(directory, name)}: {e.strerror}") from None
     if len(raw) > limit:
-        raise CheckpointError(f"{what} {os.path.join(directory, name)} is larger than {limit} bytes: "
-                              "not an offload checkpoint")
+        raise CheckpointError(f"{what} {os.path.join(directory, name)} is larger than {limit} "
+                              "bytes: not an offload checkpoint")
     return decode_json(raw, f"{what} {os.path.join(directory, name)}"), raw
 
 
 # ---------------------------------------------------------------------------------- safetensors
 def safetensors_header(recs: list) -> bytes:
-    """Header for records with 'name', 'dtype' (rank-index tag), 'shape', 'nbytes'; sets 'offsets'."""
+    """Header for records with 'name', 'dtype' (rank-index tag), 'shape', 'nbytes'; sets
+    'offsets'."""
     header, off = {}, 0
     for r in recs:
         n = r["nbytes"]
@@ -232,7 +241,8 @@ def jsonable(v, where: str, depth: int = 0):
     if isinstance(v, torch.Tensor):
         if v.numel() != 1:
             raise CheckpointError(f"{where}: tensor-valued hyperparameters must have one element")
-        x = v.detach().cpu().reshape(()).item() if not hasattr(v, "to_local") else v.to_local().item()
+        x = (v.detach().cpu().reshape(()).item() if not hasattr(v, "to_local")
+             else v.to_local().item())
         if isinstance(x, complex):
             raise CheckpointError(f"{where}: complex-valued hyperparameters cannot be stored")
         return {"__tensor__": x}
@@ -242,7 +252,8 @@ def jsonable(v, where: str, depth: int = 0):
         return [jsonable(x, where, depth + 1) for x in v]
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
-    raise CheckpointError(f"{where}: cannot store a value of type {type(v).__name__} in a checkpoint")
+    raise CheckpointError(f"{where}: cannot store a value of type {type(v).__name__} "
+                          "in a checkpoint")
 
 
 def decode_value(v, where: str, depth: int = 0):
@@ -273,7 +284,8 @@ def check_compatible(spec, current, where: str) -> None:
     if current is None or isinstance(current, str) and kind == "plain" and isinstance(x, str):
         return
     bad = CheckpointError(f"{where}: the checkpoint stores {_show(spec)}, the optimizer has "
-                          f"{type(current).__name__} {current!r}: refusing a value of another kind")
+                          f"{type(current).__name__} {current!r}: refusing a value "
+                          "of another kind")
     if isinstance(current, bool):
         if not (kind == "plain" and isinstance(x, bool)):
             raise bad
@@ -282,7 +294,8 @@ def check_compatible(spec, current, where: str) -> None:
             return
         if not ((kind in ("plain", "tensor")) and is_number(x)):
             raise bad
-        if isinstance(x, float) and math.isnan(x) and not (isinstance(current, float) and math.isnan(current)):
+        if isinstance(x, float) and math.isnan(x) and not (isinstance(current, float)
+                                                           and math.isnan(current)):
             raise bad
     elif isinstance(current, (tuple, list)):
         if kind not in ("tuple", "list") or len(x) != len(current):
@@ -309,7 +322,8 @@ def build_value(spec, current=None):
             return out
         return torch.tensor(x)
     if kind == "tuple":
-        cur = current if isinstance(current, tuple) and len(current) == len(x) else (None,) * len(x)
+        cur = (current if isinstance(current, tuple) and len(current) == len(x)
+               else (None,) * len(x))
         return tuple(build_value(s, c) for s, c in zip(x, cur))
     if kind == "list":
         return [build_value(s) for s in x]

@@ -3,7 +3,7 @@
 Order: parse and validate index, rank index and safetensors header against the live optimizer
 (validate.py), verify every checksum in a streaming pass, and only then modify the optimizer:
 bytes go straight into its state tensors (RAM state), or views of a private mapping of the file
-go to ``load_state_dict`` (NVMe/mmap store, GPU engine). Nothing is ever unpickled. After a
+go to ``load_state_dict`` (NVMe/mmap store, device parameters). Nothing is ever unpickled. After a
 refused load the optimizer is unchanged (only a file changed between the verify pass and the
 read pass can leave it partially loaded, which is reported as such).
 """
@@ -38,16 +38,18 @@ def _check_crc(path: str, f, t, buf: bytearray, base: int) -> None:
         crc = zlib.crc32(mv[:n], crc)
         left -= n
     if crc != t.crc32:
-        raise CheckpointError(f"checksum mismatch in {path} for tensor {t.name} "
-                              f"(stored crc32 {t.crc32:08x}, file has {crc:08x}): the file is corrupted")
+        raise CheckpointError(f"checksum mismatch in {path} for tensor {t.name} (stored crc32 "
+                              f"{t.crc32:08x}, file has {crc:08x}): the file is corrupted")
 
 
 def _step(v: float) -> torch.Tensor:
     return torch.tensor(v, dtype=torch.float32)
 
 
-def load(optimizer, directory, *, group=None, chunk_bytes: int = DEFAULT_CHUNK, verify: bool = True) -> None:
-    """Load a checkpoint written by :func:`save` into ``optimizer`` (same class, layout and shapes).
+def load(optimizer, directory, *, group=None, chunk_bytes: int = DEFAULT_CHUNK,
+         verify: bool = True) -> None:
+    """Load a checkpoint written by :func:`save` into ``optimizer`` (same class, layout and
+    shapes).
 
     Restores state tensors, step counts and hyperparameters (like ``load_state_dict``). Nothing is
     changed unless every field, shape, dtype and (with ``verify``) every checksum is right.
@@ -103,10 +105,12 @@ def _load_in_place(opt, plan: Plan, f, base: int, dpath: str, chunk: int, verify
             mv = _view_bytes(dst)
             got = f.readinto(mv) if len(mv) else 0
             if got != len(mv):
-                raise CheckpointError(f"{dpath} is truncated (tensor {t.name}); optimizer state is now partial")
+                raise CheckpointError(f"{dpath} is truncated (tensor {t.name}); optimizer "
+                                      "state is now partial")
             crc = zlib.crc32(mv, crc)
         if verify and crc != t.crc32:
-            raise CheckpointError(f"{dpath} changed while loading (tensor {t.name}); optimizer state is now partial")
+            raise CheckpointError(f"{dpath} changed while loading (tensor {t.name}); optimizer "
+                                  "state is now partial")
     for g, specs in zip(opt.param_groups, plan.hyper):
         for k, spec in specs.items():
             g[k] = build_value(spec, g.get(k))
@@ -114,9 +118,9 @@ def _load_in_place(opt, plan: Plan, f, base: int, dpath: str, chunk: int, verify
 
 
 def _load_via_state_dict(opt, plan: Plan, f, base: int) -> None:
-    """NVMe/mmap store or GPU engine: hand ``load_state_dict`` tensors that are views of a private
-    mapping of the (verified) checkpoint file, so the store streams them bucket by bucket into its
-    own file without the whole state ever being copied into RAM."""
+    """NVMe/mmap store or device parameters: hand ``load_state_dict`` tensors that are views of a
+    private mapping of the (verified) checkpoint file, so the store streams them bucket by bucket
+    into its own file without the whole state ever being copied into RAM."""
     mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: nothing is written back
     state: dict = {}
     for i, pp in enumerate(plan.params):
@@ -136,7 +140,8 @@ def _load_via_state_dict(opt, plan: Plan, f, base: int) -> None:
                 v = torch.frombuffer(mm, dtype=real, count=2 * count, offset=base + t.offsets[0])
                 v = torch.view_as_complex(v.view(list(t.shape) + [2]))
             else:
-                v = torch.frombuffer(mm, dtype=t.dtype, count=count, offset=base + t.offsets[0]).view(t.shape)
+                v = torch.frombuffer(mm, dtype=t.dtype, count=count,
+                                     offset=base + t.offsets[0]).view(t.shape)
         else:
             v = torch.empty(t.shape, dtype=t.dtype)
         state.setdefault(t.param, {})[t.key] = v

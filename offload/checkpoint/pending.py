@@ -14,7 +14,8 @@ from . import adapter
 _guard = threading.RLock()
 _locks: dict = {}
 _pending: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> SaveHandle
-_spent_hooks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> [RemovableHandle]
+# optimizer -> [RemovableHandle]
+_spent_hooks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 live: set = set()  # handles whose outcome has not been delivered yet (strong: reported at exit)
 
 

@@ -24,9 +24,12 @@ import torch
 from ..base.dist import is_dtensor, local, world
 from ..moments.format import CODE_VERSIONS, parse_saved_key
 from . import adapter
-from .format import (DEFAULT_CHUNK, FORMAT, INDEX, INTENT_RE, RANK_RE, TMP_RE, VERSION, CheckpointError, GEN_RE,
-                     atomic_write_bytes, create_new, dtype_tag, fsync_dir, generation_of, intent_name,
-                     jsonable, rank_name, read_json, safetensors_header, tmp_name, unlink, write_all)
+from .format import (DEFAULT_CHUNK, FORMAT, INDEX, INTENT_RE, RANK_RE, TMP_RE, VERSION,
+                     CheckpointError, GEN_RE,
+                     atomic_write_bytes, create_new, dtype_tag, fsync_dir, generation_of,
+                     intent_name,
+                     jsonable, rank_name, read_json, safetensors_header, tmp_name, unlink,
+                     write_all)
 
 INTENT_FORMAT = FORMAT + "-intent"
 
@@ -79,7 +82,8 @@ def describe(opt, sd_state: dict, refs: List[adapter.StateTensor]) -> dict:
     ps = adapter.params(opt)
     groups, pidx = [], 0
     for gi, g in enumerate(opt.param_groups):
-        hyper = {k: jsonable(v, f"param group {gi} '{k}'") for k, v in g.items() if k not in ("params", "param_names")}
+        hyper = {k: jsonable(v, f"param group {gi} '{k}'") for k, v in g.items()
+                 if k not in ("params", "param_names")}
         rec = {"hyper": hyper, "params": list(range(pidx, pidx + len(g["params"])))}
         if "param_names" in g:
             rec["param_names"] = [str(n) for n in g["param_names"]]
@@ -100,10 +104,12 @@ def describe(opt, sd_state: dict, refs: List[adapter.StateTensor]) -> dict:
                      "has_state": bool(st), "step": step, "extra": extra})
     # compressed moments: the byte code they were written with (offload/moments/format.py)
     packed_formats = {k[1] for k in map(parse_saved_key, (r.key for r in refs)) if k}
-    return {"optimizer": type(opt).__name__, "optimizer_kind": adapter.kind(opt), "param_groups": groups,
+    return {"optimizer": type(opt).__name__, "optimizer_kind": adapter.kind(opt),
+            "param_groups": groups,
             "params": prec, "pending_grad_multiplier": adapter.pending_multiplier(opt),
             "tensors": [{"name": r.name, "param": r.param, "key": r.key,
-                         "dtype": dtype_tag(r.dtype, f"state tensor {r.name}"), "shape": list(r.shape)}
+                         "dtype": dtype_tag(r.dtype, f"state tensor {r.name}"),
+                         "shape": list(r.shape)}
                         for r in refs],
             "moment_codes": {f: CODE_VERSIONS[f] for f in sorted(packed_formats)}}
 
@@ -121,15 +127,15 @@ def previous_index(directory: str) -> Optional[dict]:
     else:
         err = ""
     if not (isinstance(index, dict) and index.get("format") == FORMAT):
-        raise CheckpointError(f"{path} exists and is not an offload checkpoint index ({err or 'other content'}): "
-                              "refusing to overwrite a file offload did not create; save into another "
-                              "directory or move that file away")
+        raise CheckpointError(f"{path} exists and is not an offload checkpoint index "
+                              f"({err or 'other content'}): refusing to overwrite a file offload "
+                              "did not create; save into another directory or move that file away")
     return index
 
 
 class Saver:
-    """One save: phase 1 writes this rank's files (any thread); phase 2 commits (collective).
-    Holds only what the save needs (state tensor references, the description), not the optimizer."""
+    """One save: phase 1 writes this rank's files (any thread); phase 2 commits (collective). Holds
+    only what the save needs (state tensor references, the description), not the optimizer."""
 
     def __init__(self, optimizer, directory, *, group=None, chunk_bytes: int, progress=None):
         opt, self.group = adapter.resolve(optimizer, group)
@@ -142,12 +148,14 @@ class Saver:
         os.makedirs(self.dir, exist_ok=True)
         self.previous = previous_index(self.dir)
         self.gen = self._generation()
-        sd_state, self.refs = adapter.saved_state(opt)  # state_dict() also settles a GPU engine
+        # state_dict() also settles a device schedule
+        sd_state, self.refs = adapter.saved_state(opt)
         self.desc = describe(opt, sd_state, self.refs)
         self.rank_index_crc = 0
         self.data_bytes = 0
         r, w, g = self.rank, self.world, self.gen
-        self.data_name, self.index_name = rank_name(r, w, g, "safetensors"), rank_name(r, w, g, "json")
+        self.data_name, self.index_name = (rank_name(r, w, g, "safetensors"),
+                                           rank_name(r, w, g, "json"))
         self.intent = intent_name(r, w, g)
         self.tmps = {n: tmp_name(n) for n in (self.data_name, self.index_name)}
         if self.rank == 0:
@@ -159,7 +167,8 @@ class Saver:
             return token
         import torch.distributed as dist
         t = torch.tensor([int(token[:15], 16)], dtype=torch.int64)
-        dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                       group=self.group)
         return f"{int(t.item()):015x}"
 
     def release(self) -> None:
@@ -193,7 +202,8 @@ class Saver:
         head = safetensors_header(recs)
         for name in (self.data_name, self.index_name):
             if os.path.lexists(os.path.join(d, name)):
-                raise CheckpointError(f"{os.path.join(d, name)} already exists: refusing to overwrite it")
+                raise CheckpointError(f"{os.path.join(d, name)} already exists: refusing "
+                                      "to overwrite it")
         self._write_intent()
         tmp = self.tmps[self.data_name]
         total = sum(rec["nbytes"] for rec in recs)
@@ -213,7 +223,8 @@ class Saver:
                     if bar is not None:
                         bar.update(chunk.numel())
                 if n != rec["nbytes"]:
-                    raise CheckpointError(f"state tensor {rec['name']} produced {n} bytes, expected {rec['nbytes']}")
+                    raise CheckpointError(f"state tensor {rec['name']} produced {n} bytes, "
+                                          f"expected {rec['nbytes']}")
                 rec["crc32"] = crc
             os.fsync(fd)
         except BaseException:
@@ -227,15 +238,18 @@ class Saver:
         os.close(fd)
         os.replace(os.path.join(d, tmp), os.path.join(d, self.data_name))
         self.data_bytes = len(head) + total
-        index = dict(format=FORMAT + "-rank", version=VERSION, rank=self.rank, world_size=self.world,
+        index = dict(format=FORMAT + "-rank", version=VERSION, rank=self.rank,
+                     world_size=self.world,
                      generation=self.gen, data_file=self.data_name, data_bytes=self.data_bytes,
                      header_bytes=len(head), **self.desc)
         raw = json.dumps(index, indent=1).encode()
         self.rank_index_crc = zlib.crc32(raw)
-        atomic_write_bytes(d, self.index_name, raw, self.tmps[self.index_name])  # also fsyncs the directory
+        # also fsyncs the directory
+        atomic_write_bytes(d, self.index_name, raw, self.tmps[self.index_name])
 
     def commit(self) -> None:
-        """Collective when distributed: gather (crc, size) of every rank's files, rank 0 swaps index.json."""
+        """Collective when distributed: gather (crc, size) of every rank's files, rank 0 swaps
+        index.json."""
         sizes = [(self.rank_index_crc, self.data_bytes)]
         if self.world > 1:
             import torch.distributed as dist
@@ -244,13 +258,15 @@ class Saver:
             dist.all_gather(out, mine, group=self.group)
             sizes = [(int(t[0]), int(t[1])) for t in out]
         if self.rank == 0:
-            previous_index(self.dir)  # still ours (nobody put a foreign index.json there meanwhile)
+            # still ours (nobody put a foreign index.json there meanwhile)
+            previous_index(self.dir)
             ranks = [{"index": rank_name(r, self.world, self.gen, "json"), "index_crc32": c,
                       "data": rank_name(r, self.world, self.gen, "safetensors"), "data_bytes": n}
                      for r, (c, n) in enumerate(sizes)]
-            index = {"format": FORMAT, "version": VERSION, "generation": self.gen, "world_size": self.world,
-                     "ranks": ranks}
-            atomic_write_bytes(self.dir, INDEX, json.dumps(index, indent=1).encode(), self.tmps[INDEX])
+            index = {"format": FORMAT, "version": VERSION, "generation": self.gen,
+                     "world_size": self.world, "ranks": ranks}
+            atomic_write_bytes(self.dir, INDEX, json.dumps(index, indent=1).encode(),
+                               self.tmps[INDEX])
         if self.world > 1:
             import torch.distributed as dist
             dist.barrier(group=self.group)
@@ -271,12 +287,14 @@ class Saver:
             return None, []
         pw, names = prev.get("world_size"), []
         for r, entry in enumerate(prev["ranks"]):
-            if not isinstance(entry, dict) or not (r == self.rank and pw == self.world or self.rank == 0
+            if not isinstance(entry, dict) or not (r == self.rank and pw == self.world
+                                                   or self.rank == 0
                                                    and pw != self.world):
                 continue
             for key in ("index", "data"):
                 name = entry.get(key)
-                if isinstance(name, str) and RANK_RE.match(name) and generation_of(name) == prev["generation"]:
+                if (isinstance(name, str) and RANK_RE.match(name)
+                    and generation_of(name) == prev["generation"]):
                     names.append(name)
         return prev["generation"], names
 
@@ -292,10 +310,12 @@ class Saver:
             r, w = int(m.group(1)), int(m.group(2))
             if (r == self.rank and w == self.world) or (self.rank == 0 and w != self.world):
                 _remove_listed(self.dir, name, m.group(3), skip_gen=self.gen, superseded=True)
-        unlink(os.path.join(self.dir, self.intent))  # this generation is committed: nothing left to undo
+        # this generation is committed: nothing left to undo
+        unlink(os.path.join(self.dir, self.intent))
 
 
-def _remove_listed(directory: str, intent: str, gen: str, skip_gen: Optional[str], superseded: bool) -> None:
+def _remove_listed(directory: str, intent: str, gen: str, skip_gen: Optional[str],
+                   superseded: bool) -> None:
     """Delete the files an intent manifest of generation ``gen`` lists, then the manifest. With
     ``superseded`` (only after a newer generation is committed) also the generation it superseded;
     never when abandoning a failed save, whose superseded generation is still the committed one."""
@@ -303,13 +323,14 @@ def _remove_listed(directory: str, intent: str, gen: str, skip_gen: Optional[str
         man, _ = read_json(directory, intent, "save manifest", limit=1 << 20)
     except CheckpointError:
         return  # unreadable (killed while being written, or not ours): leave everything alone
-    if not (isinstance(man, dict) and man.get("format") == INTENT_FORMAT and man.get("generation") == gen
+    if not (isinstance(man, dict) and man.get("format") == INTENT_FORMAT
+            and man.get("generation") == gen
             and isinstance(man.get("files"), list) and GEN_RE.match(gen)):
         return
     listed = [(name, gen) for name in man["files"]]
     old = man.get("supersedes") if superseded else None
-    if isinstance(old, dict) and isinstance(old.get("generation"), str) and GEN_RE.match(old["generation"]) \
-            and isinstance(old.get("files"), list):
+    if isinstance(old, dict) and isinstance(old.get("generation"), str) \
+            and GEN_RE.match(old["generation"]) and isinstance(old.get("files"), list):
         listed += [(name, old["generation"]) for name in old["files"]]
     for name, want in listed:
         if not isinstance(name, str) or name == intent:

@@ -1,4 +1,5 @@
-"""device/base.py: the Event and Device interfaces, and CpuDevice (copies run synchronously on the caller)."""
+"""device/base.py: the Event and Device interfaces, and CpuDevice (copies run synchronously on the
+caller)."""
 from __future__ import annotations
 
 import time
@@ -52,10 +53,12 @@ class Device:
 
     name = "abstract"
     is_cuda = False
-    launch_threads = 0   # CPUs the CPU kernel leaves free by default for threads that launch device work
+    # CPUs the CPU kernel leaves free by default for threads that launch device work
+    launch_threads = 0
 
     def check_params(self, params: Sequence[torch.Tensor]) -> None:
-        """Raise if these parameters live where this device's copies are not ordered with their work."""
+        """Raise if these parameters live where this device's copies are not ordered with their
+        work."""
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
@@ -81,8 +84,9 @@ class Device:
         """Raise if a hazard was detected (only the fake device detects any)."""
 
     def spare_bytes(self) -> int:
-        """Device memory this process could still allocate beyond its peak so far, a safety margin left
-        (what optimizer state kept on the device may take: schedule/split.py); 0 where unknown."""
+        """Device memory this process could still allocate beyond its peak so far, a safety margin
+        left (what optimizer state kept on the device may take: schedule/split.py); 0 where
+        unknown."""
         return 0
 
     def close(self) -> None:

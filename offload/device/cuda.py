@@ -1,4 +1,5 @@
-"""device/cuda.py: CudaDevice, two side streams (D2H, H2D) next to the compute stream, pinned host buffers."""
+"""device/cuda.py: CudaDevice, two side streams (D2H, H2D) next to the compute stream, pinned host
+buffers."""
 from __future__ import annotations
 
 import time
@@ -14,7 +15,8 @@ __all__ = ["CudaDevice"]
 class _CudaEvent(Event):
     def __init__(self, start, end, anchor=None):
         self._start, self._end = start, end
-        self._anchor = anchor   # (host perf_counter, CUDA event) taken together: places the copy in host time
+        # (host perf_counter, CUDA event) taken together: places the copy in host time
+        self._anchor = anchor
 
     def synchronize(self) -> None:
         self._end.synchronize()
@@ -29,7 +31,8 @@ class _CudaEvent(Event):
         return self._start.elapsed_time(self._end) / 1e3
 
     def span(self):
-        """(start, end) in host perf_counter seconds, from the device's anchor event (for traces)."""
+        """(start, end) in host perf_counter seconds, from the device's anchor event (for
+        traces)."""
         if self._start is None or self._anchor is None:
             return None
         self._end.synchronize()
@@ -41,19 +44,22 @@ class CudaDevice(Device):
     """Two side streams (D2H and H2D) next to the current (compute) stream; pinned host buffers.
 
     Host buffers come from torch's pinned allocator (``pin_memory=True``), allocated on this
-    device, so a failure is torch's clear error and leaves no CUDA error behind (the allocator rounds
-    a request up to a power of two: the staging ring may take up to twice its size). Events the host
-    waits on block instead of spinning a core, which the CPU kernel and the launch threads need.
+    device, so a failure is torch's clear error and leaves no CUDA error behind (the allocator
+    rounds a request up to a power of two: the staging ring may take up to twice its size). Events
+    the host waits on block instead of spinning a core, which the CPU kernel and the launch threads
+    need.
     """
 
     is_cuda = True
-    launch_threads = 2   # CPUs left to the threads that launch GPU work (training thread, autograd's)
+    # CPUs left to the threads that launch GPU work (training thread, autograd's)
+    launch_threads = 2
 
     def __init__(self, device=None, timing: bool = True):
         if not torch.cuda.is_available():
             raise RuntimeError("CudaDevice: CUDA is not available in this process")
         d = torch.device("cuda" if device is None else device)
-        self.device = torch.device("cuda", d.index if d.index is not None else torch.cuda.current_device())
+        self.device = torch.device("cuda",
+                                   d.index if d.index is not None else torch.cuda.current_device())
         self.name = str(self.device)
         self._timing = timing
         with torch.cuda.device(self.device):
@@ -68,18 +74,20 @@ class CudaDevice(Device):
 
     def spare_bytes(self) -> int:
         """Free device memory plus what torch's caching allocator holds beyond this process's peak,
-        less a margin of a tenth of the device or 2 GiB, whichever is larger (a later batch may need
-        more than the first ones did)."""
+        less a margin of a tenth of the device or 2 GiB, whichever is larger (a later batch may
+        need more than the first ones did)."""
         free, total = torch.cuda.mem_get_info(self.device)
-        held = torch.cuda.memory_reserved(self.device) - torch.cuda.max_memory_allocated(self.device)
+        held = (torch.cuda.memory_reserved(self.device)
+                - torch.cuda.max_memory_allocated(self.device))
         return max(0, free + max(0, held) - max(total // 10, 2 << 30))
 
     def check_params(self, params) -> None:
         wrong = sorted({str(p.device) for p in params if p.device != self.device})
         if wrong:
-            raise ValueError(f"offload_device is {self.device} but parameters are on {', '.join(wrong)}: its copies "
-                             "would not be ordered with their work. Pass offload_device=None (the parameters' "
-                             "device is used) or a CudaDevice of that device.")
+            raise ValueError(f"offload_device is {self.device} but parameters are on "
+                             f"{', '.join(wrong)}: its copies would not be ordered with their "
+                             "work. Pass offload_device=None (the parameters' device is used) or "
+                             "a CudaDevice of that device.")
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         with torch.cuda.device(self.device):

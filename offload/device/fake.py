@@ -32,7 +32,8 @@ class _FakeEvent(Event):
 
     def synchronize(self) -> None:
         if not self._done.wait(_WAIT_TIMEOUT_S):
-            raise TimeoutError(f"fake {self._stream.name} copy did not complete in {_WAIT_TIMEOUT_S} s")
+            raise TimeoutError(f"fake {self._stream.name} copy did not complete in "
+                               f"{_WAIT_TIMEOUT_S} s")
         if self.error is not None:
             raise RuntimeError(f"fake {self._stream.name} copy failed") from self.error
 
@@ -79,7 +80,8 @@ class _FakeStream:
             except BaseException as e:  # surfaced by Event.synchronize
                 ev.error = e
             ev._done.set()
-            del item, fn, after, ev   # an idle thread must not keep the last job (and its device) alive
+            # an idle thread must not keep the last job (and its device) alive
+            del item, fn, after, ev
 
     def close(self) -> None:
         self._q.put(None)
@@ -95,33 +97,37 @@ def _poison(t: torch.Tensor) -> None:
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     # (contiguous: a gradient may be a strided or expanded view, which .view(uint8) refuses)
-    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8),
+                       b.reshape(-1).contiguous().view(torch.uint8))
 
 
 class FakeDevice(Device):
     """CPU tensors driven as if they lived on a GPU, with hazard detection (see module docstring).
 
     ``max_delay`` (seconds): each copy sleeps a uniform random time in [0, max_delay] before it
-    runs, on its stream's thread. ``compute_lag``: events from ``record()`` complete that much later.
-    ``seed`` makes the delays reproducible. ``poison=False`` turns off destination poisoning,
-    ``check=False`` the source snapshots (benchmarks use both off). ``d2h_delay`` (seconds): each
-    copy to the host waits that much more, so that a CPU step (whose gradients come down first) is
-    deterministically still running while the training thread goes on. ``spare_bytes``: the
-    device memory ``spare_bytes()`` reports (what state kept on the device may take; default 0).
+    runs, on its stream's thread. ``compute_lag``: events from ``record()`` complete that much
+    later. ``seed`` makes the delays reproducible. ``poison=False`` turns off destination
+    poisoning, ``check=False`` the source snapshots (benchmarks use both off). ``d2h_delay``
+    (seconds): each copy to the host waits that much more, so that a CPU step (whose gradients come
+    down first) is deterministically still running while the training thread goes on.
+    ``spare_bytes``: the device memory ``spare_bytes()`` reports (what state kept on the device may
+    take; default 0).
     """
 
     name = "fake"
 
-    def __init__(self, max_delay: float = 0.002, seed: int = 0, poison: bool = True, check: bool = True,
-                 min_delay: float = 0.0, compute_lag: Optional[float] = None,
+    def __init__(self, max_delay: float = 0.002, seed: int = 0, poison: bool = True,
+                 check: bool = True, min_delay: float = 0.0, compute_lag: Optional[float] = None,
                  d2h_delay: float = 0.0, spare_bytes: int = 0):
-        # > 0: record()'s events complete that much later (a GPU's compute stream runs behind the host),
-        # so a copy that waits for one starts late, as on CUDA; default from OFFLOAD_FAKE_COMPUTE_LAG
-        # (seconds), so a whole test suite can run with it
-        self.compute_lag = float(os.environ.get("OFFLOAD_FAKE_COMPUTE_LAG", "0") if compute_lag is None
+        # > 0: record()'s events complete that much later (a GPU's compute stream runs behind the
+        # host), so a copy that waits for one starts late, as on CUDA; default from
+        # OFFLOAD_FAKE_COMPUTE_LAG (seconds), so a whole test suite can run with it
+        self.compute_lag = float(os.environ.get("OFFLOAD_FAKE_COMPUTE_LAG", "0")
+                                 if compute_lag is None
                                  else compute_lag)
         self.max_delay = float(max_delay)
-        self.min_delay = float(min_delay)  # lower bound of the random delay (tests that need slow copies)
+        # lower bound of the random delay (tests that need slow copies)
+        self.min_delay = float(min_delay)
         self.d2h_delay = float(d2h_delay)  # added to each copy to the host (a slow CPU step)
         self._spare = int(spare_bytes)     # the device memory it reports as spare (spare_bytes())
         self.poison = poison
@@ -131,7 +137,8 @@ class FakeDevice(Device):
         self._d2h = _FakeStream("d2h")
         self._h2d = _FakeStream("h2d")
         self._compute = _FakeStream("compute")
-        self._finalizer = weakref.finalize(self, FakeDevice._stop, self._d2h, self._h2d, self._compute)
+        self._finalizer = weakref.finalize(self, FakeDevice._stop, self._d2h, self._h2d,
+                                           self._compute)
         self._last: List[Event] = []
         self._hazardous: List[_FakeEvent] = []
         self.copies = 0
@@ -142,8 +149,9 @@ class FakeDevice(Device):
     def check_params(self, params) -> None:
         wrong = sorted({str(p.device) for p in params if p.device.type != "cpu"})
         if wrong:
-            raise ValueError(f"FakeDevice drives CPU tensors as if they were on a GPU; parameters are on "
-                             f"{', '.join(wrong)}: pass offload_device=None for parameters on a GPU")
+            raise ValueError("FakeDevice drives CPU tensors as if they were on a GPU; parameters "
+                             f"are on {', '.join(wrong)}: pass offload_device=None for "
+                             "parameters on a GPU")
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype)
@@ -164,17 +172,20 @@ class FakeDevice(Device):
         snaps = [s.detach().clone() if self.check_sources else None for _, s in pairs]
         for d, s in pairs:
             if d.shape != s.shape and d.numel() != s.numel():
-                raise RuntimeError(f"fake copy: size mismatch {tuple(d.shape)} <- {tuple(s.shape)}")
+                raise RuntimeError(f"fake copy: size mismatch {tuple(d.shape)} <- "
+                                   f"{tuple(s.shape)}")
             if self.poison:
                 _poison(d)
         label = stream.name
-        ev = _FakeEvent(stream)   # (made before submit: the stream may run the copy before submit returns)
+        # (made before submit: the stream may run the copy before submit returns)
+        ev = _FakeEvent(stream)
 
         def run():
             for (d, s), snap in zip(pairs, snaps):
                 if snap is not None and not _same_bits(s, snap):
-                    ev.hazards.append(f"{label} copy source {tuple(s.shape)} {s.dtype} was modified between "
-                                          "enqueue and execution (overwritten while in use)")
+                    ev.hazards.append(f"{label} copy source {tuple(s.shape)} {s.dtype} was "
+                                      "modified between enqueue and execution "
+                                      "(overwritten while in use)")
                 d.copy_(s.reshape(d.shape))
             if ev.hazards:
                 with self._lock:

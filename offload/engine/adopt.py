@@ -39,11 +39,12 @@ __all__ = ["Adoption", "follow_shapes", "missing_entry", "step_count"]
 
 
 def missing_entry(key: str, where: str, t) -> Exception:
-    """The error for an entry the step needs that is gone (``del opt.state[p]['exp_avg']``) or not a
-    tensor, as torch's AdamW would fail on it (KeyError / TypeError), with what to do."""
+    """The error for an entry the step needs that is gone (``del opt.state[p]['exp_avg']``) or not
+    a tensor, as torch's AdamW would fail on it (KeyError / TypeError), with what to do."""
     if t is None:
-        return KeyError(f"{where} has no {key!r} (it was deleted or set to None): give it one again, or clear the "
-                        "parameter's whole state (del opt.state[p]) to start it afresh")
+        return KeyError(f"{where} has no {key!r} (it was deleted or set to None): give it one "
+                        "again, or clear the parameter's whole state (del opt.state[p]) to "
+                        "start it afresh")
     return TypeError(f"{where}: {key!r} is a {type(t).__name__}, not a tensor")
 
 
@@ -76,8 +77,8 @@ def _check_replacement(t, n: int, shape, key: str, where: str, groups) -> None:
         raise missing_entry(key, where, t)
     lt = local(t)
     if lt.numel() != n:
-        raise ValueError(f"{where}: {key!r} has shape {tuple(lt.shape)} but the parameter has shape "
-                         f"{tuple(shape)}: give it a tensor like the parameter")
+        raise ValueError(f"{where}: {key!r} has shape {tuple(lt.shape)} but the parameter has "
+                         f"shape {tuple(shape)}: give it a tensor like the parameter")
     if lt.device.type != "cpu" or not n or lt.layout != torch.strided:
         return
     a = lt.data_ptr()
@@ -329,11 +330,11 @@ def _shared(a: str, b: str) -> Exception:
         "own (e.g. t.clone())")
 
 
-def follow_shapes(params: Sequence[torch.Tensor], rows, ready, state, keys: Callable[[int], object],
-                  forget: Callable[[int], None]) -> None:
-    """Rows ``rows`` of a group (``params``) were revalidated: those with state (``ready``) whose views
-    (the entries ``keys(i)`` of ``state[p]``) no longer have the parameter's shape are reshaped;
-    ``forget(i)``: the entry changed, look at it again."""
+def follow_shapes(params: Sequence[torch.Tensor], rows, ready, state,
+                  keys: Callable[[int], object], forget: Callable[[int], None]) -> None:
+    """Rows ``rows`` of a group (``params``) were revalidated: those with state (``ready``) whose
+    views (the entries ``keys(i)`` of ``state[p]``) no longer have the parameter's shape are
+    reshaped; ``forget(i)``: the entry changed, look at it again."""
     for i in rows:
         p = params[i]
         if not ready[i] or type(p) not in (torch.Tensor, torch.nn.Parameter):

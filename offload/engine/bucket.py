@@ -1,9 +1,11 @@
-"""engine/bucket.py: step_bucket, the one per-bucket body of a step, for every tier, side and schedule.
+"""engine/bucket.py: step_bucket, the one per-bucket body of a step, for every tier, side and
+schedule.
 
-Both loops call it: the inline loop of engine/pipeline.py (host parameters, and device parameters with
-``overlap=False``) and the CPU worker of schedule/backward.py (device parameters, overlapped schedules).
-They differ only around it: what was read ahead, when the state slot is acquired and released, and
-when the new weights go up. For one bucket whose state bytes ``blk`` are in host memory:
+Both loops call it: the inline loop of engine/pipeline.py (host parameters, and device parameters
+with ``overlap=False``) and the CPU worker of schedule/backward.py (device parameters, overlapped
+schedules). They differ only around it: what was read ahead, when the state slot is acquired and
+released, and when the new weights go up. For one bucket whose state bytes ``blk`` are in host
+memory:
 
     registry.init_fresh      a piece's first step: zero moments, master = the parameter
     resync                   (optional) user writes to bf16/fp16 parameters into their masters
@@ -23,10 +25,11 @@ from .table import bucket_rows
 __all__ = ["step_bucket"]
 
 
-def step_bucket(b, act, blk, ptrs: Callable[[], list], *, registry, read_master, hyper: dict, mult: float,
-                threads: int, timing: dict, resync: Optional[Callable] = None,
+def step_bucket(b, act, blk, ptrs: Callable[[], list], *, registry, read_master, hyper: dict,
+                mult: float, threads: int, timing: dict, resync: Optional[Callable] = None,
                 between: Optional[Callable[[], None]] = None) -> tuple:
-    """Step the active pieces ``act`` of bucket ``b``; returns the kernel's (start, end) perf_counter."""
+    """Step the active pieces ``act`` of bucket ``b``; returns the kernel's (start, end)
+    perf_counter."""
     registry.init_fresh(b, act, blk, read_master)
     if resync is not None:
         resync(b, act, blk)

@@ -1,12 +1,12 @@
-"""engine/engine.py: StateEngine, the composition root: one layout, one state tier, one parameter side,
-and the torch-layout face of the state (``views``, engine/torchstate.py TorchViews).
+"""engine/engine.py: StateEngine, the composition root: one layout, one state tier, one parameter
+side, and the torch-layout views of the state (``views``, engine/torchstate.py TorchViews).
 
-It is what ``offload.Adam/AdamW`` hold in every mode (host or device parameters, FSDP2 local shards,
-any tier and moment format): it validates a step's gradients before any I/O, runs the pipeline
-(engine/pipeline.py) over the buckets that have gradients, installs torch-layout views of the state
-in ``opt.state`` and serves ``state_dict`` / ``load_state_dict`` bucket by bucket. It never reads
-the optimizer's private attributes: hyperparameters come through ``hyper(group)``. The device
-schedule steps buckets itself, through the names StateEngine's docstring lists for it.
+It is what ``offload.Adam/AdamW`` hold in every mode (host or device parameters, FSDP2 local
+shards, any tier and moment format): it validates a step's gradients before any I/O, runs the
+pipeline (engine/pipeline.py) over the buckets that have gradients, installs torch-layout views of
+the state in ``opt.state`` and serves ``state_dict`` / ``load_state_dict`` bucket by bucket. It
+never reads the optimizer's private attributes: hyperparameters come through ``hyper(group)``. The
+device schedule steps buckets itself, through the names StateEngine's docstring lists for it.
 """
 from __future__ import annotations
 
@@ -54,13 +54,16 @@ class StateEngine:
     parameters written by the user: ``reload_masters()`` and ``holds_moment_copies()``.
     """
 
-    def __init__(self, groups: list, amsgrad: list, *, mode: str, nvme_dir=None, host_budget="2GiB",
+    def __init__(self, groups: list, amsgrad: list, *, mode: str, nvme_dir=None,
+                 host_budget="2GiB",
                  keep: bool = False, side: Callable[[list, list], ParamSide] = side_maker(),
                  bucket_bytes: Optional[int] = None,
-                 depth: int = 2, queue_depth: int = 8, block_size: int = 1 << 20, direct: bool = True,
+                 depth: int = 2, queue_depth: int = 8, block_size: int = 1 << 20,
+                 direct: bool = True,
                  moments: str = "fp32", moments_min_size: int = 4096, exclude=()):
         self.mode = mode
-        self.excluded = set(exclude)   # (gi, i) stepped elsewhere (device-side small params): no state here
+        # (gi, i) stepped elsewhere (device-side small params): no state here
+        self.excluded = set(exclude)
         self.moments, self.moments_min_size = moment_format(moments), int(moments_min_size)
         self.budget = parse_size(host_budget)
         self.depth = depth
@@ -69,15 +72,20 @@ class StateEngine:
         self.dtypes = [[local(p).dtype for p in ps] for ps in self.groups]
         self.numels = [[local(p).numel() for p in ps] for ps in self.groups]
         self.local_groups = [[local(p) for p in ps] for ps in self.groups]
-        check_overlaps(self.local_groups, (), None, mode)   # a parameter listed twice...: before any file exists
-        self._pid = os.getpid()            # the state (file, I/O threads, mapping) belongs to this process
-        # step / state access / close never overlap (close waits); the device worker holds it per bucket
+        # a parameter listed twice...: before any file exists
+        check_overlaps(self.local_groups, (), None, mode)
+        # the state (file, I/O threads, mapping) belongs to this process
+        self._pid = os.getpid()
+        # step / state access / close never overlap (close waits); the device worker holds it per
+        # bucket
         self.lock = threading.RLock()
-        self.tracker = WriteTracker(self.local_groups)   # bf16/fp16 params written by the user between steps
+        # bf16/fp16 params written by the user between steps
+        self.tracker = WriteTracker(self.local_groups)
         self.tracker.dtypes = self.dtypes
         self._side: ParamSide = side(self.groups, self.dtypes)   # for the engine's life: ``side``
         check_depth(depth)
-        if mode == "nvme":   # depth reads ahead per drive: every drive has reads in flight (docs/nvme.md)
+        # depth reads ahead per drive: every drive has reads in flight (docs/nvme.md)
+        if mode == "nvme":
             from ..state.drives import parse_dirs
             self.depth = depth = min(64, depth * len(parse_dirs(nvme_dir)))
         nstage = self.side.staging_slots
@@ -86,31 +94,36 @@ class StateEngine:
         self.stage_cap = self.side.stage_cap(self.stage_cap, bucket_bytes)
         self.layout = self.lay_out(self.groups, 0)
         self.registry = Registry([len(g) for g in self.groups])
-        self.tier = make_tier(mode, nvme_dir=nvme_dir, keep=keep, depth=depth, queue_depth=queue_depth,
+        self.tier = make_tier(mode, nvme_dir=nvme_dir, keep=keep, depth=depth,
+                              queue_depth=queue_depth,
                               block_size=block_size, direct=direct, budget=self.budget)
         self.tier.allocate(self.layout)
         self.side.allocate(self.layout)
         self.telemetry = dict(steps=0, kernel_s=0.0, step_s=0.0)
         self.last_stats: Optional[dict] = None
         self._grads = None   # the gradients collect() checked, for the step that follows it
-        self.plans = fastpath.PlanSlot()   # the next step, planned (engine/fastpath.py)
+        self.plans = fastpath.PlanHolder()   # the next step, planned (engine/fastpath.py)
         # (bound to what they read, not to the engine: the views hold no reference back to it)
-        self._format = functools.partial(_moment_format, self.numels, self.moments, self.moments_min_size)
+        self._format = functools.partial(_moment_format, self.numels, self.moments,
+                                         self.moments_min_size)
         self._exclusive = functools.partial(_exclusive, self.lock, self._pid, self.tier, mode,
                                             self.plans)
         self.views = TorchViews(self.layout, self.tier, self.registry, self.groups, Handouts(),
-                                local_groups=self.local_groups, numels=self.numels, amsgrad=self.amsgrad,
+                                local_groups=self.local_groups, numels=self.numels,
+                                amsgrad=self.amsgrad,
                                 moment_format=self._format, all_masters=self.side.all_masters,
                                 mode=mode,
                                 tracker=self.tracker, exclusive=self._exclusive,
                                 read_master=self.side.read_master)
 
     def lay_out(self, groups: list, first_group: int):
-        """The layout of parameter lists ``groups`` (numbered from ``first_group``); excluded ones get none."""
+        """The layout of parameter lists ``groups`` (numbered from ``first_group``); excluded ones
+        get none."""
         shapes = shapes_of(groups, self.side.all_masters, first_group)
         if self.excluded:
             from dataclasses import replace
-            shapes = [replace(s, active=False) if (s.group, s.index) in self.excluded else s for s in shapes]
+            shapes = [replace(s, active=False) if (s.group, s.index) in self.excluded else s
+                      for s in shapes]
         return self.layout_of(shapes)
 
     def layout_of(self, shapes: list):
@@ -122,13 +135,10 @@ class StateEngine:
         return build_layout(shapes, amsgrad=self.amsgrad, max_state_bytes=self.state_cap,
                             max_param_bytes=self.stage_cap, stagger=self.mode == "ram")
 
-    def moment_format(self, gi: int, i: int) -> MomentFormat:
-        """How parameter ``i`` of group ``gi`` stores its moments (offload/moments/format.py)."""
-        return self._format(gi, i)
-
     # ------------------------------------------------------------------ shape of the engine
     def add_group(self, params: list, amsgrad: bool) -> None:
-        """``add_param_group``: lay the new group out after the existing state and grow the file."""
+        """``add_param_group``: lay the new group out after the existing state and grow the
+        file."""
         with self.exclusive():
             grow.add_group(self, params, amsgrad)
 
@@ -152,8 +162,9 @@ class StateEngine:
         self.layout.drop_groups(gi)
 
     def exclusive(self, failed_ok: bool = False):
-        """Context manager for exclusive use: the right process, ``lock`` held, not closed, not failed
-        (``failed_ok``: a load that replaces the whole state may run on a failed tier); close() waits for it."""
+        """Context manager for exclusive use: the right process, ``lock`` held, not closed, not
+        failed (``failed_ok``: a load that replaces the whole state may run on a failed tier);
+        close() waits for it."""
         return self._exclusive(failed_ok)
 
     @property
@@ -161,18 +172,9 @@ class StateEngine:
         return {k: [(self.layout.buckets[bi], pc) for bi, pc in v] for k, v in self.layout.of_param.items()}
 
     @property
-    def closed(self) -> bool:
-        return self.tier.closed
-
-    @property
     def side(self) -> ParamSide:
         """Where the parameters are (params/side.py), built with the engine; never replaced."""
         return self._side
-
-    def __getattr__(self, name):   # path, directory, engine, arena, file, slot_bytes ... of the tier
-        if name in ("tier", "__setstate__") or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.tier, name)
 
     # ------------------------------------------------------------------ step
     def holds(self, params: list, amsgrad: list) -> bool:
@@ -209,9 +211,10 @@ class StateEngine:
             self.views.adopt_user_state(state)
 
     def commit(self, active: list, fresh: list, state: dict) -> None:
-        """After every bucket of a step: the parameters ``active`` (per group, bool masks) have state and
-        their writes are tracked from here; ``fresh`` ([(gi, i)]: state created by this step) get their
-        views in ``state`` (opt.state), and held decoded moments their new values. Call under ``lock``."""
+        """After every bucket of a step: the parameters ``active`` (per group, bool masks) have
+        state and their writes are tracked from here; ``fresh`` ([(gi, i)]: state created by this
+        step) get their views in ``state`` (opt.state), and held decoded moments their new values.
+        Call under ``lock``."""
         self.registry.commit(active)
         for gi, a in enumerate(active):
             self.tracker.record(gi, np.flatnonzero(a))
@@ -255,8 +258,8 @@ class StateEngine:
             jobs.append((b, act, self.registry.has_state(b)))
         return jobs
 
-    def step(self, param_groups: list, hyper: Callable[[int], dict], state: dict, mult: float, threads: int,
-             active: Optional[list] = None) -> None:
+    def step(self, param_groups: list, hyper: Callable[[int], dict], state: dict, mult: float,
+             threads: int, active: Optional[list] = None) -> None:
         _check_process(self._pid, self.mode)
         with self.lock:
             try:
@@ -295,8 +298,8 @@ class StateEngine:
         try:
             self.registry.advance(active)
             self.side.begin()
-            pipeline.run(jobs, tier=self.tier, side=self.side, registry=self.registry, hyper=hypers.__getitem__,
-                         mult=mult, threads=threads, depth=self.depth,
+            pipeline.run(jobs, tier=self.tier, side=self.side, registry=self.registry,
+                         hyper=hypers.__getitem__, mult=mult, threads=threads, depth=self.depth,
                          ahead=self.side.staging_slots,
                          timing=self.telemetry, resync=resync and self._resync(resync))
             self.side.stepped(active)   # host: the kernel wrote them through their addresses (versions up)
@@ -309,13 +312,14 @@ class StateEngine:
         self.telemetry["steps"] += 1
         self.telemetry["step_s"] += dt
         self.last_stats = dict(step=self.telemetry["steps"], kernel_s=self.telemetry["kernel_s"] - k0,
-                               nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - io0, step_s=dt, buckets=len(jobs),
-                               skipped=False, grad_multiplier=mult)
+                               nvme_s=tel["read_wait_s"] + tel["write_wait_s"] - io0, step_s=dt,
+                               buckets=len(jobs), skipped=False, grad_multiplier=mult)
         return active
 
     def _resync(self, which: set):
-        """A bf16/fp16 parameter written by the user since its last step: its new values go into the master
-        where they differ from the rounded master (offload/params/guards.py), before the kernel reads it."""
+        """A bf16/fp16 parameter written by the user since its last step: its new values go into
+        the master where they differ from the rounded master (offload/params/guards.py), before the
+        kernel reads it."""
         def apply(b, pieces, blk) -> None:
             if not b.master:
                 return
@@ -328,8 +332,8 @@ class StateEngine:
         return apply
 
     def io_pass(self) -> float:
-        """Benchmark helper: the seconds to read and write back every bucket through the step's pipeline
-        without computing (data unchanged): the I/O-only time of a full step."""
+        """Benchmark helper: the seconds to read and write back every bucket through the step's
+        pipeline without computing (data unchanged): the I/O-only time of a full step."""
         with self.exclusive():
             return self._io_pass()
 
@@ -340,8 +344,8 @@ class StateEngine:
         t = time.perf_counter()
         try:
             pipeline.run([(b, b.pieces, True) for b in self.layout.buckets], tier=self.tier, side=self.side,
-                         registry=self.registry, hyper=None, mult=1.0, threads=0, depth=self.depth, ahead=1,
-                         timing={}, compute=False)
+                         registry=self.registry, hyper=None, mult=1.0, threads=0, depth=self.depth,
+                         ahead=1, timing={}, compute=False)
         except BaseException as e:
             self.tier.fail(e)
             raise
@@ -375,14 +379,11 @@ class StateEngine:
         """A caller holds decoded compressed moments from opt.state (moments/handouts.py)."""
         return self.views.holds_moment_copies()
 
-    @property
-    def steps(self) -> list:
-        return self.registry.steps
-
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Wait for outstanding I/O, release buffers and delete the state (unless ``keep``). A step in
-        another thread finishes first; in a fork()ed child only the child's descriptors are closed."""
+        """Wait for outstanding I/O, release buffers and delete the state (unless ``keep``). A step
+        in another thread finishes first; in a fork()ed child only the child's descriptors are
+        closed."""
         if os.getpid() != self._pid:
             self.tier.close()
             return

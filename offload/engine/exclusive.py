@@ -13,7 +13,7 @@ __all__ = ["check_process", "exclusive"]
 @contextlib.contextmanager
 def exclusive(lock, pid: int, tier, mode: str, plans, failed_ok: bool = False):
     """StateEngine.exclusive, as a function of what it reads (TorchViews holds it without the
-    engine). It drops the step plan (``plans``: engine/fastpath.py PlanSlot): what runs under it
+    engine). It drops the step plan (``plans``: engine/fastpath.py PlanHolder): what runs under it
     may change what the plan holds."""
     check_process(pid, mode)
     with lock:
@@ -27,5 +27,5 @@ def check_process(pid: int, mode: str) -> None:
     if os.getpid() != pid:
         raise RuntimeError(
             f"the {mode} optimizer state of process {pid} cannot be used after fork() (this is "
-            f"process {os.getpid()}): its state file, mapping and I/O threads belong to the parent. Create "
-            "the optimizer in the child (or start it with the 'spawn' method)")
+            f"process {os.getpid()}): its state file, mapping and I/O threads belong to the "
+            "parent. Create the optimizer in the child (or start it with the 'spawn' method)")

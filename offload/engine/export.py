@@ -29,7 +29,8 @@ CHUNK = 1 << 18   # elements decoded per call (a multiple of mformat.BLOCK): ~10
 
 
 class DecodedSink:
-    """fp32 output space for ``n`` elements, file-backed in ``directory`` (None: ordinary memory)."""
+    """fp32 output space for ``n`` elements, file-backed in ``directory`` (None: ordinary
+    memory)."""
 
     def __init__(self, directory: Optional[str], n: int):
         self.n, self.used = int(n), 0
@@ -50,7 +51,8 @@ class DecodedSink:
         if self.buf is None:
             return torch.empty(n, dtype=torch.float32)
         if self.used + n > self.n:
-            raise RuntimeError(f"DecodedSink: {self.used} + {n} elements exceed the {self.n} reserved")
+            raise RuntimeError(f"DecodedSink: {self.used} + {n} elements exceed the "
+                               f"{self.n} reserved")
         out = self.buf[self.used:self.used + n]
         self.used += n
         return out

@@ -42,14 +42,14 @@ from ..state.layout import piece_columns
 from .table import bucket_rows
 from .torchstate import STATE_FNS
 
-__all__ = ["StepPlan", "PlanSlot"]
+__all__ = ["StepPlan", "PlanHolder"]
 
 _FINITE = ("lr", "eps", "weight_decay", "beta1", "beta2")
 _ESIZE = np.array([0, 4, 2, 2], dtype=np.int64)   # bytes per element by dtype code
 _SEEN = [M_PVER, M_PPTR]   # the columns of a row record that WriteTracker.seen holds too
 
 
-class PlanSlot:
+class PlanHolder:
     """Where the engine keeps its plan (or None); what takes the exclusive use drops it."""
     __slots__ = ("plan",)
 

@@ -1,10 +1,11 @@
-"""engine/load.py: writing state into the tier outside a step, bucket by bucket: ``load_state_dict``
-(``load``), re-reading fp32 masters from the parameters (``reload_masters``), entries of opt.state
-taken over (``write_entries``) and the read-change-write of chosen buckets they use
-(``rewrite_buckets``). Any failure part-way fails the tier, as in a step.
+"""engine/load.py: writing state into the tier outside a step, bucket by bucket:
+``load_state_dict`` (``load``), re-reading fp32 masters from the parameters (``reload_masters``),
+entries of opt.state taken over (``write_entries``) and the read-change-write of chosen buckets
+they use (``rewrite_buckets``). Any failure part-way fails the tier, as in a step.
 
-Functions of their inputs (layout, tier, registry, ...), called by engine/torchstate.py TorchViews under
-the engine's lock; ``read_master(gi, i, start, n, dst, ...)`` is the parameter side's (offload/params/).
+Functions of their inputs (layout, tier, registry, ...), called by engine/torchstate.py TorchViews
+under the engine's lock; ``read_master(gi, i, start, n, dst, ...)`` is the parameter side's
+(offload/params/).
 """
 from __future__ import annotations
 
@@ -61,10 +62,12 @@ def write_entries(layout, tier, flat: dict, packed=None, remaster=(), read_maste
 
 
 def reload_masters(layout, tier, registry, which: set, read_master: Callable) -> None:
-    """Re-read the fp32 master of the parameters ``which`` ({(gi, i)}) that have state, from the parameters."""
+    """Re-read the fp32 master of the parameters ``which`` ({(gi, i)}) that have state, from the
+    parameters."""
     hits = {}
     for b in layout.buckets:
-        hit = [pc for pc in b.pieces if (b.group, pc.param) in which and registry.ready[b.group][pc.param]]
+        hit = [pc for pc in b.pieces if (b.group, pc.param) in which
+               and registry.ready[b.group][pc.param]]
         if hit and b.master:
             hits[b.index] = hit
 
@@ -78,9 +81,9 @@ def reload_masters(layout, tier, registry, which: set, read_master: Callable) ->
 
 def load(entries: dict, *, layout, tier, registry, tracker, numels: list, moment_format: Callable,
          mode: str, read_master: Callable) -> None:
-    """Replace the whole state by ``entries`` ((gi, i) -> state dict), bucket by bucket (checked first).
-    Parameters without an entry start afresh at their next step (as with torch's loader). A missing
-    'master_param' is taken from the parameter (a state saved by torch.optim)."""
+    """Replace the whole state by ``entries`` ((gi, i) -> state dict), bucket by bucket (checked
+    first). Parameters without an entry start afresh at their next step (as with torch's loader). A
+    missing 'master_param' is taken from the parameter (a state saved by torch.optim)."""
     packed = {}   # (gi, i) -> flat compressed tensors of the parameter's format
     for (gi, i), st in list(entries.items()):
         fmt = moment_format(gi, i)
@@ -89,7 +92,8 @@ def load(entries: dict, *, layout, tier, registry, tracker, numels: list, moment
             continue
         where = f"state of parameter {i} of group {gi}"
         conv = compressed.to_format(st, fmt, numels[gi][i], where)
-        rest = {k: t for k, t in st.items() if not mformat.parse_saved_key(k) and k not in mformat.MOMENT_KEYS}
+        rest = {k: t for k, t in st.items() if not mformat.parse_saved_key(k)
+                and k not in mformat.MOMENT_KEYS}
         if not fmt.compressed:   # a compressed state loaded into fp32 moments: decoded
             entries[(gi, i)] = dict(rest, **conv)
         else:
@@ -105,11 +109,12 @@ def load(entries: dict, *, layout, tier, registry, tracker, numels: list, moment
             if key == "step" or not isinstance(t, torch.Tensor):
                 continue
             if local(t).numel() != n:
-                raise ValueError(f"state '{key}' of parameter {i} of group {gi} does not match the "
-                                 f"parameter's {n} elements")
+                raise ValueError(f"state '{key}' of parameter {i} of group {gi} does not match "
+                                 f"the parameter's {n} elements")
         if n and not has_layout:
-            raise ValueError(f"state of parameter {i} of group {gi}: the parameter had requires_grad=False when "
-                             f"the optimizer was created with storage={mode!r}, so it has no room for state")
+            raise ValueError(f"state of parameter {i} of group {gi}: the parameter had "
+                             "requires_grad=False when the optimizer was created with "
+                             f"storage={mode!r}, so it has no room for state")
     try:
         for b in layout.buckets:
             hit = [pc for pc in b.pieces if (b.group, pc.param) in entries]
@@ -137,7 +142,8 @@ def load(entries: dict, *, layout, tier, registry, tracker, numels: list, moment
             v = st.get("step", 0.0)
             registry.steps[gi][i] = float(v.item() if isinstance(v, torch.Tensor) else v)
             registry.ready[gi][i] = True
-            tracker.record(gi, [i])   # the loaded master is the truth for the parameter as it is now
+            # the loaded master is the truth for the parameter as it is now
+            tracker.record(gi, [i])
     except BaseException as e:
         tier.fail(e)
         raise

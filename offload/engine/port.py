@@ -1,10 +1,12 @@
-"""engine/port.py: StepPort, what the device schedule and the small-parameter optimizer see of the optimizer.
+"""engine/port.py: StepPort, what the device schedule and the small-parameter optimizer see of the
+optimizer.
 
 The schedule (schedule/device_step.py, the CPU worker of schedule/backward.py) and DeviceSideAdam
-(offload/schedule/smallparams.py) never hold the optimizer itself: they get these callables, built once from the
-optimizer's public API (``param_groups``, ``state``, ``group_hyper``, ``kernel_threads``, the pending clip
-coefficient, and the ``grad_scale`` / ``found_inf`` that ``torch.amp.GradScaler`` sets on an optimizer
-that steps with AMP scaling). What they may read or change of it is therefore listed here, in one place.
+(offload/schedule/smallparams.py) never hold the optimizer itself: they get these callables, built
+once from the optimizer's public API (``param_groups``, ``state``, ``group_hyper``,
+``kernel_threads``, the pending clip coefficient, and the ``grad_scale`` / ``found_inf`` that
+``torch.amp.GradScaler`` sets on an optimizer that steps with AMP scaling). What they may read or
+change of it is therefore listed here, in one place.
 """
 from __future__ import annotations
 
@@ -18,11 +20,15 @@ __all__ = ["StepPort", "port_of"]
 class StepPort:
     groups: Callable[[], list]                        # the live param_groups
     state: Callable[[], MutableMapping]               # the live opt.state
-    hyper: Callable[[int], dict]                      # validated, finite hyperparameters of group gi (else ValueError)
-    threads: Callable[[], int]                        # the optimizer's threads= (0: the pool's size)
+    # validated, finite hyperparameters of group gi (else ValueError)
+    hyper: Callable[[int], dict]
+    # the optimizer's threads= (0: the pool's size)
+    threads: Callable[[], int]
     pending: Callable[[], float]                      # the clip coefficient left for the next step
-    set_pending: Callable[[float, list], None]        # record one, tied to these parameters' gradients
-    amp: Callable[[], Tuple[Optional[object], Optional[object]]]   # (grad_scale, found_inf) from GradScaler
+    # record one, tied to these parameters' gradients
+    set_pending: Callable[[float, list], None]
+    # (grad_scale, found_inf) from GradScaler
+    amp: Callable[[], Tuple[Optional[object], Optional[object]]]
 
 
 def port_of(opt) -> StepPort:
@@ -32,4 +38,5 @@ def port_of(opt) -> StepPort:
     return StepPort(groups=lambda: opt.param_groups, state=lambda: vars(opt)["state"],
                     hyper=opt.group_hyper, threads=lambda: opt.kernel_threads,
                     pending=opt.pending_clip_coefficient, set_pending=opt.set_clip_coefficient,
-                    amp=lambda: (getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None)))
+                    amp=lambda: (getattr(opt, "grad_scale", None),
+                                 getattr(opt, "found_inf", None)))

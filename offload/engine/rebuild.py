@@ -52,10 +52,11 @@ def _entries(groups: Sequence[dict], state, names: Callable[[int, int], str]) ->
                 e.pop("max_exp_avg_sq", None)
             elif "max_exp_avg_sq" not in e and local(p).numel():
                 raise ValueError(
-                    f"param group {gi} has amsgrad=True, but {names(gi, i)} has no 'max_exp_avg_sq' in its state "
-                    "(amsgrad was switched on after its first step; torch.optim.AdamW raises KeyError here): set "
-                    "amsgrad=False again, or give each such parameter one: "
-                    "opt.state[p]['max_exp_avg_sq'] = torch.zeros_like(p, dtype=torch.float32)")
+                    f"param group {gi} has amsgrad=True, but {names(gi, i)} has no "
+                    "'max_exp_avg_sq' in its state (amsgrad was switched on after its first "
+                    "step; torch.optim.AdamW raises KeyError here): set amsgrad=False again, or "
+                    "give each such parameter one: opt.state[p]['max_exp_avg_sq'] = "
+                    "torch.zeros_like(p, dtype=torch.float32)")
             out[(gi, i)] = e
     return out, kept
 
@@ -66,7 +67,8 @@ def _keep_own(st, p) -> None:
         st.detach(local(p).shape)
     elif st:
         for k, t in list(st.items()):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":   # (a device's: not the tier's)
+            # (a device's: not the tier's)
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 st[k] = t.detach().clone()
 
 
@@ -93,8 +95,10 @@ def rebuild(make: Callable[[], object], groups: Sequence[dict], state,
     except BaseException:
         engine.close()
         raise
-    held = {id(groups[gi]["params"][i]) for gi, g in enumerate(groups) for i in range(len(g["params"]))
-            if (gi, i) not in engine.excluded}   # (the parameters the new engine holds the state of)
+    held = {id(groups[gi]["params"][i]) for gi, g in enumerate(groups)
+            for i in range(len(g["params"]))
+            # (the parameters the new engine holds the state of)
+            if (gi, i) not in engine.excluded}
     for p in old_params:
         if id(p) not in held:   # no longer in a group, or stepped on the device from now on
             _keep_own(state.get(p), p)

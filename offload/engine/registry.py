@@ -24,7 +24,8 @@ class Registry:
     def __init__(self, sizes: Sequence[int]):
         self.steps: List[torch.Tensor] = []
         self.ready: List[np.ndarray] = []
-        self._counts: dict = {}   # gi -> (steps[gi], its numpy view): Tensor.numpy() costs ~45 us on cold caches
+        # gi -> (steps[gi], its numpy view): Tensor.numpy() costs ~45 us on cold caches
+        self._counts: dict = {}
         self._valid: dict = {}    # gi -> (steps[gi], its _version) when check() found it valid
         self.grow(sizes)
 
@@ -51,7 +52,8 @@ class Registry:
         return bool(self.ready[b.group][piece_columns(b, b.pieces, "param")[0]].any())
 
     def init_fresh(self, b, pieces: Sequence, blk, read_master: Callable) -> None:
-        """First step of a piece's parameter: zero moments; master = the parameter (read_master)."""
+        """First step of a piece's parameter: zero moments; master = the parameter
+        (read_master)."""
         r = self.ready[b.group]
         if r[piece_columns(b, pieces, "param")[0]].all():
             return   # (every warm step: no Python per piece)
@@ -70,8 +72,9 @@ class Registry:
 
     def advance(self, active: Sequence[np.ndarray]) -> None:
         """One more step for the parameters ``active`` (per group, bool masks). Through numpy (the
-        same fp32 additions, without a torch op per group: cheaper when the step's memory traffic has
-        evicted torch's code from the caches); the version counters move as torch's += would."""
+        same fp32 additions, without a torch op per group: cheaper when the step's memory traffic
+        has evicted torch's code from the caches); the version counters move as torch's +=
+        would."""
         moved = []
         for gi, a in enumerate(active):
             if a.any():
@@ -103,8 +106,9 @@ class Registry:
         return all(self._checked(gi, t) for gi, t in enumerate(self.steps))
 
     def advance_params(self, gi: int, idx: Sequence[int]) -> None:
-        """One more step for parameters ``idx`` of group ``gi`` (the device schedule, bucket by bucket
-        as backward delivers them): the same additions and version counters as :meth:`advance`."""
+        """One more step for parameters ``idx`` of group ``gi`` (the device schedule, bucket by
+        bucket as backward delivers them): the same additions and version counters as
+        :meth:`advance`."""
         if not len(idx):
             return
         t = self.steps[gi]

@@ -38,10 +38,10 @@ def bucket_rows(b, pieces: Sequence, base: int, ptrs, steps: Sequence[int]) -> n
 
 
 def _static_rows(b, pieces, base: int) -> np.ndarray:
-    """The columns of bucket_rows that depend only on the bucket, its pieces and the state's address:
-    master section (in the p column), the format's sections, element counts and the format's fixed
-    columns. Cached on the bucket for its full piece list at one address (the per-step case); the
-    other columns are left 0."""
+    """The columns of bucket_rows that depend only on the bucket, its pieces and the state's
+    address: master section (in the p column), the format's sections, element counts and the
+    format's fixed columns. Cached on the bucket for its full piece list at one address (the
+    per-step case); the other columns are left 0."""
     full = pieces is b.pieces
     shape = (b.master, b.amsgrad, b.cap, b.gap, b.moments)
     if full:
@@ -65,9 +65,11 @@ def _static_rows(b, pieces, base: int) -> np.ndarray:
 
 
 def _step_col(steps, k: int) -> np.ndarray:
-    """The step counts (fp32 values, a list of numpy scalars or an array) as int64, like int(step)."""
+    """The step counts (fp32 values, a list of numpy scalars or an array) as int64, like
+    int(step)."""
     if isinstance(steps, np.ndarray):
         return steps.reshape(k).astype(np.int64)
-    if k and isinstance(steps[0], np.floating):   # the registry's fp32 counts: read in their own dtype (exact)
+    # the registry's fp32 counts: read in their own dtype (exact)
+    if k and isinstance(steps[0], np.floating):
         return np.fromiter(steps, dtype=steps[0].dtype, count=k).astype(np.int64)
     return np.asarray(steps, dtype=np.float64).reshape(k).astype(np.int64)

@@ -1,11 +1,11 @@
-"""engine/torchstate.py: TorchViews, the torch-layout face of the state engine: ``opt.state`` views
+"""engine/torchstate.py: TorchViews, the state in torch's layout: ``opt.state`` views
 (installed when a parameter's state is created), the user's edits of ``opt.state`` honoured as torch
 would, ``state_dict`` tensors, and (through engine/load.py) ``load_state_dict`` and re-read masters.
 
 The engine (engine/engine.py) builds one and passes it what it reads: the layout, tier, registry,
 parameter lists, the handed-out decoded moments (moments/handouts.py), the moment format of each
-parameter and ``exclusive`` (the engine's lock). Tensors are views of the tier (engine/views.py), never
-copies, and keep their memory alive.
+parameter and ``exclusive`` (the engine's lock). Tensors are views of the tier (engine/views.py),
+never copies, and keep their memory alive.
 """
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ class _StateRecords:
     """Per group: what each parameter's opt.state entry was last validated as (state_rows' input)."""
 
     def __init__(self, n: int):
-        self.objs: list = [None] * n                         # (outer, inner, entry per _KEYS) or None
+        self.objs: list = [None] * n  # (outer, inner, entry per _KEYS) or None
         self.ptrs = np.full((n, len(_KEYS)), -1, dtype=np.int64)
-        self.hashes = np.full(n, -1, dtype=np.int64)         # hash(parameter): looked up without __hash__
+        self.hashes = np.full(n, -1, dtype=np.int64)  # hash(parameter): looked up without __hash__
 
 
 class TorchViews:
@@ -67,9 +67,9 @@ class TorchViews:
 
     # ------------------------------------------------------------------ torch-layout views
     def install(self, fresh: list, state: dict) -> None:
-        """Give ``state[p]`` its step counter and moments (views of the tier) when its state was created.
-        Runs at the end of every step (both schedules): the decoded moments a caller holds take the
-        step's new values here."""
+        """Give ``state[p]`` its step counter and moments (views of the tier) when its state was
+        created. Runs at the end of every step (both schedules): the decoded moments a caller holds
+        take the step's new values here."""
         self.handouts.refresh(self.held_current)
         if not fresh:
             return
@@ -156,10 +156,10 @@ class TorchViews:
 
     def _decoded(self, gi: int, i: int, sink=None, view=None) -> dict:
         """fp32 exp_avg / exp_avg_sq (shaped like the parameter) of a compressed-moment parameter,
-        fresh tensors, or decoded into ``sink`` (engine/export.py) chunk by chunk. ``view``: the tier's
-        mapping when the caller (a loop over every parameter, under the lock) already holds one.
-        In-place writes into this parameter's held decoded moments are adopted first (as torch's
-        state would show them)."""
+        fresh tensors, or decoded into ``sink`` (engine/export.py) chunk by chunk. ``view``: the
+        tier's mapping when the caller (a loop over every parameter, under the lock) already holds
+        one. In-place writes into this parameter's held decoded moments are adopted first (as
+        torch's state would show them)."""
         with self.exclusive():
             self.handouts.adopt(self.held_current, self.rewrite_held, only=(gi, i))
             return self.decode_current(gi, i, sink, view)
@@ -282,11 +282,11 @@ class TorchViews:
                           lambda i, gi=gi: self._forget_state(gi, i))
 
     def holding(self, gi: int, i: int, key: str, t):
-        """The view of the state entry ``key`` of parameter (gi, i) if ``t``, which replaced it, is a copy
-        of it on another device (a framework moving every state tensor to the model's device, e.g.
-        Lightning's _optimizer_to_device on a GPU: the state stays in its tier and the view goes back
-        in), else None: a replacement on the state's own device has its values taken over (the user
-        may go on writing into it, and it would not be the state)."""
+        """The view of the state entry ``key`` of parameter (gi, i) if ``t``, which replaced it, is
+        a copy of it on another device (a framework moving every state tensor to the model's
+        device, e.g. Lightning's _optimizer_to_device on a GPU: the state stays in its tier and the
+        view goes back in), else None: a replacement on the state's own device has its values taken
+        over (the user may go on writing into it, and it would not be the state)."""
         view, fd = self.tier.mapping()
         cur = self.entry_views(gi, i, view, fd).get(key)
         if cur is None or not _on_another_device(t, cur):

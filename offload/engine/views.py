@@ -1,10 +1,11 @@
-"""engine/views.py: torch-layout tensors of one parameter's state, as views of the tier (never copies).
+"""engine/views.py: torch-layout tensors of one parameter's state, as views of the tier (never
+copies).
 
 A parameter in one bucket: each state key is a plain view of the tier's bytes (for NVMe a shared
 mapping of the file, read lazily by the page cache). A parameter split over several buckets has
-page-aligned pieces (offload/state/layout.py); its sections are mapped side by side into one reserved
-address range (``MAP_FIXED``), so it is still one tensor whose bytes are read only when used:
-``torch.save(opt.state_dict())`` streams from the file instead of materializing the state.
+page-aligned pieces (offload/state/layout.py); its sections are mapped side by side into one
+reserved address range (``MAP_FIXED``), so it is still one tensor whose bytes are read only when
+used: ``torch.save(opt.state_dict())`` streams from the file instead of materializing the state.
 Every view keeps its mapping alive, also after the optimizer is closed.
 """
 from __future__ import annotations
@@ -26,18 +27,20 @@ def _mmap_fixed():
     if _libc is None:
         lib = ctypes.CDLL(None, use_errno=True)
         lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                             ctypes.c_long]
+        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                             ctypes.c_int, ctypes.c_long]
         _libc = lib
     return _libc.mmap
 
 
 def _joined(fd, spans: list, total: int) -> torch.Tensor:
-    """uint8 tensor of ``total`` bytes whose consecutive parts map the file ``spans`` [(offset, nbytes)].
-    ``fd``: the file, or (state on several drives) a function: offset -> (fd, offset in that file)."""
+    """uint8 tensor of ``total`` bytes whose consecutive parts map the file ``spans`` [(offset,
+    nbytes)]. ``fd``: the file, or (state on several drives) a function: offset -> (fd, offset in
+    that file)."""
     page = mmap.PAGESIZE
     size = (total + page - 1) // page * page
-    region = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, mmap.PROT_READ | mmap.PROT_WRITE)
+    region = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                       mmap.PROT_READ | mmap.PROT_WRITE)
     base = torch.frombuffer(region, dtype=torch.uint8)
     addr = base.data_ptr()
     fixed = _mmap_fixed()
@@ -45,7 +48,9 @@ def _joined(fd, spans: list, total: int) -> torch.Tensor:
     for off, nb in spans:
         length = (nb + page - 1) // page * page
         f, off = fd(off) if callable(fd) else (fd, off)
-        r = fixed(addr + at, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10, f, off)  # MAP_FIXED
+        # MAP_FIXED
+        r = fixed(addr + at, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10, f,
+                  off)
         if r is None or r == ctypes.c_void_p(-1).value or r != addr + at:
             e = ctypes.get_errno()
             raise OSError(e, f"cannot map the optimizer state file: {os.strerror(e)}")
@@ -69,7 +74,8 @@ def param_views(tier, layout, gi: int, i: int, shape, mapping, fd: Optional[int]
     b0 = layout.buckets[entries[0][0]]
     numel = sum(pc.n for _, pc in entries)
     for key, size in b0.keys:
-        if only is not None and key not in only:   # e.g. the fp32 master of a compressed-moment bucket
+        # e.g. the fp32 master of a compressed-moment bucket
+        if only is not None and key not in only:
             continue
         if len(entries) == 1:
             bi, pc = entries[0]
@@ -82,7 +88,8 @@ def param_views(tier, layout, gi: int, i: int, shape, mapping, fd: Optional[int]
                 b = layout.buckets[bi]
                 spans.append((b.offset + b.section(key) + pc.pos * size, pc.n * size))
             page = mmap.PAGESIZE
-            aligned = all(off % page == 0 for off, _ in spans) and all(nb % page == 0 for _, nb in spans[:-1])
+            aligned = (all(off % page == 0 for off, _ in spans)
+                       and all(nb % page == 0 for _, nb in spans[:-1]))
             raw = _joined(fd, spans, numel * size) if fd is not None and aligned else None
         if raw is None:  # RAM tier or a host_budget below one page per section: joined by a copy
             parts = []

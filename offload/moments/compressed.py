@@ -1,4 +1,4 @@
-"""moments/compressed.py: the torch-layout face of compressed moments in the state engine.
+"""moments/compressed.py: the torch-layout views of compressed moments in the state engine.
 
 A parameter whose bucket stores its moments compressed (a format whose ``compressed`` is set,
 "bf16" or "8bit": offload/moments/format.py) has no fp32 ``exp_avg``/``exp_avg_sq`` bytes
@@ -27,7 +27,8 @@ __all__ = ["CompressedState", "bitwise_equal", "raw", "to_format", "write_piece"
 
 
 def bitwise_equal(a, b: torch.Tensor) -> bool:
-    """``a`` is a tensor with ``b``'s shape, dtype and bytes (on any device; NaN payloads and -0 count)."""
+    """``a`` is a tensor with ``b``'s shape, dtype and bytes (on any device; NaN payloads and -0
+    count)."""
     if not isinstance(a, torch.Tensor):
         return False
     a, b = local(a), local(b)
@@ -38,7 +39,8 @@ def bitwise_equal(a, b: torch.Tensor) -> bool:
 
 
 def raw(layout, gi: int, i: int, fmt: MomentFormat, mapping) -> Dict[str, torch.Tensor]:
-    """{kernel key: flat tensor} of parameter ``i`` of group ``gi`` (copies, in the tier's dtype)."""
+    """{kernel key: flat tensor} of parameter ``i`` of group ``gi`` (copies, in the tier's
+    dtype)."""
     entries = layout.of_param.get((gi, i), [])
     out = {}
     for s in fmt.sections:
@@ -53,8 +55,8 @@ def raw(layout, gi: int, i: int, fmt: MomentFormat, mapping) -> Dict[str, torch.
 
 
 def write_piece(b, pc, data: torch.Tensor, src: Dict[str, torch.Tensor], keys=None) -> None:
-    """Copy piece ``pc``'s part of the parameter-level flat compressed tensors ``src`` into bucket bytes
-    (only the sections ``keys``, when given)."""
+    """Copy piece ``pc``'s part of the parameter-level flat compressed tensors ``src`` into bucket
+    bytes (only the sections ``keys``, when given)."""
     fmt = b.moments
     for s in fmt.sections:
         if keys is not None and s.key not in keys:
@@ -75,7 +77,8 @@ def to_format(st: dict, fmt: MomentFormat, numel: int, where: str) -> Dict[str, 
         if parsed is not None and isinstance(t, torch.Tensor):
             saved.setdefault(parsed[1], {})[parsed[0]] = local(t).detach().reshape(-1)
     if len(saved) > 1:
-        raise ValueError(f"{where} holds compressed moments of several formats ({sorted(saved)}): corrupted")
+        raise ValueError(f"{where} holds compressed moments of several formats "
+                         f"({sorted(saved)}): corrupted")
     if saved:
         (name, tensors), = saved.items()
         sfmt = mformat.moment_format(name)
@@ -95,7 +98,8 @@ def to_format(st: dict, fmt: MomentFormat, numel: int, where: str) -> Dict[str, 
             if not isinstance(t, torch.Tensor):
                 raise KeyError(f"{where} has no '{k}'")
             if local(t).numel() != numel:
-                raise ValueError(f"state '{k}' of {where} does not match the parameter's {numel} elements")
+                raise ValueError(f"state '{k}' of {where} does not match the parameter's "
+                                 f"{numel} elements")
         m, v = local(st["exp_avg"]), local(st["exp_avg_sq"])
     return fmt.encode(m, v)
 
@@ -107,11 +111,11 @@ class CompressedState(MutableMapping):
     ``exp_avg_sq`` are decoded to fp32 on every access (a fresh tensor shaped like the parameter:
     reading costs one decode of the parameter's moments). Each one is handed to ``watch(key,
     tensor)``, through which the engine adopts in-place writes into it before the next step or read
-    of the state and refreshes it after each step while the caller holds it (moments/handouts.py), as
-    torch's live state tensors behave.
-    Assigning or deleting a moment is refused (use ``load_state_dict``), except assigning a tensor
-    that holds exactly the decoded values (frameworks that move every state tensor to the model's
-    device do that): the state stays where it is.
+    of the state and refreshes it after each step while the caller holds it (moments/handouts.py),
+    as torch's live state tensors behave. Assigning or deleting a moment is refused (use
+    ``load_state_dict``), except assigning a tensor that holds exactly the decoded values
+    (frameworks that move every state tensor to the model's device do that): the state stays where
+    it is.
     """
 
     def __init__(self, base: dict, decode: Optional[Callable[[], Dict[str, torch.Tensor]]],
@@ -151,7 +155,8 @@ class CompressedState(MutableMapping):
 
     @property
     def live(self) -> dict:
-        """The dict that holds those entries itself (the state engine's per-step check reads it)."""
+        """The dict that holds those entries itself (the state engine's per-step check reads
+        it)."""
         return self._d
 
     def __getitem__(self, key):
@@ -165,7 +170,9 @@ class CompressedState(MutableMapping):
     def __setitem__(self, key, value) -> None:
         if key in mformat.MOMENT_KEYS:
             if bitwise_equal(value, self._decode()[key]):
-                return   # its own values back, e.g. Lightning's _optimizer_to_device (v[k] = v[k].to(device))
+                # its own values back, e.g. Lightning's _optimizer_to_device (v[k] =
+                # v[k].to(device))
+                return
             raise ValueError(f"state[{key!r}] of a parameter with moments="
                              f"{self.moments.name!r} is decoded from the compressed state on each "
                              "access and cannot be replaced; load a whole state with "

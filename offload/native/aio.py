@@ -1,4 +1,4 @@
-"""native/aio.py: Python face of the native async file I/O engine (``offload._C.AioEngine``).
+"""native/aio.py: Python wrapper of the native async file I/O engine (``offload._C.AioEngine``).
 
 ``AioEngine.open`` opens a file with O_DIRECT (falling back to buffered I/O with a warning
 where the filesystem refuses it, e.g. tmpfs), ``read``/``write`` queue a transfer between the
@@ -28,7 +28,8 @@ import torch
 from . import _C
 from ..base.tensors import check_storage
 
-__all__ = ["AioEngine", "AioFile", "Request", "DIRECT_ALIGN", "FAULT_EIO", "FAULT_SHORT", "FAULT_EINTR"]
+__all__ = ["AioEngine", "AioFile", "Request", "DIRECT_ALIGN", "FAULT_EIO", "FAULT_SHORT",
+           "FAULT_EINTR"]
 
 DIRECT_ALIGN = int(_C.AIO_DIRECT_ALIGN)
 READ, WRITE = 0, 1
@@ -36,7 +37,8 @@ FAULT_NONE, FAULT_EIO, FAULT_SHORT, FAULT_EINTR = 0, 1, 2, 3
 
 
 class AioFile:
-    """An open file: ``fd`` (O_DIRECT when ``direct``) plus a buffered ``tail_fd`` for unaligned tails.
+    """An open file: ``fd`` (O_DIRECT when ``direct``) plus a buffered ``tail_fd`` for unaligned
+    tails.
 
     Takes ownership of both descriptors (``tail_fd`` -1: none). ``fd``/``tail_fd`` read -1 once
     closed; the descriptors themselves close when no queued transfer uses them any more.
@@ -72,7 +74,8 @@ class AioFile:
         return os.fstat(self.fd).st_size
 
     def close(self) -> None:
-        """No new transfers; the descriptors close once the queued ones have finished. Idempotent."""
+        """No new transfers; the descriptors close once the queued ones have finished.
+        Idempotent."""
         self._handle.close()
 
     def __repr__(self) -> str:
@@ -108,17 +111,19 @@ def _timeout(timeout) -> Optional[float]:
         return None
     t = float(timeout)
     if t != t or t < 0:
-        raise ValueError(f"timeout must be a non-negative number of seconds, or None / inf to wait forever; "
-                         f"got {timeout!r}")
+        raise ValueError("timeout must be a non-negative number of seconds, or None / inf to "
+                         f"wait forever; got {timeout!r}")
     return t
 
 
 class Request:
     """One queued transfer. ``wait()`` returns the byte count or raises ``OSError``."""
 
-    __slots__ = ("_engine", "id", "file", "op", "offset", "length", "_buf", "_result", "__weakref__")
+    __slots__ = ("_engine", "id", "file", "op", "offset", "length", "_buf", "_result",
+                 "__weakref__")
 
-    def __init__(self, engine: "AioEngine", rid: int, file: AioFile, op: int, offset: int, length: int, buf):
+    def __init__(self, engine: "AioEngine", rid: int, file: AioFile, op: int, offset: int,
+                 length: int, buf):
         self._engine, self.id, self.file, self.op = engine, rid, file, op
         self.offset, self.length, self._buf, self._result = offset, length, buf, None
 
@@ -141,7 +146,8 @@ class Request:
                 raise RuntimeError("the AioEngine was closed before this request was waited for")
             r = native.wait(self.id, t)
             if r is None:
-                raise TimeoutError(f"I/O request on {self.file.path} not finished after {timeout} s")
+                raise TimeoutError(f"I/O request on {self.file.path} not finished "
+                                   f"after {timeout} s")
             self._result = r
             self._engine._pending.pop(self.id, None)
             self._buf = None
@@ -149,9 +155,11 @@ class Request:
         if err:
             what = "read" if self.op == READ else "write"
             if err == -1:
-                raise OSError(_errno.EIO, f"unexpected end of file: {what} of {length} bytes at offset {off} "
-                                          f"of {self.file.path} (file is shorter than expected)", self.file.path)
-            raise OSError(err, f"{os.strerror(err)} during {what} of {length} bytes at offset {off}",
+                raise OSError(_errno.EIO, f"unexpected end of file: {what} of {length} bytes at "
+                                          f"offset {off} of {self.file.path} (file is "
+                                          "shorter than expected)", self.file.path)
+            raise OSError(err, f"{os.strerror(err)} during {what} of {length} bytes "
+                               f"at offset {off}",
                           self.file.path)
         return nbytes
 
@@ -160,7 +168,8 @@ def _drain(native, pending: dict) -> None:
     # Buffers must outlive the transfers that use them: wait for all before releasing anything.
     # Each finished request's outcome is handed to its Request object, if it still exists.
     if os.getpid() != native.owner_pid:
-        # forked child: the parent's transfers run in the parent only; nothing here uses the buffers
+        # forked child: the parent's transfers run in the parent only; nothing here uses the
+        # buffers
         pending.clear()
         return
     for rid in list(pending):
@@ -179,7 +188,8 @@ class AioEngine:
         if not isinstance(queue_depth, int) or not 1 <= queue_depth <= 256:
             raise ValueError(f"queue_depth must be an int in [1, 256], got {queue_depth!r}")
         if not isinstance(block_size, int) or block_size <= 0 or block_size % DIRECT_ALIGN:
-            raise ValueError(f"block_size must be a positive multiple of {DIRECT_ALIGN}, got {block_size!r}")
+            raise ValueError(f"block_size must be a positive multiple of {DIRECT_ALIGN}, "
+                             f"got {block_size!r}")
         self._native = _C.AioEngine(queue_depth, block_size)
         self._pending: dict = {}
         self.direct_fallbacks: list = []
@@ -217,8 +227,9 @@ class AioEngine:
                 except OSError as e:
                     if e.errno != _errno.EINVAL:
                         raise
-                    warnings.warn(f"O_DIRECT is not supported for {path} (filesystem refused it); using buffered "
-                                  "I/O through the page cache instead", RuntimeWarning, stacklevel=2)
+                    warnings.warn(f"O_DIRECT is not supported for {path} (filesystem refused it); "
+                                  "using buffered I/O through the page cache instead",
+                                  RuntimeWarning, stacklevel=2)
                     self.direct_fallbacks.append(path)
                 else:
                     tail_fd, fd, is_direct = fd, dfd, True
@@ -248,11 +259,13 @@ class AioEngine:
         return req
 
     def read(self, file: AioFile, buf, offset: int = 0, length: Optional[int] = None) -> Request:
-        """Queue a read of ``length`` (default: the buffer's size) bytes at ``offset`` into ``buf``."""
+        """Queue a read of ``length`` (default: the buffer's size) bytes at ``offset`` into
+        ``buf``."""
         return self._submit(READ, file, buf, offset, length)
 
     def write(self, file: AioFile, buf, offset: int = 0, length: Optional[int] = None) -> Request:
-        """Queue a write of ``length`` (default: the buffer's size) bytes from ``buf`` at ``offset``."""
+        """Queue a write of ``length`` (default: the buffer's size) bytes from ``buf`` at
+        ``offset``."""
         return self._submit(WRITE, file, buf, offset, length)
 
     def outstanding(self) -> int:
@@ -272,7 +285,8 @@ class AioEngine:
         return d
 
     def _set_fault(self, kind: int, nth: int) -> None:
-        """Test hook: the ``nth`` system call from now fails once (FAULT_EIO / FAULT_SHORT / FAULT_EINTR)."""
+        """Test hook: the ``nth`` system call from now fails once (FAULT_EIO / FAULT_SHORT /
+        FAULT_EINTR)."""
         self._native._set_fault(int(kind), int(nth))
 
     def close(self) -> None:

@@ -5,16 +5,17 @@ keeps torch's constructor signature, defaults, validation messages and ``state_d
 (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so a state saved here loads into
 ``torch.optim.AdamW`` and back. bf16/fp16 parameters get an fp32 master copy (state key
 ``master_param``, the one addition to torch's layout); the kernel writes the rounded new weight
-straight into the parameter in the same pass. Parameters the kernel cannot take but torch steps (float64,
-complex, non-contiguous, listed twice) go through torch's Adam code, state in RAM (offload/optim/fallback.py).
+straight into the parameter in the same pass. Parameters the kernel cannot take but torch steps
+(float64, complex, non-contiguous, listed twice) go through torch's Adam code, state in RAM
+(offload/optim/fallback.py).
 
 The class derives from ``torch.optim.Optimizer`` (and optim/rebuilding.py's ``EngineSync``, which
-keeps ``_store`` laid out for the param groups as they are) and holds parts, which its methods call
-in a few lines each: ``_store``, the state engine of every mode (engine/engine.py), built by
+keeps ``_engine`` laid out for the param groups as they are) and holds parts, which its methods call
+in a few lines each: ``_engine``, the state engine of every mode (engine/engine.py), built by
 ``_slot`` (optim/engine_slot.py); ``_face``, where the parameters are (optim/faces.py: host memory,
 or a device and its schedule); ``_clip``, the pending clip coefficient (optim/clipping.py);
-``_router``, which parameters torch's code steps (optim/fallback.py); and
-optim/torch_state.py's functions. This file holds the constructor, param groups, pickling and step dispatch.
+``_router``, which parameters torch's code steps (optim/fallback.py); and optim/torch_state.py's
+functions. This file holds the constructor, param groups, pickling and step dispatch.
 """
 from __future__ import annotations
 
@@ -41,9 +42,9 @@ __all__ = ["Adam", "AdamW"]
 
 
 # what __setstate__ fills in: of a param group (torch's keys, as torch.optim.Adam), of the optimizer
-_GROUP_KEYS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                   decoupled_weight_decay=False)
-_OWN_KEYS = dict(_threads=None, _store=None, _face=None, moments="fp32", moments_min_size=4096)
+_GROUP_KEYS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
+                   differentiable=False, fused=None, decoupled_weight_decay=False)
+_OWN_KEYS = dict(_threads=None, _engine=None, _face=None, moments="fp32", moments_min_size=4096)
 
 
 class _AdamBase(EngineSync, Optimizer):
@@ -52,15 +53,15 @@ class _AdamBase(EngineSync, Optimizer):
                  offload_device, moments, moments_min_size, state, **gpu_options):
         """Adam's and AdamW's arguments (below), all given; ``gpu_options``: options.GPU_OPTION_NAMES."""
         gpu_options = given_gpu_options(**gpu_options)
-        state = resolve_storage(storage, state, nvme_dir)   # state=: the old name of storage= (deprecated)
+        state = resolve_storage(storage, state, nvme_dir)  # state=: a deprecated alias of storage=
         params, self.moments = check_options(params, lr, betas, eps, weight_decay, amsgrad, foreach, capturable,
-                                             differentiable, fused, threads, state, nvme_dir, nvme_options, moments,
-                                             moments_min_size)
-        self._store = self._face = None   # (made below, once torch's constructor added the groups)
+                                             differentiable, fused, threads, state, nvme_dir,
+                                             nvme_options, moments, moments_min_size)
+        self._engine = self._face = None  # (made below, once torch's constructor added the groups)
         # what a param group may repeat (optim/checks.py; ZeroRedundancyOptimizer puts every constructor option in its groups)
         self._wide = dict(moments=moments, moments_min_size=moments_min_size, storage=state, state=state, threads=threads,
-                          nvme_dir=nvme_dir, host_budget=host_budget, keep_files=keep_files, nvme_options=nvme_options,
-                          offload_device=offload_device, **gpu_options)
+                          nvme_dir=nvme_dir, host_budget=host_budget, keep_files=keep_files,
+                          nvme_options=nvme_options, offload_device=offload_device, **gpu_options)
         self.moments_min_size = int(moments_min_size)   # compressed moments (docs/moments.md): any tier
         betas = tuple(map(_to_scalar, betas))  # as torch: 1-element tensors become 0-dim tensors
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -74,17 +75,17 @@ class _AdamBase(EngineSync, Optimizer):
         # --- GPU offload: the mode follows from where the parameters are (offload/optim/gpu.py) ---
         params, device, owns_device = gpu.split_params(params, offload_device, gpu_options)
         # --- the state engine (offload/engine/engine.py): one for all groups, every tier and parameter side
-        self._slot = EngineSlot.configure(state, nvme_dir, host_budget, keep_files, nvme_options, gpu_options, device,
-                                          self.moments, self.moments_min_size)
+        self._slot = EngineSlot.configure(state, nvme_dir, host_budget, keep_files, nvme_options,
+                                          gpu_options, device, self.moments, self.moments_min_size)
         super().__init__(params, defaults)
-        self._store = self._slot.make(self._slot.groups(self.param_groups, self._router))
+        self._engine = self._slot.make(self._slot.groups(self.param_groups, self._router))
         self._face = self._start_face(device, gpu_options, owns_device, log=True)
         if self._face.amp_scaling:   # GradScaler hands us grad_scale / found_inf: no unscaling
             self._step_supports_amp_scaling = True
 
     def _start_face(self, device, gpu_options: dict, owns_device: bool = False, log: bool = False):
-        """Where the parameters are (optim/faces.py start), over the engine ``_store``."""
-        return faces.start(port_of(self), device, gpu_options, self._store, owns_device,
+        """Where the parameters are (optim/faces.py start), over the engine ``_engine``."""
+        return faces.start(port_of(self), device, gpu_options, self._engine, owns_device,
                            lay_out=self._sync_engine, clip=self._clip, router=self._router,
                            fail=self._fail, decoupled=self._decoupled,
                            keep_on_device=self._slot.keep_on_device,
@@ -101,9 +102,9 @@ class _AdamBase(EngineSync, Optimizer):
         where other groups' params lists were edited (a parameter moved here) the state engine is
         built again, every entry of opt.state kept (offload/engine/rebuild.py)."""
         self._check_usable()
-        store = getattr(self, "_store", None)   # (None while torch's constructor adds the groups)
+        engine = getattr(self, "_engine", None)  # (None while torch's constructor adds the groups)
         n = len(self.param_groups)
-        if store is not None:
+        if engine is not None:
             # the last step may still run on the CPU worker, and the layout, the tier and the staging
             # ring grow below: nothing may be in flight; writes into the parameters since are adopted
             self._face.quiesce()
@@ -113,14 +114,14 @@ class _AdamBase(EngineSync, Optimizer):
                         getattr(self, "moments", "fp32"), self._slot.on_device)
             self._clip.forget()
             native = self._slot.groups(self.param_groups, self._router)
-            if store is not None and not self._slot.stale(store, native[:n], False):
-                store.add_group(native[n]["params"], self.param_groups[n]["amsgrad"])
-            elif store is not None:
+            if engine is not None and not self._slot.stale(engine, native[:n], False):
+                engine.add_group(native[n]["params"], self.param_groups[n]["amsgrad"])
+            elif engine is not None:
                 self.state.update(self._rebuild_engine(native, self.state))
         except BaseException:
             del self.param_groups[n:]
             raise
-        if store is not None:
+        if engine is not None:
             self._face.load_state()
 
     # ------------------------------------------------------------------ pickling, deepcopy, a loaded state
@@ -134,21 +135,20 @@ class _AdamBase(EngineSync, Optimizer):
         for k, v in _OWN_KEYS.items():
             self.__dict__.setdefault(k, v)
         # (load_state_dict keeps its own parts: the router's split and what it logged, the clip coefficient)
-        for k, v in dict(_clip=Clip(), _router=fallback.Router(), _slot=EngineSlot(moments=self.moments),
-                         _hyper=HyperCache(),
+        for k, v in dict(_clip=Clip(), _router=fallback.Router(),
+                         _slot=EngineSlot(moments=self.moments), _hyper=HyperCache(),
                          _wide=dict(moments=self.moments, moments_min_size=self.moments_min_size)).items():
             self.__dict__.setdefault(k, v)
         self._clip.forget()   # (load_state_dict: the coefficient stays, tied to no gradients)
         self._failure = None   # a loaded state (load_state_dict, offload.load) is the way back after a failure
-        if self._store is None and self._slot.picklable:   # unpickled, deep-copied: from opt.state
+        if self._engine is None and self._slot.picklable:  # unpickled, deep-copied: from opt.state
             self._face = self._start_face(self._slot.device, {})
             self._sync_engine()
 
     def __getstate__(self):
         self._check_usable()
-        if getattr(self, "_store", None) is not None:
-            self._slot.check_picklable()
-        d = dict(super().__getstate__(), _store=None)   # (torch's: defaults, state, param_groups); the engine is
+        self._slot.check_picklable()
+        d = dict(super().__getstate__(), _engine=None)   # (torch's: defaults, state, param_groups); the engine is
         d.update({k: v for k, v in self.__dict__.items()   # built again from opt.state by __setstate__
                   if k in ("_slot", "moments", "moments_min_size", "_threads", "_wide")})
         return d
@@ -158,10 +158,10 @@ class _AdamBase(EngineSync, Optimizer):
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_multiplier: Optional[float] = None):
         """Perform one optimization step.
 
-        ``grad_multiplier`` (keyword-only) scales every gradient inside the kernel pass (e.g. 1/loss
-        scale); it is multiplied with the coefficient left by :meth:`clip_grad_norm_`, if any.
-        Everything is validated (hyperparameters of every group, every row) before any step count
-        advances: a step that raises changes nothing."""
+        ``grad_multiplier`` (keyword-only) scales every gradient inside the kernel pass (e.g.
+        1/loss scale); it is multiplied with the coefficient left by :meth:`clip_grad_norm_`, if
+        any. Everything is validated (hyperparameters of every group, every row) before any step
+        count advances: a step that raises changes nothing."""
         self._check_usable()
         loss = None
         if closure is not None:
@@ -186,15 +186,14 @@ class _AdamBase(EngineSync, Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     def close(self) -> None:
-        """Release NVMe/mmap state (waits for I/O, deletes the state file unless keep_files) and the
-        GPU-offload machinery (hooks, worker thread, a device the optimizer created); no-op
+        """Release NVMe/mmap state (waits for I/O, deletes the state file unless keep_files) and
+        the GPU-offload machinery (hooks, worker thread, a device the optimizer created); no-op
         otherwise. Then, with device parameters, step(), synchronize(), state_dict() ... refuse
         (docs/gpu.md)."""
         try:
             self._face.close()
         finally:
-            if self._store is not None:
-                self._store.close()
+            self._engine.close()
 
     def group_hyper(self, gi: int) -> dict:
         """The validated hyperparameters of param group ``gi`` as the kernels take them (lr, beta1,
@@ -213,8 +212,9 @@ class _AdamBase(EngineSync, Optimizer):
         self._threads = threads or None
 
     def storage_info(self) -> dict:
-        """Telemetry of NVMe/mmap state (bytes moved, I/O wait, kernel time, O_DIRECT or not); {} for RAM state."""
-        return self._store.info() if self._store is not None else {}
+        """Telemetry of the state: its storage, buckets, steps and kernel time; with NVMe/mmap
+        state also bytes moved, I/O wait and whether I/O is O_DIRECT."""
+        return self._engine.info()
 
     _decoupled: Optional[bool] = None
 
@@ -250,14 +250,14 @@ class _AdamBase(EngineSync, Optimizer):
 
     def state_dict(self) -> dict:
         self._settle()   # never hand out a partially updated state as a checkpoint
-        tensors = self._store.state_tensors()  # views of the tier (a mapped state file, an arena), not copies
+        tensors = self._engine.state_tensors()  # views of the tier (a mapped state file, an arena), not copies
         return sdict.with_tensors(sdict.plain(super().state_dict()), tensors, self._engine_index())
 
     def checkpoint_state(self) -> dict:
         """``state_dict()['state']`` without the tensors that ``checkpoint_tensors`` hands out (the
         moments and master weights kept in a tier): step counts and any other entries. offload.save
-        uses it so that saving compressed moments never decodes them (a transient fp32 copy of every
-        moment, 8 B per parameter in RAM)."""
+        uses it so that saving compressed moments never decodes them (a transient fp32 copy of
+        every moment, 8 B per parameter in RAM)."""
         self._settle()
         return sdict.plain(super().state_dict())["state"]
 
@@ -269,7 +269,7 @@ class _AdamBase(EngineSync, Optimizer):
         self._check_usable()
         self.synchronize()
         self._sync_engine()
-        self._store.adopt(self.state)
+        self._engine.adopt(self.state)
 
     @property
     def checkpoint_tensors(self):
@@ -283,18 +283,18 @@ class _AdamBase(EngineSync, Optimizer):
         if create_from is not None:  # never asked: this state loads through load_state_dict (loads_itself)
             raise RuntimeError("compressed-moment state loads through load_state_dict")
         self._settle()
-        return sdict.checkpoint_tensors(self.param_groups, self.state, self._store, self._engine_index(), self._router)
+        return sdict.checkpoint_tensors(self.param_groups, self.state, self._engine, self._engine_index(), self._router)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state saved by this class or by ``torch.optim.Adam/AdamW``. Unlike torch, moments
-        stay fp32 for bf16/fp16 parameters (torch would cast them to the parameter dtype); sizes are
-        checked before anything is replaced."""
+        stay fp32 for bf16/fp16 parameters (torch would cast them to the parameter dtype); sizes
+        are checked before anything is replaced."""
         state_dict = sdict.pre_hooks(self, state_dict)
         self._sync_engine()   # (a group's params list edited: the engine is laid out for the groups as they are)
         host = not self._slot.on_device
         new_state, groups = sdict.map_saved(self.param_groups, state_dict, host=host)
         self.synchronize()
-        sdict.install(new_state, self.param_groups, self._router.split(groups)[0], self._store,
+        sdict.install(new_state, self.param_groups, self._router.split(groups)[0], self._engine,
                       self._engine_index, self._rebuild_engine)
         self.__setstate__({"state": new_state, "param_groups": groups})
         self._face.load_state(loaded=True)
@@ -320,9 +320,9 @@ class _AdamBase(EngineSync, Optimizer):
         self._face.reload_params()
 
     def last_step_stats(self, wait: bool = False) -> Optional[dict]:
-        """Seconds in D2H, CPU kernel, H2D, NVMe I/O (time the step waited on it) and exposed (training
-        thread blocked) of the latest finished step, with bytes moved and whether it was skipped.
-        Every mode reports it; without a device the copy figures are 0."""
+        """Seconds in D2H, CPU kernel, H2D, NVMe I/O (time the step waited on it) and exposed
+        (training thread blocked) of the latest finished step, with bytes moved and whether it was
+        skipped. Every mode reports it; without a device the copy figures are 0."""
         return self._face.last_step_stats(wait)
 
     @property
@@ -332,7 +332,7 @@ class _AdamBase(EngineSync, Optimizer):
 
     def io_only_pass(self) -> float:
         """Seconds to read and write back every bucket, no compute (NVMe benchmark helper)."""
-        return gpu.io_only_pass(getattr(self, "_store", None))
+        return self._engine.io_pass()
 
     def export_chrome_trace(self, path: str) -> int:
         """Write the recorded timeline (needs trace=True) as Chrome trace JSON; returns the span count."""
@@ -347,9 +347,8 @@ class _AdamBase(EngineSync, Optimizer):
     def checkpoint_port(self) -> CheckpointPort:
         """What offload.save / offload.load use of this optimizer beyond torch's API (its state is
         loaded through load_state_dict; the engine stays mapped while a background save reads it)."""
-        store = lambda: getattr(self, "_store", None)   # noqa: E731
         return CheckpointPort(
-            keepalive=store, loads_itself=lambda: store() is not None, on_device=lambda: self.gpu_offload,
+            keepalive=lambda: self._engine, loads_itself=lambda: True, on_device=lambda: self.gpu_offload,
             pending=lambda: self.pending_grad_multiplier, set_pending=self.set_pending_grad_multiplier,
             tensors=self.checkpoint_tensors, scalars=self.checkpoint_state)
 
@@ -361,11 +360,12 @@ def _settled(face, state: dict) -> dict:
     return state
 
 
-# Entry points run eagerly even when called from a torch.compile'd function: dynamo must not trace the native
-# calls, the cached task tables or the NVMe store (its weakref.finalize breaks guards; side effects on attributes
-# would replay out of order). Wrapped once, here; step() then gets torch's step hooks on top (optim/stephooks.py).
-for _name in ("step", "clip_grad_norm_", "zero_grad", "state_dict", "load_state_dict", "add_param_group",
-              "close", "storage_info"):
+# Entry points run eagerly even when called from a torch.compile'd function: dynamo must not trace
+# the native calls, the cached task tables or the NVMe store (its weakref.finalize breaks guards;
+# side effects on attributes would replay out of order). Wrapped once, here; step() then gets
+# torch's step hooks on top (optim/stephooks.py).
+for _name in ("step", "clip_grad_norm_", "zero_grad", "state_dict", "load_state_dict",
+              "add_param_group", "close", "storage_info"):
     setattr(_AdamBase, _name, torch.compiler.disable(getattr(_AdamBase, _name), recursive=True))
 _AdamBase.step = stephooks.hooked_step(_AdamBase.step)
 del _name
@@ -380,8 +380,8 @@ class Adam(_AdamBase):
                  decoupled_weight_decay=False, threads=None, storage=None, nvme_dir=None, host_budget="2GiB",
                  keep_files=False, nvme_options=None, offload_device=None, moments="fp32", moments_min_size=4096,
                  bucket_mb=None, overlap=None, step_during_backward=None, max_grad_norm=None, check_overflow=None,
-                 release_grads=None, trace=None, small_param_numel=None, delay_updates=None, delay_after=None,
-                 delay_extrapolate=None, gpu_state=None, state=None):
+                 release_grads=None, trace=None, small_param_numel=None, delay_updates=None,
+                 delay_after=None, delay_extrapolate=None, gpu_state=None, state=None):
         super().__init__(**constructor_args(locals()))
 
 
@@ -395,6 +395,6 @@ class AdamW(_AdamBase):
                  storage=None, nvme_dir=None, host_budget="2GiB", keep_files=False, nvme_options=None,
                  offload_device=None, moments="fp32", moments_min_size=4096, bucket_mb=None, overlap=None,
                  step_during_backward=None, max_grad_norm=None, check_overflow=None, release_grads=None,
-                 trace=None, small_param_numel=None, delay_updates=None, delay_after=None, delay_extrapolate=None,
-                 gpu_state=None, state=None):
+                 trace=None, small_param_numel=None, delay_updates=None, delay_after=None,
+                 delay_extrapolate=None, gpu_state=None, state=None):
         super().__init__(decoupled_weight_decay=True, **constructor_args(locals()))

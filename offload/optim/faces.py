@@ -44,7 +44,7 @@ class StepFace:
     steps_during_backward = False
     amp_scaling = False          # GradScaler hands step() grad_scale / found_inf: no unscaling
     schedule: Optional[DeviceStep] = None   # the device schedule, if any
-    engine = None                # the state engine it steps (engine/engine.py): ``_store``
+    engine = None                # the state engine it steps (engine/engine.py): ``_engine``
 
     def description(self) -> str:
         """Where the parameters are stepped (the optimizer's INFO line)."""
@@ -98,7 +98,8 @@ class StepFace:
         raise RuntimeError(_ONLY.format("reload_params"))
 
     def keep_state_on_device(self, params: list) -> None:
-        """The state of ``params`` stays on the device from now on (schedule/split.py decides it)."""
+        """The state of ``params`` stays on the device from now on (schedule/split.py decides
+        it)."""
         raise RuntimeError(_ONLY.format("gpu_state"))
 
     def export_chrome_trace(self, path: str) -> int:
@@ -106,7 +107,7 @@ class StepFace:
 
     def last_step_stats(self, wait: bool) -> Optional[dict]:
         """The latest finished step's timings and bytes (optim/adam.py last_step_stats)."""
-        st = self.engine.last_stats if self.engine is not None else None
+        st = self.engine.last_stats
         if st is None:
             return None
         out = dict(_HOST_STATS)
@@ -135,8 +136,9 @@ class HostFace(StepFace):
         groups, state = port.groups(), port.state()
         mult = self.clip.multiplier(grad_multiplier)
         native, fb = self.router.split(groups)   # fb: torch's code steps them (optim/fallback.py)
-        if not fb and self.engine is not None and self.engine.step_planned(
-                native, port.hyper, state, mult, port.threads()):   # as planned: engine/fastpath.py
+        if not fb and self.engine.step_planned(
+                # as planned: engine/fastpath.py
+                native, port.hyper, state, mult, port.threads()):
             self.clip.clear()
             return
         for group, _ in fb:
@@ -200,15 +202,18 @@ class DeviceFace(StepFace):
             moved = resident_for(sched.port, params)
         except Exception as e:   # noqa: BLE001 (device memory)
             self.split.option = 0
-            warnings.warn(f"offload: the state of {len(params)} parameters could not stay on the device "
-                          f"({type(e).__name__}: {e}); it stays in host memory", RuntimeWarning)
+            warnings.warn(f"offload: the state of {len(params)} parameters could not stay on the "
+                          f"device ({type(e).__name__}: {e}); it stays in host memory",
+                          RuntimeWarning)
             return
-        sched.resident = moved   # (restart hands it to the schedule made over the engine built again)
+        # (restart hands it to the schedule made over the engine built again)
+        sched.resident = moved
         self.keep_on_device(params)
         self.lay_out(stepping=True)   # the engine built again without them (optim/rebuilding.py)
         self.split.applied(params)
-        log.info("offload: the Adam state of %d parameters (%.2f GB of device memory) stays on the device, "
-                 "stepped there; the CPU steps the rest", len(params), self.split.info["gpu_state_bytes"] / 1e9)
+        log.info("offload: the Adam state of %d parameters (%.2f GB of device memory) stays on "
+                 "the device, stepped there; the CPU steps the rest", len(params),
+                 self.split.info["gpu_state_bytes"] / 1e9)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool):
         return self.schedule.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)

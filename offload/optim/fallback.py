@@ -1,4 +1,5 @@
-"""optim/fallback.py: the parameters offload's native kernel cannot step, stepped by torch's own Adam code.
+"""optim/fallback.py: the parameters offload's native kernel cannot step, stepped by torch's own
+Adam code.
 
 torch.optim.Adam/AdamW accept float64 and complex parameters, non-contiguous ones (a transposed
 weight, a strided view) and a parameter listed more than once (torch warns, then steps it once
@@ -9,14 +10,15 @@ to a copy of their gradients first. Their ``opt.state[p]`` has torch's layout (`
 0-dim fp32 tensor, moments in the parameter's dtype and strides), so ``state_dict`` round-trips
 with ``torch.optim.AdamW`` and their results are torch's bit for bit.
 
-With ``storage="nvme"|"mmap"`` or compressed moments (the state engine lays out dense fp32/bf16/fp16
-tensors) these parameters are stepped the same way and their state stays in host RAM in torch's
-layout, beside the state file: the engine gets the other parameters only (``Router.split``, whose
-native part has every parameter at most once) and :func:`engine_index` maps its positions back to
-torch's numbering. In GPU-offload mode such parameters are refused by name (optim/checks.py).
-The split is logged at INFO on the ``offload.fallback`` logger whenever it changes (how many, why,
-and where their state lives); when their host-RAM state exceeds ``RAM_WARN_BYTES`` while the
-rest lives in a file or in compressed moments, a ``UserWarning`` says so once per optimizer.
+With ``storage="nvme"|"mmap"`` or compressed moments (the state engine lays out dense
+fp32/bf16/fp16 tensors) these parameters are stepped the same way and their state stays in host RAM
+in torch's layout, beside the state file: the engine gets the other parameters only
+(``Router.split``, whose native part has every parameter at most once) and :func:`engine_index`
+maps its positions back to torch's numbering. In GPU-offload mode such parameters are refused by
+name (optim/checks.py). The split is logged at INFO on the ``offload.fallback`` logger whenever it
+changes (how many, why, and where their state lives); when their host-RAM state exceeds
+``RAM_WARN_BYTES`` while the rest lives in a file or in compressed moments, a ``UserWarning`` says
+so once per optimizer.
 """
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ from ..base.torchadam import check_state
 from ..moments.format import moment_format
 from ..params.guards import SharedMemoryError, extent
 
-__all__ = ["FALLBACK_DTYPES", "RAM_WARN_BYTES", "elsewhere", "reason", "Router", "check", "step", "grad_sumsq", "cast_state",
-           "engine_index"]
+__all__ = ["FALLBACK_DTYPES", "RAM_WARN_BYTES", "elsewhere", "reason", "Router", "check", "step",
+           "grad_sumsq", "cast_state", "engine_index"]
 
 FALLBACK_DTYPES = (torch.float64, torch.complex64, torch.complex128)
 log = logging.getLogger("offload.fallback")
@@ -75,20 +77,22 @@ class Router:
 
     A parameter goes to the fallback when :func:`reason` says so, or when it is listed more than
     once anywhere in the groups (torch steps it once per listing, in group order). The split is
-    recomputed whenever the list of parameters of any group changes (compared by identity every step);
-    a dtype or layout change of a parameter already stepped natively is refused by the native
-    revalidation, as torch itself fails on a moment/parameter dtype mismatch. Only parameter
+    recomputed whenever the list of parameters of any group changes (compared by identity every
+    step); a dtype or layout change of a parameter already stepped natively is refused by the
+    native revalidation, as torch itself fails on a moment/parameter dtype mismatch. Only parameter
     lists are cached: hyperparameters are always read from the live group dicts.
     """
 
     def __init__(self, announce: bool = True, elsewhere: Optional[str] = None):
-        self._announce = announce    # False: a throwaway router (state_dict loading) that logs nothing
+        # False: a throwaway router (state_dict loading) that logs nothing
+        self._announce = announce
         self._elsewhere = elsewhere  # where the other parameters' state lives (None: host RAM too)
         self._warned = False
         self._logged: Optional[str] = None
         self._key: Optional[list] = None
         self._native: list = []      # per group: None (all native) or the list of native params
-        self._fallback: list = []    # per group: [] or the fallback params in order, duplicates included
+        # per group: [] or the fallback params in order, duplicates included
+        self._fallback: list = []
         self._ids: set = set()
         self._any = False
 
@@ -122,27 +126,33 @@ class Router:
             self._log_split(seen, groups)
 
     def _log_split(self, seen: dict, groups: list) -> None:
-        """One INFO line when the set of parameters stepped by torch's code changed (never per step)."""
+        """One INFO line when the set of parameters stepped by torch's code changed (never per
+        step)."""
         why: dict = {}
         nbytes = 0
         for g, ps in zip(groups, self._fallback):
             for p in {id(q): q for q in ps}.values():
                 r = "listed more than once" if seen[id(p)] > 1 else reason(p)
-                r = "non-contiguous" if r.startswith("non-contiguous") else r.replace("dtype torch.", "")
+                r = ("non-contiguous" if r.startswith("non-contiguous")
+                     else r.replace("dtype torch.", ""))
                 why[r] = why.get(r, 0) + 1
                 nbytes += p.numel() * p.element_size() * (3 if g.get("amsgrad") else 2)
-        where = (f"; their optimizer state ({nbytes / 2**20:.1f} MiB: moments in the parameter's dtype) is kept in "
-                 f"host RAM in torch's layout, not in {self._elsewhere}") if self._elsewhere else ""
-        msg = (f"{sum(why.values())} of {len(seen)} parameters are stepped by torch's own Adam code instead of "
-               f"offload's native kernel ({', '.join(f'{n} {r}' for r, n in sorted(why.items()))}): same results "
-               "as torch.optim, but slower; contiguous float32/bfloat16/float16 parameters listed once use the "
-               f"native kernel{where}") if why else None
+        where = (f"; their optimizer state ({nbytes / 2**20:.1f} MiB: moments in the parameter's "
+                 f"dtype) is kept in host RAM in torch's layout, not in {self._elsewhere}"
+                 ) if self._elsewhere else ""
+        msg = (f"{sum(why.values())} of {len(seen)} parameters are stepped by torch's own Adam "
+               "code instead of offload's native kernel "
+               f"({', '.join(f'{n} {r}' for r, n in sorted(why.items()))}): same results as "
+               "torch.optim, but slower; contiguous float32/bfloat16/float16 parameters listed "
+               f"once use the native kernel{where}") if why else None
         if self._elsewhere and nbytes > RAM_WARN_BYTES and not self._warned:
             self._warned = True
-            warnings.warn(f"{sum(why.values())} parameters ({', '.join(sorted(why))}) keep {nbytes / 2**20:.0f} MiB "
-                          f"of optimizer state in host RAM instead of {self._elsewhere}: offload's native kernel "
-                          "takes contiguous float32/bfloat16/float16 parameters listed once; convert these "
-                          "(e.g. model.float(), p.data = p.data.contiguous()) to keep their state there too",
+            warnings.warn(f"{sum(why.values())} parameters ({', '.join(sorted(why))}) keep "
+                          f"{nbytes / 2**20:.0f} MiB of optimizer state in host RAM instead of "
+                          f"{self._elsewhere}: offload's native kernel takes contiguous "
+                          "float32/bfloat16/float16 parameters listed once; convert these (e.g. "
+                          "model.float(), p.data = p.data.contiguous()) to keep their "
+                          "state there too",
                           UserWarning, stacklevel=4)
         if msg != self._logged:
             if msg is not None:
@@ -165,8 +175,8 @@ class Router:
 
 
 def _refuse_shared_memory(groups: list, native: list, fallback: list) -> None:
-    """A parameter stepped by torch's code that shares memory with one the native kernel steps would be
-    updated in another order than torch's (each parameter in turn): refused by name."""
+    """A parameter stepped by torch's code that shares memory with one the native kernel steps
+    would be updated in another order than torch's (each parameter in turn): refused by name."""
     spans: dict = {}
     for gi, (g, ns) in enumerate(zip(groups, native)):
         for p in (g["params"] if ns is None else ns):
@@ -181,10 +191,11 @@ def _refuse_shared_memory(groups: list, native: list, fallback: list) -> None:
                     i = next(k for k, x in enumerate(g["params"]) if x is q)
                     j = next(k for k, x in enumerate(groups[gj]["params"]) if x is p)
                     raise SharedMemoryError(
-                        f"parameter {i} of group {gi} ({reason(q) or 'listed more than once'}: stepped by torch's "
-                        f"code) shares memory with parameter {j} of group {gj} (stepped by offload's kernel): "
-                        "the two would not be updated in torch's order. Register one tensor for that memory, or "
-                        "make the other one a contiguous float32/bfloat16/float16 tensor of its own")
+                        f"parameter {i} of group {gi} ({reason(q) or 'listed more than once'}: "
+                        f"stepped by torch's code) shares memory with parameter {j} of group {gj} "
+                        "(stepped by offload's kernel): the two would not be updated in torch's "
+                        "order. Register one tensor for that memory, or make the other one a "
+                        "contiguous float32/bfloat16/float16 tensor of its own")
 
 
 def _bytes(t: torch.Tensor) -> tuple:
@@ -212,13 +223,17 @@ def check(state, fallback: list, groups: list) -> None:
             g = p.grad
             if g is None:
                 continue
-            where = f"parameter {next(i for i, q in enumerate(group['params']) if q is p)} of group {gi}"
+            where = ("parameter "
+                     f"{next(i for i, q in enumerate(group['params']) if q is p)} of group {gi}")
             if g.is_sparse:
-                raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
+                raise RuntimeError("Adam does not support sparse gradients, please consider "
+                                   "SparseAdam instead")
             if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
-                raise RuntimeError(f"the gradient of {where} is a {g.dtype} tensor of shape {tuple(g.shape)} on "
-                                   f"{g.device}, but the parameter is a {p.dtype} tensor of shape {tuple(p.shape)} on "
-                                   f"{p.device}: give it a gradient like the parameter (was p.grad.data replaced?)")
+                raise RuntimeError(f"the gradient of {where} is a {g.dtype} tensor of shape "
+                                   f"{tuple(g.shape)} on {g.device}, but the parameter is a "
+                                   f"{p.dtype} tensor of shape {tuple(p.shape)} on {p.device}: "
+                                   "give it a gradient like the parameter (was "
+                                   "p.grad.data replaced?)")
             st = state.get(p)
             if not st:
                 continue   # fresh state, made by step()
@@ -235,7 +250,8 @@ def step(state, fallback: list, mult: float, decoupled_override: Optional[bool])
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
-                raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
+                raise RuntimeError("Adam does not support sparse gradients, please consider "
+                                   "SparseAdam instead")
             st = state[p]
             if len(st) == 0:
                 st.update(_init_state(p, group["amsgrad"]))
@@ -243,7 +259,8 @@ def step(state, fallback: list, mult: float, decoupled_override: Optional[bool])
                 st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             has_complex |= torch.is_complex(p)
             plist.append(p)
-            grads.append(p.grad if mult == 1.0 else p.grad * mult)  # never modifies the user's gradient
+            # never modifies the user's gradient
+            grads.append(p.grad if mult == 1.0 else p.grad * mult)
             exp_avgs.append(st["exp_avg"])
             exp_avg_sqs.append(st["exp_avg_sq"])
             if group["amsgrad"]:
@@ -252,16 +269,21 @@ def step(state, fallback: list, mult: float, decoupled_override: Optional[bool])
         if not plist:
             continue
         beta1, beta2 = group["betas"]
-        decoupled = decoupled_override if decoupled_override is not None else bool(group["decoupled_weight_decay"])
-        _torch_adam(plist, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, foreach=False, capturable=False,
-                    differentiable=False, fused=None, grad_scale=None, found_inf=None, has_complex=has_complex,
-                    decoupled_weight_decay=decoupled, amsgrad=bool(group["amsgrad"]), beta1=beta1, beta2=beta2,
+        decoupled = (decoupled_override if decoupled_override is not None
+                     else bool(group["decoupled_weight_decay"]))
+        _torch_adam(plist, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, foreach=False,
+                    capturable=False,
+                    differentiable=False, fused=None, grad_scale=None, found_inf=None,
+                    has_complex=has_complex,
+                    decoupled_weight_decay=decoupled, amsgrad=bool(group["amsgrad"]), beta1=beta1,
+                    beta2=beta2,
                     lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                     maximize=bool(group["maximize"]))
 
 
 def grad_sumsq(grads: list) -> float:
-    """Sum of |g|^2 over gradients the native reduction does not take (float64, complex, strided)."""
+    """Sum of |g|^2 over gradients the native reduction does not take (float64, complex,
+    strided)."""
     total = 0.0
     for g in grads:
         g = g.detach()
@@ -272,11 +294,13 @@ def grad_sumsq(grads: list) -> float:
 
 
 def cast_state(p: torch.Tensor, st: dict) -> dict:
-    """A loaded state entry for a fallback parameter, cast as torch.optim.Optimizer.load_state_dict does."""
+    """A loaded state entry for a fallback parameter, cast as torch.optim.Optimizer.load_state_dict
+    does."""
     out = {}
     for k, v in st.items():
         if isinstance(v, torch.Tensor) and k != "step":
-            v = v.to(dtype=p.dtype, device=p.device) if p.is_floating_point() else v.to(device=p.device)
+            v = (v.to(dtype=p.dtype, device=p.device) if p.is_floating_point()
+                 else v.to(device=p.device))
         elif k == "step" and not isinstance(v, torch.Tensor):  # as torch.optim.Adam.__setstate__
             v = torch.tensor(float(v), dtype=_get_scalar_dtype())
         out[k] = v
@@ -284,8 +308,9 @@ def cast_state(p: torch.Tensor, st: dict) -> dict:
 
 
 def engine_index(groups: list, native: list) -> dict:
-    """{(group, position in the state engine's list): index in torch's state_dict numbering} for the
-    native parameters ``native`` (the first item of ``Router.split``), which the engine holds."""
+    """{(group, position in the state engine's list): index in torch's state_dict numbering} for
+    the native parameters ``native`` (the first item of ``Router.split``), which the engine
+    holds."""
     out, index = {}, 0
     for gi, (g, n) in enumerate(zip(groups, native)):
         ps = g["params"]

@@ -1,9 +1,9 @@
-"""params/: WHERE THE PARAMETERS AND GRADIENTS LIVE. ``host`` (CPU tensors, FSDP2 local shards on the
-CPU) and ``device`` (parameters on an ``offload.device.Device``: CUDA, or CpuDevice/FakeDevice in
-tests). A side turns the pieces of a bucket into kernel pointers; it never sees where the state
-lives (offload/state/). Every side implements the interface of side.py;
-``side_maker`` (here, not in side.py, so that the sides import side.py and nothing imports back)
-says how an engine builds its side."""
+"""params/: WHERE THE PARAMETERS AND GRADIENTS LIVE. ``host`` (CPU tensors, FSDP2 local shards on
+the CPU) and ``device`` (parameters on an ``offload.device.Device``: CUDA, or CpuDevice/FakeDevice
+in tests). A side turns the pieces of a bucket into kernel pointers; it never sees where the state
+lives (offload/state/). Every side implements the interface of side.py; ``side_maker`` (here, not
+in side.py, so that the sides import side.py and nothing imports back) says how an engine builds
+its side."""
 from __future__ import annotations
 
 from typing import Callable, Optional

@@ -1,4 +1,5 @@
-"""params/base.py: the facts about parameters every side shares (shapes for the layout, validation)."""
+"""params/base.py: the facts about parameters every side shares (shapes for the layout,
+validation)."""
 from __future__ import annotations
 
 from typing import List, Sequence
@@ -16,9 +17,10 @@ __all__ = ["LOW_PRECISION", "frozen", "shapes_of", "check_device_params", "check
 
 
 def bump_stepped(groups: Sequence[Sequence[torch.Tensor]], active: list) -> None:
-    """The step wrote new weights into the parameters ``active`` (per group, bool masks): their version
-    counters go up by one, as after torch's in-place update (that of the parameter object a forward
-    saves: a sharded parameter's DTensor), and only theirs (a parameter without a gradient is not written)."""
+    """The step wrote new weights into the parameters ``active`` (per group, bool masks): their
+    version counters go up by one, as after torch's in-place update (that of the parameter object a
+    forward saves: a sharded parameter's DTensor), and only theirs (a parameter without a gradient
+    is not written)."""
     written = []
     for ps, a in zip(groups, active):
         if a.all():
@@ -29,8 +31,9 @@ def bump_stepped(groups: Sequence[Sequence[torch.Tensor]], active: list) -> None
 
 
 def frozen(p) -> bool:
-    """A frozen ``nn.Parameter`` (``requires_grad=False``, e.g. a LoRA base) reserves no state until it
-    first has a gradient. A plain tensor is stepped through gradients set by hand: always reserved."""
+    """A frozen ``nn.Parameter`` (``requires_grad=False``, e.g. a LoRA base) reserves no state
+    until it first has a gradient. A plain tensor is stepped through gradients set by hand: always
+    reserved."""
     return isinstance(p, torch.nn.Parameter) and not p.requires_grad
 
 
@@ -69,8 +72,8 @@ def check_param(p, gi: int, i: int, dtype, numel: int, mode: str, device_side: b
             f"parameter {i} of group {gi} changed dtype ({dtype} -> {lp.dtype}) since the "
             f"optimizer was created with storage={mode!r}: its state and buffers are laid out "
             f"for {dtype}: cast the parameters back (e.g. model.to({dtype})) before the next "
-            "step, or build a new optimizer for the cast model and load this one's state_dict() "
-            "into it")
+            "step, or build a new optimizer for the cast model and load this one's "
+            "state_dict() into it")
     if device_side and not lp.is_contiguous():
         raise RuntimeError(
             f"parameter {i} of group {gi} is not contiguous (strides {tuple(lp.stride())}); "
@@ -95,14 +98,16 @@ def check_grad(p, g, gi: int, i: int, dtype, numel: int, mode: str, device_side:
     lp, lg = local(p), local(g)
     if device_side:
         if lg.shape != lp.shape or lg.dtype != lp.dtype:
-            raise RuntimeError(f"gradient of parameter {i} of group {gi} has shape {tuple(lg.shape)} and dtype "
-                               f"{lg.dtype}; expected {tuple(lp.shape)} and {lp.dtype}")
+            raise RuntimeError(f"gradient of parameter {i} of group {gi} has shape "
+                               f"{tuple(lg.shape)} and dtype {lg.dtype}; expected "
+                               f"{tuple(lp.shape)} and {lp.dtype}")
         if not lg.is_contiguous():
             # its flat pieces would be made by a copy kernel on the worker's stream, which no event
             # orders after backward or before the side stream's D2H
-            raise RuntimeError(f"gradient of parameter {i} of group {gi} is not contiguous (strides {tuple(lg.stride())}): "
-                               "offload copies gradients to the host as flat pieces of their own memory; make it "
-                               "contiguous first (p.grad = p.grad.contiguous())")
+            raise RuntimeError(f"gradient of parameter {i} of group {gi} is not contiguous "
+                               f"(strides {tuple(lg.stride())}): offload copies gradients to the "
+                               "host as flat pieces of their own memory; make it contiguous "
+                               "first (p.grad = p.grad.contiguous())")
         return
     check_tensor(lp, f"parameter {i}", dtypes=(torch.float32,) + LOW_PRECISION)
     check_tensor(lg, f"gradient of parameter {i}", dtypes=(lp.dtype,), shape=lp.shape)

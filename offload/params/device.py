@@ -1,4 +1,5 @@
-"""params/device.py: DeviceParams, parameters and gradients on a device (CUDA; CpuDevice/FakeDevice in tests).
+"""params/device.py: DeviceParams, parameters and gradients on a device (CUDA; CpuDevice/FakeDevice
+in tests).
 
 Streams buckets through a small ring of ``slots`` staging slots (pinned through the Device on
 CUDA: the only page-locked host memory). Per bucket: gradients go down (D2H) into a slot, the
@@ -107,7 +108,8 @@ class DeviceParams(ParamSide):
 
     def arrive(self, b, pieces, after=None) -> Staged:
         """D2H of the pieces' gradients into the next staging slot, after ``after`` (default: the
-        event of ``begin()``; step_during_backward: the event recorded when the bucket was ready)."""
+        event of ``begin()``; step_during_backward: the event recorded when the bucket was
+        ready)."""
         s = self._next
         self._next = (s + 1) % self.nslots
         ev = self.slot_ev[s]
@@ -158,17 +160,19 @@ class DeviceParams(ParamSide):
                            "before changing parameters between steps")
 
     def stepped(self, active: list) -> None:
-        """The step's new weights of the parameters ``active`` (per group, bool masks) are uploaded, or
-        will be before anything waits for them: their version counters go up now, in step(), as after
-        torch's in-place update (the uploads themselves write through ``.data``, in the worker and on
-        the device's streams: a version moved there would race with the next forward's saved tensors).
-        Called before the step's write tracking records the parameters (engine.commit, the device
-        step's snapshot), so the step's own bump is not taken for a user's write."""
+        """The step's new weights of the parameters ``active`` (per group, bool masks) are
+        uploaded, or will be before anything waits for them: their version counters go up now, in
+        step(), as after torch's in-place update (the uploads themselves write through ``.data``,
+        in the worker and on the device's streams: a version moved there would race with the next
+        forward's saved tensors). Called before the step's write tracking records the parameters
+        (engine.commit, the device step's snapshot), so the step's own bump is not taken for a
+        user's write."""
         bump_stepped(self.groups, active)
 
     def publish(self, b, pieces, staged: Staged, after=None):
-        """H2D of the new weights from the slot (after ``after``: during backward, the compute stream's
-        event recorded when the bucket's gradients were complete, so no queued kernel still reads them)."""
+        """H2D of the new weights from the slot (after ``after``: during backward, the compute
+        stream's event recorded when the bucket's gradients were complete, so no queued kernel
+        still reads them)."""
         dtypes, out = self.dtypes[b.group], self.out_bufs[staged.slot]
         pairs = [(self.flat_param(b.group, pc.param)[pc.start:pc.start + pc.n],
                   piece(out, pc, dtypes[pc.param])) for pc in pieces]
@@ -197,7 +201,8 @@ class DeviceParams(ParamSide):
 
     @property
     def uncounted_copies(self) -> int:
-        """Copies whose times are not yet counted in ``stats`` (collect_times counts the finished ones)."""
+        """Copies whose times are not yet counted in ``stats`` (collect_times counts the finished
+        ones)."""
         with self._events_lock:
             return len(self._events)
 
@@ -224,21 +229,24 @@ class DeviceParams(ParamSide):
         self.collect_times()
 
     # ------------------------------------------------------------------ masters, norms
-    def read_master(self, gi: int, i: int, start: int, n: int, dst: torch.Tensor, changed_only: bool = False,
-                    after=None) -> None:
-        """dst = the parameter's elements [start, start + n). ``changed_only`` (a user wrote the parameter,
-        dst holds its master): a bf16/fp16 parameter adopts only the elements that differ from
-        round(master), as the host kernel does, so the others keep their fp32 master's precision.
-        ``after``: the copy waits for it (the CPU worker passes its bucket's event from the compute
-        stream: an event recorded on the worker's own thread would be on that thread's current
-        stream, which is not ordered after a user's compute stream); default: the caller's stream now."""
+    def read_master(self, gi: int, i: int, start: int, n: int, dst: torch.Tensor,
+                    changed_only: bool = False, after=None) -> None:
+        """dst = the parameter's elements [start, start + n). ``changed_only`` (a user wrote the
+        parameter, dst holds its master): a bf16/fp16 parameter adopts only the elements that
+        differ from round(master), as the host kernel does, so the others keep their fp32 master's
+        precision. ``after``: the copy waits for it (the CPU worker passes its bucket's event from
+        the compute stream: an event recorded on the worker's own thread would be on that thread's
+        current stream, which is not ordered after a user's compute stream); default: the caller's
+        stream now."""
         p = local(self.groups[gi][i]).detach().reshape(-1)[start:start + n]
         tmp = dst if p.dtype == torch.float32 else torch.empty(n, dtype=p.dtype)
-        self.device.copy_to_host([(tmp, p)], self.device.record() if after is None else after).synchronize()
+        self.device.copy_to_host([(tmp, p)],
+                                 self.device.record() if after is None else after).synchronize()
         if tmp is dst:
             return
         if changed_only:
-            same = tmp.view(torch.int16) == dst.to(tmp.dtype).view(torch.int16)   # bits: NaN payloads, -0.0
+            # bits: NaN payloads, -0.0
+            same = tmp.view(torch.int16) == dst.to(tmp.dtype).view(torch.int16)
             dst.copy_(torch.where(same, dst, tmp.float()))
         else:
             dst.copy_(tmp)
@@ -247,10 +255,12 @@ class DeviceParams(ParamSide):
         grads = [local(g) for g in grads]
         if not grads:
             return 0.0
-        if all(g.device.type == "cpu" and g.is_contiguous() for g in grads):   # CpuDevice / FakeDevice
+        # CpuDevice / FakeDevice
+        if all(g.device.type == "cpu" and g.is_contiguous() for g in grads):
             from ..native.adam import grad_sumsq
             return grad_sumsq(grads, threads)
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)   # on the device: one scalar crosses
+        # on the device: one scalar crosses
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
         return float(torch.stack(norms).double().square().sum().item())
 
     def info(self, layout) -> dict:

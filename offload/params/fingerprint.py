@@ -1,24 +1,25 @@
-"""params/fingerprint.py: exact integer fingerprints of device parameters, to notice writes that move
-no version counter (``p.data.mul_(...)``, ``p.data.clamp_(...)``, ``p.data.copy_(...)``).
+"""params/fingerprint.py: exact integer fingerprints of device parameters, to notice writes that
+move no version counter (``p.data.mul_(...)``, ``p.data.clamp_(...)``, ``p.data.copy_(...)``).
 
 A write through ``p.data`` changes neither the parameter's version counter nor its pointer, so the
-device face (schedule/device_step.py) could not see it and the next step overwrote it with round(master)
-(a reverted write: torch's AdamW keeps it). The face takes these fingerprints once the new weights
-are on the device and compares them before the next update; a parameter whose fingerprint differs
-has its fp32 master re-read, as for a write the version counter shows.
+device schedule (schedule/device_step.py) could not see it and the next step overwrote it with
+round(master) (a reverted write: torch's AdamW keeps it). The schedule takes these fingerprints
+once the new weights are on the device and compares them before the next update; a parameter whose
+fingerprint differs has its fp32 master re-read, as for a write the version counter shows.
 
-Computed by torch on the tensor's own device (one pass over the parameter's bytes, in chunks, so the
-temporaries stay small): per tensor a position-weighted sum of its elements' bits as integers, each
-times an odd pseudo-random int32 weight, the products exact in int64 (|product| < 2^62) and summed
-modulo 2^64. Changes d_i of the elements' bits change it by sum(w_i * d_i) mod 2^64, a linear form
-in the changes with pseudo-random weights: a single changed element always changes it (an odd weight
-is invertible modulo 2^64), and several cancel only if that form happens to vanish. (The first version
-wrapped each product modulo 2^32: then a uniform change such as `p.data.mul_(0.5)`, every element's
-bits -2^23, changed the sum only by the number of wrap carries minus a constant, a random walk that
-cancelled for 1-3 % of tensors of 1024-16384 elements: the write was silently reverted.) For CPU tensors (the
-CPU devices of the tests, `bench train` without a GPU) the same kind of sum over 32-bit words is
-computed natively (``_kernels.fingerprint``, at memory speed); on a GPU by torch, at its memory
-bandwidth. Each device's fingerprints are only ever compared with its own.
+Computed by torch on the tensor's own device (one pass over the parameter's bytes, in chunks, so
+the temporaries stay small): per tensor a position-weighted sum of its elements' bits as integers,
+each times an odd pseudo-random int32 weight, the products exact in int64 (|product| < 2^62) and
+summed modulo 2^64. Changes d_i of the elements' bits change it by sum(w_i * d_i) mod 2^64, a
+linear form in the changes with pseudo-random weights: a single changed element always changes it
+(an odd weight is invertible modulo 2^64), and several cancel only if that form happens to vanish.
+(Products wrapped modulo 2^32 would not do: a uniform change such as `p.data.mul_(0.5)`, every
+element's bits -2^23, would change the sum only by the number of wrap carries minus a constant, a
+random walk that cancels for 1-3 % of tensors of 1024-16384 elements: the write would be silently
+reverted.) For CPU tensors (the CPU devices of the tests, `bench train` without a GPU) the same
+kind of sum over 32-bit words is computed natively (``native_adam.fingerprint``, at memory speed);
+on a GPU by torch, at its memory bandwidth. Each device's fingerprints are only ever compared with
+its own.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from ..native import adam as _kernels
+from ..native import adam as native_adam
 
 __all__ = ["fingerprints", "chunk_weights", "CHUNK"]
 
@@ -37,9 +38,11 @@ _weights: Dict[torch.device, torch.Tensor] = {}
 def chunk_weights(device: torch.device) -> torch.Tensor:
     w = _weights.get(device)
     if w is None:
-        # odd, pseudo-random int32 per position in a chunk (Knuth's multiplicative constant, wrapping)
+        # odd, pseudo-random int32 per position in a chunk (Knuth's multiplicative constant,
+        # wrapping)
         idx = torch.arange(CHUNK, dtype=torch.int64, device=device)
-        w = (((idx * 2654435761 + 0x9E3779B9) % (1 << 32) - (1 << 31)) | 1)   # int64 holding odd int32 values
+        # int64 holding odd int32 values
+        w = (((idx * 2654435761 + 0x9E3779B9) % (1 << 32) - (1 << 31)) | 1)
         _weights[device] = w
     return w
 
@@ -53,7 +56,8 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def _as_ints(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements' bits as a flat integer tensor (wider elements as several int32 words)."""
+    """The tensor's elements' bits as a flat integer tensor (wider elements as several int32
+    words)."""
     x = t.detach().reshape(-1)
     es = x.element_size()
     return x.view(torch.int32) if es >= 4 else x.view(torch.int16 if es == 2 else torch.int8)
@@ -69,10 +73,12 @@ def fingerprints(tensors: Sequence[torch.Tensor], native: Optional[bool] = None)
     if native is None:
         native = device.type == "cpu"
     if native:   # the devices of the tests and of `bench train` here: natively, at memory speed
-        return torch.tensor([_kernels.fingerprint(_plain(t)) for t in tensors], dtype=torch.int64)
+        return torch.tensor([native_adam.fingerprint(_plain(t)) for t in tensors],
+                            dtype=torch.int64)
     w = chunk_weights(device)
     out = torch.zeros(len(tensors), dtype=torch.int64, device=device)
-    small: Dict[torch.dtype, list] = {}   # tensors of one chunk or less, by integer view: summed in batches
+    # tensors of one chunk or less, by integer view: summed in batches
+    small: Dict[torch.dtype, list] = {}
     for j, t in enumerate(tensors):
         ints = _as_ints(t)
         if ints.numel() <= CHUNK:
@@ -81,9 +87,11 @@ def fingerprints(tensors: Sequence[torch.Tensor], native: Optional[bool] = None)
         h = torch.zeros((), dtype=torch.int64, device=device)
         for k, start in enumerate(range(0, ints.numel(), CHUNK)):
             c = ints[start:start + CHUNK]
-            h += torch.mul(c, w[:c.numel()]).sum(dtype=torch.int64) * (2 * k + 1)   # int64 products (promotion)
+            # int64 products (promotion)
+            h += torch.mul(c, w[:c.numel()]).sum(dtype=torch.int64) * (2 * k + 1)
         out[j] = h
-    for group in small.values():   # the same sums, a few kernels per batch instead of a few per tensor
+    # the same sums, a few kernels per batch instead of a few per tensor
+    for group in small.values():
         batch, n = [], 0
         for item in group + [None]:
             if item is not None and n + item[1].numel() <= CHUNK:
@@ -97,10 +105,10 @@ def fingerprints(tensors: Sequence[torch.Tensor], native: Optional[bool] = None)
 
 
 def _batched(batch: list, w: torch.Tensor, out: torch.Tensor) -> None:
-    """out[j] = sum(ints * w[:len]) for each (j, ints) of ``batch`` (together at most one chunk), in a fixed
-    number of kernels: the products' running sum (int64, wrapping like the sums themselves) read at each
-    tensor's two ends. No atomics, no host sync, and the one host-to-device copy (the ends and the output
-    positions) comes from pinned memory on CUDA."""
+    """out[j] = sum(ints * w[:len]) for each (j, ints) of ``batch`` (together at most one chunk),
+    in a fixed number of kernels: the products' running sum (int64, wrapping like the sums
+    themselves) read at each tensor's two ends. No atomics, no host sync, and the one
+    host-to-device copy (the ends and the output positions) comes from pinned memory on CUDA."""
     device = out.device
     sizes = [ints.numel() for _, ints in batch]
     flat = torch.cat([ints for _, ints in batch]).to(torch.int64)   # (one integer dtype per batch)
@@ -110,7 +118,8 @@ def _batched(batch: list, w: torch.Tensor, out: torch.Tensor) -> None:
     for n in sizes:
         at += n
         ends.append(at)
-    host = torch.tensor([e - n for e, n in zip(ends, sizes)] + ends + [j for j, _ in batch], dtype=torch.int64)
+    host = torch.tensor([e - n for e, n in zip(ends, sizes)] + ends + [j for j, _ in batch],
+                        dtype=torch.int64)
     if device.type == "cuda":
         idx = host.pin_memory().to(device, non_blocking=True)
     else:

@@ -1,4 +1,5 @@
-"""params/host.py: HostParams, parameters and gradients in host memory (CPU tensors, FSDP2 local shards).
+"""params/host.py: HostParams, parameters and gradients in host memory (CPU tensors, FSDP2 local
+shards).
 
 The kernel reads gradients straight from ``p.grad`` (no copy). An fp32 parameter is its own
 master (updated in place); a bf16/fp16 parameter's master is a state section and the kernel
@@ -22,7 +23,8 @@ class HostParams(ParamSide):
 
     def __init__(self, groups, dtypes=None):
         super().__init__(groups)      # (dtypes: the engine's; the rows record their own)
-        self.rows = None              # the cached per-row check (HostRows), made on the first collect
+        # the cached per-row check (HostRows), made on the first collect
+        self.rows = None
 
     def collect(self, groups, local_groups, dtypes, numels, own, mode: str) -> tuple:
         """Validate this step's parameters and gradients: (active masks, gradients) per group."""
@@ -43,7 +45,8 @@ class HostParams(ParamSide):
         return tracker.written(ready)
 
     def ptrs(self, b, pieces, staged=None):
-        """Per piece: (param address or 0, grad address, grad dtype code, out address or 0, out dtype code)."""
+        """Per piece: (param address or 0, grad address, grad dtype code, out address or 0, out
+        dtype code)."""
         if self.rows is not None and self.grads is not None:
             fast = self.rows.ptrs(b, pieces, self.grads[b.group])
             if fast is not None:
@@ -56,17 +59,19 @@ class HostParams(ParamSide):
             isz = p.element_size()
             ga = g.data_ptr() + pc.start * g.element_size()
             if p.dtype in LOW_PRECISION:
-                # the parameter itself is the output: elements the user wrote are adopted (OUT_USER_PARAM)
-                out.append((0, ga, DTYPE_CODES[g.dtype], p.data_ptr() + pc.start * isz, OUT_USER_PARAM[p.dtype]))
+                # the parameter itself is the output: elements the user wrote are adopted
+                # (OUT_USER_PARAM)
+                out.append((0, ga, DTYPE_CODES[g.dtype], p.data_ptr() + pc.start * isz,
+                            OUT_USER_PARAM[p.dtype]))
             else:
                 out.append((p.data_ptr() + pc.start * isz, ga, DTYPE_CODES[g.dtype], 0, 0))
         return out
 
     def stepped(self, active: list) -> None:
-        """The kernel wrote the parameters ``active`` (per group, bool masks) through their addresses:
-        their version counters go up as after an in-place torch op (that of the parameter object a
-        forward saves: a sharded parameter's DTensor), and the cached records of bf16/fp16 rows
-        follow, so that the next step does not take its own write for the user's."""
+        """The kernel wrote the parameters ``active`` (per group, bool masks) through their
+        addresses: their version counters go up as after an in-place torch op (that of the
+        parameter object a forward saves: a sharded parameter's DTensor), and the cached records of
+        bf16/fp16 rows follow, so that the next step does not take its own write for the user's."""
         bump_stepped(self.groups, active)
         if self.rows is not None:
             self.rows.bumped(active)

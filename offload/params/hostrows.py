@@ -1,12 +1,13 @@
-"""params/hostrows.py: the state engine's per-step check of host parameters and their gradients, cached.
+"""params/hostrows.py: the state engine's per-step check of host parameters and their gradients,
+cached.
 
 What ``check_grad`` (params/base.py) and the overlap check (guards.py) establish about a row (a
 parameter and its gradient) is recorded when the row is validated. Each step the native
-``collect_rows`` (offload/native/rows.py, csrc/rows.cpp: the check the fp32 RAM path uses) compares every row with its
-record and validates a new plain gradient itself; only rows that changed in any way (a new
-parameter tensor or ``p.data = ...``: pointer, dtype, shape, strides, neg bit; a bf16/fp16
-parameter written in place; a gradient that is not a plain CPU tensor) and parameters of other
-types (DTensor) go through the Python checks again, with the same messages as before.
+``collect_rows`` (offload/native/rows.py, csrc/rows.cpp: the check the fp32 RAM path uses) compares
+every row with its record and validates a new plain gradient itself; only rows that changed in any
+way (a new parameter tensor or ``p.data = ...``: pointer, dtype, shape, strides, neg bit; a
+bf16/fp16 parameter written in place; a gradient that is not a plain CPU tensor) and parameters of
+other types (DTensor) go through the Python checks (check_grad), which raise their own messages.
 
 The write spans (parameters, the tier's buffers) are checked disjoint and indexed once
 (guards.SpanIndex), and built again, with every gradient checked against them, whenever any of
@@ -25,12 +26,13 @@ import torch
 
 from ..base.dist import is_dtensor, local
 from ..base.tensors import ptr
-from ..native.adam import COL_G, COL_GD, COL_OD, COL_OUT, COL_P, DTYPE_CODES, OUT_USER_PARAM, TASK_COLS
+from ..native.adam import (COL_G, COL_GD, COL_OD, COL_OUT, COL_P, DTYPE_CODES, OUT_USER_PARAM,
+                           TASK_COLS)
 from .guards import SpanIndex, span_of, spans_of
 from ..state.layout import piece_columns
 from .base import LOW_PRECISION, check_grad
-from ..native.rows import (M_CODE, M_COLS, M_GPTR, M_LOWP, M_NUMEL, M_PPTR, M_PVER, ROW_FNS, collect_rows, no_grad_ref,
-                           record_param)
+from ..native.rows import (M_CODE, M_COLS, M_GPTR, M_LOWP, M_NUMEL, M_PPTR, M_PVER, ROW_FNS,
+                           collect_rows, no_grad_ref, record_param)
 
 __all__ = ["HostRows"]
 
@@ -40,18 +42,21 @@ _PTR_COLS = np.array([COL_P, COL_G, COL_GD, COL_OUT, COL_OD])   # ptrs' columns,
 
 
 def _row_bytes(meta: np.ndarray) -> np.ndarray:
-    """Bytes of each recorded row's parameter (and of its gradient: same dtype and shape), from its record."""
+    """Bytes of each recorded row's parameter (and of its gradient: same dtype and shape), from its
+    record."""
     return meta[:, M_NUMEL] * _ESIZE[np.clip(meta[:, M_CODE], 0, 3)]
 
 
 class StepGrads(list):
-    """One group's gradients of one step, as collect returns them; ``token`` ties them to the records
-    made in the same collect (ptrs reads the table only for these), without keeping them alive."""
+    """One group's gradients of one step, as collect returns them; ``token`` ties them to the
+    records made in the same collect (ptrs reads the table only for these), without keeping them
+    alive."""
     __slots__ = ("token",)
 
 
 class GroupRows:
-    """The records of one group (the arrays collect_rows reads and writes), and this step's result."""
+    """The records of one group (the arrays collect_rows reads and writes), and this step's
+    result."""
 
     def __init__(self, params: list):
         n = len(params)
@@ -60,11 +65,15 @@ class GroupRows:
         self.meta[:, [M_PPTR, M_GPTR, M_PVER]] = -1
         self.layouts: list = [None] * n
         self.g_ref: list = [no_grad_ref] * n
-        self.table = np.zeros((n, TASK_COLS), dtype=np.int64)   # P, OUT, OD, G, GD columns as ptrs() needs them
+        # P, OUT, OD, G, GD columns as ptrs() needs them
+        self.table = np.zeros((n, TASK_COLS), dtype=np.int64)
         self.token = -1                       # the collect whose gradients the table describes
-        self.plain = np.zeros(n, dtype=bool)  # rows whose table columns describe this step's tensors
-        self.spans_ok = (None, None)          # (SpanIndex, key of the records) last found to match that index
-        self.recorded = 0                     # record() calls: the only writer of a row's span columns
+        # rows whose table columns describe this step's tensors
+        self.plain = np.zeros(n, dtype=bool)
+        # (SpanIndex, key of the records) last found to match that index
+        self.spans_ok = (None, None)
+        # record() calls: the only writer of a row's span columns
+        self.recorded = 0
 
     def record(self, i: int, lp: torch.Tensor, g: torch.Tensor) -> None:
         """Row i was validated (check_grad) with plain parameter ``lp`` and gradient ``g``."""
@@ -87,10 +96,11 @@ class HostRows:
         self.steps = 0
         self.revalidated: list = []
 
-    def collect(self, groups: Sequence[list], local_groups: Sequence[list], dtypes: list, numels: list,
-                own: Optional[torch.Tensor], mode: str) -> tuple:
+    def collect(self, groups: Sequence[list], local_groups: Sequence[list], dtypes: list,
+                numels: list, own: Optional[torch.Tensor], mode: str) -> tuple:
         """(active, grads): per group a bool mask of the parameters with a gradient and the list of
-        their (local) gradients; raises, as check_grad / check_overlaps do, for what cannot be stepped."""
+        their (local) gradients; raises, as check_grad / check_overlaps do, for what cannot be
+        stepped."""
         try:
             return self._collect(groups, local_groups, dtypes, numels, own, mode)
         except BaseException:
@@ -101,7 +111,8 @@ class HostRows:
         while len(self.groups) < len(groups):
             self.groups.append(GroupRows(groups[len(self.groups)]))
         active, grads, new = [], [], []
-        self.revalidated = revalidated = []   # (gi, rows) checked in Python this step (changed in any way)
+        # (gi, rows) checked in Python this step (changed in any way)
+        self.revalidated = revalidated = []
         moved = False
         self.steps += 1
         for gi, params in enumerate(groups):
@@ -111,19 +122,22 @@ class HostRows:
             n = len(params)
             rows.token = -1
             got = [None] * n
-            ready, newgrad, changed, other = collect_rows(params, rows.g_ref, rows.meta, rows.layouts, rows.table,
+            ready, newgrad, changed, other = collect_rows(params, rows.g_ref, rows.meta,
+                                                          rows.layouts, rows.table,
                                                              ROW_FNS, got)
             gs = StepGrads(got)
-            if len(ready) == n:   # every row as recorded (each row is in one list at most): the steady state
+            # every row as recorded (each row is in one list at most): the steady state
+            if len(ready) == n:
                 a = np.ones(n, dtype=bool)
                 slow = []
             else:
                 a = np.zeros(n, dtype=bool)
                 a[ready] = True
                 a[newgrad] = True
-                slow = sorted(changed.tolist() + [i for i in other.tolist() if params[i].grad is not None])
+                slow = sorted(changed.tolist()
+                              + [i for i in other.tolist() if params[i].grad is not None])
             rows.plain[:] = a
-            for i in slow:   # every check as before, its message included
+            for i in slow:   # the full Python checks, each with its message
                 p = params[i]
                 g = p.grad
                 check_grad(p, g, gi, i, dtypes[gi][i], numels[gi][i], mode, False)
@@ -151,14 +165,16 @@ class HostRows:
         if not moved and spans is not None:
             for gi, (rows, a) in enumerate(zip(self.groups, active)):
                 w = spans.where[gi]
-                # the comparison below reads only the rows' span columns, written by record() alone, and w
-                # (fixed for one SpanIndex): the same rows, not recorded since, match this index again
+                # the comparison below reads only the rows' span columns, written by record()
+                # alone, and w (fixed for one SpanIndex): the same rows, not recorded since, match
+                # this index again
                 key = (rows.plain.tobytes(), rows.recorded)
                 if rows.spans_ok[0] is not spans or rows.spans_ok[1] != key:
                     meta = rows.meta[rows.plain]
                     nb = _row_bytes(meta)
                     if not (np.array_equal(w[rows.plain, 1], nb) and
-                            np.array_equal(np.where(nb > 0, w[rows.plain, 0], 0), np.where(nb > 0, meta[:, M_PPTR], 0))):
+                            np.array_equal(np.where(nb > 0, w[rows.plain, 0], 0),
+                                           np.where(nb > 0, meta[:, M_PPTR], 0))):
                         moved = True
                         break
                     rows.spans_ok = (spans, key)
@@ -166,19 +182,23 @@ class HostRows:
                     continue
                 ps = local_groups[gi]
                 if any(span_of(ps[i]) != tuple(w[i]) for i in np.flatnonzero(~a).tolist()):
-                    moved = True   # a parameter without a gradient: its memory is written by no one, but
+                    # a parameter without a gradient: its memory is written by no one, but
+                    moved = True
                     break          # another's gradient may not overlap it either
         if moved or spans is None:
             self.spans = None
             spans = SpanIndex(local_groups, own, mode)   # raises for parameters that share memory
-            spans.check_grads((gi, i, g) for gi, gs in enumerate(grads) for i, g in enumerate(gs) if g is not None)
+            spans.check_grads((gi, i, g) for gi, gs in enumerate(grads) for i, g in enumerate(gs)
+                              if g is not None)
             for rows, a in zip(self.groups, active):
                 for i in np.flatnonzero(~a).tolist():
-                    rows.g_ref[i] = no_grad_ref   # not checked against these spans: checked when it comes back
+                    # not checked against these spans: checked when it comes back
+                    rows.g_ref[i] = no_grad_ref
             self.spans = spans
         else:
             for gi, fresh, slow in new:
-                if len(fresh):   # new plain gradients, validated natively: their records give (address, bytes)
+                # new plain gradients, validated natively: their records give (address, bytes)
+                if len(fresh):
                     rows = self.groups[gi]
                     meta = rows.meta[fresh]
                     nb = _row_bytes(meta)
@@ -230,11 +250,11 @@ class HostRows:
         self.bumped([np.ones(len(r.plain), dtype=bool) for r in self.groups])
 
     def bumped(self, active: list) -> None:
-        """The step raised the version counter of the parameters ``active`` by one (HostParams.stepped):
-        the recorded version of each bf16/fp16 row among them follows. Every such row was checked
-        against its record (or recorded) by this step's collect, and nothing writes a parameter
-        between that and the kernel; a write by anyone else leaves the counter ahead of the record
-        (a revalidation and a resync, never a missed write)."""
+        """The step raised the version counter of the parameters ``active`` by one
+        (HostParams.stepped): the recorded version of each bf16/fp16 row among them follows. Every
+        such row was checked against its record (or recorded) by this step's collect, and nothing
+        writes a parameter between that and the kernel; a write by anyone else leaves the counter
+        ahead of the record (a revalidation and a resync, never a missed write)."""
         for rows, a in zip(self.groups, active):
             if len(a) != len(rows.plain):
                 continue
@@ -254,7 +274,8 @@ class HostRows:
         if not rows.plain[idx].all():
             return None
         out = rows.table[idx[:, None], _PTR_COLS]   # (a copy)
-        if starts.any():   # pieces that start inside their parameter: addresses move by their offsets
+        # pieces that start inside their parameter: addresses move by their offsets
+        if starts.any():
             off = starts * _ESIZE[out[:, 2]]
             out[:, 1] += off
             for c in (0, 3):   # (0: no such address)

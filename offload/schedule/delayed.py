@@ -1,35 +1,35 @@
-"""schedule/delayed.py: the delayed update of device parameters (``delay_updates=1``): one step of staleness.
+"""schedule/delayed.py: the delayed update of device parameters (``delay_updates=1``): one step of
+staleness.
 
-``step()`` of iteration t queues its CPU step (D2H of the gradients, the kernel, the NVMe traffic) as
-the *pending update* and returns; that CPU step runs while the forward and backward of iteration t+1
-run on the weights without it. The first ``delay_after`` updates are exact (``DelayedUpdates.step``
-decides between CPU steps, from the optimizer's step count, so a resumed run decides as the
-uninterrupted one did); until then ``HeldParams`` passes the weights through as ``DeviceParams`` does.
-Once delayed, the kernel writes each bucket's new weights into a host buffer of
-that bucket (``HeldParams``) instead of uploading them. ``step()`` of iteration t+1 first waits for
-the pending CPU step, then uploads its weights (after t+1's backward on the compute stream), queues
-its own CPU step and returns; the next forward waits bucket by bucket for those uploads, as in the
-exact schedule (schedule/uploads.py). So with w_t the master weights after update t:
+``step()`` of iteration t queues its CPU step (D2H of the gradients, the kernel, the NVMe traffic)
+as the *pending update* and returns; that CPU step runs while the forward and backward of iteration
+t+1 run on the weights without it. The first ``delay_after`` updates are exact
+(``DelayedUpdates.step`` decides between CPU steps, from the optimizer's step count, so a resumed
+run decides as the uninterrupted one did); until then ``HeldParams`` passes the weights through as
+``DeviceParams`` does. Once delayed, the kernel writes each bucket's new weights into a host buffer
+of that bucket (``HeldParams``) instead of uploading them. ``step()`` of iteration t+1 first waits
+for the pending CPU step, then uploads its weights (after t+1's backward on the compute stream),
+queues its own CPU step and returns; the next forward waits bucket by bucket for those uploads, as
+in the exact schedule (schedule/uploads.py). So with w_t the master weights after update t:
 
     w_t = AdamW(w_{t-1}, g_t),   g_t computed on w_{t-1} for t <= delay_after + 1, on w_{t-2} after
 
-With ``delay_extrapolate=True`` the weights uploaded for a delayed update are predicted one step on,
-w_{t-2} + (w_{t-2} - w_{t-3}) (``HeldParams._extrapolate``: where update t-3 was delayed too and
-stepped the piece; else w_{t-2}), so g_t is computed on that instead of w_{t-2}; the masters follow
-the same AdamW rule. A prediction is never taken for the weights: a piece an update does not step
-gets its true weights back when that update goes up (``HeldParams.release``).
-Anything that needs the current weights completes the pending update first (``DelayedUpdates.
-synchronize``: ``opt.synchronize()``, ``state_dict()``, ``offload.save``, ``close()``, ``add_param_group``,
-and a module's ``state_dict()`` / ``load_state_dict()``); the forward after that sees it, and the
-next delayed update is not extrapolated, as after a load (a resumed run is the uninterrupted one).
-So does a ``step()`` after a parameter's state was deleted (its fresh master is read from the
+With ``delay_extrapolate=True`` the weights uploaded for a delayed update are predicted one step
+on, w_{t-2} + (w_{t-2} - w_{t-3}) (``HeldParams._extrapolate``: where update t-3 was delayed too
+and stepped the piece; else w_{t-2}), so g_t is computed on that instead of w_{t-2}; the masters
+follow the same AdamW rule. A prediction is never taken for the weights: a piece an update does not
+step gets its true weights back when that update goes up (``HeldParams.release``). Anything that
+needs the current weights completes the pending update first (``DelayedUpdates. synchronize``:
+``opt.synchronize()``, ``state_dict()``, ``offload.save``, ``close()``, ``add_param_group``, and a
+module's ``state_dict()`` / ``load_state_dict()``); the forward after that sees it, and the next
+delayed update is not extrapolated, as after a load (a resumed run is the uninterrupted one). So
+does a ``step()`` after a parameter's state was deleted (its fresh master is read from the
 parameter); a parameter written while an update is pending is refused by ``step()``
 (``adoptable``). A skipped step (overflow) completes the pending update and queues none. The device
-schedule (schedule/device_step.py)
-uses this module through ``prepare`` and ``DelayedUpdates``; the worker (schedule/backward.py) does not
-know about it: to it, ``publish`` is an upload that needs no wait.
-Costs: host memory for one copy of the parameters in their dtype (pinned on CUDA; two to extrapolate,
-plus a pass over them per step in the worker), and staleness.
+schedule (schedule/device_step.py) uses this module through ``prepare`` and ``DelayedUpdates``; the
+worker (schedule/backward.py) does not know about it: to it, ``publish`` is an upload that needs no
+wait. Costs: host memory for one copy of the parameters in their dtype (pinned on CUDA; two to
+extrapolate, plus a pass over them per step in the worker), and staleness.
 """
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ from .uploads import Upload
 
 __all__ = ["DELAY_AFTER", "DelayedUpdates", "HeldParams", "held_side", "prepare"]
 
-DELAY_AFTER = 50   # exact steps before the delay starts, by default (bench/delayed.py --only loss: docs/gpu.md)
+# exact steps before the delay starts, by default (bench/delayed.py --only loss: docs/gpu.md)
+DELAY_AFTER = 50
 
 
 def _delay(delay_updates):
@@ -75,28 +76,31 @@ def prepare(overlap: bool, step_during_backward, small_param_numel, engine, dela
     a delay, which steps the buckets after backward)."""
     given, delay_updates = delay_updates, _delay(delay_updates)
     if delay_updates is None:
-        raise ValueError("delay_updates must be 0 (exact) or 1 (one step of delay), "
-                         f"got {given!r}")
-    if delay_after is not None and (isinstance(delay_after, bool) or not isinstance(delay_after, int)
+        raise ValueError("delay_updates must be 0 (exact) or 1 (one step of "
+                         f"delay), got {given!r}")
+    if delay_after is not None and (isinstance(delay_after, bool)
+                                    or not isinstance(delay_after, int)
                                     or delay_after < 0):
         raise ValueError(f"delay_after must be a number of steps >= 0, got {delay_after!r}")
     if not delay_updates:
         if delay_after is not None or delay_extrapolate is not None:
-            raise ValueError("delay_after and delay_extrapolate apply with delay_updates=1 only: add "
-                             "delay_updates=1 or leave them unset")
+            raise ValueError("delay_after and delay_extrapolate apply with delay_updates=1 only: "
+                             "add delay_updates=1 or leave them unset")
         return None, step_during_backward
     if not overlap:
-        raise ValueError("delay_updates=1 cannot be combined with overlap=False (which runs the whole step inside "
-                         "step()): leave overlap at its default")
+        raise ValueError("delay_updates=1 cannot be combined with overlap=False (which runs the "
+                         "whole step inside step()): leave overlap at its default")
     if step_during_backward:
-        raise ValueError("delay_updates=1 steps the buckets after backward, during the next forward and backward; "
-                         "it cannot be combined with step_during_backward=True (use one or the other)")
+        raise ValueError("delay_updates=1 steps the buckets after backward, during the next "
+                         "forward and backward; it cannot be combined with "
+                         "step_during_backward=True (use one or the other)")
     if small_param_numel:
-        raise ValueError("delay_updates=1 cannot be combined with small_param_numel (those parameters would be "
-                         "updated at once, the others one step later): leave small_param_numel unset")
+        raise ValueError("delay_updates=1 cannot be combined with small_param_numel (those "
+                         "parameters would be updated at once, the others one step later): leave "
+                         "small_param_numel unset")
     if multi_rank() or any(is_dtensor(p) for ps in engine.groups for p in ps):
-        raise ValueError("delay_updates=1 is not supported with several torch.distributed ranks or DTensor (FSDP2) "
-                         "parameters: use delay_updates=0 (the exact schedule)")
+        raise ValueError("delay_updates=1 is not supported with several torch.distributed ranks "
+                         "or DTensor (FSDP2) parameters: use delay_updates=0 (the exact schedule)")
     return (DELAY_AFTER if delay_after is None else delay_after), False
 
 
@@ -114,12 +118,14 @@ class HeldParams(SideOver):
         super().__init__(inner)
         self.device, self.dtypes = inner.device, inner.dtypes   # (the engine's list: it grows)
         self.extrapolate = extrapolate
-        self.bufs: dict = {}      # bucket index -> host buffers of its weights (its staging layout; two to extrapolate)
+        # bucket index -> host buffers of its weights (its staging layout; two to extrapolate)
+        self.bufs: dict = {}
         self.held: dict = {}      # bucket index -> (bucket, pieces) stepped and not uploaded yet
-        self.reading: dict = {}   # (bucket index, buffer) -> event of the upload still reading that buffer
+        # (bucket index, buffer) -> event of the upload still reading that buffer
+        self.reading: dict = {}
         self.hold = True          # set by DelayedUpdates.step, with no CPU step in flight
-        # extrapolate: bucket index -> (the buffer of its latest weights, the keys of the pieces the
-        # last update stepped: extrapolated by the next one), the buffer of the held weights
+        # extrapolate: bucket index -> (the buffer of its latest weights, the keys of the pieces
+        # the last update stepped: extrapolated by the next one), the buffer of the held weights
         # extrapolated, the pieces of those that are a prediction, and (bucket, pieces) of the
         # predictions on the device now (their weights go up once an update did not step them)
         self.cur: dict = {}
@@ -179,11 +185,12 @@ class HeldParams(SideOver):
         return None
 
     def _extrapolate(self, b, pieces) -> None:
-        """(extrapolate) into the buffer of the weights before, w_{t-1}, for each piece the previous
-        update stepped too: w_t + (w_t - w_{t-1}), computed in fp32 and rounded to the parameter's
-        dtype; other pieces get w_t. Nothing to extrapolate from (the first delayed update, after a
-        load or ``forget``): the held weights are w_t. The pieces of that buffer this update did not
-        step keep their weights: ``release`` sends them up where a prediction of them is shown."""
+        """(extrapolate) into the buffer of the weights before, w_{t-1}, for each piece the
+        previous update stepped too: w_t + (w_t - w_{t-1}), computed in fp32 and rounded to the
+        parameter's dtype; other pieces get w_t. Nothing to extrapolate from (the first delayed
+        update, after a load or ``forget``): the held weights are w_t. The pieces of that buffer
+        this update did not step keep their weights: ``release`` sends them up where a prediction
+        of them is shown."""
         bi, k = b.index, self._target(b.index)
         keys = {_key(pc) for pc in pieces}
         if bi not in self.cur:
@@ -203,12 +210,12 @@ class HeldParams(SideOver):
         self.cur[bi], self.pred[bi], self.ext[bi] = (k, keys), o, ext
 
     def release(self, after, order, actual: bool = False, update: bool = False) -> list:
-        """Upload every held bucket (after ``after``, the compute stream's event), in ``order`` first;
-        returns their ``Upload`` records for the next forward's waits. With extrapolate, the weights
-        extrapolated, or (``actual``) the new weights themselves; and the true weights of each piece
-        whose prediction is on the device but which this update did not step (``update``: an
-        update was queued since the last release; the next one extrapolates no piece it did not
-        step). Every destination is checked first: a refusal uploads nothing."""
+        """Upload every held bucket (after ``after``, the compute stream's event), in ``order``
+        first; returns their ``Upload`` records for the next forward's waits. With extrapolate, the
+        weights extrapolated, or (``actual``) the new weights themselves; and the true weights of
+        each piece whose prediction is on the device but which this update did not step
+        (``update``: an update was queued since the last release; the next one extrapolates no
+        piece it did not step). Every destination is checked first: a refusal uploads nothing."""
         for b, pieces in list(self.held.values()) + list(self.shown.values()):
             for pc in pieces:
                 self.inner.flat_param(b.group, pc.param)
@@ -239,14 +246,17 @@ class HeldParams(SideOver):
 
     def _sources(self, bi: int, held: dict, shown: dict, actual: bool) -> tuple:
         """(bucket, [(piece, index of the buffer it goes up from)]) of bucket bi at a release."""
-        if bi not in held:   # not stepped by this update: its latest weights replace the prediction
+        # not stepped by this update: its latest weights replace the prediction
+        if bi not in held:
             b, pieces = shown[bi]
             return b, [(pc, self.cur[bi][0]) for pc in pieces]
         b, pieces = held[bi]
         k = (self.cur[bi][0] if actual else self.pred[bi]) if self.extrapolate else 0
         parts = [(pc, k) for pc in pieces]
-        if bi in shown:   # predicted by the update before and not stepped now: their weights are in
-            keys = {_key(pc) for pc in pieces}   # the buffer of that update (this kernel left them)
+        # predicted by the update before and not stepped now: their weights are in
+        if bi in shown:
+            # the buffer of that update (this kernel left them)
+            keys = {_key(pc) for pc in pieces}
             parts += [(pc, self.pred[bi]) for pc in shown[bi][1] if _key(pc) not in keys]
         return b, parts
 
@@ -266,17 +276,18 @@ class HeldParams(SideOver):
 
 class DelayedUpdates:
     """The pending update of the device schedule: ``step`` releases the previous one and queues the
-    next; ``synchronize`` completes it (the device weights are then the master weights). Updates up to
-    the ``after``-th are exact: their CPU step uploads as in the deferred schedule."""
+    next; ``synchronize`` completes it (the device weights are then the master weights). Updates up
+    to the ``after``-th are exact: their CPU step uploads as in the deferred schedule."""
 
     def __init__(self, feed, side: HeldParams, device, after: int = 0):
         if not isinstance(side, HeldParams):   # (the side is fixed when the engine is built)
-            raise TypeError("delay_updates=1 needs a state engine built with the side of "
-                            "held_side()")
+            raise TypeError("delay_updates=1 needs a state engine built with the "
+                            "side of held_side()")
         self.feed, self.side, self.device, self.after = feed, side, device, after
         self.pending = False   # an update queued and not on the device yet (no synchronize since)
         self.update = False    # an update queued since the last release
-        feed.uploads.before_read = weak_hook(self, "before_read")   # a module's state_dict / load_state_dict
+        # a module's state_dict / load_state_dict
+        feed.uploads.before_read = weak_hook(self, "before_read")
 
     def step(self, run: Callable[[], dict], skip: bool = False) -> dict:
         """``run`` queues this step's CPU step (the feed's step()); before it, the pending one is
@@ -286,8 +297,8 @@ class DelayedUpdates:
         masters); a state deleted meanwhile completes the pending update first, so that its fresh
         master is the parameter's true weight. Whether this update is held is decided then, between
         CPU steps, from the optimizer's step count (the largest of its parameters'; restored by a
-        load): held from ``after`` on. A skipped step queues none: the weights of the pending one go
-        up as they are (not extrapolated)."""
+        load): held from ``after`` on. A skipped step queues none: the weights of the pending one
+        go up as they are (not extrapolated)."""
         feed = self.feed
         feed.synchronize()   # the pending CPU step: it ran during this forward and backward
         with_state = self._with_state()
@@ -349,27 +360,30 @@ class DelayedUpdates:
 
     def adoptable(self, written: set) -> bool:
         """Parameters ``written`` ({(gi, i)}) since the last step() are adopted (their masters
-        re-read): True, unless an update is pending (the write went into the weights without it, and
-        it would go up over the write): then refused by name."""
+        re-read): True, unless an update is pending (the write went into the weights without it,
+        and it would go up over the write): then refused by name."""
         if self.pending:
             gi, i = min(written)
-            self.feed.stepper.reported(written)   # (synchronize() then sends the update up over it)
+            # (synchronize() then sends the update up over it)
+            self.feed.stepper.reported(written)
             raise WriteRaceError(
                 f"offload: parameter {i} of group {gi} was written (or its .data replaced) while "
-                "an update of delay_updates=1 was pending: the write went into the weights without "
-                "that update (what the forward saw), not into the optimizer's, and the update "
-                "would go up over it. Nothing was stepped. Call optimizer.synchronize() before "
-                "writing parameters between steps (after it, write the parameter again); "
+                "an update of delay_updates=1 was pending: the write went into the weights "
+                "without that update (what the forward saw), not into the optimizer's, and the "
+                "update would go up over it. Nothing was stepped. Call optimizer.synchronize() "
+                "before writing parameters between steps (after it, write the parameter again); "
                 "docs/gpu.md, 'Delayed update'.")
         return True
 
     def before_read(self) -> None:
-        """(a module's state_dict / load_state_dict pre-hook) complete the pending update, if any."""
+        """(a module's state_dict / load_state_dict pre-hook) complete the pending update, if
+        any."""
         if self.pending or self.side.shown:
             self.synchronize()
 
     def recover(self) -> None:
-        """A load replaced the state (and cleared a worker failure): nothing is pending any more."""
+        """A load replaced the state (and cleared a worker failure): nothing is pending any
+        more."""
         self.side.discard()
         self.pending = False
         self.feed.recover()

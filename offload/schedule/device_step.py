@@ -1,4 +1,5 @@
-"""schedule/device_step.py: the optimizer face of device parameters (GPU offload), state in any tier.
+"""schedule/device_step.py: the device schedule of device parameters (GPU offload), state in any
+tier.
 
 ``offload.AdamW(cuda_params, storage="ram"|"nvme"|"mmap")``, three schedules:
   * step during backward (the default without clipping / overflow check): buckets are stepped as
@@ -9,11 +10,12 @@
     clipping coefficient) or the skip from the gradients' norms, then queues every bucket to the
     same worker (D2H -> kernel -> H2D through the staging ring) and returns;
   * ``overlap=False``: all of it inside ``step()`` (engine/pipeline.py), which then synchronizes.
-In both overlapped schedules the next forward waits per bucket for the new weights (schedule/uploads.py);
-with ``delay_updates=1`` (deferred) for those of the step before (schedule/delayed.py).
-Parameters of at most ``small_param_numel`` elements stay on the device, stepped by torch there
-(offload/schedule/smallparams.py; nothing in the tier). Host memory: the tier + the pinned staging ring.
-This face is the only part that reads the optimizer (groups, clip coefficient, GradScaler attributes).
+In both overlapped schedules the next forward waits per bucket for the new weights
+(schedule/uploads.py); with ``delay_updates=1`` (deferred) for those of the step before
+(schedule/delayed.py). Parameters of at most ``small_param_numel`` elements stay on the device,
+stepped by torch there (offload/schedule/smallparams.py; nothing in the tier). Host memory: the
+tier + the pinned staging ring. This schedule is the only part that reads the optimizer (groups,
+clip coefficient, GradScaler attributes).
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ log = logging.getLogger("offload")
 
 
 def _mark(p) -> tuple:
-    """What a write to a parameter changes: its version counter (in place) or its data pointer (.data = ...)."""
+    """What a write to a parameter changes: its version counter (in place) or its data pointer
+    (.data = ...)."""
     lp = local(p)
     return (lp._version, lp.data_ptr())
 
@@ -57,14 +60,16 @@ class DeviceStep:
             raise ValueError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
         if max_grad_norm is not None and not (float(max_grad_norm) > 0):
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-        delay, step_during_backward = prepare(overlap, step_during_backward, small_param_numel, engine, **delay)
+        delay, step_during_backward = prepare(overlap, step_during_backward, small_param_numel,
+                                              engine, **delay)
         if step_during_backward and (max_grad_norm is not None or check_overflow):
             raise ValueError("step_during_backward=True cannot be combined with max_grad_norm or check_overflow: "
                              "both need every gradient before any bucket may be stepped")
         if step_during_backward and overlap and multi_rank():
-            raise ValueError("step_during_backward=True cannot be used with several torch.distributed ranks: a "
-                             "gradient is ready on its rank before DDP (or another wrapper) has averaged it across "
-                             "ranks, so the step would use this rank's gradient only. Leave step_during_backward "
+            raise ValueError("step_during_backward=True cannot be used with several "
+                             "torch.distributed ranks: a gradient is ready on its rank before DDP "
+                             "(or another wrapper) has averaged it across ranks, so the step "
+                             "would use this rank's gradient only. Leave step_during_backward "
                              "unset (the default steps after backward when several ranks run)")
         if step_during_backward is None:   # (DDP rewrites gradients after they are ready, even on one rank)
             step_during_backward = max_grad_norm is None and not check_overflow and not in_process_group()
@@ -77,14 +82,15 @@ class DeviceStep:
         self.release_grads = bool(release_grads)
         self.trace = Trace() if trace else None
         engine.side.trace = self.trace
-        # stepped on the device: parameters of at most small_param_numel elements (schedule/smallparams.py)
-        # and those whose state stays there (schedule/resident.py; gpu_state=: optim/faces.py decides)
+        # stepped on the device: parameters of at most small_param_numel elements
+        # (schedule/smallparams.py) and those whose state stays there (schedule/resident.py;
+        # gpu_state=: optim/faces.py decides)
         self.resident, self.on_device = on_device(port, engine.excluded, small_param_numel, resident)
         self.feed = None
         if self.overlap:
             from .backward import BackwardFeed
-            self.feed = BackwardFeed(self, engine, device, eager=self.eager, release_grads=release_grads,
-                                     trace=self.trace)
+            self.feed = BackwardFeed(self, engine, device, eager=self.eager,
+                                     release_grads=release_grads, trace=self.trace)
         self.delayed = None if delay is None else DelayedUpdates(self.feed, engine.side, device, after=delay)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.check_overflow = bool(check_overflow)
@@ -97,17 +103,17 @@ class DeviceStep:
         self.closed = False
 
     def kernel_threads(self) -> int:
-        """Threads of the CPU kernel: the optimizer's ``threads``, else every CPU of this process but the
-        device's ``launch_threads`` (on CUDA two, for the training thread and autograd's device thread,
-        which launch GPU work while the kernel runs; 0 means every CPU)."""
+        """Threads of the CPU kernel: the optimizer's ``threads``, else every CPU of this process
+        but the device's ``launch_threads`` (on CUDA two, for the training thread and autograd's
+        device thread, which launch GPU work while the kernel runs; 0 means every CPU)."""
         threads = self.port.threads()
         if threads or not self.device.launch_threads:
             return threads
         return max(1, affinity_cpus() - self.device.launch_threads)
 
     def moved_since_step(self, gi: int, i: int) -> bool:
-        """Has parameter (gi, i) been written in place (version) or re-pointed (data pointer) since the
-        snapshot of the last step() (False when there is none, e.g. right after a load)?"""
+        """Has parameter (gi, i) been written in place (version) or re-pointed (data pointer) since
+        the snapshot of the last step() (False when there is none, e.g. right after a load)?"""
         was = self._versions.get((gi, i))
         return was is not None and _mark(self.engine.groups[gi][i]) != was
 
@@ -119,8 +125,8 @@ class DeviceStep:
         """Fingerprints of the device parameters with offloaded state, once our last upload landed
         (synchronize): a write through ``p.data`` moves no version counter, and without them the
         next step would overwrite it with round(master) (params/fingerprint.py). Fingerprints still
-        current (no upload of ours since) are kept: a second synchronize() (or state_dict(), save(),
-        ...) after a write must not make that write look like our own weights."""
+        current (no upload of ours since) are kept: a second synchronize() (or state_dict(),
+        save(), ...) after a write must not make that write look like our own weights."""
         if self._prints is not None and self._prints[2] == self.engine.side.publishes:
             return
         layout = getattr(self.engine, "layout", None)
@@ -211,9 +217,9 @@ class DeviceStep:
             raise ValueError("offload's fused clipping supports norm_type=2.0 only")
         if self.eager:
             raise RuntimeError(
-                "offload GPU mode: clip_grad_norm_ needs every gradient before any bucket is stepped, but this "
-                "optimizer steps buckets during backward. Construct it with max_grad_norm=... (clipping inside "
-                "step()) or step_during_backward=False.")
+                "offload GPU mode: clip_grad_norm_ needs every gradient before any bucket is "
+                "stepped, but this optimizer steps buckets during backward. Construct it with "
+                "max_grad_norm=... (clipping inside step()) or step_during_backward=False.")
         port = self.port
         pending = port.pending()   # a coefficient left by an earlier call, if still valid
         total = math.sqrt(self._sumsq()) * pending
@@ -290,9 +296,10 @@ class DeviceStep:
     def _queued(self, t0: float, rec: dict, mult: float) -> None:
         self._versions = self._snapshot()
         if self.engine.holds_moment_copies():
-            # a caller holds decoded compressed moments (moments/handouts.py): they are refreshed when the
-            # step's last bucket is done; waiting for it here keeps that refresh from racing with the
-            # caller's next write into them (the step is then not overlapped with the next forward)
+            # a caller holds decoded compressed moments (moments/handouts.py): they are refreshed
+            # when the step's last bucket is done; waiting for it here keeps that refresh from
+            # racing with the caller's next write into them (the step is then not overlapped with
+            # the next forward)
             self.feed.wait_idle()
         compiled = compiled_code_in_use()
         if compiled or self._shared_weights():
@@ -301,8 +308,9 @@ class DeviceStep:
             # ZeroRedundancyOptimizer's broadcast right after step()): every upload first
             if compiled and not self._warned_compile:
                 self._warned_compile = True
-                log.info("torch.compile has compiled code in this process: step() waits for every upload, "
-                         "so the next forward does not overlap the rest of the CPU step (docs/gpu.md, Limits)")
+                log.info("torch.compile has compiled code in this process: step() waits for every "
+                         "upload, so the next forward does not overlap the rest of the CPU step "
+                         "(docs/gpu.md, Limits)")
             self.feed.uploads.wait_all()
             rec["waited_all"] = True
         self.stats.record(t0, rec["side0"], rec, mult, overlapped=True)
@@ -313,7 +321,7 @@ class DeviceStep:
             self._dtensors = any(is_dtensor(p) for ps in self.engine.groups for p in ps)
         return self._dtensors or multi_rank()
 
-    # ------------------------------------------------------------------ the rest of the GPU face
+    # ------------------------------------------------------------------ the rest of the schedule
     def synchronize(self) -> None:
         self.check_open()
         if self.feed is not None:
@@ -328,8 +336,8 @@ class DeviceStep:
         self._versions = self._snapshot()
 
     def quiesce(self) -> None:
-        """Before the engine changes shape (add_param_group): the worker idle, every upload landed, and
-        what the user wrote into parameters since the last step adopted (masters follow), since
+        """Before the engine changes shape (add_param_group): the worker idle, every upload landed,
+        and what the user wrote into parameters since the last step adopted (masters follow), since
         load_state() below starts the write tracking afresh."""
         self.check_open()
         if self.feed is not None:
@@ -340,12 +348,13 @@ class DeviceStep:
         self._take_prints()   # (consumed above) a write after a failed add_param_group is still seen
 
     def load_state(self, loaded: bool = False) -> None:
-        """After add_param_group / load_state_dict: the write tracking starts from the weights as they
-        are now (versions and fingerprints), so that a write after this call is still seen. ``loaded``
-        (load_state_dict): at the next step every parameter is compared with round(its loaded master)
-        and taken where it differs, as the host kernel does at each step: a write made before the load
-        is kept, and the usual resume (model.load_state_dict of the same checkpoint, before or after)
-        changes nothing. Not at load time: the parameters may be loaded after the optimizer."""
+        """After add_param_group / load_state_dict: the write tracking starts from the weights as
+        they are now (versions and fingerprints), so that a write after this call is still seen.
+        ``loaded`` (load_state_dict): at the next step every parameter is compared with round(its
+        loaded master) and taken where it differs, as the host kernel does at each step: a write
+        made before the load is kept, and the usual resume (model.load_state_dict of the same
+        checkpoint, before or after) changes nothing. Not at load time: the parameters may be
+        loaded after the optimizer."""
         if self.feed is not None:
             self.feed.extend()   # add_param_group: hooks and buckets of the new group
             if loaded:
@@ -358,8 +367,8 @@ class DeviceStep:
         self._take_prints()
 
     def last_step_stats(self, wait: bool = False) -> Optional[dict]:
-        """Timing of the latest step whose weights are back on the device (``wait=True``: finish the
-        latest step first; after close() there is nothing left to finish)."""
+        """Timing of the latest step whose weights are back on the device (``wait=True``: finish
+        the latest step first; after close() there is nothing left to finish)."""
         if wait and not self.closed:
             self.synchronize()
         self.stats.settle()
@@ -371,10 +380,6 @@ class DeviceStep:
             raise RuntimeError("construct the optimizer with trace=True to record a timeline")
         self.engine.side.collect_times()
         return trace.export(path)
-
-    @property
-    def buckets(self) -> list:
-        return self.engine.layout.buckets
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Before the optimizer's zero_grad: buckets stepped during a backward whose step the

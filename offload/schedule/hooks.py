@@ -28,11 +28,11 @@ def weak_hook(obj, method: str, *bound):
 
 
 def weak_module_hook(obj, method: str):
-    """``weak_hook`` for a global module hook: it does nothing while torch.compile traces a forward.
-    Traced into, it would break the graph at every module, or make dynamo give up compiling the
-    model at all, which then ran uncompiled in every step. Compiled code keeps only what was traced,
-    so per-module waits cannot run in it anyway: step() waits for every upload itself once compiled
-    code ran (schedule/uploads.compiled_code_in_use)."""
+    """``weak_hook`` for a global module hook: it does nothing while torch.compile traces a
+    forward. Traced into, it would break the graph at every module, or make dynamo give up
+    compiling the model at all, which then ran uncompiled in every step. Compiled code keeps only
+    what was traced, so per-module waits cannot run in it anyway: step() waits for every upload
+    itself once compiled code ran (schedule/uploads.compiled_code_in_use)."""
     inner = weak_hook(obj, method)
 
     def hook(*args):

@@ -1,11 +1,13 @@
-"""schedule/owners.py: ForwardObserver, which module of the observed forward reads which parameters.
+"""schedule/owners.py: ForwardObserver, which module of the observed forward reads which
+parameters.
 
-The waits for new weights (schedule/uploads.py) run in module forward pre-hooks and cover a module's
-own parameters. Some modules read parameters of submodules whose forward they never call:
+The waits for new weights (schedule/uploads.py) run in module forward pre-hooks and cover a
+module's own parameters. Some modules read parameters of submodules whose forward they never call:
 ``nn.MultiheadAttention`` hands ``out_proj.weight`` and ``.bias`` to
-``F.multi_head_attention_forward`` without running ``out_proj`` (so do ``nn.TransformerEncoderLayer``,
-``nn.TransformerDecoderLayer`` and ``nn.Transformer``), and a custom block may call
-``F.linear(x, self.child.weight)``. Without more, such a read would see the weights before the step.
+``F.multi_head_attention_forward`` without running ``out_proj`` (so do
+``nn.TransformerEncoderLayer``, ``nn.TransformerDecoderLayer`` and ``nn.Transformer``), and a
+custom block may call ``F.linear(x, self.child.weight)``. Without more, such a read would see the
+weights before the step.
 
 Until the first ``step()``, a global module pre-hook records the modules that run, in order. At the
 first step every parameter whose owner module never ran is *claimed* by its nearest ancestor that
@@ -64,8 +66,8 @@ class ForwardObserver:
 
     @staticmethod
     def order(claims: list, buckets_of: Callable[[object], Iterable[int]]) -> list:
-        """Buckets in first-use order (``claims`` from :meth:`claims`): each module's own buckets, then
-        those it claims."""
+        """Buckets in first-use order (``claims`` from :meth:`claims`): each module's own buckets,
+        then those it claims."""
         seen: list = []
         known: set = set()
         for _, own, claimed, _ in claims:

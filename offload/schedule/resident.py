@@ -2,18 +2,18 @@
 
 With device parameters the CPU steps each bucket as backward delivers its gradients; the buckets
 backward reaches last (the model's first layers) have nothing left to hide behind, and their new
-weights are the first the next forward needs. When the GPU has memory to spare, those parameters keep
-an fp32 master and fp32 moments on the GPU and ``ResidentAdam`` steps them there with torch's fused
-AdamW (Adam), in the same ``step()`` and with the same hyperparameters, gradient multiplier (1/loss
-scale x clipping coefficient) and skip decision as the buckets the CPU steps. Which parameters stay
-is decided from what the first steps measured (schedule/split.py).
+weights are the first the next forward needs. When the GPU has memory to spare, those parameters
+keep an fp32 master and fp32 moments on the GPU and ``ResidentAdam`` steps them there with torch's
+fused AdamW (Adam), in the same ``step()`` and with the same hyperparameters, gradient multiplier
+(1/loss scale x clipping coefficient) and skip decision as the buckets the CPU steps. Which
+parameters stay is decided from what the first steps measured (schedule/split.py).
 
 The state is torch's layout (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, and
 ``master_param`` for bf16/fp16 parameters, as offload keeps it) in the outer optimizer's ``state``
 under the same parameters, so ``state_dict()``, ``load_state_dict`` and checkpoints see one layout
 whichever side steps a parameter. A bf16/fp16 parameter written by the user since the last step (a
-``model.load_state_dict``, a write through ``p.data``) is adopted element by element into its master
-before the step, as the CPU kernel does: where the parameter differs from round(master).
+``model.load_state_dict``, a write through ``p.data``) is adopted element by element into its
+master before the step, as the CPU kernel does: where the parameter differs from round(master).
 """
 from __future__ import annotations
 
@@ -31,14 +31,16 @@ _HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
 def resident_bytes(p) -> int:
-    """GPU bytes the state of parameter ``p`` takes when it stays there: fp32 moments, an fp32 master
-    for bf16/fp16, and the fp32 gradient of the step (made from the parameter's gradient at step())."""
+    """GPU bytes the state of parameter ``p`` takes when it stays there: fp32 moments, an fp32
+    master for bf16/fp16, and the fp32 gradient of the step (made from the parameter's gradient at
+    step())."""
     lp = local(p)
     return lp.numel() * (8 + 4 + (4 if lp.dtype in LOW_PRECISION else 0))
 
 
 class ResidentAdam:
-    """torch's fused (CUDA; foreach elsewhere) Adam/AdamW over fp32 masters of the parameters that stay.
+    """torch's fused (CUDA; foreach elsewhere) Adam/AdamW over fp32 masters of the parameters that
+    stay.
 
     Each parameter's entry in the outer ``state`` is the dict torch's optimizer steps (with
     ``master_param`` for bf16/fp16 parameters): what the user edits in place is what the next step
@@ -46,12 +48,13 @@ class ResidentAdam:
     starts afresh, its master from its weights) before the next step."""
 
     def __init__(self, port, resident: Dict[int, List[torch.Tensor]], decoupled: bool):
-        """``port``: the outer optimizer's StepPort (engine/port.py); ``resident``: outer group index ->
-        its parameters whose state stays on the GPU."""
+        """``port``: the outer optimizer's StepPort (engine/port.py); ``resident``: outer group
+        index -> its parameters whose state stays on the GPU."""
         self.port = port
         self.group_of: List[int] = []
         self.params: List[torch.Tensor] = []
-        self.masters: List[torch.Tensor] = []   # the parameter's own storage when fp32 (stepped in place)
+        # the parameter's own storage when fp32 (stepped in place)
+        self.masters: List[torch.Tensor] = []
         self.own: List[bool] = []               # a master of its own (bf16/fp16 parameters)
         groups = []
         for gi, params in resident.items():
@@ -71,7 +74,8 @@ class ResidentAdam:
 
     @staticmethod
     def _master(p) -> torch.Tensor:
-        """An fp32 master of a bf16/fp16 parameter; an fp32 parameter is its own (stepped in place)."""
+        """An fp32 master of a bf16/fp16 parameter; an fp32 parameter is its own (stepped in
+        place)."""
         lp = local(p)
         return lp.detach().float().clone() if lp.dtype in LOW_PRECISION else lp.detach()
 
@@ -97,8 +101,8 @@ class ResidentAdam:
         return ends
 
     def _changed(self, p, m, own: bool) -> bool:
-        """The entry of ``p`` in ``state`` is not the one this optimizer steps (replaced, deleted, or
-        its master_param replaced)."""
+        """The entry of ``p`` in ``state`` is not the one this optimizer steps (replaced, deleted,
+        or its master_param replaced)."""
         st, entry = self.inner.state.get(m), self.port.state().get(p)
         if entry is not st:
             return bool(entry) or st is not None
@@ -116,13 +120,14 @@ class ResidentAdam:
             st = self.inner.state.get(m)
             if st:
                 g = self.inner.param_groups[next(j for j, n in enumerate(self._counts()) if k < n)]
-                check_state(m, {key: v for key, v in st.items() if key != "master_param"}, g, self._where(k))
+                check_state(m, {key: v for key, v in st.items() if key != "master_param"}, g,
+                            self._where(k))
 
     @torch.no_grad()
     def load(self) -> None:
         """Each resident parameter's entry in ``state`` that is not the one this optimizer steps (a
-        load_state_dict, an entry replaced or deleted, the state of a parameter that moves here) goes
-        to the device. Everything is copied before anything changes: an allocation that fails
+        load_state_dict, an entry replaced or deleted, the state of a parameter that moves here)
+        goes to the device. Everything is copied before anything changes: an allocation that fails
         (device memory) leaves every entry as it was."""
         if self.inner is None:
             return
@@ -138,7 +143,8 @@ class ResidentAdam:
                 master = src.reshape(m.shape).to(device=m.device, dtype=torch.float32, copy=True)
             st = None
             if entry:
-                st = {k: local(v).detach().to(m.device).clone() if isinstance(v, torch.Tensor) else v
+                st = {k: local(v).detach().to(m.device).clone() if isinstance(v, torch.Tensor)
+                      else v
                       for k, v in entry.items() if k != "master_param"}
                 if "step" in st and not isinstance(st["step"], torch.Tensor):
                     st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
@@ -191,7 +197,8 @@ class ResidentAdam:
             g = local(p.grad).reshape(m.shape)
             if own:
                 m.grad = g.float().mul_(mult) if mult != 1.0 else g.float()
-            else:   # fp32: the parameter's storage is stepped in place, with a scaled copy of its grad
+            else:
+                # fp32: the parameter's storage is stepped in place, with a scaled copy of its grad
                 m.grad = g if mult == 1.0 else g * mult
             stepped.append((p, m, own))
         if not stepped:
@@ -232,19 +239,22 @@ class OnDevice:
 
 
 def _by_group(groups: list, keys) -> dict:
-    return {gi: [groups[gi]["params"][i] for g2, i in sorted(keys) if g2 == gi] for gi in range(len(groups))}
+    return {gi: [groups[gi]["params"][i] for g2, i in sorted(keys) if g2 == gi]
+            for gi in range(len(groups))}
 
 
-def on_device(port, excluded: set, small_param_numel: int, resident: Optional[ResidentAdam] = None) -> tuple:
-    """(ResidentAdam, OnDevice) of a device schedule whose engine leaves ``excluded`` ({(gi, i)}) out:
-    those of at most ``small_param_numel`` elements are the small ones, the others stay on the device
-    (``resident`` is kept where it steps exactly those: the state it holds goes on)."""
+def on_device(port, excluded: set, small_param_numel: int,
+              resident: Optional[ResidentAdam] = None) -> tuple:
+    """(ResidentAdam, OnDevice) of a device schedule whose engine leaves ``excluded`` ({(gi, i)})
+    out: those of at most ``small_param_numel`` elements are the small ones, the others stay on the
+    device (``resident`` is kept where it steps exactly those: the state it holds goes on)."""
     from .smallparams import DeviceSideAdam, small_params
     groups = port.groups()
     small = small_params(groups, small_param_numel)
     decoupled = port.hyper(0)["decoupled"]
     stay = sorted(excluded - small)
-    if resident is None or [id(p) for p in resident.params] != [id(groups[gi]["params"][i]) for gi, i in stay]:
+    if (resident is None
+        or [id(p) for p in resident.params] != [id(groups[gi]["params"][i]) for gi, i in stay]):
         resident = ResidentAdam(port, _by_group(groups, stay), decoupled)
     return resident, OnDevice(DeviceSideAdam(port, _by_group(groups, small), decoupled), resident)
 
@@ -253,7 +263,8 @@ def resident_for(port, params: list) -> ResidentAdam:
     """A ResidentAdam over ``params`` holding their state from ``state`` on the device already (it
     raises, with nothing changed, where the device cannot hold it)."""
     groups = port.groups()
-    keys = [(gi, i) for gi, g in enumerate(groups) for i, p in enumerate(g["params"]) if any(p is q for q in params)]
+    keys = [(gi, i) for gi, g in enumerate(groups) for i, p in enumerate(g["params"])
+            if any(p is q for q in params)]
     res = ResidentAdam(port, _by_group(groups, keys), port.hyper(0)["decoupled"])
     res.load()
     return res

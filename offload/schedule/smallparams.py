@@ -1,4 +1,5 @@
-"""schedule/smallparams.py: small parameters (norms, biases) kept and stepped on the device, as torchao does.
+"""schedule/smallparams.py: small parameters (norms, biases) kept and stepped on the device, as
+torchao does.
 
 Below a size threshold, sending a parameter's gradient down and its weight back up costs more in
 per-copy latency than the CPU step saves. ``DeviceSideAdam`` steps those parameters where they are
@@ -24,8 +25,8 @@ _STEP_DTYPES = (torch.float32, torch.float64)   # the step counts torch's foreac
 
 class DeviceSideAdam:
     def __init__(self, port, small: Dict[int, List[torch.Tensor]], decoupled: bool):
-        """``port``: the outer optimizer's StepPort (engine/port.py); ``small``: outer group index -> its small
-        parameters."""
+        """``port``: the outer optimizer's StepPort (engine/port.py); ``small``: outer group index
+        -> its small parameters."""
         self.port = port
         self.group_of = []           # inner group index -> outer group index
         groups = []
@@ -88,7 +89,8 @@ class DeviceSideAdam:
                 self.port.state()[p] = self.inner.state[p]   # the same dict: state_dict sees it
 
     def load(self) -> None:
-        """After the outer ``load_state_dict``: hand each small parameter's loaded state to torch."""
+        """After the outer ``load_state_dict``: hand each small parameter's loaded state to
+        torch."""
         if self.inner is None:
             return
         sd = self.inner.state_dict()
@@ -96,7 +98,8 @@ class DeviceSideAdam:
         for i, p in enumerate(self.params):
             st = self.port.state().get(p)
             if st:
-                # copies: the loaded state_dict's tensors stay the caller's (torch would alias them)
+                # copies: the loaded state_dict's tensors stay the caller's (torch would alias
+                # them)
                 state[i] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                             for k, v in st.items() if k != "master_param"}
         sd["state"] = state
@@ -109,8 +112,10 @@ class DeviceSideAdam:
 
 
 def small_params(param_groups: list, small_param_numel: int) -> set:
-    """(gi, i) of the parameters of at most ``small_param_numel`` elements: stepped on the device."""
-    if not (isinstance(small_param_numel, int) and not isinstance(small_param_numel, bool) and small_param_numel >= 0):
+    """(gi, i) of the parameters of at most ``small_param_numel`` elements: stepped on the
+    device."""
+    if not (isinstance(small_param_numel, int) and not isinstance(small_param_numel, bool)
+            and small_param_numel >= 0):
         raise ValueError(f"small_param_numel must be an int >= 0, got {small_param_numel!r}")
     if not small_param_numel:
         return set()

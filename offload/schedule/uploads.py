@@ -52,12 +52,14 @@ class Upload:
 
 
 class UploadWaits:
-    def __init__(self, device, bucket_of_param: Callable[[int], Optional[list]], error: Callable[[], None],
+    def __init__(self, device, bucket_of_param: Callable[[int], Optional[list]],
+                 error: Callable[[], None],
                  trace=None, unwritten: Optional[Callable[[int], None]] = None):
         """``bucket_of_param(id(p))``: the bucket indices holding parameter ``p`` (None if none);
-        ``error()`` raises the worker's failure, if any; ``unwritten(bucket)`` raises if a parameter
-        of that bucket was written since step(), i.e. before the compute stream waited for the
-        bucket's upload: that write races with the upload (which may land after it and revert it)."""
+        ``error()`` raises the worker's failure, if any; ``unwritten(bucket)`` raises if a
+        parameter of that bucket was written since step(), i.e. before the compute stream waited
+        for the bucket's upload: that write races with the upload (which may land after it and
+        revert it)."""
         self.device = device
         self.bucket_of_param = bucket_of_param
         self.error = error
@@ -68,9 +70,12 @@ class UploadWaits:
         self.next = 0                  # seq[:next] already waited for
         self.exposed_s = 0.0           # host seconds the training thread was blocked here
         self._handle = None
-        self._sd_hooks = weakref.WeakKeyDictionary()   # module -> its state_dict pre-hook (see note)
-        self._claimed = weakref.WeakKeyDictionary()    # module -> ids of parameters it reads but does not own
-        self.before_read: Optional[Callable[[], None]] = None   # delay_updates: completes the pending update
+        # module -> its state_dict pre-hook (see note)
+        self._sd_hooks = weakref.WeakKeyDictionary()
+        # module -> ids of parameters it reads but does not own
+        self._claimed = weakref.WeakKeyDictionary()
+        # delay_updates: completes the pending update
+        self.before_read: Optional[Callable[[], None]] = None
         self.settle: Optional[Callable[[], None]] = None   # a backward raised part-way: failed
 
     def start(self, seq: list) -> None:
@@ -87,22 +92,23 @@ class UploadWaits:
 
     def note(self, module) -> None:
         """A module seen in a forward: if it owns parameters with buckets, its ``state_dict()`` and
-        ``load_state_dict()`` wait for their uploads first (pre-hooks, kept until close()). Frameworks
-        save ``model.state_dict()`` right after ``step()`` (transformers' Trainer checkpoints,
-        Lightning, accelerate): without the wait a checkpoint held the weights before the step beside
-        the optimizer state after it; and a load right after ``step()`` could be overwritten by an
-        upload landing after it."""
+        ``load_state_dict()`` wait for their uploads first (pre-hooks, kept until close()).
+        Frameworks save ``model.state_dict()`` right after ``step()`` (transformers' Trainer
+        checkpoints, Lightning, accelerate): without the wait a checkpoint held the weights before
+        the step beside the optimizer state after it; and a load right after ``step()`` could be
+        overwritten by an upload landing after it."""
         if module in self._sd_hooks or not hasattr(module, "register_state_dict_pre_hook"):
             return
         if any(p is not None and self.bucket_of_param(id(p)) for p in module._parameters.values()):
             hooks = [module.register_state_dict_pre_hook(weak_hook(self, "before_state_dict"))]
             if hasattr(module, "register_load_state_dict_pre_hook"):
-                hooks.append(module.register_load_state_dict_pre_hook(weak_hook(self, "before_state_dict")))
+                hooks.append(module.register_load_state_dict_pre_hook(
+                    weak_hook(self, "before_state_dict")))
             self._sd_hooks[module] = hooks
 
     def claim(self, module, params: list) -> None:
-        """``module`` reads ``params`` (of submodules whose forward never ran, schedule/owners.py): its
-        forward waits for their uploads too."""
+        """``module`` reads ``params`` (of submodules whose forward never ran, schedule/owners.py):
+        its forward waits for their uploads too."""
         if params:
             self._claimed[module] = tuple(id(p) for p in params)
 
@@ -139,7 +145,8 @@ class UploadWaits:
             self.wait_upto(need)
 
     def wait_upto(self, k: int) -> None:
-        """The compute stream waits for the uploads seq[next .. k] (host-blocked until each is issued)."""
+        """The compute stream waits for the uploads seq[next .. k] (host-blocked until each is
+        issued)."""
         t0 = time.perf_counter()
         try:
             while self.next <= k:
@@ -148,7 +155,8 @@ class UploadWaits:
                 while not u.issued.wait(0.05):
                     self.error()
                     if time.perf_counter() > deadline:
-                        raise TimeoutError(f"offload: the upload of bucket {u.bucket} was not issued within {_WAIT_S} s")
+                        raise TimeoutError(f"offload: the upload of bucket {u.bucket} was not "
+                                           f"issued within {_WAIT_S} s")
                 self.error()
                 if self.unwritten is not None:
                     self.unwritten(u.bucket)
@@ -168,10 +176,11 @@ class UploadWaits:
             self.wait_upto(len(self.seq) - 1)
 
     def abandon(self, current: tuple = ()) -> None:
-        """The worker failed (reported) and is idle: nothing more will be uploaded. The compute stream
-        still waits for the uploads issued before the failure, so that none lands after a later write
-        (the user restoring the weights); an upload that failed itself is part of the failure reported.
-        ``current``: the uploads of a step still in backward (not handed to ``start`` yet), waited for too."""
+        """The worker failed (reported) and is idle: nothing more will be uploaded. The compute
+        stream still waits for the uploads issued before the failure, so that none lands after a
+        later write (the user restoring the weights); an upload that failed itself is part of the
+        failure reported. ``current``: the uploads of a step still in backward (not handed to
+        ``start`` yet), waited for too."""
         for u in list(self.seq[self.next:]) + list(current):
             if u.issued.is_set() and u.ev is not None:
                 try:

@@ -1,7 +1,8 @@
-"""schedule/worker.py: Worker, the CPU worker thread of the overlapped device schedule (schedule/backward.py
-BackwardFeed composes one): its queue and loop, per bucket the D2H into a staging slot, the state
-slot, the kernel (engine/bucket.py) and the H2D of the new weights, the NVMe read-ahead between them,
-and its shutdown; also the check that a gradient it copies was not written meanwhile.
+"""schedule/worker.py: Worker, the CPU worker thread of the overlapped device schedule
+(schedule/backward.py BackwardFeed composes one): its queue and loop, per bucket the D2H into a
+staging slot, the state slot, the kernel (engine/bucket.py) and the H2D of the new weights, the
+NVMe read-ahead between them, and its shutdown; also the check that a gradient it copies was not
+written meanwhile.
 
 What it needs of the feed's step (failure state, gradients to let go, the expected order) comes in
 as callables; the engine only through its public seam (``lock``, layout, registry, telemetry).
@@ -42,18 +43,19 @@ def _loop(ref, q) -> None:
 
 
 def _stop_worker(q, worker: threading.Thread) -> None:
-    """The worker is gone, or the interpreter exits (weakref.finalize runs at exit): the worker finishes
-    what is queued (the last step's buckets) and stops, and exit waits for it. Without the join a
-    worker still inside a kernel (GIL released) when the interpreter finalized was killed on its way
-    back into Python, through C++ code: std::terminate, the process aborted (exit code 134) whenever
-    a script ended right after step()."""
+    """The worker is gone, or the interpreter exits (weakref.finalize runs at exit): the worker
+    finishes what is queued (the last step's buckets) and stops, and exit waits for it. Without the
+    join a worker still inside a kernel (GIL released) when the interpreter finalized was killed on
+    its way back into Python, through C++ code: std::terminate, the process aborted (exit code 134)
+    whenever a script ended right after step()."""
     q.put(None)
     if worker is not threading.current_thread():
         worker.join(timeout=_WAIT_S)
 
 
 def _unchanged(reads) -> None:
-    """The gradients a bucket's copy reads must not be written between its dispatch and the copy's end.
+    """The gradients a bucket's copy reads must not be written between its dispatch and the copy's
+    end.
 
     step() returns while the worker still copies gradients down (D2H), so an in-place write to
     p.grad after step() (``p.grad.zero_()``, ``model.zero_grad(set_to_none=False)``, a refill of a
@@ -66,23 +68,24 @@ def _unchanged(reads) -> None:
     for gi, i, g, ver in reads:
         if g._version != ver:
             raise RuntimeError(
-                f"offload: the gradient of parameter {i} of group {gi} changed while the CPU worker still had to "
-                "copy it to the host (gradients changed after they were sent to the CPU). Either it was modified "
-                "between backward and step() while buckets are stepped during backward (a second backward "
-                "before step(), which accumulates into it, torch.nn.utils."
-                "clip_grad_norm_, GradScaler.unscale_, a framework's gradient clipping: pass max_grad_norm= / "
-                "check_overflow=True, or step_during_backward=False), or written in place after step() "
-                "(p.grad.zero_(), model.zero_grad(set_to_none=False), a refilled gradient buffer: call "
-                "optimizer.synchronize() first, or use optimizer.zero_grad(), which waits). The optimizer state "
-                "is now partially updated.")
+                f"offload: the gradient of parameter {i} of group {gi} changed while the CPU "
+                "worker still had to copy it to the host (gradients changed after they were sent "
+                "to the CPU). Either it was modified between backward and step() while buckets "
+                "are stepped during backward (a second backward before step(), which accumulates "
+                "into it, torch.nn.utils.clip_grad_norm_, GradScaler.unscale_, a framework's "
+                "gradient clipping: pass max_grad_norm= / check_overflow=True, or "
+                "step_during_backward=False), or written in place after step() (p.grad.zero_(), "
+                "model.zero_grad(set_to_none=False), a refilled gradient buffer: call "
+                "optimizer.synchronize() first, or use optimizer.zero_grad(), which waits). The "
+                "optimizer state is now partially updated.")
 
 
 @dataclass
 class StepJob:
-    """One bucket to step: the pieces with gradients, whether its state was written before (``read``
-    it), its group's hyperparameters, the gradient multiplier, the device event its copies down wait
-    for (``after``), the gradients they read with their versions (``reads``: :func:`_unchanged`) and
-    the Upload of its new weights (schedule/uploads.py)."""
+    """One bucket to step: the pieces with gradients, whether its state was written before
+    (``read`` it), its group's hyperparameters, the gradient multiplier, the device event its
+    copies down wait for (``after``), the gradients they read with their versions (``reads``:
+    :func:`_unchanged`) and the Upload of its new weights (schedule/uploads.py)."""
     bucket: Any
     pieces: list
     read: bool
@@ -107,7 +110,8 @@ class BarrierJob:
 
 @dataclass
 class ParkJob:
-    """:meth:`Worker.park`: ``done`` set once what is read ahead is given up; ``n``: jobs put by then."""
+    """:meth:`Worker.park`: ``done`` set once what is read ahead is given up; ``n``: jobs put by
+    then."""
     done: threading.Event
     n: int
 
@@ -120,14 +124,15 @@ class Worker:
     """The thread and its jobs: StepJob, FinishJob (run in order, after the buckets queued before
     it), BarrierJob, NudgeJob, ParkJob (``park``); None stops it.
 
-    ``threads()``: the kernel's threads; ``failure()``: the step's failure (None: none), after which
-    queued buckets are skipped; ``failed(e)``: report one; ``sent_down(gi, pieces)``: their D2H was
-    issued; ``stepping(bi)``: bucket bi is about to be stepped; ``wanted(depth)``: the next buckets to
-    read ahead, at most ``depth``."""
+    ``threads()``: the kernel's threads; ``failure()``: the step's failure (None: none), after
+    which queued buckets are skipped; ``failed(e)``: report one; ``sent_down(gi, pieces)``: their
+    D2H was issued; ``stepping(bi)``: bucket bi is about to be stepped; ``wanted(depth)``: the next
+    buckets to read ahead, at most ``depth``."""
 
-    def __init__(self, engine, *, threads: Callable[[], int], failure: Callable[[], Optional[BaseException]],
-                 failed: Callable[[BaseException], None], sent_down: Callable, stepping: Callable[[int], None],
-                 wanted: Callable[[int], list], trace=None):
+    def __init__(self, engine, *, threads: Callable[[], int],
+                 failure: Callable[[], Optional[BaseException]],
+                 failed: Callable[[BaseException], None], sent_down: Callable,
+                 stepping: Callable[[int], None], wanted: Callable[[int], list], trace=None):
         self.engine, self.side, self.tier = engine, engine.side, engine.tier
         self.threads, self.failure, self.failed = threads, failure, failed
         self.sent_down, self.stepping, self.wanted, self.trace = sent_down, stepping, wanted, trace
@@ -135,7 +140,8 @@ class Worker:
         self.puts = 0          # jobs given by ``put`` so far
         self.parked_at = -1    # ``puts`` when the last park was queued: no read-ahead until more
         self.thread: Optional[threading.Thread] = threading.Thread(
-            target=_loop, args=(weakref.ref(self), self.q), name="offload-backward-step", daemon=True)
+            target=_loop, args=(weakref.ref(self), self.q), name="offload-backward-step",
+            daemon=True)
         self.thread.start()
         self.finalizer = weakref.finalize(self, _stop_worker, self.q, self.thread)
 
@@ -144,8 +150,8 @@ class Worker:
         self.q.put(job)
 
     def work(self, pending: deque, staged: deque) -> bool:
-        """One turn of the thread: True when it is to stop. An exception outside a bucket's own handling
-        (the read-ahead between jobs) fails the step instead of ending the thread."""
+        """One turn of the thread: True when it is to stop. An exception outside a bucket's own
+        handling (the read-ahead between jobs) fails the step instead of ending the thread."""
         try:
             return self._work(pending, staged)
         except BaseException as e:
@@ -162,7 +168,8 @@ class Worker:
         side = self.side
         nslots = side.staging_slots
         # a bucket is staged (its gradients copied down) while a slot is free; one whose slot still
-        # uploads the weights of an earlier bucket waits until the buckets already staged are stepped
+        # uploads the weights of an earlier bucket waits until the buckets already staged are
+        # stepped
         while (pending and isinstance(pending[0], StepJob) and len(staged) < nslots
                and (not staged or side.next_slot_free())):
             job = pending.popleft()
@@ -208,7 +215,7 @@ class Worker:
             self.parked_at = n
             tier = self.tier
             with self.engine.lock:
-                if tier.kind == "nvme" and not tier.closed and tier.failed is None:
+                if tier.storage == "nvme" and not tier.closed and tier.failed is None:
                     tier.keep_reads(set())
         except BaseException as e:
             self.failed(e)
@@ -218,7 +225,7 @@ class Worker:
     def read_ahead(self, blocking: bool) -> None:
         """Keep ``depth`` reads in flight for the next buckets of the expected order."""
         tier, eng = self.tier, self.engine
-        if tier.kind != "nvme" or tier.closed:
+        if tier.storage != "nvme" or tier.closed:
             return
         lock = eng.lock
         if not lock.acquire(blocking=blocking):
@@ -228,7 +235,8 @@ class Worker:
                 return
             buckets = eng.layout.buckets
             wanted = self.wanted(eng.depth)
-            tier.keep_reads(set(wanted))   # a mispredicted read-ahead only holds a slot: give it up
+            # a mispredicted read-ahead only holds a slot: give it up
+            tier.keep_reads(set(wanted))
             for bi in wanted:
                 b = buckets[bi]
                 if not tier.prefetched(b):
@@ -239,17 +247,21 @@ class Worker:
             lock.release()
 
     def step_bucket(self, job: StepJob, st) -> None:
-        """Step one queued bucket whose gradients are staged (``st``): state slot, kernel, new weights up."""
-        b, act, read, hyper, mult, after, reads, up = (job.bucket, job.pieces, job.read, job.hyper, job.mult,
-                                                       job.after, job.reads, job.upload)
+        """Step one queued bucket whose gradients are staged (``st``): state slot, kernel, new
+        weights up."""
+        b, act, read, hyper, mult, after, reads, up = (job.bucket, job.pieces, job.read, job.hyper,
+                                                       job.mult, job.after, job.reads, job.upload)
         eng, side, tier = self.engine, self.side, self.tier
         with eng.lock:
             self.stepping(b.index)
             blk = tier.acquire(b, read)   # read on demand if it was not read ahead
             self.read_ahead(blocking=True)   # the next reads run during this kernel
-            t0, t1 = step_bucket(b, act, blk, functools.partial(side.ptrs, b, act, st),   # ptrs: waits for the D2H
-                                 registry=eng.registry, read_master=functools.partial(side.read_master, after=after),
-                                 hyper=hyper, mult=mult, threads=self.threads(), timing=eng.telemetry,
+            # ptrs: waits for the D2H
+            t0, t1 = step_bucket(b, act, blk, functools.partial(side.ptrs, b, act, st),
+                                 registry=eng.registry,
+                                 read_master=functools.partial(side.read_master, after=after),
+                                 hyper=hyper, mult=mult, threads=self.threads(),
+                                 timing=eng.telemetry,
                                  between=functools.partial(_unchanged, reads))
             tier.release(b, blk)
             up.ev = side.publish(b, act, st, after)

@@ -1,7 +1,8 @@
-"""state/choice.py: which storage the user asked for: ``storage="ram"|"nvme"|"mmap"``, its old name ``state``
-(still accepted, with a DeprecationWarning), and the default when neither is given ("nvme" when only
-``nvme_dir`` says where, else "ram"), and what a storage accepts (:func:`check_storage`). Read by
-the optimizer's constructor and by ``offload.plan()``, so that both refuse the same settings.
+"""state/choice.py: which storage the user asked for: ``storage="ram"|"nvme"|"mmap"``, its
+deprecated alias ``state`` (accepted with a DeprecationWarning), and the default when neither is
+given ("nvme" when only ``nvme_dir`` says where, else "ram"), and what a storage accepts
+(:func:`check_storage`). Read by the optimizer's constructor and by ``offload.plan()``, so that
+both refuse the same settings.
 """
 from __future__ import annotations
 
@@ -20,15 +21,18 @@ def resolve_state(state: Optional[str], nvme_dir) -> str:
     return state
 
 
-def resolve_storage(storage: Optional[str], state: Optional[str], nvme_dir, *, stacklevel: int = 4) -> str:
-    """Where the state lives: ``storage``, or ``state`` (its old name: DeprecationWarning), or the default
-    of :func:`resolve_state`. ``stacklevel`` points the warning at the caller's constructor call."""
+def resolve_storage(storage: Optional[str], state: Optional[str], nvme_dir, *,
+                    stacklevel: int = 4) -> str:
+    """Where the state lives: ``storage``, or ``state`` (deprecated alias: DeprecationWarning), or
+    the default of :func:`resolve_state`. ``stacklevel`` points the warning at the caller's
+    constructor call."""
     if state is not None:
-        warnings.warn(f"state={state!r} is deprecated: the argument is now called storage (storage={state!r}); "
-                      "state= will be removed in the next release", DeprecationWarning, stacklevel=stacklevel)
+        warnings.warn(f"state={state!r} is deprecated: the argument is now called storage "
+                      f"(storage={state!r}); state= will be removed in the next release",
+                      DeprecationWarning, stacklevel=stacklevel)
         if storage is not None and storage != state:
-            raise ValueError(f"storage={storage!r} and state={state!r} disagree: pass storage= only (state= is its "
-                             "old name)")
+            raise ValueError(f"storage={storage!r} and state={state!r} disagree: pass storage= "
+                             "only (state= is its old name)")
         storage = state
     return resolve_state(storage, nvme_dir)
 

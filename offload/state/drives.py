@@ -1,7 +1,7 @@
 """state/drives.py: several NVMe drives for one optimizer: which directories, and one drive's file.
 
-``nvme_dir`` may name several directories (a list or tuple, or one comma-separated string); each
-is one *drive*: its own private state directory (state/files.py, offload/state/statedir.py: created,
+``nvme_dir`` may name several directories (a list or tuple, or one comma-separated string); each is
+one *drive*: its own private state directory (state/files.py, offload/state/statedir.py: created,
 marked, removed exactly like the single one), its own state file and its own ``AioEngine`` (I/O
 queue and threads), so a slow drive only delays the buckets it holds. Buckets are laid round-robin
 (bucket ``b`` on drive ``b % k``, docs/nvme.md: "Several drives"); ``Placement`` maps the layout's
@@ -30,8 +30,9 @@ def named(e: OSError, drive: str) -> OSError:
 
 
 class Drive:
-    """One directory of ``nvme_dir``: a private state directory, its state file, its own I/O engine.
-    ``res`` (the owner's cleanup list) gets [engine, file, directory] as each is created."""
+    """One directory of ``nvme_dir``: a private state directory, its state file, its own native
+    I/O engine (``aio``, offload/native/aio.py). ``res`` (the owner's cleanup list) gets [aio,
+    file, directory] as each is created."""
 
     def __init__(self, parent: str, *, res: list, queue_depth: int, block_size: int, direct: bool):
         self.nvme_dir = files.check_dir(parent, "nvme")
@@ -39,14 +40,15 @@ class Drive:
         entry = [None, None, self.directory]
         res.append(entry)
         self.path = os.path.join(self.directory, files.STATE_FILE)
-        self.engine = entry[0] = AioEngine(queue_depth=queue_depth, block_size=block_size)
-        self.file = entry[1] = self.engine.open(self.path, create=True, direct=direct, mode=0o600)
+        self.aio = entry[0] = AioEngine(queue_depth=queue_depth, block_size=block_size)
+        self.file = entry[1] = self.aio.open(self.path, create=True, direct=direct, mode=0o600)
         self.file_bytes = 0       # reserved in the file
         self.used = 0             # bytes of the buckets placed here
         self.bytes_read = self.bytes_written = 0
 
     def reserve(self, nbytes: int) -> None:
-        """Grow the file to ``nbytes`` (preallocated): an OSError naming this drive if it does not fit."""
+        """Grow the file to ``nbytes`` (preallocated): an OSError naming this drive if it does not
+        fit."""
         if nbytes > self.file_bytes:
             files.reserve(self.file.fd, self.file_bytes, nbytes - self.file_bytes, self.directory,
                           self.nvme_dir, self.path)
@@ -57,8 +59,8 @@ class Drive:
 
     def info(self) -> dict:
         return dict(dir=self.nvme_dir, path=self.path, bytes=self.used, file_bytes=self.file_bytes,
-                    bytes_read=self.bytes_read, bytes_written=self.bytes_written, direct=bool(self.file.direct),
-                    engine=self.engine.telemetry())
+                    bytes_read=self.bytes_read, bytes_written=self.bytes_written,
+                    direct=bool(self.file.direct), engine=self.aio.telemetry())
 
 
 class Placement:
@@ -87,7 +89,8 @@ class Placement:
             self.buckets.append(b)
 
     def truncate(self, n: int, drives: int) -> list:
-        """Forget the placements of buckets ``n`` and later; returns the bytes used per drive by the rest."""
+        """Forget the placements of buckets ``n`` and later; returns the bytes used per drive by
+        the rest."""
         for b in self.buckets[n:]:
             self.where.pop(b.index, None)
         del self.buckets[n:], self.starts[n:]
@@ -98,13 +101,15 @@ class Placement:
         return used
 
     def locate(self, offset: int, nbytes: int) -> tuple:
-        """(drive, offset in its file) of layout bytes [offset, offset + nbytes), all in one bucket."""
+        """(drive, offset in its file) of layout bytes [offset, offset + nbytes), all in one
+        bucket."""
         i = bisect.bisect_right(self.starts, offset) - 1
         if i < 0:
             raise ValueError(f"offset {offset} is before the optimizer state")
         b = self.buckets[i]
         if offset + nbytes > b.offset + b.nbytes:
-            raise ValueError(f"bytes [{offset}, {offset + nbytes}) of the optimizer state cross a bucket boundary")
+            raise ValueError(f"bytes [{offset}, {offset + nbytes}) of the optimizer state cross a "
+                             "bucket boundary")
         d, off = self.where[b.index]
         return d, off + offset - b.offset
 
@@ -113,7 +118,7 @@ def check_one(nvme_dir, mode: str):
     """``storage='mmap'`` takes one directory: a clear error for several."""
     dirs = parse_dirs(nvme_dir)
     if len(dirs) > 1:
-        raise ValueError(f"storage={mode!r} keeps its state in one mapped file: give one nvme_dir, not {len(dirs)} "
-                         "(several drives are for storage='nvme')")
+        raise ValueError(f"storage={mode!r} keeps its state in one mapped file: give one "
+                         f"nvme_dir, not {len(dirs)} (several drives are for storage='nvme')")
     return dirs[0]
 

@@ -1,4 +1,5 @@
-"""state/files.py: the state file: a private 0700 directory, an O_EXCL|O_NOFOLLOW file, space reserved.
+"""state/files.py: the state file: a private 0700 directory, an O_EXCL|O_NOFOLLOW file, space
+reserved.
 
 Every optimizer gets a new directory (mkdtemp: a leftover directory of a crashed run is never
 reused) and creates its file inside it with O_EXCL|O_NOFOLLOW, so no existing file, symlink or
@@ -13,14 +14,16 @@ import os
 from . import statedir
 from ..base.units import human
 
-__all__ = ["STATE_FILE", "make_private_dir", "new_state_dir", "open_exclusive", "reserve", "remove_dir"]
+__all__ = ["STATE_FILE", "make_private_dir", "new_state_dir", "open_exclusive", "reserve",
+           "remove_dir"]
 
 STATE_FILE = statedir.STATE_FILE
 
 
 def check_dir(nvme_dir, mode: str) -> str:
     if nvme_dir is None:
-        raise ValueError(f"storage={mode!r} needs nvme_dir: a directory on the disk that will hold the state file")
+        raise ValueError(f"storage={mode!r} needs nvme_dir: a directory on the disk that will "
+                         "hold the state file")
     nvme_dir = os.fspath(nvme_dir)
     if not os.path.exists(nvme_dir):
         raise FileNotFoundError(errno.ENOENT, "nvme_dir does not exist", nvme_dir)
@@ -35,7 +38,8 @@ def make_private_dir(parent: str) -> str:
 
 
 def new_state_dir(parent: str) -> str:
-    """Report leftovers of killed runs, then a new private directory with this process's owner marker."""
+    """Report leftovers of killed runs, then a new private directory with this process's owner
+    marker."""
     statedir.warn_stale(parent)
     try:
         d = make_private_dir(parent)
@@ -51,7 +55,8 @@ def open_exclusive(path: str) -> int:
 
 
 def reserve(fd: int, start: int, nbytes: int, directory: str, nvme_dir: str, path: str) -> None:
-    """Preallocate [start, start + nbytes) of the file; a clear OSError naming the size if it does not fit."""
+    """Preallocate [start, start + nbytes) of the file; a clear OSError naming the size if it does
+    not fit."""
     if nbytes <= 0:
         return
     try:
@@ -63,14 +68,16 @@ def reserve(fd: int, start: int, nbytes: int, directory: str, nvme_dir: str, pat
         except OSError:
             free = "free space unknown"
         if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise OSError(e.errno, f"not enough space in {nvme_dir} for the optimizer state file: needs "
-                                   f"{human(nbytes)} ({nbytes} bytes), {free}", path) from None
+            raise OSError(e.errno, f"not enough space in {nvme_dir} for the optimizer state file: "
+                                   f"needs {human(nbytes)} ({nbytes} bytes), {free}",
+                          path) from None
         raise OSError(e.errno, f"cannot reserve {nbytes} bytes for the optimizer state: "
                                f"{os.strerror(e.errno)}", path) from None
 
 
 def remove_dir(directory, keep: bool) -> None:
-    """Our own directory at close: kept (marked so) or removed file by file (only names offload wrote)."""
+    """Our own directory at close: kept (marked so) or removed file by file (only names offload
+    wrote)."""
     if directory:
         if keep:
             statedir.mark_kept(directory)

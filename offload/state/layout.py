@@ -1,4 +1,5 @@
-"""state/layout.py: where each byte of optimizer state sits (pure: shapes in, offsets out, no allocation).
+"""state/layout.py: where each byte of optimizer state sits (pure: shapes in, offsets out, no
+allocation).
 
 One layout serves every mode: the NVMe/mmap state file, the host-RAM tier, the device-parameter
 staging ring and the planner (``offload.plan``) all call :func:`build_layout`, so what the planner
@@ -89,7 +90,8 @@ class Bucket:
     group: int
     master: bool
     amsgrad: bool
-    cap: int = 0                      # elements per section (multiple of ELEM, of the block if compressed)
+    # elements per section (multiple of ELEM, of the block if compressed)
+    cap: int = 0
     offset: int = 0                   # byte offset in the state (file / arena), ALIGN-aligned
     nbytes: int = 0                   # ALIGN-aligned state bytes
     stage_bytes: int = 0              # staging bytes (64-byte aligned pieces in the param dtype)
@@ -125,7 +127,8 @@ class Bucket:
 @dataclass
 class Layout:
     buckets: List[Bucket]
-    of_param: Dict[Tuple[int, int], List[Tuple[int, Piece]]]   # (group, index) -> [(bucket index, piece)]
+    # (group, index) -> [(bucket index, piece)]
+    of_param: Dict[Tuple[int, int], List[Tuple[int, Piece]]]
     nbytes: int                                                # total state bytes (ALIGN multiple)
     # group -> (what it was computed for, the mask of unplaced())
     _unplaced: dict = field(default_factory=dict, repr=False, compare=False)
@@ -189,12 +192,12 @@ def _per_elem_state(master: bool, amsgrad: bool, moments: MomentFormat = FP32) -
 
 
 def stagger_gap(cap: int) -> int:
-    """fp32 elements left after each section of a bucket whose sections hold ``cap`` elements, in host
-    RAM (``build_layout(stagger=True)``). Sections exactly ``cap`` apart are congruent modulo a large
-    power of two whenever the sizes are (128M parameters: 512 MiB), and the kernel's streams then
-    contend for the same cache sets and DRAM banks (measured on an AVX2 EPYC: a 128M step took
-    250 ms instead of 134 ms). 64 KiB + 64 B breaks that; small buckets fit the caches, and one
-    cache line of gap is enough there."""
+    """fp32 elements left after each section of a bucket whose sections hold ``cap`` elements, in
+    host RAM (``build_layout(stagger=True)``). Sections exactly ``cap`` apart are congruent modulo
+    a large power of two whenever the sizes are (128M parameters: 512 MiB), and the kernel's
+    streams then contend for the same cache sets and DRAM banks (measured on an AVX2 EPYC: a 128M
+    step took 250 ms instead of 134 ms). 64 KiB + 64 B breaks that; small buckets fit the caches,
+    and one cache line of gap is enough there."""
     return 16400 if cap >= (1 << 18) else ELEM
 
 
@@ -231,12 +234,13 @@ def split_buckets(shapes: Sequence[Shape], *, amsgrad: Sequence[bool],
     return n
 
 
-def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_bytes: Optional[int] = None,
+def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool],
+                 max_state_bytes: Optional[int] = None,
                  max_param_bytes: Optional[int] = None, align: int = ALIGN, first_bucket: int = 0,
                  stagger: bool = False) -> Layout:
-    """Buckets for ``shapes`` (in group order); ``amsgrad[g]`` per group. ``None`` limits: unbounded.
-    ``stagger``: fp32-moment buckets leave :func:`stagger_gap` elements after each section (the
-    host-RAM tier; a state file keeps its sections back to back)."""
+    """Buckets for ``shapes`` (in group order); ``amsgrad[g]`` per group. ``None`` limits:
+    unbounded. ``stagger``: fp32-moment buckets leave :func:`stagger_gap` elements after each
+    section (the host-RAM tier; a state file keeps its sections back to back)."""
     buckets: List[Bucket] = []
     of_param: Dict[Tuple[int, int], List[Tuple[int, Piece]]] = {}
     offset = 0
@@ -304,14 +308,17 @@ def build_layout(shapes: Sequence[Shape], *, amsgrad: Sequence[bool], max_state_
 
 
 def piece_columns(b: "Bucket", pieces, *fields: str) -> tuple:
-    """One int64 array per attribute in ``fields`` (e.g. "param", "start", "pos", "n") of ``pieces``
-    of bucket ``b``; cached on the bucket when ``pieces`` is its full piece list (the per-step case)."""
-    full = pieces is b.pieces or (len(pieces) == len(b.pieces) and all(map(operator.is_, pieces, b.pieces)))
+    """One int64 array per attribute in ``fields`` (e.g. "param", "start", "pos", "n") of
+    ``pieces`` of bucket ``b``; cached on the bucket when ``pieces`` is its full piece list (the
+    per-step case)."""
+    full = pieces is b.pieces or (len(pieces) == len(b.pieces)
+                                  and all(map(operator.is_, pieces, b.pieces)))
     if full:
         got = b.__dict__.get("_piece_cols", {}).get(fields)
         if got is not None and got[0] == len(b.pieces):
             return got[1]
-    cols = tuple(np.fromiter((getattr(pc, f) for pc in pieces), dtype=np.int64, count=len(pieces)) for f in fields)
+    cols = tuple(np.fromiter((getattr(pc, f) for pc in pieces), dtype=np.int64, count=len(pieces))
+                 for f in fields)
     if full:
         b.__dict__.setdefault("_piece_cols", {})[fields] = (len(b.pieces), cols)
     return cols

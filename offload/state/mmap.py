@@ -27,7 +27,8 @@ from .tier import Block, StateTier
 
 __all__ = ["MmapTier"]
 
-_MADV_POPULATE_WRITE = 23   # linux/mman.h (Linux 5.14); Python's mmap module does not name it before 3.13
+# linux/mman.h (Linux 5.14); Python's mmap module does not name it before 3.13
+_MADV_POPULATE_WRITE = 23
 
 
 def _libc_madvise():
@@ -43,7 +44,8 @@ def _libc_madvise():
 
 
 _madvise, _errno = _libc_madvise()
-_populate_ok = [_madvise is not None and hasattr(_mmap, "MADV_DONTNEED")]   # cleared on EINVAL (older kernels)
+# cleared on EINVAL (older kernels)
+_populate_ok = [_madvise is not None and hasattr(_mmap, "MADV_DONTNEED")]
 
 
 def _populate(addr: int, nbytes: int) -> None:
@@ -59,7 +61,8 @@ def _populate(addr: int, nbytes: int) -> None:
         if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
             _populate_ok[0] = False
             return
-        raise OSError(err, f"offload mmap state: could not map the state file's pages ({os.strerror(err)})")
+        raise OSError(err, "offload mmap state: could not map the state file's pages "
+                           f"({os.strerror(err)})")
 
 
 def _cleanup(maps, fd_box, directory, keep: bool, pid: int) -> None:
@@ -72,13 +75,14 @@ def _cleanup(maps, fd_box, directory, keep: bool, pid: int) -> None:
 
 
 class MmapTier(StateTier):
-    kind = "mmap"
+    storage = "mmap"
     resident = True
 
     def __init__(self, *, nvme_dir, keep: bool = False, budget: int = 0):
         super().__init__()
         self.budget = max(0, int(budget))   # bytes of buckets that stay mapped between steps
-        self._kept: dict = {}               # bucket offset -> bytes, of the buckets that stay mapped
+        # bucket offset -> bytes, of the buckets that stay mapped
+        self._kept: dict = {}
         self._kept_bytes = 0                # their sum
         self.keep = bool(keep)
         self.nvme_dir = files.check_dir(check_one(nvme_dir, "mmap"), "mmap")
@@ -86,8 +90,8 @@ class MmapTier(StateTier):
         self.path = os.path.join(self.directory, files.STATE_FILE)
         self._maps: list = []
         self._fd = [-1]
-        self._finalizer = weakref.finalize(self, _cleanup, self._maps, self._fd, self.directory, self.keep,
-                                           os.getpid())
+        self._finalizer = weakref.finalize(self, _cleanup, self._maps, self._fd, self.directory,
+                                           self.keep, os.getpid())
         self._fd[0] = files.open_exclusive(self.path)
         self.file_bytes = 0
         self._base = None
@@ -112,7 +116,8 @@ class MmapTier(StateTier):
         elif layout is not self.layout:
             self._drop_all()   # bucket offsets may have changed
         self.layout = layout
-        self.telemetry.update(file_bytes=self.file_bytes, slot_bytes=max([ALIGN, layout.max_bucket_bytes]))
+        self.telemetry.update(file_bytes=self.file_bytes,
+                              slot_bytes=max([ALIGN, layout.max_bucket_bytes]))
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self._base[offset:offset + nbytes]
@@ -130,10 +135,12 @@ class MmapTier(StateTier):
         return Block(v.data_ptr(), v)
 
     def release(self, b, blk: Optional[Block]) -> None:
-        """Keep the bucket mapped if it is kept already or still fits in the budget; else drop its pages."""
+        """Keep the bucket mapped if it is kept already or still fits in the budget; else drop its
+        pages."""
         if b.offset in self._kept:
             return
-        room = self.budget - self.layout.max_bucket_bytes   # one bucket in flight besides the kept ones
+        # one bucket in flight besides the kept ones
+        room = self.budget - self.layout.max_bucket_bytes
         if b.nbytes + self._kept_bytes <= room:
             self._kept[b.offset] = b.nbytes
             self._kept_bytes += b.nbytes

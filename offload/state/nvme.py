@@ -1,4 +1,5 @@
-"""state/nvme.py: NvmeTier, state in private O_DIRECT files streamed through a small ring of host slots.
+"""state/nvme.py: NvmeTier, state in private O_DIRECT files streamed through a small ring of host
+slots.
 
 Host memory is ``depth + 2`` slots of at most one bucket each, whatever the model size: while the
 kernel updates the acquired bucket, up to ``depth`` later buckets are being read and earlier ones
@@ -32,30 +33,31 @@ log = logging.getLogger("offload.state")
 
 
 def _cleanup(res: list, keep: bool, pid: int) -> None:
-    """``res``: [engine, file, directory] per drive, as far as each was created."""
-    for engine, file, directory in res:
+    """``res``: [aio, file, directory] per drive, as far as each was created."""
+    for aio, file, directory in res:
         if os.getpid() != pid:
-            # a fork()ed child: the I/O threads, the file and the directory are the parent's; only this
-            # process's copies of the descriptors are closed, nothing on disk is touched
+            # a fork()ed child: the I/O threads, the file and the directory are the parent's; only
+            # this process's copies of the descriptors are closed, nothing on disk is touched
             if file is not None:
                 file.close()
             continue
         # order matters: no transfer may be in flight when descriptors or buffers go away
-        if engine is not None:
-            engine.close()
+        if aio is not None:
+            aio.close()
         if file is not None:
             file.close()
         files.remove_dir(directory, keep)
 
 
 class NvmeTier(StateTier):
-    kind = "nvme"
+    storage = "nvme"
 
     def __init__(self, *, nvme_dir, keep: bool = False, depth: int = 2, queue_depth: int = 8,
                  block_size: int = 1 << 20, direct: bool = True):
         super().__init__()
         if not isinstance(depth, int) or not 1 <= depth <= 64:
-            raise ValueError(f"depth (buckets read ahead) must be an int in [1, 64], got {depth!r}")
+            raise ValueError("depth (buckets read ahead) must be an int in [1, "
+                             f"64], got {depth!r}")
         self.depth = depth
         self.keep = bool(keep)
         dirs = parse_dirs(nvme_dir)
@@ -68,28 +70,30 @@ class NvmeTier(StateTier):
         self.drives: list = []
         try:
             for d in dirs:
-                self.drives.append(Drive(d, res=res, queue_depth=queue_depth, block_size=block_size, direct=direct))
+                self.drives.append(Drive(d, res=res, queue_depth=queue_depth,
+                                         block_size=block_size, direct=direct))
         except BaseException:
             self._finalizer()   # the directories already created are removed
             raise
         first = self.drives[0]
-        # one drive: the attributes as they always were (tests, gpu.describe, export's directory)
-        self.nvme_dir, self.directory, self.path = first.nvme_dir, first.directory, first.path
-        self.engine, self.file = first.engine, first.file
+        # the first drive's state directory and file, as a mmap tier has them (decoded moments are
+        # exported there, engine/export.py; offload.testing.state_dir/state_file report them)
+        self.directory, self.path = first.directory, first.path
         self.place = Placement(len(self.drives))
         for dr in self.drives:
             if direct and not dr.file.direct:
-                log.info(f"O_DIRECT is not supported in the NVMe state directory {dr.nvme_dir} (the filesystem "
-                         "refused it): the state file uses buffered I/O through the page cache instead (correct, but "
-                         "it competes with the page cache for RAM); an nvme_dir on an ext4 or xfs NVMe disk gets "
-                         "direct I/O")
+                log.info(f"O_DIRECT is not supported in the NVMe state directory {dr.nvme_dir} "
+                         "(the filesystem refused it): the state file uses buffered I/O through "
+                         "the page cache instead (correct, but it competes with the page cache "
+                         "for RAM); an nvme_dir on an ext4 or xfs NVMe disk gets direct I/O")
         self.file_bytes = 0
         self.arena = None
         self.slots: list = []
         self._free: list = []
         self._reads: dict = {}          # bucket index -> (slot, request or None, drive)
         self._writes: deque = deque()   # (slot, request, drive)
-        self.telemetry.update(direct=all(dr.file.direct for dr in self.drives), slots=depth + 2, slot_bytes=0,
+        self.telemetry.update(direct=all(dr.file.direct for dr in self.drives), slots=depth + 2,
+                              slot_bytes=0,
                               file_bytes=0, demand_reads=0, evicted=0, ndrives=len(self.drives))
 
     # ------------------------------------------------------------------ space
@@ -109,7 +113,8 @@ class NvmeTier(StateTier):
         self.file_bytes = sum(dr.file_bytes for dr in self.drives)
         need = max(ALIGN, layout.max_bucket_bytes)
         if self.arena is None or self.arena.slot_bytes < need:
-            # no larger than the largest bucket: a small model under a big budget uses only what it needs
+            # no larger than the largest bucket: a small model under a big budget uses only what it
+            # needs
             self.arena = HostArena(self.depth + 2, need)
             self.slots = self.arena.slots
             self._free = list(range(len(self.slots)))[::-1]
@@ -124,11 +129,12 @@ class NvmeTier(StateTier):
 
     # ------------------------------------------------------------------ slots
     def _io(self, op: str, b, s: int):
-        """Start reading or writing bucket ``b`` from/into slot ``s`` on its drive: (request, drive)."""
+        """Start reading or writing bucket ``b`` from/into slot ``s`` on its drive: (request,
+        drive)."""
         d, off = self.place.where[b.index]
         dr = self.drives[d]
         try:
-            return getattr(dr.engine, op)(dr.file, self.slots[s], off, b.nbytes), d
+            return getattr(dr.aio, op)(dr.file, self.slots[s], off, b.nbytes), d
         except OSError as e:
             raise self._named(e, d) from None
 
@@ -161,9 +167,11 @@ class NvmeTier(StateTier):
         if not self._free and self._writes and (wait or self._writes[0][1].done()):
             self._retire_write()
         if not self._free and wait and self._reads:
-            self._evict_read()   # a bucket out of the expected order: drop a read-ahead, read on demand
+            # a bucket out of the expected order: drop a read-ahead, read on demand
+            self._evict_read()
         if not self._free and wait:
-            raise RuntimeError("offload NvmeTier: no free slot (more buckets acquired than the ring holds)")
+            raise RuntimeError("offload NvmeTier: no free slot (more buckets acquired than "
+                               "the ring holds)")
         return self._free.pop() if self._free else None
 
     def _drop_read(self, bi: int) -> None:
@@ -184,13 +192,10 @@ class NvmeTier(StateTier):
         self._drop_read(next(reversed(self._reads)))
 
     def keep_reads(self, wanted) -> None:
-        """Cancel the read-aheads of buckets not in ``wanted`` (mispredicted): wait for them, free the slots."""
+        """Cancel the read-aheads of buckets not in ``wanted`` (mispredicted): wait for them, free
+        the slots."""
         for bi in [bi for bi in self._reads if bi not in wanted]:
             self._drop_read(bi)
-
-    def reading(self) -> int:
-        """Read-aheads issued and not yet acquired."""
-        return len(self._reads)
 
     def prefetched(self, b) -> bool:
         return b.index in self._reads
@@ -266,7 +271,7 @@ class NvmeTier(StateTier):
     def fail(self, exc: BaseException) -> None:
         super().fail(exc)
         for dr in self.drives:
-            dr.engine.wait_all()   # nothing may still write into buffers or the files
+            dr.aio.wait_all()   # nothing may still write into buffers or the files
         self._writes.clear()
         self._reads.clear()
         self._free = list(range(len(self.slots)))[::-1]
@@ -279,18 +284,22 @@ class NvmeTier(StateTier):
         return view(offset, nbytes)
 
     def mapping(self):
-        """(view function over the whole state, fd) for state_dict views; every write-back done first.
-        With several drives ``fd`` is a function: layout offset -> (fd, offset in that drive's file)."""
+        """(view function over the whole state, fd) for state_dict views; every write-back done
+        first. With several drives ``fd`` is a function: layout offset -> (fd, offset in that
+        drive's file)."""
         self.drain()
-        for dr in self.drives:   # (a shorter file cannot be mapped: mmap's own ValueError names no file)
+        # (a shorter file cannot be mapped: mmap's own ValueError names no file)
+        for dr in self.drives:
             size = os.fstat(dr.fd()).st_size
             if size < dr.file_bytes:
-                e = OSError(errno.EIO, f"unexpected end of file: the state file {dr.path} holds {size} bytes, "
-                                       f"its layout {dr.file_bytes} (truncated by something else?)")
+                e = OSError(errno.EIO, f"unexpected end of file: the state file {dr.path} holds "
+                                       f"{size} bytes, its layout {dr.file_bytes} (truncated by "
+                                       "something else?)")
                 self.fail(e)   # its state is gone: the optimizer is failed until a load
                 raise e
         # a fresh shared mapping after all direct writes completed reads what is on disk
-        maps = [mmap.mmap(dr.fd(), dr.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        maps = [mmap.mmap(dr.fd(), dr.file_bytes, mmap.MAP_SHARED,
+                          mmap.PROT_READ | mmap.PROT_WRITE)
                 for dr in self.drives]
         if len(self.drives) == 1:
             def view(offset: int, nbytes: int, mm=maps[0]) -> torch.Tensor:
@@ -331,7 +340,8 @@ class NvmeTier(StateTier):
 
     def info(self) -> dict:
         d = dict(self.telemetry)
-        d.update(path=self.path, depth=self.depth, engine=self.engine.telemetry())
+        d.update(path=self.path, depth=self.depth, engine=self.drives[0].aio.telemetry())
         if len(self.drives) > 1:
-            d.update(paths=[dr.path for dr in self.drives], drives=[dr.info() for dr in self.drives])
+            d.update(paths=[dr.path for dr in self.drives],
+                     drives=[dr.info() for dr in self.drives])
         return d

@@ -14,7 +14,7 @@ __all__ = ["RamTier"]
 
 
 class RamTier(StateTier):
-    kind = "ram"
+    storage = "ram"
     resident = True
     inline = True
 
@@ -32,7 +32,8 @@ class RamTier(StateTier):
         self.blocks = {}
 
     def shrink(self, layout) -> None:
-        self.arenas = [(start, arena) for start, arena in self.arenas if start < max(layout.nbytes, 1)]
+        self.arenas = [(start, arena) for start, arena in self.arenas
+                       if start < max(layout.nbytes, 1)]
         self.nbytes = self.arenas[-1][0] + self.arenas[-1][1].numel() if self.arenas else 0
         self.layout = layout
         self.blocks = {}
@@ -41,8 +42,10 @@ class RamTier(StateTier):
         for start, arena in reversed(self.arenas):
             if offset >= start:
                 out = arena[offset - start:offset - start + nbytes]
-                if out.numel() != nbytes:   # (the kernel writes through its address: never past an arena)
-                    raise RuntimeError(f"state bytes [{offset}, {offset + nbytes}) lie outside the RAM tier's arenas")
+                # (the kernel writes through its address: never past an arena)
+                if out.numel() != nbytes:
+                    raise RuntimeError(f"state bytes [{offset}, {offset + nbytes}) lie outside "
+                                       "the RAM tier's arenas")
                 return out
         raise IndexError(offset)
 

@@ -1,4 +1,5 @@
-"""state/statedir.py: the private directories that hold NVMe/mmap optimizer state, and their leftovers.
+"""state/statedir.py: the private directories that hold NVMe/mmap optimizer state, and their
+leftovers.
 
 Every state directory is a new ``offload-state-XXXXXXXX`` directory (mkdtemp, mode 0700) with an
 owner marker (``owner.json``: pid, process start time, boot id, pid namespace, host) written next
@@ -11,7 +12,8 @@ namespaces (a shared filesystem, containers) are never judged, so never reported
 ``find_stale_state(nvme_dir)`` lists leftovers, ``remove_stale_state(nvme_dir)`` removes them: only
 directories whose name matches the pattern, that hold a valid marker of a dead owner, owned by this
 user, and that contain nothing but the files offload writes there (anything else: left alone).
-Removal unlinks those file names and ``rmdir``s, so it can never delete a file offload did not create.
+Removal unlinks those file names and ``rmdir``s, so it can never delete a file offload did not
+create.
 """
 from __future__ import annotations
 
@@ -28,13 +30,15 @@ from typing import List, NamedTuple, Optional
 
 from ..base.units import human
 
-__all__ = ["STATE_FILE", "EXPORT_FILE", "MARKER", "make_private_dir", "write_marker", "mark_kept", "remove_own",
+__all__ = ["STATE_FILE", "EXPORT_FILE", "MARKER", "make_private_dir", "write_marker", "mark_kept",
+           "remove_own",
            "find_stale_state", "remove_stale_state", "warn_stale", "StaleState", "parse_dirs"]
 
 STATE_FILE = "state.bin"
 MARKER = "owner.json"
 _MARKER_TMP = MARKER + ".tmp"
-EXPORT_FILE = "export.tmp"   # decoded state_dict() tensors (offload/engine/export.py): unlinked once mapped
+# decoded state_dict() tensors (offload/engine/export.py): unlinked once mapped
+EXPORT_FILE = "export.tmp"
 _OWN_FILES = (STATE_FILE, MARKER, _MARKER_TMP, EXPORT_FILE)
 _PREFIX = "offload-state-"
 _NAME = re.compile(r"offload-state-[a-z0-9_]{8}")  # tempfile.mkdtemp's random part
@@ -58,7 +62,8 @@ def _path(d, what: str) -> str:
 
 def parse_dirs(nvme_dir) -> List[Optional[str]]:
     """The drives ``nvme_dir`` names: a str or path (one directory; a str that is not an existing
-    directory and holds commas is a comma-separated list), or a list/tuple of them. ``[None]`` for None."""
+    directory and holds commas is a comma-separated list), or a list/tuple of them. ``[None]`` for
+    None."""
     if nvme_dir is None:
         return [None]
     if isinstance(nvme_dir, (list, tuple)):
@@ -77,7 +82,8 @@ def parse_dirs(nvme_dir) -> List[Optional[str]]:
     for d in dirs:
         key = os.path.realpath(d)
         if key in seen:
-            raise ValueError(f"nvme_dir lists the directory {d!r} twice (also as {seen[key]!r}): give each drive once")
+            raise ValueError(f"nvme_dir lists the directory {d!r} twice (also as {seen[key]!r}): "
+                             "give each drive once")
         seen[key] = d
     return dirs
 
@@ -92,8 +98,8 @@ def _read(path: str) -> Optional[str]:
 
 
 def _start_ticks(pid: int) -> Optional[int]:
-    """Start time of ``pid`` in clock ticks since boot (/proc/<pid>/stat field 22); None if it does not run
-    (or is a zombie: it has already released everything)."""
+    """Start time of ``pid`` in clock ticks since boot (/proc/<pid>/stat field 22); None if it does
+    not run (or is a zombie: it has already released everything)."""
     s = _read(f"/proc/{pid}/stat")
     if s is None:
         return None
@@ -114,7 +120,8 @@ def _identity() -> dict:
 
 
 def write_marker(directory: str) -> None:
-    """Record this process as the owner of ``directory`` (a file created 0600 with O_EXCL|O_NOFOLLOW)."""
+    """Record this process as the owner of ``directory`` (a file created 0600 with
+    O_EXCL|O_NOFOLLOW)."""
     d = _identity()
     d.update(created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), kept=False)
     fd = os.open(os.path.join(directory, MARKER),
@@ -124,13 +131,15 @@ def write_marker(directory: str) -> None:
 
 
 def mark_kept(directory: str) -> None:
-    """The owner closed the store with keep_files=True: the directory is kept on purpose, not stale."""
+    """The owner closed the store with keep_files=True: the directory is kept on purpose, not
+    stale."""
     try:
         with open(os.path.join(directory, MARKER)) as f:
             d = json.load(f)
         d["kept"] = True
         tmp = os.path.join(directory, _MARKER_TMP)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(d, f)
         os.replace(tmp, os.path.join(directory, MARKER))
@@ -161,7 +170,8 @@ def _owner_dead(m: dict, me: dict) -> bool:
         except OSError:
             pass
         return False
-    return m.get("start_ticks") is not None and ticks != m["start_ticks"]  # pid reused by another process
+    # pid reused by another process
+    return m.get("start_ticks") is not None and ticks != m["start_ticks"]
 
 
 # ------------------------------------------------------------------ leftovers
@@ -203,8 +213,8 @@ def _scan_dir(path: str, me: dict) -> Optional[StaleState]:
 
 
 def find_stale_state(nvme_dir) -> List[StaleState]:
-    """State directories in ``nvme_dir`` (one directory, or several as the optimizer takes them) left
-    by offload processes that no longer run."""
+    """State directories in ``nvme_dir`` (one directory, or several as the optimizer takes them)
+    left by offload processes that no longer run."""
     dirs = parse_dirs(nvme_dir)
     if len(dirs) > 1:
         return [s for d in dirs for s in find_stale_state(d)]
@@ -219,7 +229,8 @@ def find_stale_state(nvme_dir) -> List[StaleState]:
 
 
 def remove_stale_state(nvme_dir) -> List[str]:
-    """Remove the state directories of dead offload processes in ``nvme_dir`` (see ``find_stale_state``).
+    """Remove the state directories of dead offload processes in ``nvme_dir`` (see
+    ``find_stale_state``).
 
     Only the files offload writes into its directories are unlinked, then the empty directory is
     removed; a directory holding anything else is left as it is. Returns the removed paths.
@@ -255,23 +266,25 @@ def remove_own(directory: str) -> bool:
         os.rmdir(directory)
     except OSError as e:
         if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            warnings.warn(f"offload left the optimizer state directory {directory} in place: it holds files "
-                          "offload did not create", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"offload left the optimizer state directory {directory} in place: it "
+                          "holds files offload did not create", RuntimeWarning, stacklevel=3)
         return False
     return True
 
 
 def warn_stale(nvme_dir: str) -> List[StaleState]:
-    """Warn (RuntimeWarning) about leftovers of dead processes in ``nvme_dir``: paths, sizes, the call to remove them."""
+    """Warn (RuntimeWarning) about leftovers of dead processes in ``nvme_dir``: paths, sizes, the
+    call to remove them."""
     nvme_dir = os.path.abspath(nvme_dir)  # the call in the message works from any directory
     stale = find_stale_state(nvme_dir)
     if stale:
         lines = [f"  {s.path}: {human(s.nbytes)}, process {s.pid}, created {s.created}"
                  + ("" if s.removable else " (holds other files: left alone)") for s in stale]
         total = sum(s.nbytes for s in stale)
-        warnings.warn(f"{len(stale)} optimizer state director{'y' if len(stale) == 1 else 'ies'} of offload "
-                      f"processes that no longer run {'is' if len(stale) == 1 else 'are'} left in {nvme_dir}, "
-                      f"holding {human(total)}:\n" + "\n".join(lines)
+        warnings.warn(f"{len(stale)} optimizer state director{'y' if len(stale) == 1 else 'ies'} "
+                      "of offload processes that no longer run "
+                      f"{'is' if len(stale) == 1 else 'are'} left in {nvme_dir}, holding "
+                      f"{human(total)}:\n" + "\n".join(lines)
                       + f"\nRemove them with: offload.store.remove_stale_state({nvme_dir!r})",
                       RuntimeWarning, stacklevel=5)  # the line that constructs the optimizer
     return stale

@@ -3,10 +3,10 @@
 The checks of the settings the split takes (``depth``, ``staging_slots``, a budget too small for
 the NVMe slots) are here too: the engine and ``offload.plan`` refuse the same values alike.
 
-A tier holds the bytes of every bucket of a layout (offload/state/layout.py). The step pipeline asks it
-to ``prefetch`` the next buckets, ``acquire`` one (its bytes in host memory, as a ``Block``),
-``release`` it after the kernel ran (write-back) and ``drain`` at the end. ``resident`` tiers
-(ram, mmap) keep every bucket addressable, so views of them are the live state.
+A tier holds the bytes of every bucket of a layout (offload/state/layout.py). The step pipeline
+asks it to ``prefetch`` the next buckets, ``acquire`` one (its bytes in host memory, as a
+``Block``), ``release`` it after the kernel ran (write-back) and ``drain`` at the end. ``resident``
+tiers (ram, mmap) keep every bucket addressable, so views of them are the live state.
 
 After any failure inside a step a tier refuses further use (``StoreFailedError``): parameters and
 state may be partially updated, and continuing would silently train on garbage. A complete load
@@ -39,7 +39,7 @@ class Block:
 
 
 class StateTier:
-    kind = "abstract"
+    storage = "abstract"
     resident = False
     inline = False   # acquire() gives a bucket the same bytes; prefetch/release/drain do nothing
 
@@ -50,13 +50,14 @@ class StateTier:
 
     # --- the pipeline's calls
     def allocate(self, layout) -> None:
-        """Reserve room for ``layout`` (called again with a longer layout after ``add_param_group``)."""
+        """Reserve room for ``layout`` (called again with a longer layout after
+        ``add_param_group``)."""
         raise NotImplementedError
 
     def shrink(self, layout) -> None:
-        """``layout`` lost the buckets it gained since an ``allocate`` (an add_param_group that failed after
-        the tier grew): forget what was placed for them, so that buckets laid out later get room of
-        their own. The memory or file space itself may stay."""
+        """``layout`` lost the buckets it gained since an ``allocate`` (an add_param_group that
+        failed after the tier grew): forget what was placed for them, so that buckets laid out
+        later get room of their own. The memory or file space itself may stay."""
         self.layout = layout
 
     def prefetch(self, b, read: bool) -> None:
@@ -64,10 +65,6 @@ class StateTier:
 
     def acquire(self, b, read: bool) -> Block:
         raise NotImplementedError
-
-    def reading(self) -> int:
-        """Read-aheads in flight (0 for resident tiers: nothing to read)."""
-        return 0
 
     def prefetched(self, b) -> bool:
         return False
@@ -105,7 +102,8 @@ class StateTier:
 
     def check_usable(self) -> None:
         if self.failed is not None:
-            raise StoreFailedError(failed_message(f"the {self.kind} optimizer state in {self.where()}",
+            raise StoreFailedError(failed_message(f"the {self.storage} optimizer state "
+                                                  f"in {self.where()}",
                                                   self.failed)) from self.failed
         if self.closed:
             raise RuntimeError("the optimizer's state store is closed")
@@ -119,24 +117,26 @@ class StateTier:
         self.failed = None
 
     def own_memory(self):
-        """The host memory the tier writes (for the gradient-aliasing check): a tensor, a list of them, or None."""
+        """The host memory the tier writes (for the gradient-aliasing check): a tensor, a list of
+        them, or None."""
         return None
 
 
-def split_budget(kind: str, budget: int, depth: int, staging_slots: int) -> tuple:
-    """(max state bytes per bucket, max parameter bytes per bucket for staging) from ``host_budget``.
+def split_budget(storage: str, budget: int, depth: int, staging_slots: int) -> tuple:
+    """(max state bytes per bucket, max parameter bytes per bucket for staging) from
+    ``host_budget``.
 
     nvme: ``depth + 2`` state slots and ``staging_slots`` staging slots (gradient + new weights of
     one bucket each) fit in ``budget``; a staging slot holds at most 2/3 of a state slot (fp32
     parameter: 8 bytes of staging per 12 of state). mmap: a bucket is at most the budget; the
     buckets that stay mapped between steps fit in it (state/mmap.py). ram: unbounded state buckets.
     """
-    if kind == "ram":
+    if storage == "ram":
         return None, None
-    nslots = depth + 2 if kind == "nvme" else 1
+    nslots = depth + 2 if storage == "nvme" else 1
     denom = nslots + (2 * staging_slots / 3 if staging_slots else 0)
     s = int(budget / denom) // ALIGN * ALIGN
-    if kind == "mmap":
+    if storage == "mmap":
         s = max(s, ALIGN)
     stage = s // 3 if staging_slots else None
     return s, stage
@@ -156,18 +156,18 @@ def check_staging_slots(slots) -> int:
     return slots
 
 
-def check_budget(kind: str, state_cap: Optional[int], depth: int, staging_slots: int,
+def check_budget(storage: str, state_cap: Optional[int], depth: int, staging_slots: int,
                  host_budget) -> None:
     """NVMe state needs room for one 4 KiB bucket in each of its ``depth + 2`` slots (and the
     staging slots of device parameters, ``staging_slots``: 0 for host parameters); ``state_cap``
     from :func:`split_budget` with the same arguments. The message names the smallest budget
     that :func:`split_budget` accepts."""
-    if kind == "nvme" and state_cap < ALIGN:
+    if storage == "nvme" and state_cap < ALIGN:
         need = int(ALIGN * (depth + 2 + 2 * staging_slots / 3))
-        while split_budget(kind, need, depth, staging_slots)[0] < ALIGN:
+        while split_budget(storage, need, depth, staging_slots)[0] < ALIGN:
             need += 1
         staging = (f" and 2/3 of one for each of {staging_slots} staging slots"
                    if staging_slots else "")
         raise ValueError(f"host_budget={host_budget!r} is too small: NVMe state needs at least "
-                         f"{need} bytes (a {ALIGN}-byte buffer for each of its {depth + 2} slots"
-                         f"{staging})")
+                         f"{need} bytes (a {ALIGN}-byte buffer for each of its {depth + 2} "
+                         f"slots{staging})")
