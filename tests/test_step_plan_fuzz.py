@@ -17,7 +17,7 @@ import torch
 
 import offload
 from offload import testing
-from conftest import configs
+from conftest import Config, configs
 
 SHAPES = [(12, 10), (257,), (5,)]
 SEEDS = int(os.environ.get("OFFLOAD_FUZZ_SEEDS", "0"))
@@ -272,3 +272,24 @@ def test_random_user_actions_with_clipping_equal_torch(seed, how, cfg, make_opt)
         for k in sb:
             torch.testing.assert_close(sa[k].cpu(), sb[k], rtol=1e-4, atol=1e-7,
                                        msg=lambda m: f"{names} {k}: {m}")
+
+
+@pytest.mark.parametrize("cfg", configs(sides=("cpu", "fake"), schedules=("eager", "deferred")),
+                         ids=lambda c: c.id)
+@pytest.mark.parametrize("seed", range(SEEDS or 2))
+def test_random_user_actions_device_equal_host_bf16(seed, cfg, make_opt):
+    # bf16 parameters, every moment format: parameters on a device step as host parameters do.
+    # (Last, a step of every parameter: a host parameter written since its last step takes the
+    # write into its master at its next step, a device parameter at the next step of any.)
+    script = _valid_script(seed * 7 + 1, 8) + [[(_new_grads, 999)]]
+    names = [[a.__name__ for a, _ in acts] for acts in script]
+    host = Config("host", "ram", cfg.moments)
+    runs = [_run(lambda ps, c=c: make_opt(c, ps, lr=1e-2), script, torch.bfloat16, full=False)
+            for c in (host, cfg)]
+    assert runs[0][0] == runs[1][0], names
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert _same(a, b), names
+    for sa, sb in zip(runs[0][2], runs[1][2]):
+        assert sa.keys() == sb.keys(), names
+        for k in sa:
+            assert _same(sa[k].cpu(), sb[k].cpu()), (names, k)
