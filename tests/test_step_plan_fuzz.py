@@ -207,17 +207,35 @@ def test_random_user_actions_planned_equal_full_and_torch(seed, dtype, moments):
                                            msg=lambda m: f"{names} {k}: {m}")
 
 
+VARIANTS = {   # offload's optimizer and options, torch's class and options
+    "adamw": (dict(weight_decay=0.0), torch.optim.AdamW),
+    "amsgrad": (dict(weight_decay=0.01, amsgrad=True), torch.optim.AdamW),
+    "adam-l2": (dict(weight_decay=0.01), torch.optim.Adam),
+}
+
+
 @pytest.mark.parametrize("cfg", configs(moments=("fp32",), schedules=("eager", "deferred")),
                          ids=lambda c: c.id)
-@pytest.mark.parametrize("seed", range(SEEDS or 3))
-def test_random_user_actions_every_tier_and_side_equal_torch(seed, cfg, make_opt):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("seed", range(SEEDS or 2))
+def test_random_user_actions_every_tier_and_side_equal_torch(seed, variant, cfg, make_opt,
+                                                             tmp_path):
     # the same sequences where no step is planned: state in files, parameters on a device
     script = _valid_script(seed * 17 + 3, 8)
     names = [[a.__name__ for a, _ in acts] for acts in script]
-    ours = _run(lambda ps: make_opt(cfg, ps, lr=1e-2, weight_decay=0.0), script, torch.float32,
-                full=False)
-    ref = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.0, foreach=False),
-               script, torch.float32, full=False)
+    kw, cls = VARIANTS[variant]
+    made = []
+
+    def ours_of(ps):   # (offload.Adam is not make_opt's: closed here)
+        if cls is torch.optim.AdamW:
+            return make_opt(cfg, ps, lr=1e-2, **kw)
+        made.append(offload.Adam(ps, **cfg.kwargs(tmp_path, lr=1e-2, **kw)))
+        return made[-1]
+    ours = _run(ours_of, script, torch.float32, full=False)
+    for o in made:
+        o.close()
+    ref = _run(lambda ps: cls(ps, lr=1e-2, foreach=False, **kw), script, torch.float32,
+               full=False)
     assert ours[0] == ref[0] == ["ok"] * len(script), names
     for a, b in zip(ours[1], ref[1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{names}: {m}")
