@@ -147,7 +147,7 @@ def _valid_script(seed: int, steps: int) -> list:   # no step count made invalid
     return [[(a, r) for a, r in acts if a is not _bad_step] for acts in _script(seed, steps)]
 
 
-def _run(make, script, dtype, full: bool, before_step=None):
+def _run(make, script, dtype, full: bool, before_step=None, step=None):
     gen = torch.Generator().manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
     _new_grads(ps, None, 0)
@@ -165,7 +165,7 @@ def _run(make, script, dtype, full: bool, before_step=None):
         try:
             if before_step is not None:
                 before_step(ps, opt)
-            opt.step()
+            (opt.step if step is None else lambda: step(opt))()
             out.append("ok")
         except ValueError as e:   # (a step count refused: _bad_step)
             out.append((type(e).__name__, str(e)))
@@ -311,3 +311,64 @@ def test_random_user_actions_device_equal_host_bf16(seed, cfg, make_opt):
         assert sa.keys() == sb.keys(), names
         for k in sa:
             assert _same(sa[k].cpu(), sb[k].cpu()), (names, k)
+
+
+def _inf_grad(ps, opt, r):   # an overflow: the scaler skips the step
+    _synchronize(opt)   # (a write into a gradient)
+    g = ps[r % len(ps)].grad
+    if g is not None:
+        g.view(-1)[r % g.numel()] = float("inf")
+
+
+def _scaled(scaler):
+    def step(opt):
+        scaler.scale(torch.ones(()))   # (what sets the scale up: a loss in training)
+        scaler.step(opt)
+        scaler.update()
+    return step
+
+
+@pytest.mark.parametrize("cfg", configs(moments=("fp32",), schedules=("deferred",)),
+                         ids=lambda c: c.id)
+@pytest.mark.parametrize("seed", range(SEEDS or 2))
+def test_random_user_actions_with_a_grad_scaler_equal_torch(seed, cfg, make_opt):
+    # torch.amp.GradScaler: its gradients unscaled, a step with an inf gradient skipped, the
+    # scale halved and grown, against torch's AdamW under the same scaler. Each step has new
+    # gradients, as from a backward: with device parameters the step leaves them scaled where
+    # torch divides them in place (docs/gpu.md), so a second step over the same ones differs.
+    rnd = random.Random(seed)
+    script = [[(_new_grads, 100 * k)] + acts
+              + ([(_inf_grad, rnd.randrange(1000))] if rnd.random() < 0.3 else [])
+              for k, acts in enumerate(_valid_script(seed * 11 + 2, 8))]
+    names = [[a.__name__ for a, _ in acts] for acts in script]
+    kw = dict(check_overflow=True) if cfg.device else {}
+    runs = [_run(make, script, torch.float32, full=False,
+                 step=_scaled(torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=2)))
+            for make in (lambda ps: make_opt(cfg, ps, lr=1e-2, weight_decay=0.0, **kw),
+                         lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.0,
+                                                      foreach=False))]
+    assert runs[0][0] == runs[1][0] == ["ok"] * len(script), names
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{names}: {m}")
+    for sa, sb in zip(runs[0][2], runs[1][2]):
+        for k in sb:
+            torch.testing.assert_close(sa[k].cpu(), sb[k], rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"{names} {k}: {m}")
+
+
+@pytest.mark.parametrize("cfg", configs(sides=("fake",), tiers=("ram",), moments=("fp32",),
+                                        schedules=("deferred",)), ids=lambda c: c.id)
+def test_grad_scaler_leaves_device_gradients_scaled(cfg, make_opt):
+    # what docs/gpu.md says: the unscale is folded into the kernel, p.grad keeps the scaled values
+    # (torch's AdamW divides them in place); scaler.unscale_ before the step gives torch's
+    p = torch.nn.Parameter(torch.randn(20))
+    opt = make_opt(cfg, [p], lr=1e-2, check_overflow=True)
+    for unscale_first in (False, True):
+        scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+        scaler.scale(torch.ones(()))
+        p.grad = torch.full((20,), 16.0)
+        if unscale_first:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        opt.synchronize()
+        assert torch.equal(p.grad, torch.full((20,), 1.0 if unscale_first else 16.0))
