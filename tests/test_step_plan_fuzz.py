@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 
 import pytest
 import torch
@@ -123,13 +124,20 @@ def _move_param(ps, opt, r):   # the last parameter of group 0 to a group of its
         opt.add_param_group({"params": [q], "lr": 1e-3 * (1 + r % 3)})
 
 
+def _checkpoint(ps, opt, r):   # offload.save then offload.load, into the same optimizer
+    with tempfile.TemporaryDirectory() as d:
+        offload.save(opt, os.path.join(d, "ckpt"))
+        offload.load(opt, os.path.join(d, "ckpt"))
+
+
 def _round_trip(ps, opt, r):
     opt.load_state_dict(opt.state_dict())
 
 
 ACTIONS = [_new_grads, _new_grads, _new_grads, _edit_grad, _no_grad, _lr, _betas, _weight_decay,
            _maximize, _edit_moment, _replace_moment, _write_step, _edit_param, _replace_param,
-           _round_trip, _del_state, _zero_grad_keep, _add_group, _move_param, _bad_step]
+           _round_trip, _checkpoint, _del_state, _zero_grad_keep, _add_group, _move_param,
+           _bad_step]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:   # bitwise (a NaN step count equals itself)
