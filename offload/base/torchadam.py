@@ -1,14 +1,25 @@
 """base/torchadam.py: what torch's own Adam code (torch.optim.adam, the single-tensor loop)
 raises on part-way through its loop, after updating the parameters before the one it fails on,
 checked beforehand: the state entries it reads of a parameter (optim/fallback.py steps some
-parameters with that code)."""
+parameters with that code); and the hyperparameters an inner torch optimizer over some of the
+parameters takes from the optimizer's own param groups (schedule/smallparams.py, resident.py)."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-__all__ = ["check_state", "step_refused"]
+__all__ = ["HYPER_KEYS", "check_state", "follow_groups", "step_refused"]
+
+HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+def follow_groups(inner, outer: list, group_of: list) -> None:
+    """``inner`` (a torch optimizer) takes the hyperparameters of ``outer`` (param groups): its
+    group k those of ``outer[group_of[k]]``."""
+    for ig, gi in enumerate(group_of):
+        for k in HYPER_KEYS:
+            inner.param_groups[ig][k] = outer[gi][k]
 
 
 def check_state(p: torch.Tensor, st: dict, group: dict, where: str) -> None:

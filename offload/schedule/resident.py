@@ -23,11 +23,10 @@ import torch
 
 from ..base.dist import local
 from ..base.dtypes import LOW_PRECISION
-from ..base.torchadam import check_state
+from ..base.torchadam import HYPER_KEYS, check_state, follow_groups
 
 __all__ = ["OnDevice", "ResidentAdam", "on_device", "resident_bytes", "resident_for"]
 
-_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
 def resident_bytes(p) -> int:
@@ -61,7 +60,7 @@ class ResidentAdam:
             if not params:
                 continue
             ms = [self._master(p) for p in params]
-            groups.append({"params": ms, **{k: port.groups()[gi][k] for k in _HYPER}})
+            groups.append({"params": ms, **{k: port.groups()[gi][k] for k in HYPER_KEYS}})
             self.group_of.append(gi)
             self.params += params
             self.masters += ms
@@ -184,10 +183,7 @@ class ResidentAdam:
         if self.inner is None:
             return
         self.check()
-        for ig, gi in enumerate(self.group_of):
-            outer = self.port.groups()[gi]
-            for k in _HYPER:
-                self.inner.param_groups[ig][k] = outer[k]
+        follow_groups(self.inner, self.port.groups(), self.group_of)
         self.adopt_writes()
         stepped = []
         for p, m, own in zip(self.params, self.masters, self.own):

@@ -15,11 +15,10 @@ from typing import Dict, List
 import torch
 
 from ..base.dist import local
-from ..base.torchadam import check_state
+from ..base.torchadam import HYPER_KEYS, check_state, follow_groups
 
 __all__ = ["DeviceSideAdam", "small_params"]
 
-_HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 _STEP_DTYPES = (torch.float32, torch.float64)   # the step counts torch's foreach/fused code groups
 
 
@@ -33,7 +32,7 @@ class DeviceSideAdam:
         for gi, params in small.items():
             if params:
                 g = port.groups()[gi]
-                groups.append({"params": params, **{k: g[k] for k in _HYPER}})
+                groups.append({"params": params, **{k: g[k] for k in HYPER_KEYS}})
                 self.group_of.append(gi)
         self.params = [p for g in groups for p in g["params"]]
         self.inner = None
@@ -74,10 +73,7 @@ class DeviceSideAdam:
         if self.inner is None:
             return
         self.check()
-        for ig, gi in enumerate(self.group_of):
-            outer = self.port.groups()[gi]
-            for k in _HYPER:
-                self.inner.param_groups[ig][k] = outer[k]
+        follow_groups(self.inner, self.port.groups(), self.group_of)
         g = self.grads()
         if not g:
             return
