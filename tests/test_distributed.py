@@ -170,10 +170,11 @@ def _fsdp2(rank, outdir):
     _fsdp2_resume(rank, model, saved, os.path.join(outdir, "fsdp2"), clip, "FSDP2")
 
 
-def _fsdp2_resume(rank, model, saved, ckpt, clip, what, **opt_kw):
-    """A fresh FSDP2 model with the weights ``saved`` after step 2 and its optimizer from ``ckpt``,
-    continued to STEPS: bitwise ``model``."""
-    model2 = _fsdp_model()
+def _fsdp2_resume(rank, model, saved, ckpt, clip, what, make=None, dtype=torch.float32, **opt_kw):
+    """A fresh FSDP2 model (``make()``, by default _fsdp_model) with the weights ``saved`` after
+    step 2 and its optimizer from ``ckpt``, continued to STEPS (inputs in ``dtype``): bitwise
+    ``model``."""
+    model2 = (make or _fsdp_model)()
     opt2 = offload.AdamW(model2.parameters(), lr=1e-2, weight_decay=0.1, threads=1, **opt_kw)
     with torch.no_grad():
         for p, v in zip(model2.parameters(), saved):
@@ -181,7 +182,7 @@ def _fsdp2_resume(rank, model, saved, ckpt, clip, what, **opt_kw):
     offload.load(opt2, ckpt)
     for s in range(2, STEPS):
         x, y = _local_batch(s, rank)
-        torch.nn.functional.mse_loss(model2(x), y).backward()
+        torch.nn.functional.mse_loss(model2(x.to(dtype)).float(), y).backward()
         opt2.clip_grad_norm_(clip)
         opt2.step()
         opt2.zero_grad()
@@ -286,20 +287,8 @@ def _fsdp2_cpu_offload(rank, outdir):
                 torch.testing.assert_close(p.full_tensor().float(), r, rtol=2e-2, atol=2e-2)
         if dtype == torch.bfloat16:
             assert opt.state_dict()["state"][0]["exp_avg"].dtype == torch.float32   # fp32 moments of bf16 shards
-            model2 = _cpu_offload_model(dtype)
-            opt2 = offload.AdamW(model2.parameters(), lr=1e-2, weight_decay=0.1, threads=1)
-            with torch.no_grad():
-                for p, v in zip(model2.parameters(), saved):
-                    p.to_local().copy_(v)
-            offload.load(opt2, ckpt)
-            for s in range(2, STEPS):
-                x, y = _local_batch(s, rank)
-                torch.nn.functional.mse_loss(model2(x.to(dtype)).float(), y).backward()
-                opt2.clip_grad_norm_(clip)
-                opt2.step()
-                opt2.zero_grad()
-            for i, (a, b) in enumerate(zip(model.parameters(), model2.parameters())):
-                assert torch.equal(a.to_local(), b.to_local()), f"CPUOffloadPolicy bf16 resumed parameter {i}"
+            _fsdp2_resume(rank, model, saved, ckpt, clip, "CPUOffloadPolicy bf16",
+                          make=lambda: _cpu_offload_model(dtype), dtype=dtype)
 
 
 @pytest.mark.timeout(90)
