@@ -145,6 +145,17 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:   # bitwise (a NaN step cou
         a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
 
 
+def _near(a: torch.Tensor, b: torch.Tensor, tol: float, what) -> None:
+    """``a`` within ``tol`` of ``b``'s largest magnitude everywhere: two Adam kernels' rounding
+    (offload's and torch's differ in the last bits, element by element)."""
+    a, b = a.detach().cpu().float(), b.detach().float()
+    err, scale = (a - b).abs().max().item(), b.abs().max().item()
+    assert a.shape == b.shape and err <= tol * scale + 1e-30, f"{what()}: {err} > {tol} * {scale}"
+
+
+PARAM_TOL, STATE_TOL = 5e-7, 5e-6   # (measured here: 7e-8 and 6e-7 at most over 60 sequences)
+
+
 def _script(seed: int, steps: int) -> list:
     rnd = random.Random(seed)
     return [[(rnd.choice(ACTIONS), rnd.randrange(1000)) for _ in range(rnd.randrange(3))]
@@ -207,12 +218,11 @@ def test_random_user_actions_planned_equal_full_and_torch(seed, dtype, moments):
         ref = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.0, foreach=False),
                    script, dtype, full=False)
         for a, b in zip(planned[1], ref[1]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{names}: {m}")
+            _near(a, b, PARAM_TOL, lambda: names)
         for sa, sb in zip(planned[2], ref[2]):
             assert sa.keys() == sb.keys(), names
             for k in sa:
-                torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=1e-7,
-                                           msg=lambda m: f"{names} {k}: {m}")
+                _near(sa[k], sb[k], STATE_TOL, lambda: (names, k))
 
 
 VARIANTS = {   # offload's optimizer and options, torch's class and options
@@ -246,12 +256,11 @@ def test_random_user_actions_every_tier_and_side_equal_torch(seed, variant, cfg,
                full=False)
     assert ours[0] == ref[0] == ["ok"] * len(script), names
     for a, b in zip(ours[1], ref[1]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{names}: {m}")
+        _near(a, b, PARAM_TOL, lambda: names)
     for sa, sb in zip(ours[2], ref[2]):
         assert sa.keys() - {"master_param"} == sb.keys(), names
         for k in sb:
-            torch.testing.assert_close(sa[k].cpu(), sb[k], rtol=1e-5, atol=1e-7,
-                                       msg=lambda m: f"{names} {k}: {m}")
+            _near(sa[k].cpu(), sb[k], STATE_TOL, lambda: (names, k))
 
 
 class _ClippedAdamW(torch.optim.AdamW):
@@ -294,11 +303,10 @@ def test_random_user_actions_with_clipping_equal_torch(seed, how, cfg, make_opt)
                script, torch.float32, full=False)
     assert ours[0] == ref[0] == ["ok"] * len(script), names
     for a, b in zip(ours[1], ref[1]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{names}: {m}")
+        _near(a, b, PARAM_TOL, lambda: names)
     for sa, sb in zip(ours[2], ref[2]):
         for k in sb:
-            torch.testing.assert_close(sa[k].cpu(), sb[k], rtol=1e-4, atol=1e-7,
-                                       msg=lambda m: f"{names} {k}: {m}")
+            _near(sa[k].cpu(), sb[k], STATE_TOL, lambda: (names, k))
 
 
 @pytest.mark.parametrize("cfg", configs(sides=("cpu", "fake"), schedules=("eager", "deferred")),
@@ -358,11 +366,10 @@ def test_random_user_actions_with_a_grad_scaler_equal_torch(seed, cfg, make_opt)
                                                       foreach=False))]
     assert runs[0][0] == runs[1][0] == ["ok"] * len(script), names
     for a, b in zip(runs[0][1], runs[1][1]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{names}: {m}")
+        _near(a, b, PARAM_TOL, lambda: names)
     for sa, sb in zip(runs[0][2], runs[1][2]):
         for k in sb:
-            torch.testing.assert_close(sa[k].cpu(), sb[k], rtol=1e-5, atol=1e-7,
-                                       msg=lambda m: f"{names} {k}: {m}")
+            _near(sa[k].cpu(), sb[k], STATE_TOL, lambda: (names, k))
 
 
 @pytest.mark.parametrize("cfg", configs(sides=("fake",), tiers=("ram",), moments=("fp32",),
