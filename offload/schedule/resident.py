@@ -50,6 +50,8 @@ class ResidentAdam:
         """``port``: the outer optimizer's StepPort (engine/port.py); ``resident``: outer group
         index -> its parameters whose state stays on the GPU."""
         self.port = port
+        # (outer group, id of the parameter): on_device makes a new one when these change
+        self.members = [(gi, id(p)) for gi, params in resident.items() for p in params]
         self.group_of: List[int] = []
         self.params: List[torch.Tensor] = []
         # the parameter's own storage when fp32 (stepped in place)
@@ -108,12 +110,29 @@ class ResidentAdam:
         master = st.get("master_param") if own and st else None
         return master is not None and master.data_ptr() != m.data_ptr()
 
+    def _follow_data(self) -> None:
+        """An fp32 parameter is stepped in its own storage: one whose ``.data`` was replaced
+        since (``p.data = ...``, of the same shape: the schedule refuses another) is stepped in
+        the new one from now on, with its state, as torch's optimizer steps what ``p`` holds."""
+        for k, (p, m, own) in enumerate(zip(self.params, self.masters, self.own)):
+            lp = local(p).detach()
+            if own or lp.shape != m.shape or (lp.data_ptr() == m.data_ptr()
+                                              and lp.stride() == m.stride()):
+                continue   # (another shape: refused by the schedule's size check)
+            st = self.inner.state.pop(m, None)
+            for g in self.inner.param_groups:
+                g["params"] = [lp if q is m else q for q in g["params"]]
+            self.masters[k] = lp
+            if st is not None:
+                self.inner.state[lp] = st
+
     @torch.no_grad()
     def check(self) -> None:
         """Before anything is stepped: entries of ``state`` replaced or deleted since the last step
         are taken over, and what torch's Adam code would raise on part-way is refused by name."""
         if self.inner is None:
             return
+        self._follow_data()
         self.load()
         for k, m in enumerate(self.masters):
             st = self.inner.state.get(m)
@@ -249,8 +268,10 @@ def on_device(port, excluded: set, small_param_numel: int,
     small = small_params(groups, small_param_numel)
     decoupled = port.hyper(0)["decoupled"]
     stay = sorted(excluded - small)
-    if (resident is None
-        or [id(p) for p in resident.params] != [id(groups[gi]["params"][i]) for gi, i in stay]):
+    # (the same parameters in the same groups: a parameter moved to another group is stepped
+    # with that group's hyperparameters by a new one, which takes its state from opt.state)
+    if resident is None or resident.members != [(gi, id(groups[gi]["params"][i]))
+                                                for gi, i in stay]:
         resident = ResidentAdam(port, _by_group(groups, stay), decoupled)
     return resident, OnDevice(DeviceSideAdam(port, _by_group(groups, small), decoupled), resident)
 
