@@ -208,51 +208,47 @@ def test_the_option_is_checked(opts):
         offload.AdamW(ps, gpu_state="1GiB")
 
 
-@pytest.mark.parametrize("replace", ["data", "data of another shape"])
-def test_a_moved_parameter_whose_data_is_replaced(replace, opts):
-    # torch steps the tensor p.data holds now, with p's state; an fp32 parameter kept on the
-    # device must not go on stepping the storage it had (its weights would stop training)
+def _with_torch(opts, moved: int, change):
+    """Params[moved] kept on the device from step AT, beside torch's AdamW on the same params;
+    ``change(opt, topt, params, ref)`` before step AT + 1: both runs' parameters at the end."""
     params, ref = _params(torch.float32), _params(torch.float32)
     opt = _opt(params, opts)
     topt = torch.optim.AdamW(ref, foreach=False, **HYPER)
     for s in range(STEPS):
         if s == AT:
             opt.synchronize()
-            testing.keep_on_device(opt, [params[0]])
+            testing.keep_on_device(opt, [params[moved]])
         if s == AT + 1:
-            opt.synchronize()
-            for p in (params[0], ref[0]):
-                p.data = p.data.clone() * 0.5 if replace == "data" else p.data[:1].clone()
+            change(opt, topt, params, ref)
         _grads(params, s)
         _grads(ref, s)
-        if replace != "data" and s == AT + 1:
-            with pytest.raises(RuntimeError, match="parameter 0 of group 0 .*changed size"):
-                opt.step()
-            return
         opt.step()
         topt.step()
     opt.synchronize()
-    for p, r in zip(params, ref):
+    return params, ref
+
+
+@pytest.mark.parametrize("replace", ["data", "data of another shape"])
+def test_a_moved_parameter_whose_data_is_replaced(replace, opts):
+    # torch steps the tensor p.data holds now, with p's state; an fp32 parameter kept on the
+    # device must not go on stepping the storage it had (its weights would stop training)
+    def change(opt, topt, params, ref):
+        opt.synchronize()
+        for p in (params[0], ref[0]):
+            p.data = p.data.clone() * 0.5 if replace == "data" else p.data[:1].clone()
+    if replace != "data":
+        with pytest.raises(RuntimeError, match="parameter 0 of group 0 .*changed size"):
+            _with_torch(opts, 0, change)
+        return
+    for p, r in zip(*_with_torch(opts, 0, change)):
         torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_a_moved_parameter_put_in_a_group_of_its_own(opts):
     # a parameter kept on the device, moved to a new param group with its own lr (a per-layer
     # lr): stepped with that group's hyperparameters and its state, as torch's AdamW does
-    params, ref = _params(torch.float32), _params(torch.float32)
-    opt = _opt(params, opts)
-    topt = torch.optim.AdamW(ref, foreach=False, **HYPER)
-    for s in range(STEPS):
-        if s == AT:
-            opt.synchronize()
-            testing.keep_on_device(opt, [params[-1]])
-        if s == AT + 1:
-            for o in (opt, topt):
-                o.add_param_group({"params": [o.param_groups[0]["params"].pop()], "lr": 3e-3})
-        _grads(params, s)
-        _grads(ref, s)
-        opt.step()
-        topt.step()
-    opt.synchronize()
-    for p, r in zip(params, ref):
+    def change(opt, topt, params, ref):
+        for o in (opt, topt):
+            o.add_param_group({"params": [o.param_groups[0]["params"].pop()], "lr": 3e-3})
+    for p, r in zip(*_with_torch(opts, len(SHAPES) - 1, change)):
         torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)
