@@ -11,7 +11,6 @@ device schedule steps buckets itself, through the names StateEngine's docstring 
 from __future__ import annotations
 
 import functools
-import math
 import operator
 import os
 import threading
@@ -284,10 +283,8 @@ class StateEngine:
             active = self._collect(param_groups, state)
             self.views.follow_shapes(state, self.side.revalidated())
         hypers = {gi: hyper(gi) for gi, a in enumerate(active) if a.any()}   # validated before any change
-        for gi, h in hypers.items():   # the native kernel refuses these too, but only after I/O has started
-            for k in ("lr", "eps", "weight_decay", "beta1", "beta2"):
-                if not math.isfinite(h[k]):
-                    raise ValueError(f"group {gi}: {k} = {h[k]} is not finite")
+        for gi, h in hypers.items():
+            fastpath.check_finite(gi, h)
         self.side.grads = self._grads
         resync = self.side.user_writes(self.tracker, self.registry.ready)
         t0 = time.perf_counter()

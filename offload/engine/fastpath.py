@@ -42,11 +42,19 @@ from ..state.layout import piece_columns
 from .table import bucket_rows
 from .torchstate import STATE_FNS
 
-__all__ = ["StepPlan", "PlanHolder"]
+__all__ = ["StepPlan", "PlanHolder", "check_finite"]
 
 _FINITE = ("lr", "eps", "weight_decay", "beta1", "beta2")
 _ESIZE = np.array([0, 4, 2, 2], dtype=np.int64)   # bytes per element by dtype code
 _SEEN = [M_PVER, M_PPTR]   # the columns of a row record that WriteTracker.seen holds too
+
+
+def check_finite(gi: int, h: dict) -> None:
+    """Group ``gi``'s hyperparameters ``h`` are finite (the native kernel refuses the others too,
+    but only once a step has begun: I/O started, buckets stepped)."""
+    for k in _FINITE:
+        if not math.isfinite(h[k]):
+            raise ValueError(f"group {gi}: {k} = {h[k]} is not finite")
 
 
 class PlanHolder:
@@ -185,9 +193,7 @@ class StepPlan:
         hypers = {gi: hyper(gi) for gi in self.nonempty}   # validated before any change
         for gi, h in hypers.items():
             if self.hypers.get(gi) is not h:
-                for k in _FINITE:   # (as the full step: the kernel refuses them too, but later)
-                    if not math.isfinite(h[k]):
-                        raise ValueError(f"group {gi}: {k} = {h[k]} is not finite")
+                check_finite(gi, h)
         self.hypers = hypers
         self._run(eng, hypers, mult, threads)
         return True
